@@ -1,0 +1,414 @@
+"""Step35Config: the released `config.json` of Step-3.5-Flash, read and written as it is.
+
+The per-layer lists (`layer_types`, `rope_theta`, `partial_rotary_factors`, `swiglu_limits`,
+`swiglu_limits_shared`) hold one entry per *global* layer id: the `num_hidden_layers` main layers
+followed by the `num_nextn_predict_layers` MTP layers (45 + 3 = 48 in the release).
+Every field is documented in ../shared/step35-architecture.md, section 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+DEFAULT_RMS_NORM_EPS = 1e-5  # absent from the released config.json; the HF remote class default
+
+
+class ConfigError(ValueError):
+    """A config.json (or preset) that cannot describe a working model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything that differs between layers, resolved for one global layer id."""
+
+    layer_id: int
+    attention_type: str  # "full_attention" | "sliding_attention"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int  # first `rotary_dim` dims of each head rotate (partial RoPE)
+    rope_scaled: bool  # llama3 frequency scaling applies to this layer
+    uses_rope: bool
+    is_moe: bool
+    is_mtp: bool
+    swiglu_limit: float  # routed-expert clamp (0 = off)
+    swiglu_limit_shared: float  # shared-expert and dense-MLP clamp (0 = off)
+
+    @property
+    def sliding(self) -> bool:
+        return self.attention_type == "sliding_attention"
+
+
+@dataclass
+class Step35Config:
+    """Hyper-parameters of Step-3.5-Flash, named exactly as in the released config.json."""
+
+    hidden_size: int = 4096
+    intermediate_size: int = 11264
+    num_hidden_layers: int = 45
+    max_seq_len: int = 262144
+    max_position_embeddings: int = 262144
+    vocab_size: int = 128896
+    torch_dtype: str = "bfloat16"
+    use_qk_norm: bool = True
+    moe_layers_enum: str | None = None
+    num_attention_heads: int = 64
+    num_attention_groups: int = 8
+    head_dim: int = 128
+    use_moe: bool = True
+    moe_num_experts: int = 288
+    moe_top_k: int = 8
+    moe_intermediate_size: int = 1280
+    share_expert_dim: int = 1280
+    moe_layer_offset: int = 0
+    moe_every_n_layer: int = 1
+    norm_expert_weight: bool = True
+    moe_router_activation: str = "sigmoid"
+    moe_router_scaling_factor: float = 3.0
+    att_impl_type: str = "GQA"
+    tie_word_embeddings: bool = False
+    rope_theta: list[float] | float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    yarn_only_types: list[str] = field(default_factory=lambda: ["full_attention"])
+    use_head_wise_attn_gate: bool = True
+    sliding_window: int = 512
+    use_moe_router_bias: bool = True
+    need_fp32_gate: bool = True
+    sink: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    use_rope_layers: list[bool] = field(default_factory=list)
+    num_nextn_predict_layers: int = 0
+    partial_rotary_factors: list[float] = field(default_factory=list)
+    eos_token_id: list[int] | int | None = None
+    bos_token_id: int | None = None
+    attention_other_setting: dict[str, Any] | None = None
+    swiglu_limits: list[float] = field(default_factory=list)
+    swiglu_limits_shared: list[float] = field(default_factory=list)
+    zero_centered: bool = True
+    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
+    # Keys of the source file that are not fields (architectures, auto_map, model_type, ...),
+    # kept so that `to_dict` writes back exactly what was read.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    key_order: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------- reading/writing
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Step35Config":
+        raw = copy.deepcopy(raw)
+        names = {f.name for f in fields(cls)} - {"extra", "key_order"}
+        if "share_expert_dims" in raw and "share_expert_dim" not in raw:
+            raw["share_expert_dim"] = raw["share_expert_dims"]  # the config class accepts both
+        if "dtype" in raw and "torch_dtype" not in raw:
+            raw["torch_dtype"] = raw["dtype"]  # some re-uploads write "dtype"
+        known = {k: raw[k] for k in raw if k in names}
+        extra = {k: v for k, v in raw.items() if k not in names}
+        return cls(**known, extra=extra, key_order=list(raw.keys()))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Step35Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json there") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        except TypeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "key_order")}
+        out: dict[str, Any] = {}
+        order = self.key_order or list(_RELEASE_KEY_ORDER)
+        for key in order:
+            if key in values:
+                out[key] = values[key]
+            elif key in self.extra:
+                out[key] = self.extra[key]
+            elif key == "share_expert_dims":
+                out[key] = self.share_expert_dim
+            elif key == "dtype":
+                out[key] = self.torch_dtype
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        # Fields the source did not have are written only when they differ from the default
+        # (the release has no rms_norm_eps; writing one back would change the file).
+        for f in fields(self):
+            if f.name in ("extra", "key_order") or f.name in out:
+                continue
+            if f.name == "share_expert_dim" and "share_expert_dims" in out:
+                continue
+            if f.name == "torch_dtype" and "dtype" in out:
+                continue
+            default = f.default if f.default_factory is _MISSING else f.default_factory()  # type: ignore[misc]
+            if values[f.name] != default:
+                out[f.name] = values[f.name]
+        return copy.deepcopy(out)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    # ----------------------------------------------------------------------------- derived facts
+    @property
+    def num_total_layers(self) -> int:
+        """Main layers plus MTP layers: the length of every per-layer list."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        if not self.use_moe:
+            return []
+        if self.moe_layers_enum:
+            return [int(x) for x in str(self.moe_layers_enum).split(",") if x.strip()]
+        return [i for i in range(self.num_hidden_layers)
+                if i >= self.moe_layer_offset and (i - self.moe_layer_offset) % self.moe_every_n_layer == 0]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    def layer(self, layer_id: int) -> LayerSpec:
+        """The resolved shape and behaviour of global layer `layer_id` (main or MTP)."""
+        attention_type = self.layer_types[layer_id]
+        heads, groups, head_dim = self.num_attention_heads, self.num_attention_groups, self.head_dim
+        other = self.attention_other_setting
+        if other and other.get("attention_type") == attention_type:
+            heads = other.get("num_attention_heads", heads)
+            groups = other.get("num_attention_groups", groups)
+            head_dim = other.get("head_dim", head_dim)
+        theta = self.rope_theta[layer_id] if isinstance(self.rope_theta, list) else self.rope_theta
+        factor = self.partial_rotary_factors[layer_id] if self.partial_rotary_factors else 1.0
+        uses_rope = bool(self.use_rope_layers[layer_id]) if self.use_rope_layers else True
+        is_mtp = layer_id >= self.num_hidden_layers
+        return LayerSpec(
+            layer_id=layer_id,
+            attention_type=attention_type,
+            num_heads=heads,
+            num_kv_heads=groups,
+            head_dim=head_dim,
+            rope_theta=float(theta),
+            rotary_dim=int(head_dim * factor),
+            rope_scaled=self.rope_scaling is not None and attention_type in self.yarn_only_types,
+            uses_rope=uses_rope,
+            is_moe=(not is_mtp) and layer_id in set(self.moe_layer_ids),
+            is_mtp=is_mtp,
+            swiglu_limit=float(self.swiglu_limits[layer_id]) if self.swiglu_limits else 0.0,
+            swiglu_limit_shared=float(self.swiglu_limits_shared[layer_id]) if self.swiglu_limits_shared else 0.0,
+        )
+
+    # ----------------------------------------------------------------------------- validation
+    def validate(self) -> None:
+        n = self.num_total_layers
+        _require(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
+        _require(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+        for name in ("hidden_size", "intermediate_size", "vocab_size", "head_dim", "num_attention_heads",
+                     "num_attention_groups", "max_position_embeddings"):
+            _require(int(getattr(self, name)) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require(len(self.layer_types) == n, "layer_types",
+                 f"has {len(self.layer_types)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}")
+        for name in ("partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared", "use_rope_layers"):
+            values = getattr(self, name)
+            _require(not values or len(values) == n, name,
+                     f"has {len(values)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}")
+        if isinstance(self.rope_theta, list):
+            _require(len(self.rope_theta) == n, "rope_theta",
+                     f"has {len(self.rope_theta)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}")
+        for i, t in enumerate(self.layer_types):
+            _require(t in ATTENTION_TYPES, f"layer_types[{i}]", f"unknown layer type {t!r}; known: {ATTENTION_TYPES}")
+        for t in self.yarn_only_types:
+            _require(t in ATTENTION_TYPES, "yarn_only_types", f"unknown layer type {t!r}")
+        other = self.attention_other_setting
+        if other is not None:
+            _require(other.get("attention_type") in ATTENTION_TYPES, "attention_other_setting.attention_type",
+                     f"unknown layer type {other.get('attention_type')!r}")
+        _require(self.att_impl_type == "GQA", "att_impl_type", f"only 'GQA' is implemented, got {self.att_impl_type!r}")
+        _require(self.moe_router_activation == "sigmoid", "moe_router_activation",
+                 f"only 'sigmoid' is implemented, got {self.moe_router_activation!r}")
+        _require(not self.sink, "sink", "attention sinks are not implemented (the release has sink=false)")
+        _require(self.sliding_window >= 1, "sliding_window", f"must be >= 1, got {self.sliding_window}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            _require(kind == "llama3", "rope_scaling.rope_type", f"only 'llama3' is implemented, got {kind!r}")
+            for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"):
+                _require(key in self.rope_scaling, f"rope_scaling.{key}", "missing")
+            _require(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
+                     "rope_scaling.high_freq_factor", "must be larger than low_freq_factor")
+        if self.use_moe:
+            _require(self.moe_num_experts >= 1, "moe_num_experts", f"must be >= 1, got {self.moe_num_experts}")
+            _require(1 <= self.moe_top_k <= self.moe_num_experts, "moe_top_k",
+                     f"must be between 1 and moe_num_experts={self.moe_num_experts}, got {self.moe_top_k}")
+            try:
+                ids = self.moe_layer_ids
+            except ValueError:
+                raise ConfigError(f"moe_layers_enum: not a comma-separated list of layer ids: {self.moe_layers_enum!r}") from None
+            for i in ids:
+                _require(0 <= i < self.num_hidden_layers, "moe_layers_enum",
+                         f"layer id {i} outside the main layers 0..{self.num_hidden_layers - 1}")
+            _require(len(set(ids)) == len(ids), "moe_layers_enum", "repeats a layer id")
+        for i in range(n):
+            spec = self.layer(i)
+            where = "attention_other_setting" if other and other.get("attention_type") == spec.attention_type else ""
+            _require(spec.num_heads % spec.num_kv_heads == 0, where or "num_attention_heads",
+                     f"layer {i} ({spec.attention_type}): {spec.num_heads} heads are not divisible by "
+                     f"{spec.num_kv_heads} KV groups (num_attention_groups)")
+            _require(0 < spec.rotary_dim <= spec.head_dim and spec.rotary_dim % 2 == 0, f"partial_rotary_factors[{i}]",
+                     f"gives {spec.rotary_dim} rotary dims of head_dim {spec.head_dim}; needs an even number in 2..head_dim")
+            _require(spec.swiglu_limit >= 0 and spec.swiglu_limit_shared >= 0, f"swiglu_limits[{i}]", "must be >= 0")
+
+
+_MISSING = fields(Step35Config)[0].default_factory  # dataclasses.MISSING, spelled without importing it
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {field_name}: {message}")
+
+
+_RELEASE_KEY_ORDER = (
+    "architectures", "auto_map", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "max_seq_len", "vocab_size", "torch_dtype", "use_qk_norm", "moe_layers_enum", "num_attention_heads",
+    "num_attention_groups", "head_dim", "use_moe", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
+    "share_expert_dim", "moe_layer_offset", "moe_every_n_layer", "norm_expert_weight", "moe_router_activation",
+    "moe_router_scaling_factor", "att_impl_type", "tie_word_embeddings", "rope_theta", "rope_scaling",
+    "yarn_only_types", "use_head_wise_attn_gate", "sliding_window", "use_moe_router_bias", "need_fp32_gate",
+    "sink", "layer_types", "use_rope_layers", "num_nextn_predict_layers", "partial_rotary_factors",
+    "eos_token_id", "bos_token_id", "attention_other_setting", "swiglu_limits", "swiglu_limits_shared",
+    "zero_centered", "max_position_embeddings",
+)
+
+
+def _flash_196b() -> dict[str, Any]:
+    """The released Step-3.5-Flash config.json, field for field (spec section 1)."""
+    n = 48
+    return {
+        "architectures": ["Step3p5ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_step3p5.Step3p5Config",
+            "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM",
+        },
+        "model_type": "step3p5",
+        "hidden_size": 4096,
+        "intermediate_size": 11264,
+        "num_hidden_layers": 45,
+        "max_seq_len": 262144,
+        "vocab_size": 128896,
+        "torch_dtype": "bfloat16",
+        "use_qk_norm": True,
+        "moe_layers_enum": ",".join(str(i) for i in range(3, 45)),
+        "num_attention_heads": 64,
+        "num_attention_groups": 8,
+        "head_dim": 128,
+        "use_moe": True,
+        "moe_num_experts": 288,
+        "moe_top_k": 8,
+        "moe_intermediate_size": 1280,
+        "share_expert_dim": 1280,
+        "moe_layer_offset": 0,
+        "moe_every_n_layer": 1,
+        "norm_expert_weight": True,
+        "moe_router_activation": "sigmoid",
+        "moe_router_scaling_factor": 3.0,
+        "att_impl_type": "GQA",
+        "tie_word_embeddings": False,
+        "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0] * 12,
+        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 131072,
+                         "low_freq_factor": 1.0, "high_freq_factor": 32.0},
+        "yarn_only_types": ["full_attention"],
+        "use_head_wise_attn_gate": True,
+        "sliding_window": 512,
+        "use_moe_router_bias": True,
+        "need_fp32_gate": True,
+        "sink": False,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 12,
+        "use_rope_layers": [],
+        "num_nextn_predict_layers": 3,
+        "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0] * 12,
+        "eos_token_id": [1, 2, 128007],
+        "bos_token_id": 0,
+        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 96,
+                                    "num_attention_groups": 8, "head_dim": 128, "true_head_dim": 128},
+        "swiglu_limits": [0.0] * 43 + [7.0, 7.0] + [0.0] * (n - 45),
+        "swiglu_limits_shared": [0.0] * 44 + [16.0] + [0.0] * (n - 45),
+        "zero_centered": True,
+        "max_position_embeddings": 262144,
+    }
+
+
+def _tiny() -> dict[str, Any]:
+    """A model of a few MB with every Step-3.5 feature switched on.
+
+    5 main layers (full, sliding x3, full) + 1 MTP layer; layer 0 dense, 1-4 MoE; partial RoPE and
+    llama3 scaling on full layers; different head counts on sliding layers; routed clamps at the
+    last two main layers and a shared clamp at the last one, as the release does at 43/44.
+    """
+    raw = _flash_196b()
+    n = 6
+    raw.update({
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 5,
+        "max_seq_len": 4096,
+        "max_position_embeddings": 4096,
+        "vocab_size": 1024,
+        "torch_dtype": "float32",
+        "moe_layers_enum": "1,2,3,4",
+        "num_attention_heads": 4,
+        "num_attention_groups": 2,
+        "head_dim": 32,
+        "moe_num_experts": 8,
+        "moe_top_k": 2,
+        "moe_intermediate_size": 64,
+        "share_expert_dim": 64,
+        "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0, 5000000.0, 10000.0],
+        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 1024,
+                         "low_freq_factor": 1.0, "high_freq_factor": 8.0},
+        "sliding_window": 64,
+        "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
+        "num_nextn_predict_layers": 1,
+        "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0, 0.5, 1.0],
+        "eos_token_id": [1],
+        "bos_token_id": 0,
+        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 6,
+                                    "num_attention_groups": 2, "head_dim": 32, "true_head_dim": 32},
+        "swiglu_limits": [0.0, 0.0, 0.0, 7.0, 7.0, 0.0],
+        "swiglu_limits_shared": [0.0, 0.0, 0.0, 0.0, 16.0, 0.0],
+    })
+    assert len(raw["layer_types"]) == n
+    return raw
+
+
+PRESETS = {"flash-196b": _flash_196b, "tiny": _tiny}
+
+
+def preset(name: str) -> Step35Config:
+    """A named config: `flash-196b` (the released model, exactly) or `tiny`."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return Step35Config.from_dict(PRESETS[name]())
+
+
+def load_config(name_or_path: str | Path) -> Step35Config:
+    """A preset name, a config.json file, or an HF checkpoint folder holding one."""
+    if str(name_or_path) in PRESETS:
+        return preset(str(name_or_path))
+    return Step35Config.from_json(name_or_path)

@@ -1,0 +1,7 @@
+"""Step-3.5-Flash in plain PyTorch: no Lightning, no torch.distributed."""
+
+from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from step35.model.transformer import DecoderLayer, LossOutput, MTPLayer, Step35ForCausalLM, Step35Model
+
+__all__ = ["DecoderLayer", "IGNORE_INDEX", "LossOutput", "MTPLayer", "Step35ForCausalLM", "Step35Model",
+           "chunked_cross_entropy"]

@@ -1,0 +1,45 @@
+"""Step-3.5 attention (spec 2.4): GQA with per-head q/k RMSNorm before partial RoPE, full-causal or
+a 512-key sliding window, and a head-wise sigmoid output gate before o_proj."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from step35 import kernels
+from step35.config import LayerSpec
+from step35.model.norm import RMSNorm
+from step35.model.rope import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, spec: LayerSpec, *, sliding_window: int, use_qk_norm: bool,
+                 use_gate: bool, eps: float, zero_centered: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.window = sliding_window if spec.sliding else None
+        self.uses_rope = spec.uses_rope
+        self.q_proj = nn.Linear(hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden_size, bias=False)
+        self.g_proj = nn.Linear(hidden_size, self.num_heads, bias=False) if use_gate else None
+        self.q_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, hidden]; cos, sin: [S, rotary_dim]
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
+        if self.uses_rope:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5)  # [B, Hq, S, D]
+        o = o.transpose(1, 2)  # [B, S, Hq, D]
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)  # one gate per head per token
+        return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))

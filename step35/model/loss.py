@@ -1,0 +1,61 @@
+"""Cross-entropy over a large vocabulary without materialising all logits at once.
+
+16K tokens x 128,896 vocab in fp32 would be 8 GB; here logits exist for `chunk_size` tokens at a
+time, in the forward and again (recomputed) in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size: int, ignore_index: int):
+        # hidden: [N, H]; weight: [V, H]; labels: [N] -> summed loss over non-ignored tokens (fp32)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
+            logits = (h @ weight.T).float()  # [n, V]
+            valid = y != ignore_index
+            target = logits.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+            total += ((torch.logsumexp(logits, dim=-1) - target) * valid).sum()
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, labels = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            h, y = hidden[start:start + ctx.chunk_size], labels[start:start + ctx.chunk_size]
+            logits = (h @ weight.T).float()
+            valid = (y != ctx.ignore_index)
+            grad_logits = torch.softmax(logits, dim=-1)  # d(lse - target)/d logits = softmax - onehot
+            grad_logits.scatter_add_(1, y.clamp(min=0)[:, None], -torch.ones_like(logits[:, :1]))
+            grad_logits *= (valid.float() * grad_total)[:, None]
+            if grad_hidden is not None:
+                grad_hidden[start:start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ h.float()
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          chunk_size: int = 1024, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and the number of counted tokens.
+
+    hidden: [..., H] final (normed) hidden states; weight: [V, H] output matrix; labels: [...] ids,
+    `ignore_index` where no loss is taken. Equal to F.cross_entropy(hidden @ weight.T, labels,
+    reduction="sum") without holding more than `chunk_size` rows of logits.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if labels.shape[0] != hidden.shape[0]:
+        raise ValueError(f"labels hold {labels.shape[0]} tokens but hidden states hold {hidden.shape[0]}")
+    total = _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+    return total, (labels != ignore_index).sum()

@@ -1,0 +1,47 @@
+"""Rotary position embedding: partial (first r dims of a head), rotate-half convention, with the
+llama3 frequency scaling used on Step-3.5's full-attention layers (spec sections 2.4.3 and 2.5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """[rotary_dim / 2] fp32 inverse frequencies theta^(-2j/r), llama3-scaled when `scaling` is given."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if scaling is not None:
+        inv = _llama3_scale(inv, scaling)
+    return inv.float()
+
+
+def _llama3_scale(inv: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelength = 2 * math.pi / inv
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelength > original / low, inv / factor, interpolated)  # long waves: divided
+    return torch.where(wavelength < original / high, inv, out)  # short waves: unchanged
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [S, rotary_dim] (each frequency repeated for both halves), fp32."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [S, r/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [S, r]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first r = cos.shape[-1] dims of x [B, H, S, D]; dims r..D pass through.
+
+    Within the rotated slice, dim i pairs with dim i + r/2 (rotate-half, not interleaved)."""
+    r = cos.shape[-1]
+    rot, passthrough = x[..., :r], x[..., r:]
+    rot32 = rot.float()
+    first, second = rot32[..., : r // 2], rot32[..., r // 2:]
+    rotated = torch.cat([-second, first], dim=-1)
+    out = (rot32 * cos + rotated * sin).to(x.dtype)
+    return torch.cat([out, passthrough], dim=-1) if passthrough.shape[-1] else out

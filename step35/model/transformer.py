@@ -1,0 +1,213 @@
+"""Step-3.5-Flash: decoder layers, the MTP layers and the causal LM (spec section 2).
+
+Module and parameter names are the HF checkpoint names (spec section 3), so `state_dict()` is a
+checkpoint: `model.layers.{i}.self_attn.q_proj.weight`, `model.layers.{i}.moe.gate_proj.weight`
+[E, out, in], `model.layers.{i}.share_expert.*`, MTP layers at `model.layers.{45+j}.*`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from step35.config import LayerSpec, Step35Config
+from step35.model.attention import Attention
+from step35.model.init import init_tensor
+from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from step35.model.mlp import SwiGLU
+from step35.model.moe import MoE
+from step35.model.norm import RMSNorm
+from step35.model.rope import inverse_frequencies, rotary_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)). The FFN is MoE + shared expert or dense."""
+
+    def __init__(self, config: Step35Config, spec: LayerSpec):
+        super().__init__()
+        H, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered
+        self.spec = spec
+        self.input_layernorm = RMSNorm(H, eps, zc)
+        self.self_attn = Attention(H, spec, sliding_window=config.sliding_window, use_qk_norm=config.use_qk_norm,
+                                   use_gate=config.use_head_wise_attn_gate, eps=eps, zero_centered=zc)
+        self.post_attention_layernorm = RMSNorm(H, eps, zc)
+        if spec.is_moe:
+            self.moe = MoE(H, config.moe_num_experts, config.moe_top_k, config.moe_intermediate_size,
+                           limit=spec.swiglu_limit, scaling_factor=config.moe_router_scaling_factor,
+                           renormalize=config.norm_expert_weight, use_bias=config.use_moe_router_bias,
+                           fp32_router=config.need_fp32_gate)
+            self.share_expert = SwiGLU(H, config.share_expert_dim, limit=spec.swiglu_limit_shared)
+        else:
+            # Dense layers (and MTP layers) use the shared-expert clamp list (spec 2.7).
+            self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        x = self.post_attention_layernorm(h)
+        ffn = self.moe(x) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
+        return h + ffn
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: Step35Config):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction layer (spec 2.10): u = eh_proj([enorm(E[x_{t+k}]), hnorm(h_t)]), one dense
+    sliding-window decoder block, then its own head predicting x_{t+k+1}."""
+
+    def __init__(self, config: Step35Config, spec: LayerSpec):
+        super().__init__(config, spec)
+        H = config.hidden_size
+        self.enorm = RMSNorm(H, config.rms_norm_eps, config.zero_centered)
+        self.hnorm = RMSNorm(H, config.rms_norm_eps, config.zero_centered)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.transformer = nn.ModuleDict({"shared_head": SharedHead(config)})
+
+    def forward(self, h: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                labels: torch.Tensor | None = None, chunk_size: int = 1024):
+        """Returns (block output [B, S, H], summed loss, counted tokens); loss parts are None without labels."""
+        u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h)], dim=-1))
+        out = super().forward(u, cos, sin)
+        if labels is None:
+            return out, None, None
+        head = self.transformer["shared_head"]
+        loss_sum, count = chunked_cross_entropy(head.norm(out), head.output.weight, labels, chunk_size)
+        return out, loss_sum, count
+
+    def logits(self, block_out: torch.Tensor) -> torch.Tensor:
+        head = self.transformer["shared_head"]
+        return head.output(head.norm(block_out))
+
+
+class Step35Model(nn.Module):
+    """Embedding, the decoder layers (main, then MTP) and the final norm: the `model.` prefix."""
+
+    def __init__(self, config: Step35Config, num_mtp_layers: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        specs = [config.layer(i) for i in range(config.num_hidden_layers + num_mtp_layers)]
+        self.layers = nn.ModuleList(MTPLayer(config, s) if s.is_mtp else DecoderLayer(config, s) for s in specs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered)
+        # RoPE frequencies per distinct (rotary dim, theta, scaled): plain CPU tensors, not buffers,
+        # so meta-device construction and sharding never see them.
+        self.rope_keys = [(s.rotary_dim, s.rope_theta, s.rope_scaled) for s in specs]
+        self._inv_freq = {key: inverse_frequencies(key[0], key[1], config.rope_scaling if key[2] else None)
+                          for key in set(self.rope_keys)}
+
+    @property
+    def main_layers(self) -> list[DecoderLayer]:
+        return list(self.layers)[: self.config.num_hidden_layers]
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.layers)[self.config.num_hidden_layers:]
+
+    def rotary_tables(self, seq_len: int, device: torch.device) -> dict:
+        positions = torch.arange(seq_len, device=device)
+        return {key: rotary_cos_sin(positions, inv) for key, inv in self._inv_freq.items()}
+
+    def forward(self, input_ids: torch.Tensor, rope: dict | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H]."""
+        rope = rope if rope is not None else self.rotary_tables(input_ids.shape[1], input_ids.device)
+        h = self.embed_tokens(input_ids)
+        for layer, key in zip(self.main_layers, self.rope_keys):
+            h = layer(h, *rope[key])
+        return h
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # what to backpropagate: lm_loss + mtp_weight * mean(mtp_losses)
+    lm_loss: torch.Tensor  # mean next-token loss of the main head
+    mtp_losses: list[torch.Tensor] = field(default_factory=list)  # mean loss of MTP depth 1, 2, ...
+    num_tokens: torch.Tensor | None = None  # tokens counted by the main loss
+
+
+class Step35ForCausalLM(nn.Module):
+    """The whole checkpoint: `model.*` and `lm_head`.
+
+    num_mtp_layers: MTP layers to build (default all of the config's; 0 builds none and loading
+    then ignores the checkpoint's MTP tensors).
+    """
+
+    def __init__(self, config: Step35Config, num_mtp_layers: int | None = None):
+        super().__init__()
+        if num_mtp_layers is None:
+            num_mtp_layers = config.num_nextn_predict_layers
+        if not 0 <= num_mtp_layers <= config.num_nextn_predict_layers:
+            raise ValueError(f"num_mtp_layers={num_mtp_layers} must be between 0 and "
+                             f"num_nextn_predict_layers={config.num_nextn_predict_layers}")
+        self.config = config
+        self.num_mtp_layers = num_mtp_layers
+        self.model = Step35Model(config, num_mtp_layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                mtp_loss_weight: float = 0.0, loss_chunk_size: int = 1024):
+        """input_ids [B, S] -> logits [B, S, V]; with labels [B, S] (-100 = ignore) -> LossOutput.
+
+        The MTP layers run only when labels are given and mtp_loss_weight > 0."""
+        rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device)
+        h = self.model(input_ids, rope)
+        if labels is None:
+            return self.lm_head(self.model.norm(h))
+        total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
+        lm_loss = total / count.clamp(min=1)
+        mtp_losses = []
+        if mtp_loss_weight > 0:
+            mtp_losses = self._mtp_losses(h, labels, rope, loss_chunk_size)
+        loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
+        return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count)
+
+    def _mtp_losses(self, h: torch.Tensor, labels: torch.Tensor, rope: dict, chunk_size: int) -> list[torch.Tensor]:
+        # Depth k (1-based) at position t reads token x_{t+k} = labels[t+k-1] and predicts
+        # x_{t+k+1} = labels[t+k]; the last k positions have no target.
+        losses = []
+        for k, layer in enumerate(self.model.mtp_layers, start=1):
+            next_ids = _shift_left(labels, k - 1, fill=0).clamp(min=0)
+            targets = _shift_left(labels, k, fill=IGNORE_INDEX)
+            key = self.model.rope_keys[layer.spec.layer_id]
+            h, total, count = layer(h, self.model.embed_tokens(next_ids), *rope[key], labels=targets,
+                                    chunk_size=chunk_size)
+            losses.append(total / count.clamp(min=1))
+        return losses
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic from-scratch init (see model/init.py); zero-centred norms start at 0."""
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            tensor.copy_(init_tensor(name, tuple(tensor.shape), self.config, seed, dtype=tensor.dtype))
+
+    def checkpoint_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype each tensor has in an HF checkpoint of this config (router_bias is always fp32)."""
+        stored = getattr(torch, self.config.torch_dtype)
+        return {name: torch.float32 if name.endswith("router_bias") else stored for name in self.state_dict()}
+
+    # -------------------------------------------------------------------------------- HF format
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                        num_mtp_layers: int | None = None) -> "Step35ForCausalLM":
+        from step35.checkpoint.hf import load_pretrained
+
+        return load_pretrained(cls, path, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers)
+
+    def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:
+        from step35.checkpoint.hf import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+def _shift_left(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+    if n == 0:
+        return x
+    return torch.cat([x[:, n:], x.new_full((x.shape[0], min(n, x.shape[1])), fill)], dim=1)

@@ -127,6 +127,8 @@ def ignored_mtp_tensors(config: Step35Config, num_mtp_layers: int, names) -> set
 def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     num_mtp_layers: int | None = None):
     """Build `cls(config)` on meta, check the checkpoint against it, then materialise and fill it."""
+    from step35.checkpoint.materialize import materialize
+
     path = Path(path)
     try:
         config = Step35Config.from_json(path)
@@ -134,27 +136,9 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, dev
         raise CheckpointError(str(e)) from None
     with torch.device("meta"):
         model = cls(config, num_mtp_layers)
-    infos = read_tensor_infos(path)
-    check_tensors(infos, expected_tensors(model), ignored_mtp_tensors(config, model.num_mtp_layers, infos))
-    model.to_empty(device=device)
     model.to(dtype or getattr(torch, config.torch_dtype))  # router_bias stays fp32 (MoE._apply)
-    load_into(model, infos)
+    materialize(model, device, checkpoint=path)
     return model
-
-
-@torch.no_grad()
-def load_into(model: torch.nn.Module, infos: dict[str, TensorInfo]) -> None:
-    """Copy each checkpoint tensor into the model's (already checked) tensor of the same name."""
-    from safetensors import safe_open
-
-    targets = _checkpoint_state(model)
-    by_file: dict[Path, list[str]] = {}
-    for name in targets:
-        by_file.setdefault(infos[name].file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                targets[name].copy_(f.get_tensor(name))
 
 
 def _checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

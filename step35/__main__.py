@@ -1,0 +1,3 @@
+from step35.cli import main
+
+main()

@@ -1,0 +1,82 @@
+"""Fill a model built on the meta device: only the tensor pieces this rank holds, from an HF
+checkpoint (reading only those slices from the safetensors files) or from the deterministic init.
+
+Works the same for plain tensors (one process) and DTensors (FSDP2 shards, expert-parallel
+shards): each local piece is located in the full tensor by its global offset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from step35.checkpoint.hf import TensorInfo, check_tensors, expected_tensors, ignored_mtp_tensors, read_tensor_infos
+from step35.model.init import init_tensor
+
+Index = tuple[slice, ...]
+
+
+def local_pieces(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...], Index]]:
+    """name -> (the local tensor to fill, the full (global) shape, where the local tensor sits in it)."""
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+        if hasattr(data, "device_mesh"):  # a DTensor
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape = tuple(data.shape)
+            local_shape, offset = compute_local_shape_and_global_offset(shape, data.device_mesh, data.placements)
+            index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+            out[name] = (data.to_local(), shape, index)
+        else:
+            out[name] = (data, tuple(data.shape), tuple(slice(0, n) for n in data.shape))
+    return out
+
+
+def materialize(model: nn.Module, device: torch.device | str, checkpoint: str | Path | None = None,
+                seed: int = 0) -> int:
+    """Allocate the model's local storage on `device` and fill it. Returns the bytes read from disk."""
+    if checkpoint is not None:
+        infos = read_tensor_infos(checkpoint)
+        check_tensors(infos, expected_tensors(model), ignored_mtp_tensors(model.config, model.num_mtp_layers, infos))
+    model.to_empty(device=device)
+    persistent = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name not in persistent:  # running statistics (router token counts) start at zero
+            buffer.zero_()
+    if checkpoint is None:
+        fill_from_init(model, seed)
+        return 0
+    return fill_from_checkpoint(model, infos)
+
+
+@torch.no_grad()
+def fill_from_init(model: nn.Module, seed: int) -> None:
+    for name, (local, shape, index) in local_pieces(model).items():
+        local.copy_(init_tensor(name, shape, model.config, seed, index, dtype=torch.float32))
+
+
+@torch.no_grad()
+def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
+    """Copy each local piece from its slice of the checkpoint; never reads a whole tensor it does not own."""
+    from safetensors import safe_open
+
+    pieces = local_pieces(model)
+    by_file: dict[Path, list[str]] = {}
+    for name in pieces:
+        by_file.setdefault(infos[name].file, []).append(name)
+    nbytes = 0
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                local, _, index = pieces[name]
+                if local.numel() == 0:
+                    continue
+                value = f.get_slice(name)[index]
+                nbytes += value.numel() * value.element_size()
+                local.copy_(value)
+    return nbytes

@@ -1,0 +1,61 @@
+"""`step35 fit --config configs/tiny.yaml`: LightningCLI over the module, the data and the trainer.
+
+Every option comes from YAML and can be overridden on the command line; the resolved config is
+saved into the run folder and sent to the loggers together with the code version.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+
+from step35.module import Step35LightningModule
+
+
+def code_version() -> str:
+    """The git commit of the step35 checkout (with '+dirty' when it has changes), or the package version."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        from step35 import __version__
+
+        return __version__
+
+
+class Step35SaveConfig(SaveConfigCallback):
+    """Writes config.yaml into the run folder and sends the resolved config to every logger."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        config = self.config.as_dict()
+        config["code_version"] = code_version()
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)
+
+
+class Step35CLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.set_defaults({"trainer.default_root_dir": "runs"})
+
+
+def main(args: list[str] | None = None) -> None:
+    from step35.data import Step35DataModule
+
+    Step35CLI(
+        Step35LightningModule,
+        Step35DataModule,
+        save_config_callback=Step35SaveConfig,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The LightningModule: builds Step-3.5-Flash in `configure_model` (meta device, then sharded by the
+strategy when it can, then filled from an HF checkpoint or the deterministic init), computes the
+next-token loss (chunked cross-entropy) plus the MTP loss, and owns the optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from step35.checkpoint.materialize import materialize
+from step35.config import Step35Config, load_config
+from step35.model import Step35ForCausalLM
+
+
+class Step35LightningModule(pl.LightningModule):
+    def __init__(
+        self,
+        config: str = "tiny",
+        checkpoint: str | None = None,
+        num_mtp_layers: int | None = None,
+        mtp_loss_weight: float = 0.0,
+        init_seed: int = 0,
+        lr: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        loss_chunk_size: int = 1024,
+    ):
+        """
+        Args:
+            config: model shape: a preset (`tiny`, `flash-196b`) or a config.json / folder holding one.
+                Ignored when `checkpoint` is given (the checkpoint's own config.json is used).
+            checkpoint: an HF checkpoint folder (config.json + safetensors) to start from; each rank
+                reads only the slices it holds. None: the deterministic from-scratch init.
+            num_mtp_layers: MTP layers to build (default: all of the config's; 0 builds none).
+            mtp_loss_weight: weight of the mean MTP loss added to the main loss; 0 skips MTP compute.
+            init_seed: seed of the from-scratch init (same model on any world size).
+            lr: peak learning rate, reached after `warmup_steps` of linear warmup.
+            min_lr_ratio: cosine decay ends at lr * min_lr_ratio.
+            warmup_steps: linear warmup steps (optimizer steps).
+            decay_steps: steps until the end of the cosine decay (default: trainer.max_steps).
+            weight_decay: AdamW decoupled weight decay; never applied to norms.
+            betas: AdamW betas.
+            eps: AdamW epsilon.
+            loss_chunk_size: tokens per chunk of the cross-entropy (bounds the logits in memory).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: Step35ForCausalLM | None = None
+        self.model_config: Step35Config = load_config(checkpoint if checkpoint else config)
+
+    # ------------------------------------------------------------------------------- building
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        seq_len = getattr(datamodule, "seq_len", None)
+        limit = self.model_config.max_position_embeddings
+        if seq_len is not None and seq_len > limit:
+            raise ValueError(f"data.seq_len={seq_len} is larger than the model supports "
+                             f"(max_position_embeddings={limit} in the model config)")
+        if hasattr(datamodule, "check_model_vocab"):
+            datamodule.check_model_vocab(self.model_config.vocab_size)
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            model = Step35ForCausalLM(self.model_config, self.hparams.num_mtp_layers)
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
+            strategy.parallelize_model(model)
+        resuming = self.trainer.ckpt_path is not None  # weights come from the Lightning checkpoint
+        checkpoint = None if resuming else self.hparams.checkpoint
+        materialize(model, strategy.root_device, checkpoint=checkpoint, seed=self.hparams.init_seed)
+        self.model = model
+
+    # ------------------------------------------------------------------------------- steps
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def _loss(self, batch: dict):
+        tokens = batch["input_ids"]  # [B, S + 1]
+        weight = self.hparams.mtp_loss_weight if self.training else 0.0
+        return self.model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight,
+                          loss_chunk_size=self.hparams.loss_chunk_size), tokens[:, 1:].numel()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out, n_tokens = self._loss(batch)
+        self.log("train/loss", out.loss, prog_bar=True)
+        self.log("train/lm_loss", out.lm_loss)
+        for depth, loss in enumerate(out.mtp_losses, start=1):
+            self.log(f"train/mtp{depth}_loss", loss)
+        self.log("train/tokens", float(n_tokens), reduce_fx="sum")
+        return out.loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        out, _ = self._loss(batch)
+        self.log("val/loss", out.lm_loss, sync_dist=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.trainer.callback_metrics.get("val/loss")
+        if loss is not None:
+            self.log("val/ppl", torch.exp(loss.float()), sync_dist=False)
+
+    # ------------------------------------------------------------------------------- optimizer
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if name.endswith("norm.weight") else decay).append(param)
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
+                                      foreach=_foreach_ok(decay + no_decay))
+        total = hp.decay_steps or self.trainer.max_steps
+        if total is None or total < 0:
+            raise ValueError("set trainer.max_steps or model.decay_steps: the cosine schedule needs a length")
+        schedule = warmup_cosine(hp.warmup_steps, total, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then cosine to `min_ratio` at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _foreach_ok(params: list[torch.Tensor]) -> bool:
+    # foreach kernels group tensors by device and dtype but cannot mix DTensors of different meshes
+    # (dense params on the FSDP mesh, experts on the efsdp x ep mesh).
+    meshes = {id(getattr(p, "device_mesh", None)) for p in params}
+    return len(meshes) <= 1

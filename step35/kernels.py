@@ -22,13 +22,21 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
     x: [N, in] rows sorted by group; weight: [G, out, in] (nn.Linear layout, stacked);
     counts: [G] rows per group (sum = N). Returns [N, out].
+    An expert-parallel weight (a DTensor sharded over experts) contributes its local experts.
     """
+    weight = _local(weight)
     if x.device.type == "npu":
         return _npu_grouped_mm(x, weight, counts)
     if _grouped_mm_supported(x, weight):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     return _grouped_mm_by_segments(x, weight, counts)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

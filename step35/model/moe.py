@@ -28,13 +28,17 @@ class ExpertWeight(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] rows sorted by expert, counts: [E_held] rows per expert held here -> [N, out].
 
-def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                  w_down: torch.Tensor, limit: float) -> torch.Tensor:
-    """Routed experts on rows sorted by expert. x: [N, H]; counts: [E_local]; w_*: [E_local, out, in]."""
-    gate = kernels.grouped_mm(x, w_gate, counts)  # [N, I]
-    up = kernels.grouped_mm(x, w_up, counts)  # [N, I]
-    return kernels.grouped_mm(clamped_swiglu(gate, up, limit), w_down, counts)  # [N, H]
+        Under expert parallelism this module holds a slice of the experts (see kernels.grouped_mm)."""
+        return kernels.grouped_mm(x, self.weight, counts)
+
+
+def expert_swiglu(moe: "MoE", x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Routed experts on rows sorted by expert. x: [N, H]; counts: [E_held] -> [N, H]."""
+    hidden = clamped_swiglu(moe.gate_proj(x, counts), moe.up_proj(x, counts), moe.limit)  # [N, I]
+    return moe.down_proj(hidden, counts)
 
 
 class ExpertDispatcher(Protocol):
@@ -45,7 +49,7 @@ class ExpertDispatcher(Protocol):
 
 
 def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, moe: "MoE") -> torch.Tensor:
-    return expert_swiglu(x_sorted, counts, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight, moe.limit)
+    return expert_swiglu(moe, x_sorted, counts)
 
 
 def in_backward_recompute() -> bool:

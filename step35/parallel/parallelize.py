@@ -1,0 +1,96 @@
+"""Apply parallelism to a Step35ForCausalLM built on the meta device, in a fixed order:
+expert parallelism, activation checkpointing, per-block compile, then FSDP2 (innermost first).
+
+Parameter names stay the HF names throughout (no wrapper modules), so checkpoints keep them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+from torch import nn
+
+from step35.model import Step35ForCausalLM
+from step35.parallel.expert_parallel import shard_experts
+from step35.parallel.mesh import Meshes
+
+ActivationCheckpointing = Literal["none", "selective", "full"]
+
+
+def parallelize(model: Step35ForCausalLM, meshes: Meshes, *, activation_checkpointing: ActivationCheckpointing = "none",
+                compile: bool = False, reshard_after_forward: bool = True,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32) -> None:
+    layers = list(model.model.layers)
+    if meshes.experts is not None:
+        for layer in layers:
+            if layer.spec.is_moe:
+                shard_experts(layer.moe, meshes.experts["ep"])
+    if activation_checkpointing != "none":
+        for layer in layers:
+            apply_activation_checkpointing(layer, activation_checkpointing)
+    if compile:
+        for layer in layers:
+            layer.compile(fullgraph=False)
+    apply_fsdp(model, meshes, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+               reduce_dtype=reduce_dtype)
+
+
+def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forward: bool,
+               param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    dense_mesh = meshes.dense
+    for layer in model.model.layers:
+        if layer.spec.is_moe and meshes.experts is not None:
+            experts = [layer.moe.gate_proj, layer.moe.up_proj, layer.moe.down_proj]
+            # Dim 0 is already split over ep; FSDP shards the per-expert rows (dim 1) over efsdp.
+            fully_shard(experts, mesh=meshes.experts["efsdp"], reshard_after_forward=reshard_after_forward,
+                        mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
+            # An expert's gradient already sums the tokens of its whole ep group (the all-to-all
+            # backward); reduce-scatter over efsdp then sums over every rank. Divide by the world,
+            # as the dense parameters are, so both are a mean over data-parallel ranks.
+            experts[0].set_gradient_divide_factor(float(meshes.dims.world_size))
+            # gloo has no PREMUL_SUM: sum, then divide. (With efsdp == 1 the forced sum skipped the
+            # division in a probe on torch 2.13, so only where a reduce-scatter really happens.)
+            if dense_mesh.device_type == "cpu" and meshes.dims.efsdp > 1:
+                experts[0].set_force_sum_reduction_for_comms(True)
+        fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # Root: embedding, final norm, lm_head. Not resharded after forward: backward needs them at once.
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
+
+
+def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:
+    """Recompute the layer's activations in backward: all of them ("full"), or all but the matmul
+    outputs ("selective": saves GEMM results, recomputes norms, activations and elementwise ops).
+
+    The forward is wrapped in place, so parameter names do not change."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpointing must be 'none', 'selective' or 'full', got {mode!r}")
+    forward = layer.forward
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                  if mode == "selective" else None)
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if context_fn is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    layer.forward = checkpointed
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        saved.add(torch.ops.aten._grouped_mm.default)
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE

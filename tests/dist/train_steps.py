@@ -1,0 +1,82 @@
+"""Run a few optimizer steps of the tiny model, plain (one process, no sharding) or distributed
+(torchrun, gloo, FSDP2 + EP), from the same init and the same global batches; rank 0 writes the
+per-step global losses, grad norms and the final full parameters to --out.
+
+  python tests/dist/train_steps.py --out plain.pt
+  torchrun --standalone --nproc-per-node 4 tests/dist/train_steps.py --ep 2 --out ep2.pt
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from step35.checkpoint.materialize import materialize
+from step35.config import preset
+from step35.model import Step35ForCausalLM
+from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
+
+GLOBAL_BATCH, SEQ = 8, 48
+
+
+def batches(steps: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--replicate", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.05)  # small enough to be active every step
+    p.add_argument("--mtp", type=float, default=0.3)
+    p.add_argument("--ac", default="none")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    distributed = "WORLD_SIZE" in os.environ
+    config = preset("tiny")
+    with torch.device("meta"):
+        model = Step35ForCausalLM(config)
+    rank, world = 0, 1
+    if distributed:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dims = ParallelDims(world, args.ep, args.replicate, num_experts=config.moe_num_experts)
+        parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac)
+    materialize(model, "cpu", seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    data = batches(args.steps, config.vocab_size)
+    per_rank = GLOBAL_BATCH // world
+    micro = per_rank // args.accum
+    losses, norms = [], []
+    for step in range(args.steps):
+        mine = data[step, rank * per_rank:(rank + 1) * per_rank]
+        step_loss = torch.zeros(())
+        for m in range(args.accum):
+            tokens = mine[m * micro:(m + 1) * micro]
+            out = model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=args.mtp)
+            (out.loss / args.accum).backward()
+            step_loss += out.loss.detach() / args.accum
+        if distributed:
+            dist.all_reduce(step_loss)
+            step_loss /= world
+        norms.append(clip_grad_norm_(model.parameters(), args.clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_loss.item())
+    full = {}
+    for name, t in model.state_dict().items():
+        full[name] = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+    if rank == 0:
+        torch.save({"losses": losses, "norms": norms, "params": full}, args.out)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ from typing import Any
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_RMS_NORM_EPS = 1e-5  # absent from the released config.json; the HF remote class default
+FLOAT_DTYPE_NAMES = ("bfloat16", "float32", "float16", "float64")  # torch_dtype values (torch.<name>)
 
 
 class ConfigError(ValueError):
@@ -104,14 +105,19 @@ class Step35Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Step35Config":
         raw = copy.deepcopy(raw)
+        key_order = list(raw.keys())  # the source's keys, aliases included, before they are resolved
         names = {f.name for f in fields(cls)} - {"extra", "key_order"}
-        if "share_expert_dims" in raw and "share_expert_dim" not in raw:
-            raw["share_expert_dim"] = raw["share_expert_dims"]  # the config class accepts both
-        if "dtype" in raw and "torch_dtype" not in raw:
-            raw["torch_dtype"] = raw["dtype"]  # some re-uploads write "dtype"
+        # Aliases are read into their field and written back (by to_dict) from the field's current
+        # value under the source's spelling; they are not kept in `extra`, where a stale copy would
+        # be written back after the field changed (e.g. torch_dtype set by save_pretrained).
+        for alias, name in (("share_expert_dims", "share_expert_dim"),  # the config class accepts both
+                            ("dtype", "torch_dtype")):  # some re-uploads write "dtype"
+            if alias in raw:
+                value = raw.pop(alias)
+                raw.setdefault(name, value)
         known = {k: raw[k] for k in raw if k in names}
         extra = {k: v for k, v in raw.items() if k not in names}
-        return cls(**known, extra=extra, key_order=list(raw.keys()))
+        return cls(**known, extra=extra, key_order=key_order)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Step35Config":
@@ -241,6 +247,8 @@ class Step35Config:
         if other is not None:
             _require(other.get("attention_type") in ATTENTION_TYPES, "attention_other_setting.attention_type",
                      f"unknown layer type {other.get('attention_type')!r}")
+        _require(self.torch_dtype in FLOAT_DTYPE_NAMES, "torch_dtype",
+                 f"{self.torch_dtype!r} is not one of {FLOAT_DTYPE_NAMES}")
         _require(self.att_impl_type == "GQA", "att_impl_type", f"only 'GQA' is implemented, got {self.att_impl_type!r}")
         _require(self.moe_router_activation == "sigmoid", "moe_router_activation",
                  f"only 'sigmoid' is implemented, got {self.moe_router_activation!r}")

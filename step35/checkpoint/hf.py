@@ -85,6 +85,10 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
                         raise CheckpointError(f"{file}: the index places tensor {name} in this file, but it is not there")
                     piece = f.get_slice(name)
                     infos[name] = TensorInfo(file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                stray = sorted(present - set(names))  # in the file but not in the index: never silently dropped
+                if stray:
+                    raise CheckpointError(f"{file}: holds {len(stray)} tensor(s) that {INDEX_FILE} does not list, "
+                                          f"e.g. {stray[:3]}")
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers

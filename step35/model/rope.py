@@ -10,7 +10,9 @@ import torch
 
 def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """[rotary_dim / 2] fp32 inverse frequencies theta^(-2j/r), llama3-scaled when `scaling` is given."""
-    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    # device="cpu" explicitly: the model keeps these as plain CPU tensors and is often built under
+    # `with torch.device("meta")` (from_pretrained), which would otherwise make them data-less.
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
     if scaling is not None:
         inv = _llama3_scale(inv, scaling)
     return inv.float()

@@ -165,16 +165,18 @@ class Step35ForCausalLM(nn.Module):
         lm_loss = total / count.clamp(min=1)
         mtp_losses = []
         if mtp_loss_weight > 0:
-            mtp_losses = self._mtp_losses(h, labels, rope, loss_chunk_size)
+            mtp_losses = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size)
         loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
         return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count)
 
-    def _mtp_losses(self, h: torch.Tensor, labels: torch.Tensor, rope: dict, chunk_size: int) -> list[torch.Tensor]:
-        # Depth k (1-based) at position t reads token x_{t+k} = labels[t+k-1] and predicts
-        # x_{t+k+1} = labels[t+k]; the last k positions have no target.
+    def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
+                    chunk_size: int) -> list[torch.Tensor]:
+        # Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
+        # x_{t+k+1} = labels[t+k]; the last k positions have no target. The token read comes from
+        # input_ids, not labels: a masked label (-100: prompt, padding) still has its token there.
         losses = []
         for k, layer in enumerate(self.model.mtp_layers, start=1):
-            next_ids = _shift_left(labels, k - 1, fill=0).clamp(min=0)
+            next_ids = _shift_left(input_ids, k, fill=0)
             targets = _shift_left(labels, k, fill=IGNORE_INDEX)
             key = self.model.rope_keys[layer.spec.layer_id]
             h, total, count = layer(h, self.model.embed_tokens(next_ids), *rope[key], labels=targets,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
+import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
 from step35.module import Step35LightningModule
 
 

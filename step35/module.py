@@ -13,6 +13,7 @@ import torch
 from step35.checkpoint.materialize import materialize
 from step35.config import Step35Config, load_config
 from step35.model import Step35ForCausalLM
+from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 
 
 class Step35LightningModule(pl.LightningModule):
@@ -106,6 +107,17 @@ class Step35LightningModule(pl.LightningModule):
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/ppl", torch.exp(loss.float()), sync_dist=False)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # One global norm over dense and expert parameters, whatever meshes they live on.
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"trainer.gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_val:
+            norm = clip_grad_norm_(params, float(gradient_clip_val))
+        else:
+            norm = global_grad_norm(params)
+        self.log("train/grad_norm", norm)
 
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):

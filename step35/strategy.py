@@ -1,0 +1,135 @@
+"""Step35Strategy: Lightning's ModelParallelStrategy with the step35 plan: FSDP2 over all ranks
+(or HSDP), routed experts over the same ranks as efsdp x ep, meta-device build in
+`configure_model`, per-rank lazy loading, one grad norm across meshes, atomic checkpoints.
+
+    --trainer.strategy step35.strategy.Step35Strategy --trainer.strategy.expert_parallel_size 8
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
+from step35.parallel import Meshes, ParallelDims, parallelize
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def default_backend(device: torch.device) -> str:
+    """hccl on NPU, nccl on CUDA, gloo on CPU."""
+    return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
+
+
+class Step35Strategy(ModelParallelStrategy):
+    def __init__(
+        self,
+        expert_parallel_size: int = 1,
+        replicate_size: int = 1,
+        reshard_after_forward: bool = True,
+        param_dtype: Literal["bfloat16", "float16", "float32"] | None = None,
+        reduce_dtype: Literal["bfloat16", "float32"] = "float32",
+        activation_checkpointing: Literal["none", "selective", "full"] = "none",
+        compile: bool = False,
+        process_group_backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto",
+        timeout_minutes: float = 30.0,
+        save_distributed_checkpoint: bool = True,
+    ):
+        """
+        Args:
+            expert_parallel_size: ranks that split the routed experts (ep); must divide the number of
+                experts and the world size. 1 = plain FSDP for the experts too.
+            replicate_size: HSDP: replicas of the dense part (each FSDP-sharded over world/replicate ranks).
+            reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3);
+                False keeps them until backward (faster, more memory).
+            param_dtype: FSDP mixed precision: dtype of gathered parameters for compute (e.g. bfloat16);
+                None keeps the stored dtype. Use with trainer.precision 32-true.
+            reduce_dtype: dtype of gradient reduce-scatter.
+            activation_checkpointing: none, selective (recompute all but matmul outputs) or full, per block.
+            compile: torch.compile each decoder block.
+            process_group_backend: auto picks hccl on NPU, nccl on CUDA, gloo on CPU.
+            timeout_minutes: collective timeout (a hung rank fails the job after this long).
+            save_distributed_checkpoint: each rank writes its shards (DCP); False gathers on rank 0.
+        """
+        backend = None if process_group_backend == "auto" else process_group_backend
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=backend,
+                         timeout=timedelta(minutes=timeout_minutes))
+        if activation_checkpointing not in ("none", "selective", "full"):
+            raise ValueError(f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}")
+        self.expert_parallel_size = expert_parallel_size
+        self.replicate_size = replicate_size
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = _DTYPES[param_dtype] if param_dtype else None
+        self.reduce_dtype = _DTYPES[reduce_dtype] if reduce_dtype else None
+        self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
+        self.meshes: Meshes | None = None
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or default_backend(self.root_device)
+
+    def setup_environment(self) -> None:
+        # Validate the sizes before the process group exists: a bad size must fail on every rank at
+        # once, never leave some ranks waiting in a collective.
+        world = self.num_nodes * self.num_processes
+        config = getattr(self.lightning_module, "model_config", None)
+        dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
+                            num_experts=config.moe_num_experts if config is not None and config.use_moe else None)
+        self._setup_distributed()
+        assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
+        self.meshes = dims.build(self.root_device.type)
+        self._device_mesh = self.meshes.dense
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # dp2ep: every rank is a data-parallel rank.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def parallelize_model(self, model) -> None:
+        """Called by the LightningModule's configure_model on the meta-device model."""
+        assert self.meshes is not None, "parallelize_model runs after setup_environment"
+        parallelize(model, self.meshes, activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+                    reshard_after_forward=self.reshard_after_forward, param_dtype=self.param_dtype,
+                    reduce_dtype=self.reduce_dtype)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Write into a sibling temporary folder, then swap it in: a kill mid-save keeps the old one."""
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(f".{path.name}.partial")
+        if self.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_file():
+                tmp.unlink()
+        self.barrier()
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.global_rank == 0:
+            path = Path(filepath)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        # A barrier before the process group goes: without it gloo ranks can abort at exit
+        # ("terminate called without an active exception") after all work succeeded.
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        super().teardown()
+        if dist.is_available() and dist.is_initialized() and os.environ.get("STEP35_KEEP_PROCESS_GROUP") != "1":
+            dist.destroy_process_group()

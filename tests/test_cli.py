@@ -1,0 +1,78 @@
+"""`step35 fit --config configs/tiny.yaml` as a user runs it: a subprocess, the built-in data."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+
+
+def step35(args: list[str], cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def fit(run: Path, cache: Path, *extra: str) -> Path:
+    step35(["fit", "--config", "configs/tiny.yaml", f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.save_dir={run}", *extra], cache)
+    return run / "csv" / "version_0"
+
+
+def rows(folder: Path) -> list[dict]:
+    with open(folder / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def train_losses(folder: Path) -> dict[int, float]:
+    return {int(r["step"]): float(r["train/lm_loss"]) for r in rows(folder) if r.get("train/lm_loss")}
+
+
+@pytest.mark.timeout(900)
+def test_tiny_config_trains_and_loss_falls(tmp_path, builtin_cache):
+    out = fit(tmp_path / "run", builtin_cache, "--trainer.max_steps=60", "--trainer.val_check_interval=30",
+              "--trainer.log_every_n_steps=2")
+    losses = train_losses(out)
+    steps = sorted(losses)
+    assert len(steps) >= 20, steps
+    first = sum(losses[s] for s in steps[:3]) / 3
+    last = sum(losses[s] for s in steps[-3:]) / 3
+    assert first > 6.0  # ~ln(1024) at init
+    assert first - last > 1.0, f"loss fell from {first:.3f} to {last:.3f} only"
+    header = rows(out)[0].keys()
+    assert {"step", "train/loss", "train/grad_norm", "lr-AdamW/pg1"} <= set(header)
+    assert any(r.get("val/loss") for r in rows(out)) and any(r.get("val/ppl") for r in rows(out))
+    assert (out / "checkpoints" / "last.ckpt").exists()
+    saved = (out / "config.yaml").read_text()
+    assert "mtp_loss_weight: 0.3" in saved and "max_steps: 60" in saved  # the resolved config, overrides applied
+
+
+def test_print_config(builtin_cache):
+    proc = step35(["fit", "--config", "configs/tiny.yaml", "--model.lr=0.01", "--print_config"], builtin_cache)
+    assert "lr: 0.01" in proc.stdout and "class_path: step35.data.Step35DataModule" not in proc.stdout.split("data:")[0]
+    assert "seq_len: 128" in proc.stdout
+
+
+@pytest.mark.timeout(900)
+def test_resume_continues_exactly(tmp_path, builtin_cache):
+    """Kill-free stand-in for a crash: a run resumed from its step-10 checkpoint reproduces steps
+    11..20 of an uninterrupted run (model, optimizer, LR schedule and data stream restored)."""
+    common = ["--trainer.max_steps=20", "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=1000",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              "--trainer.callbacks.every_n_train_steps=10", "--trainer.callbacks.save_top_k=-1",
+              "--trainer.callbacks.dirpath=" + str(tmp_path / "ckpt")]
+    full = train_losses(fit(tmp_path / "full", builtin_cache, *common))
+    ckpt = sorted((tmp_path / "ckpt").glob("*step=10*.ckpt"))
+    assert ckpt, list((tmp_path / "ckpt").iterdir())
+    resumed = train_losses(fit(tmp_path / "resumed", builtin_cache, *common[:4], f"--ckpt_path={ckpt[0]}"))
+    later = [s for s in sorted(full) if s > 10]
+    assert later and all(s in resumed for s in later), (sorted(full), sorted(resumed))
+    for s in later:
+        assert resumed[s] == pytest.approx(full[s], rel=1e-6), (s, resumed[s], full[s])

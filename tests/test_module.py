@@ -1,0 +1,98 @@
+"""The LightningModule in-process: starting from an HF checkpoint, the LR schedule, optimizer
+groups, and the setup-time checks."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from step35.config import preset
+from step35.data import Step35DataModule
+from step35.model import Step35ForCausalLM
+from step35.module import Step35LightningModule, warmup_cosine
+
+
+class FirstLoss(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def trainer(**kw) -> pl.Trainer:
+    args = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    args.update(kw)
+    return pl.Trainer(**args)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    model = Step35ForCausalLM(preset("tiny"))
+    model.init_weights(seed=123)
+    model.save_pretrained(path)
+    return path
+
+
+def test_training_starts_from_hf_checkpoint(hf_checkpoint, builtin_cache):
+    data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
+    module = Step35LightningModule(checkpoint=str(hf_checkpoint), mtp_loss_weight=0.0, lr=0.0, warmup_steps=1)
+    record = FirstLoss()
+    trainer(callbacks=[record]).fit(module, datamodule=data)
+    # Independent: the checkpoint loaded directly, the first batch of a fresh identical stream.
+    direct_data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
+    direct_data.trainer = None
+    direct_data.setup("fit")
+    batch = next(iter(direct_data.train_dataloader()))
+    tokens = batch["input_ids"]
+    loaded = Step35ForCausalLM.from_pretrained(hf_checkpoint)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(loaded(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    assert record.losses[0] == pytest.approx(expected.item(), rel=1e-5)
+    # and the weights are the checkpoint's, not the from-scratch init
+    fresh = Step35ForCausalLM(preset("tiny"))
+    fresh.init_weights(seed=0)
+    assert not torch.equal(loaded.lm_head.weight, fresh.lm_head.weight)
+
+
+def test_warmup_cosine_schedule():
+    f = warmup_cosine(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+
+def test_no_weight_decay_on_norms_and_router_bias_not_optimised():
+    module = Step35LightningModule(config="tiny")
+    module.trainer = trainer(max_steps=10)
+    module.configure_model()
+    opt = module.configure_optimizers()["optimizer"]
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+    assert all(names[id(p)].endswith("norm.weight") for p in no_decay["params"])
+    assert not any(names[id(p)].endswith("norm.weight") for p in decay["params"])
+    optimised = {id(p) for g in opt.param_groups for p in g["params"]}
+    bias = module.model.model.layers[1].moe.router_bias
+    assert id(bias) not in optimised and not bias.requires_grad
+    assert len(optimised) == len(list(module.model.parameters()))
+
+
+def test_sequence_longer_than_model_supports_is_refused(builtin_cache):
+    data = Step35DataModule(seq_len=8192, micro_batch_size=1, cache_dir=str(builtin_cache))
+    module = Step35LightningModule(config="tiny")  # max_position_embeddings 4096
+    with pytest.raises(ValueError, match=r"data.seq_len=8192 .*max_position_embeddings=4096"):
+        trainer().fit(module, datamodule=data)
+
+
+def test_configure_model_leaves_nothing_on_meta():
+    module = Step35LightningModule(config="tiny")
+    module.trainer = trainer()
+    module.configure_model()
+    assert not any(t.is_meta for t in module.model.state_dict().values())
+    assert not any(b.is_meta for b in module.model.buffers())
+    assert all(int(b.sum()) == 0 for n, b in module.model.named_buffers() if n.endswith("tokens_per_expert"))

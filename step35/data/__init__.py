@@ -1,0 +1,6 @@
+"""The data pipeline of step35: raw text streamed, tokenized on the fly and packed into token windows."""
+
+from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
+from step35.data.datamodule import Step35DataModule
+
+__all__ = ["Step35DataModule", "builtin_corpus_path", "builtin_tokenizer_dir"]

@@ -1,0 +1,133 @@
+"""A corpus and tokenizer that need no download: text that ships with Python itself.
+
+Documents: every entry of the stdlib's `pydoc_data.topics.topics` (the language reference pages `help()` shows),
+then the module docstrings (over 200 characters) of the top-level stdlib modules, read from the source so that
+no module is imported (some have side effects, e.g. `antigravity`). About 160 documents, 0.6 MB.
+
+Tokenizer: byte-level BPE trained on that corpus with the `tokenizers` library, saved as a Hugging Face
+tokenizer folder. Ids: 0 is `<|endoftext|>` (EOS, the document separator); 1..256 are the 256 byte symbols;
+the rest are merges. It trains in well under a second.
+
+Both are cached under `cache_dir`, else `$STEP35_CACHE`, else `~/.cache/step35`, and written atomically
+(temp file or folder, then rename) so processes racing on first use never see a half-written file.
+"""
+
+import ast
+import hashlib
+import inspect
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+import tokenize
+from pathlib import Path
+from typing import Optional
+
+EOS_TOKEN = "<|endoftext|>"
+MIN_VOCAB_SIZE = 257  # EOS + 256 byte symbols: every string stays encodable
+
+
+def cache_root(cache_dir: Optional[str | Path] = None) -> Path:
+    root = Path(cache_dir or os.environ.get("STEP35_CACHE") or Path.home() / ".cache" / "step35").expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def builtin_documents() -> list[str]:
+    """The corpus's documents, in a fixed order (topics by name, then modules by file name)."""
+    from pydoc_data.topics import topics
+
+    documents = [topics[name] for name in sorted(topics)]
+    for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        docstring = _module_docstring(file)
+        if docstring and len(docstring) > 200:
+            documents.append(docstring)
+    return documents
+
+
+def _module_docstring(file: Path) -> Optional[str]:
+    """What `ast.get_docstring` returns, from the file's first tokens: parsing whole modules is 30x slower."""
+    try:
+        with tokenize.open(file) as f:
+            for token in tokenize.generate_tokens(f.readline):
+                if token.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE):
+                    continue
+                if token.type != tokenize.STRING:
+                    return None
+                value = ast.literal_eval(token.string)
+                return inspect.cleandoc(value) if isinstance(value, str) else None
+    except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
+        return None
+    return None
+
+
+def builtin_corpus_path(cache_dir: Optional[str | Path] = None) -> Path:
+    """The built-in corpus as jsonl (one {"text": ...} per line), written on first use."""
+    # Keyed by interpreter version because the text comes from the interpreter's own stdlib.
+    path = cache_root(cache_dir) / f"corpus-{sys.implementation.name}-{platform.python_version()}.jsonl"
+    if not path.exists():
+        lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in builtin_documents())
+        _write_atomically(path, lines.encode("utf-8"))
+    return path
+
+
+def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: Optional[str | Path] = None) -> Path:
+    """A tokenizer folder (tokenizer.json, tokenizer_config.json, special_tokens_map.json) trained on first use.
+
+    `vocab_size` is an upper bound: BPE stops early when the corpus has no more pairs to merge.
+    Cached by vocab size and a hash of the corpus, so a changed corpus gets a fresh tokenizer.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"builtin_vocab_size must be at least {MIN_VOCAB_SIZE} (EOS + 256 bytes), got {vocab_size}")
+    corpus = builtin_corpus_path(cache_dir)
+    corpus_hash = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
+    folder = cache_root(cache_dir) / f"tokenizer-bpe{vocab_size}-{corpus_hash}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    with open(corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],  # listed first, so it gets id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=folder.parent))
+    try:
+        tokenizer.save(str(staging / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "model_max_length": 1 << 30}
+        (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (staging / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        try:
+            os.rename(staging, folder)
+        except OSError:
+            if not (folder / "tokenizer.json").is_file():
+                raise
+            # Another process finished first; its folder is identical, keep it.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    fd, staging = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+        os.chmod(staging, 0o644)  # mkstemp makes it private; the cache may be shared
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,338 @@
+"""Step35DataModule: raw text in, packed token windows out, with exact per-rank resume."""
+
+import warnings
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
+from step35.data.sources import FileSource, Holdout, HubSource, TxtMode, check_files, expand_files
+from step35.data.stream import STATE_FORMAT, TokenWindows
+from step35.data.tokenizer import TextTokenizer
+from step35.data.train_batches import TrainBatches
+from step35.data.validation import FixedBatches, validation_batches
+
+BUILTIN_VAL_FRACTION = 0.05  # the built-in corpus is small; this keeps about 8 documents for validation
+
+
+class Step35DataModule(pl.LightningDataModule):
+    """Streams raw text, tokenizes it on the fly and packs it into windows: batches are
+    {"input_ids": LongTensor [micro_batch_size, seq_len + 1]}; the model shifts inputs and labels itself.
+
+    Training is one endless stream (stop it with Trainer(max_steps=...)); validation is a fixed set of
+    `val_batches` batches. The exact stream position of every rank and worker is saved in checkpoints.
+
+    Args:
+        files: Training text: paths, folders or globs (`**` recurses) of .jsonl, .json, .txt, .md and .parquet
+            files. Without `weights` all of them form one source; with `weights` each entry is its own source.
+            Neither `files` nor `hub_dataset`: the built-in corpus (Python's own documentation).
+        weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
+        text_field: Field of jsonl/json records, or column of parquet files, holding the text.
+        txt_mode: What a document is in .txt/.md files: the whole "file", each "line", or each "paragraph"
+            (blocks separated by blank lines).
+        hub_dataset: Instead of `files`: a `datasets.load_dataset` path (a hub name or a local folder), streamed.
+        hub_name: Configuration name of `hub_dataset`.
+        hub_split: Split of `hub_dataset`.
+        tokenizer: A Hugging Face tokenizer folder (with tokenizer.json). None: the built-in byte-level BPE.
+        eos_token_id: EOS id appended after every document; None: read from the tokenizer folder.
+        seq_len: Tokens the model sees per sample; windows hold seq_len + 1 tokens for the shifted labels.
+        micro_batch_size: Windows per batch on each rank.
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+        val_files: Held-out text, like `files`; excludes `val_fraction`.
+        val_fraction: Fraction of the training documents held out for validation, chosen by a hash of their
+            position. None: 0.05 for the built-in corpus, else 0.
+        val_batches: Validation batches per rank at each validation (0: no validation).
+        strict: Raise on a bad record (naming file and line) instead of skipping, counting and warning.
+        seed: Seed of the file order per epoch and of the source mixing.
+        cache_dir: Folder for the built-in corpus and tokenizer; None: $STEP35_CACHE or ~/.cache/step35.
+        builtin_vocab_size: Vocabulary size of the built-in tokenizer.
+    """
+
+    def __init__(
+        self,
+        files: Optional[str | list[str]] = None,
+        weights: Optional[list[float]] = None,
+        text_field: str = "text",
+        txt_mode: TxtMode = "file",
+        hub_dataset: Optional[str] = None,
+        hub_name: Optional[str] = None,
+        hub_split: str = "train",
+        tokenizer: Optional[str] = None,
+        eos_token_id: Optional[int] = None,
+        seq_len: int = 256,
+        micro_batch_size: int = 4,
+        num_workers: int = 0,
+        val_files: Optional[str | list[str]] = None,
+        val_fraction: Optional[float] = None,
+        val_batches: int = 8,
+        strict: bool = False,
+        seed: int = 0,
+        cache_dir: Optional[str] = None,
+        builtin_vocab_size: int = 1024,
+    ) -> None:
+        super().__init__()
+        files = [files] if isinstance(files, str) else files
+        val_files = [val_files] if isinstance(val_files, str) else val_files
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+        if num_workers < 0 or val_batches < 0:
+            raise ValueError(f"num_workers and val_batches must be >= 0, got {num_workers} and {val_batches}")
+        if files and hub_dataset:
+            raise ValueError("give either files or hub_dataset, not both")
+        if weights is not None:
+            if not files or len(weights) != len(files):
+                raise ValueError(
+                    f"{len(weights)} weights for {len(files or [])} files entries; give one weight per entry"
+                )
+            if any(w < 0 for w in weights) or sum(weights) <= 0:
+                raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+        if txt_mode not in ("file", "line", "paragraph"):
+            raise ValueError(f"txt_mode must be 'file', 'line' or 'paragraph', got {txt_mode!r}")
+        if val_fraction is not None and not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if val_files and val_fraction:
+            raise ValueError("give either val_files or val_fraction, not both")
+        self.save_hyperparameters()
+        self.files = files
+        self.weights = weights
+        self.text_field = text_field
+        self.txt_mode = txt_mode
+        self.hub_dataset = hub_dataset
+        self.hub_name = hub_name
+        self.hub_split = hub_split
+        self.tokenizer_path = tokenizer
+        self.eos_token_id = eos_token_id  # the resolved id after setup()
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.num_workers = num_workers
+        self.val_files = val_files
+        self.val_fraction = val_fraction
+        self.val_batches = val_batches
+        self.strict = strict
+        self.seed = seed
+        self.cache_dir = cache_dir
+        self.builtin_vocab_size = builtin_vocab_size
+
+        self.tokenizer: Optional[TextTokenizer] = None
+        self._train_sources: list[Any] = []
+        self._val_sources: list[Any] = []
+        self._train_batches: Optional[TrainBatches] = None
+        self._val_cache: Optional[tuple[int, int, list[dict[str, torch.Tensor]]]] = None
+        self._val_skipped: dict[str, int] = {}
+        self._saved_streams: Optional[dict[str, Any]] = None  # from a checkpoint, until the train loader exists
+
+    # -- setup -------------------------------------------------------------------------------------------------
+
+    @property
+    def uses_builtin_corpus(self) -> bool:
+        return not self.files and not self.hub_dataset
+
+    def prepare_data(self) -> None:
+        # Lightning runs this once per node before setup(); the builtin files are written atomically anyway.
+        if self.uses_builtin_corpus:
+            builtin_corpus_path(self.cache_dir)
+        if self.tokenizer_path is None:
+            builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Resolve the tokenizer and the sources; every way the run cannot work fails here, by name."""
+        if self.tokenizer is not None:
+            return
+        folder = self.tokenizer_path or builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
+        tokenizer = TextTokenizer.from_folder(folder, self.eos_token_id)
+
+        val_fraction = self.val_fraction
+        if val_fraction is None:
+            val_fraction = BUILTIN_VAL_FRACTION if self.uses_builtin_corpus and not self.val_files else 0.0
+        train_holdout = Holdout(val_fraction, "train") if val_fraction else None
+        val_holdout = Holdout(val_fraction, "val") if val_fraction else None
+        if self.hub_dataset:
+            train_sources = [self._hub_source(train_holdout)]
+            val_sources = [self._hub_source(val_holdout)] if val_holdout else []
+        else:
+            files = self.files or [str(builtin_corpus_path(self.cache_dir))]
+            groups = [[entry] for entry in files] if self.weights else [files]
+            train_sources = [self._file_source(g, train_holdout, shuffle=True) for g in groups]
+            val_sources = [self._file_source(g, val_holdout, shuffle=False) for g in groups] if val_holdout else []
+        if self.val_files:
+            val_sources = [self._file_source(self.val_files, None, shuffle=False)]
+
+        # Set last, so that a failed setup() fails again when called again.
+        self._train_sources, self._val_sources = train_sources, val_sources
+        self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
+
+    def _file_source(self, patterns: list[str], holdout: Optional[Holdout], shuffle: bool) -> FileSource:
+        name = "builtin" if self.uses_builtin_corpus else ",".join(patterns)
+        files = expand_files(patterns)
+        check_files(name, files, self.text_field)
+        return FileSource(name, files, self.text_field, self.txt_mode, shuffle, self.seed, holdout)
+
+    def _hub_source(self, holdout: Optional[Holdout]) -> HubSource:
+        source = HubSource(self.hub_dataset, self.hub_name, self.hub_split, self.text_field, holdout)
+        first = next(iter(source.open().take(1)), None)  # fails here, by name, for a wrong path, config or split
+        if first is None:
+            raise ValueError(f"hub dataset {source.name} is empty")
+        if self.text_field not in first:
+            raise ValueError(f"hub dataset {source.name} has no field {self.text_field!r} (fields: {sorted(first)})")
+        return source
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the tokenizer's vocabulary, special tokens included (after setup)."""
+        return self._ready_tokenizer().vocab_size
+
+    def check_model_vocab(self, model_vocab_size: int) -> None:
+        """Raise if the tokenizer can produce ids the model's embedding does not have."""
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(
+                f"the tokenizer ({self._ready_tokenizer().path}) has {self.vocab_size} tokens, more than the"
+                f" model's vocab_size of {model_vocab_size}; ids >= {model_vocab_size} would index past the embedding"
+            )
+
+    def _ready_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            self.setup()
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+    # -- loaders -----------------------------------------------------------------------------------------------
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        """(rank, number of ranks) among the data-parallel replicas; ranks that share a replica share data."""
+        trainer = self.trainer
+        if trainer is not None:
+            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+            if kwargs is not None:
+                return kwargs["rank"], kwargs["num_replicas"]
+            return trainer.global_rank, trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def train_dataloader(self) -> TrainBatches:
+        self._ready_tokenizer()
+        rank, world_size = self.data_parallel_rank_and_size()
+        stream = TokenWindows(
+            self._train_sources, self.tokenizer, self.seq_len, self.weights, rank, world_size, self.seed,
+            endless=True, strict=self.strict,
+        )  # fmt: skip
+        loader = StatefulDataLoader(
+            stream, batch_size=self.micro_batch_size, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
+        )
+        previous = self._train_batches
+        self._train_batches = TrainBatches(loader, self._planned_batches())
+        if previous is not None:  # asked again (reload_dataloaders_every_n_epochs): continue, do not restart
+            previous.close()
+            self._train_batches.restore_stream_state(previous.stream_state())
+        if self._saved_streams is not None:
+            self._restore_train_stream()
+        return self._train_batches
+
+    def _planned_batches(self) -> Optional[int]:
+        """The batches this run will draw, if Lightning knows; see train_batches.py for why it must be told."""
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        if trainer.max_steps > 0:
+            return trainer.max_steps * trainer.accumulate_grad_batches
+        if not isinstance(trainer.limit_train_batches, int):
+            raise ValueError(
+                "the training stream is endless: set Trainer(max_steps=...) (or an integer limit_train_batches)"
+            )
+        return None  # Lightning caps each epoch at limit_train_batches, which gives it a length
+
+    def val_dataloader(self) -> Any:
+        self._ready_tokenizer()
+        if not self._val_sources or self.val_batches == 0:
+            return []  # Lightning skips validation for an empty list of loaders
+        rank, world_size = self.data_parallel_rank_and_size()
+        if self._val_cache is None or self._val_cache[:2] != (rank, world_size):
+            weights = self.weights if len(self._val_sources) == len(self._train_sources) else None
+            batches, skipped = validation_batches(
+                self._val_sources, self.tokenizer, self.seq_len, self.micro_batch_size, self.val_batches,
+                rank, world_size, weights, self.seed, self.strict,
+            )  # fmt: skip
+            self._val_cache = (rank, world_size, batches)
+            self._val_skipped = {s.name: n for s, n in zip(self._val_sources, skipped)}
+        return FixedBatches(self._val_cache[2])
+
+    def teardown(self, stage: Optional[str] = None) -> None:
+        if self._train_batches is not None:
+            self._train_batches.close()
+
+    @property
+    def skipped_records(self) -> dict[str, int]:
+        """Bad records skipped so far, per source, over this rank's workers (training) and validation."""
+        counts = {source.name: 0 for source in self._train_sources + self._val_sources}
+        if self._train_batches is not None:
+            for state in _stream_states(self._train_batches.stream_state()):
+                for source, s in zip(self._train_sources, state["sources"]):
+                    counts[source.name] += s["skipped"]
+        for name, n in self._val_skipped.items():
+            counts[name] += n
+        return counts
+
+    # -- checkpointing -----------------------------------------------------------------------------------------
+    #
+    # Lightning calls state_dict() on every rank while building a checkpoint (checkpoint_connector.py,
+    # dump_checkpoint) but only rank 0 writes the non-tensor part, and every rank reads back rank 0's copy
+    # (restore_datamodule). So state_dict() all-gathers the loader state of every rank into one dict keyed by
+    # data-parallel rank, and load_state_dict() keeps the whole dict until train_dataloader() knows this
+    # rank and applies its entry. Lightning's own copy of the loader state is kept out (train_batches.py).
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._train_batches is None:
+            return self._saved_streams or {}  # no training yet in this process: pass a loaded state through
+        rank, world_size = self.data_parallel_rank_and_size()
+        mine = (rank, self._train_batches.stream_state())
+        gathered = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)  # collective: Lightning calls state_dict() on every rank
+        return {
+            "format": "step35.datamodule/1",
+            "data_parallel_size": world_size,
+            "num_workers": self.num_workers,
+            "train_stream_by_rank": dict(gathered),  # ranks sharing a replica hold the same state
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_streams = state_dict or None
+        if self._train_batches is not None and self._saved_streams is not None:
+            self._restore_train_stream()  # the loader was built first (some strategies set up before restoring)
+
+    def _restore_train_stream(self) -> None:
+        saved = self._saved_streams
+        assert saved is not None and self._train_batches is not None
+        self._saved_streams = None
+        rank, world_size = self.data_parallel_rank_and_size()
+        by_rank = saved.get("train_stream_by_rank", {})
+        state = by_rank.get(rank, by_rank.get(str(rank)))
+        layout = (saved.get("data_parallel_size"), saved.get("num_workers"))
+        if layout != (world_size, self.num_workers) or state is None:
+            # The shards are (rank, worker) pairs: another layout splits documents differently, so no saved
+            # position means anything. Restarting the stream repeats data, which beats a crash on resume.
+            warnings.warn(
+                f"the checkpoint's data stream was saved with {layout[0]} data-parallel ranks x {layout[1]} workers,"
+                f" this run has {world_size} x {self.num_workers}: the training stream starts from the beginning",
+                stacklevel=2,
+            )
+            return
+        self._train_batches.restore_stream_state(state)
+        # Lightning (training_epoch_loop.py, reset) warns that a mid-epoch resume is unreliable when it sees no
+        # stateful train loader; ours is hidden from it on purpose (train_batches.py) and was just restored.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+
+
+def _stream_states(loader_state: Any) -> list[dict[str, Any]]:
+    """Our dataset states inside a StatefulDataLoader state (one per worker, or one without workers)."""
+    if isinstance(loader_state, dict):
+        if loader_state.get("format") == STATE_FORMAT and "sources" in loader_state:
+            return [loader_state]
+        return [s for value in loader_state.values() for s in _stream_states(value)]
+    return []

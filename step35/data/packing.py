@@ -1,0 +1,70 @@
+"""Packing one source's documents into fixed windows of tokens, resumable at every window."""
+
+from collections.abc import Iterator
+from typing import Any
+
+from step35.data.bad_records import BadRecords
+from step35.data.sources import Cursor
+from step35.data.tokenizer import TextTokenizer
+
+
+def fresh_packing_state() -> dict[str, Any]:
+    return {"cursor": Cursor().to_list(), "skip": 0, "done": False, "skipped": 0}
+
+
+class PackedSource:
+    """Windows of `window` tokens from one shard of one source: each document's ids then EOS, concatenated.
+
+    Windows do not overlap and documents run across window borders. A window is complete when it is handed
+    out, so no tokens are ever carried in the state: after each window, `state` holds the cursor of the
+    document the next window starts in and how many of its tokens are used up (`skip`). A resume re-reads and
+    re-tokenizes that one document, which keeps the state a few integers even for a book-sized document.
+    A finite stream (`endless=False`) drops its last, partial window and sets `done`.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        tokenizer: TextTokenizer,
+        window: int,
+        shard: int,
+        num_shards: int,
+        endless: bool,
+        strict: bool,
+        state: dict[str, Any],
+    ) -> None:
+        self.source = source
+        self.tokenizer = tokenizer
+        self.window = window
+        self.shard = shard
+        self.num_shards = num_shards
+        self.endless = endless
+        self.state = state  # updated in place before every window leaves, read by the stream's state_dict()
+        self.bad = BadRecords(source.name, strict, count=state["skipped"])
+
+    def windows(self) -> Iterator[list[int]]:
+        state = self.state
+        if state["done"]:
+            return
+        eos = self.tokenizer.eos_token_id
+        partial: list[int] = []  # the start of the next window, always shorter than a window
+        skip = state["skip"]
+        documents = self.source.documents(Cursor(*state["cursor"]), self.shard, self.num_shards, self.bad, self.endless)
+        for start, after, text in documents:
+            ids = self.tokenizer.encode(text)
+            ids.append(eos)
+            used, skip = skip, 0
+            while len(partial) + len(ids) - used >= self.window:
+                take = self.window - len(partial)
+                window = partial + ids[used : used + take]
+                used += take
+                partial = []
+                if used < len(ids):
+                    state["cursor"], state["skip"] = start.to_list(), used
+                else:
+                    state["cursor"], state["skip"] = after.to_list(), 0
+                state["skipped"] = self.bad.count
+                yield window
+            partial.extend(ids[used:])
+        state["skipped"] = self.bad.count
+        state["done"] = True

@@ -1,0 +1,116 @@
+"""The token-window stream: sharded across ranks and DataLoader workers, mixed across sources, resumable."""
+
+import copy
+import hashlib
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from step35.data.packing import PackedSource, fresh_packing_state
+from step35.data.tokenizer import TextTokenizer
+
+STATE_FORMAT = "step35.token_windows/1"  # marks our state inside a StatefulDataLoader's state dict
+
+
+class TokenWindows(IterableDataset):
+    """Yields {"input_ids": LongTensor [seq_len + 1]} windows packed from the documents of `sources`.
+
+    Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
+    documents go round-robin to shards (see sources.py), so within an epoch no document is read twice or
+    skipped. Shards end up with slightly different token counts; an endless stream (training) makes that
+    harmless, since every rank can always produce its next batch and Lightning stops all ranks at the same
+    `max_steps`. Each shard of each source runs its own epochs: epoch e+1 starts, with a fresh file order,
+    when that shard has read its part of epoch e, and the leftover tokens of epoch e open epoch e+1.
+    A shard that finds no usable document in a whole epoch raises instead of spinning forever.
+    A finite stream (`endless=False`: one epoch, last partial window of each source dropped) is for
+    validation and tests; validation equalises ranks separately (validation.py).
+
+    Mixing: before each window a seeded hash of (seed, shard, window index) picks the source, with
+    probabilities `weights`; so the weights are shares of windows, i.e. of tokens, and the choice needs no
+    RNG state. Every source keeps its own packing state, so a window never mixes two sources.
+
+    State (`state_dict`/`load_state_dict`, as torchdata's StatefulDataLoader expects of an IterableDataset):
+    the window count and per source a cursor, a token skip and a bad-record count; a handful of integers.
+    `__iter__` continues from the current state, and the state advances before every window leaves, so the
+    state read right after a batch is the exact position after that batch.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Any],
+        tokenizer: TextTokenizer,
+        seq_len: int,
+        weights: Optional[Sequence[float]] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        endless: bool = True,
+        strict: bool = False,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        weights = list(weights) if weights is not None else [1.0] * len(sources)
+        if len(weights) != len(sources) or not sources:
+            raise ValueError(f"{len(weights)} weights for {len(sources)} sources; give one weight per source")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+        self.sources = list(sources)
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.weights = [w / sum(weights) for w in weights]
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.endless = endless
+        self.strict = strict
+        self._state = {
+            "format": STATE_FORMAT,
+            "windows": 0,
+            "sources": [fresh_packing_state() for _ in self.sources],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("format") != STATE_FORMAT or len(state_dict["sources"]) != len(self.sources):
+            raise ValueError(
+                f"stream state does not fit: saved for {len(state_dict.get('sources', []))} sources"
+                f" ({state_dict.get('format')}), the stream has {len(self.sources)} ({STATE_FORMAT})"
+            )
+        self._state = copy.deepcopy(state_dict)
+
+    def shard(self) -> tuple[int, int]:
+        """(this process's shard, number of shards), from the rank and the DataLoader worker running us."""
+        worker = get_worker_info()
+        workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+        return self.rank * workers + worker_id, self.world_size * workers
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        shard, num_shards = self.shard()
+        state = self._state
+        packers = [
+            PackedSource(source, self.tokenizer, self.seq_len + 1, shard, num_shards, self.endless, self.strict, s)
+            for source, s in zip(self.sources, state["sources"])
+        ]
+        windows = [packer.windows() for packer in packers]
+        while True:
+            alive = [i for i, s in enumerate(state["sources"]) if not s["done"] and self.weights[i] > 0]
+            if not alive:
+                return
+            i = alive[0] if len(alive) == 1 else self._pick(shard, state["windows"], alive)
+            window = next(windows[i], None)
+            if window is None:  # only a finite stream runs dry; its source is now marked done
+                continue
+            state["windows"] += 1
+            yield {"input_ids": torch.tensor(window, dtype=torch.long)}
+
+    def _pick(self, shard: int, index: int, alive: list[int]) -> int:
+        digest = hashlib.blake2b(f"{self.seed}:{shard}:{index}".encode(), digest_size=8).digest()
+        u = int.from_bytes(digest, "little") / 2**64
+        bounds = list(accumulate(self.weights[i] for i in alive))
+        return alive[min(bisect_right(bounds, u * bounds[-1]), len(alive) - 1)]

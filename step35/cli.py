@@ -44,6 +44,12 @@ class Step35CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"trainer.default_root_dir": "runs"})
 
+    def before_instantiate_classes(self) -> None:
+        # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if config.get("data") is not None and not config.data.get("tokenizer") and config.model.get("checkpoint"):
+            config.data.tokenizer = config.model.checkpoint
+
 
 def main(args: list[str] | None = None) -> None:
     from step35.data import Step35DataModule

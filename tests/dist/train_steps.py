@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.05)  # small enough to be active every step
     p.add_argument("--mtp", type=float, default=0.3)
     p.add_argument("--ac", default="none")
+    p.add_argument("--param-dtype", default=None, choices=[None, "bfloat16"])
+    p.add_argument("--compile", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -46,7 +48,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         dims = ParallelDims(world, args.ep, args.replicate, num_experts=config.moe_num_experts)
-        parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac)
+        parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac, compile=args.compile,
+                    param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None)
     materialize(model, "cpu", seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     data = batches(args.steps, config.vocab_size)

@@ -52,6 +52,16 @@ class Step35CLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
+    """`step35 fit|validate ...` (LightningCLI), `step35 export ...`, `step35 plan ...`."""
+    import sys
+
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] in ("export", "plan"):
+        if argv[0] == "export":
+            from step35.checkpoint.export import main as run
+        else:
+            from step35.plan import main as run
+        return run(argv[1:])
     from step35.data import Step35DataModule
 
     Step35CLI(

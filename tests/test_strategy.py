@@ -56,6 +56,21 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
     for step in range(4, 8):
         assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a[step], b[step])
 
+    # The sharded checkpoint exports to an HF folder equal to torch's own DCP consolidation.
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from step35.checkpoint.export import export_hf
+    from step35.model import Step35ForCausalLM
+
+    export_hf(step4[0], tmp_path / "hf", max_shard_size="2MB")
+    dcp_to_torch_save(step4[0], tmp_path / "consolidated.pt")
+    consolidated = torch.load(tmp_path / "consolidated.pt", weights_only=False)["state_dict"]
+    exported = Step35ForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert len(exported) == len([k for k in consolidated if k.startswith("model.")]) > 0
+    for name, value in exported.items():
+        assert torch.equal(value, consolidated["model." + name]), name
+
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

@@ -52,7 +52,7 @@ def assert_same(ref: dict, got: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world,ep,extra", [
-    (2, 1, ()), (2, 2, ()), (2, 2, ("--accum", "2")),
+    (2, 1, ()), (2, 2, ()), (2, 2, ("--accum", "2")), (2, 2, ("--ac", "selective")),
     (4, 1, ()), (4, 2, ()), (4, 4, ()), (4, 2, ("--accum", "2", "--ac", "full")),
     (4, 2, ("--replicate", "2")),
 ], ids=lambda v: str(v))

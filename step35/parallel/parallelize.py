@@ -72,6 +72,8 @@ def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointi
 
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing must be 'none', 'selective' or 'full', got {mode!r}")
+    if mode == "selective":
+        _ignore_profiler_ops_in_selective_checkpointing()
     forward = layer.forward
     context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
                   if mode == "selective" else None)
@@ -83,6 +85,18 @@ def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointi
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     layer.forward = checkpointed
+
+
+def _ignore_profiler_ops_in_selective_checkpointing() -> None:
+    # FSDP2 unshards the expert group inside the block (its modules run there), and its hooks emit
+    # record_function markers whose count differs between the forward and the recompute; selective
+    # checkpointing then reports a mismatch. The markers carry no data: let SAC pass them through.
+    from torch.utils import checkpoint
+
+    profiler = torch.ops.profiler
+    checkpoint.SAC_IGNORED_OPS.update({profiler._record_function_enter.default,
+                                       profiler._record_function_enter_new.default,
+                                       profiler._record_function_exit._RecordFunction})
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):

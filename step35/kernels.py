@@ -44,8 +44,8 @@ def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # (4096, 1280) always satisfy it, only odd test shapes fall back to the segment loop.
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-        return False  # the op's compile-time shape function accepts bf16 only (torch 2.13)
+    if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
+        return False  # the CUDA kernel and the op's compile-time shape function take bf16 only (torch 2.13)
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     item = x.element_size()

@@ -452,3 +452,16 @@ def test_bad_checkpoint_raises_naming_the_problem(corrupt, bf16_checkpoint, tmp_
         Step35ForCausalLM.from_pretrained(path)
     for text in expected:
         assert text in str(err.value), (text, str(err.value))
+
+
+def test_save_killed_between_the_two_renames_points_at_the_intact_copy(tmp_path):
+    from step35.checkpoint import CheckpointError
+    from step35.model import Step35ForCausalLM
+    from step35.config import preset
+
+    model = Step35ForCausalLM(preset("tiny"))
+    model.init_weights(0)
+    model.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-1234")  # the state a kill at that instant leaves
+    with pytest.raises(CheckpointError, match=r"intact at .*\.ckpt\.old-1234"):
+        Step35ForCausalLM.from_pretrained(tmp_path / "ckpt")

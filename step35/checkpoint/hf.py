@@ -64,6 +64,10 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
 
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
+    leftovers = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.exists() else []
+    if leftovers:  # a save was killed between moving the old folder aside and moving the new one in
+        raise CheckpointError(f"{path}: not there, but the checkpoint that a save interrupted was moving aside "
+                              f"is intact at {leftovers[-1]}; rename it back to {path}")
     raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
 

@@ -64,11 +64,17 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
 
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
+    _check_interrupted_save(path)
+    raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+
+def _check_interrupted_save(path: Path) -> None:
+    if path.exists():
+        return
     leftovers = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.exists() else []
     if leftovers:  # a save was killed between moving the old folder aside and moving the new one in
         raise CheckpointError(f"{path}: not there, but the checkpoint that a save interrupted was moving aside "
                               f"is intact at {leftovers[-1]}; rename it back to {path}")
-    raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
 
 def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
@@ -138,6 +144,7 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, dev
     from step35.checkpoint.materialize import materialize
 
     path = Path(path)
+    _check_interrupted_save(path)
     try:
         config = Step35Config.from_json(path)
     except ConfigError as e:

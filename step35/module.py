@@ -1,6 +1,8 @@
 """The LightningModule: builds Step-3.5-Flash in `configure_model` (meta device, then sharded by the
 strategy when it can, then filled from an HF checkpoint or the deterministic init), computes the
-next-token loss (chunked cross-entropy) plus the MTP loss, and owns the optimizer and LR schedule."""
+next-token loss (chunked cross-entropy) plus the MTP loss and the optional sequence balance loss,
+owns the optimizer and LR schedule, and balances expert load with the aux-loss-free router-bias
+update after each optimizer step."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from step35.callbacks.expert_counts import ExpertCounter
 from step35.checkpoint.materialize import materialize
 from step35.config import Step35Config, load_config
 from step35.model import Step35ForCausalLM
@@ -32,6 +35,8 @@ class Step35LightningModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         loss_chunk_size: int = 1024,
+        moe_bias_update_rate: float = 0.0,
+        moe_aux_loss_coef: float = 0.0,
     ):
         """
         Args:
@@ -50,11 +55,26 @@ class Step35LightningModule(pl.LightningModule):
             betas: AdamW betas.
             eps: AdamW epsilon.
             loss_chunk_size: tokens per chunk of the cross-entropy (bounds the logits in memory).
+            moe_bias_update_rate: aux-loss-free load balancing: after each optimizer step every MoE
+                layer's router bias (used only to choose experts) moves by
+                rate * sign(mean load - load of the expert), from the step's token counts summed over
+                all ranks (one all_reduce per step for all layers). 0 (default, as released): the
+                biases never change and no collective runs. DeepSeek-V3 used 1e-3.
+            moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
+                sum_e f_e * P_e, mean over sequences and MoE layers; see model.moe.sequence_balance_loss)
+                added to the training loss and logged as train/aux_loss. 0 (default): not computed.
         """
         super().__init__()
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         self.model_config: Step35Config = load_config(checkpoint if checkpoint else config)
+        if moe_bias_update_rate < 0 or moe_aux_loss_coef < 0:
+            raise ValueError("model.moe_bias_update_rate and model.moe_aux_loss_coef must be >= 0")
+        if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
+            raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
+                             "model config has use_moe_router_bias=false")
+        # Reads the MoE layers' token counts (shared with the ExpertLoadMonitor callback); set in configure_model.
+        self.expert_counter: ExpertCounter | None = None
 
     # ------------------------------------------------------------------------------- building
     def setup(self, stage: str) -> None:
@@ -79,6 +99,7 @@ class Step35LightningModule(pl.LightningModule):
         checkpoint = None if resuming else self.hparams.checkpoint
         materialize(model, strategy.root_device, checkpoint=checkpoint, seed=self.hparams.init_seed)
         self.model = model
+        self.expert_counter = ExpertCounter(model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
 
     # ------------------------------------------------------------------------------- steps
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -87,7 +108,8 @@ class Step35LightningModule(pl.LightningModule):
     def _loss(self, batch: dict):
         tokens = batch["input_ids"]  # [B, S + 1]
         weight = self.hparams.mtp_loss_weight if self.training else 0.0
-        return self.model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight,
+        aux_coef = self.hparams.moe_aux_loss_coef if self.training else 0.0
+        return self.model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
                           loss_chunk_size=self.hparams.loss_chunk_size), tokens[:, 1:].numel()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -96,6 +118,8 @@ class Step35LightningModule(pl.LightningModule):
         self.log("train/lm_loss", out.lm_loss)
         for depth, loss in enumerate(out.mtp_losses, start=1):
             self.log(f"train/mtp{depth}_loss", loss)
+        if out.aux_loss is not None:
+            self.log("train/aux_loss", out.aux_loss)
         self.log("train/tokens", float(n_tokens), reduce_fx="sum")
         return out.loss
 
@@ -113,11 +137,23 @@ class Step35LightningModule(pl.LightningModule):
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"trainer.gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if all(p.grad is None for p in params):
+            return  # a skipped step (DivergenceGuard): nothing to clip, no norm to log
         if gradient_clip_val:
             norm = clip_grad_norm_(params, float(gradient_clip_val))
         else:
             norm = global_grad_norm(params)
         self.log("train/grad_norm", norm)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # After the step, the router counts hold every micro-batch of it. A step that applied no
+        # gradient (skipped by DivergenceGuard; the same on every rank) learned nothing: its counts
+        # are dropped and the biases stay.
+        applied = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+        counts = self.expert_counter.end_step(keep=applied) if self.expert_counter is not None else None
+        if counts is not None and self.hparams.moe_bias_update_rate > 0:
+            update_router_bias(self.expert_counter.layers, counts, self.hparams.moe_bias_update_rate)
 
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):
@@ -136,6 +172,17 @@ class Step35LightningModule(pl.LightningModule):
         schedule = warmup_cosine(hp.warmup_steps, total, hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@torch.no_grad()
+def update_router_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean load - load_e) for each layer,
+    from global counts [L, E]. On the device, no host sync; identical on every rank (the biases are
+    plain replicated buffers and the counts are already summed over ranks)."""
+    load = counts.float()
+    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)  # [L, E]; 0 where a load equals the mean
+    for moe, delta in zip(layers, step):
+        moe.router_bias.add_(delta.to(moe.router_bias.device))
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):

@@ -2,6 +2,10 @@
 weights from unbiased scores renormalised and scaled, routed SwiGLU experts stacked [E, out, in]
 and computed through one grouped GEMM per projection.
 
+Router statistics: `tokens_per_expert` counts routed rows per expert in training forwards (read
+and reset by step35/callbacks/expert_counts.py); `sequence_balance_loss` is the optional auxiliary
+loss, collected through a `RouterAuxLosses` passed down the layers.
+
 The shared expert is a sibling module of the layer (`share_expert.*`), not part of this one; the
 decoder layer adds the two. Expert parallelism plugs in through `dispatcher` (see
 step35/parallel): this file knows nothing of process groups.
@@ -11,7 +15,7 @@ Shape legend: T tokens, H hidden, E experts, K top-k, N = T*K routed rows, I exp
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,43 @@ def in_backward_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class RouterAuxLosses:
+    """Collects each MoE layer's sequence-level balance loss during one forward.
+
+    Passed down through the layers (not a module attribute). Deliberately a plain class, not a list
+    or dataclass: FSDP2's input casting (torch.distributed.utils._apply_to_tensors) rebuilds lists
+    and copies dataclasses but hands other objects through, so every layer adds to this one.
+    Activation-checkpoint replays (in_backward_recompute) compute the loss again, so the recomputed
+    graph matches the saved one, but do not add it a second time."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        if not in_backward_recompute():
+            self.losses.append(loss)
+
+
+def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Sequence-level balance loss (DeepSeek-V3 style), before its coefficient, averaged over sequences.
+
+    scores [T, E] sigmoid router scores (fp32), expert_ids [T, K] the chosen experts (biased top-k),
+    tokens grouped by sequence (T = num_sequences * S). Per sequence, with S its tokens:
+        P_e = mean_t scores[t, e] / sum_e' scores[t, e']        (differentiable: the router learns from it)
+        f_e = E / (K * S) * (tokens of the sequence routed to e)  (a count: no gradient)
+        loss = sum_e f_e * P_e   (= 1 when routing and scores are uniform)
+    """
+    T, E = scores.shape
+    K = expert_ids.shape[-1]
+    S = T // num_sequences
+    probs = (scores / scores.sum(-1, keepdim=True)).view(num_sequences, S, E)  # [B, S, E]
+    P = probs.mean(1)  # [B, E]
+    ids = expert_ids.reshape(num_sequences, S * K)
+    routed = scores.new_zeros(num_sequences, E).scatter_add_(1, ids, scores.new_ones(ids.shape))  # [B, E]
+    f = routed * (E / (K * S))
+    return (f * P).sum(-1).mean()
+
+
 class MoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
                  limit: float = 0.0, scaling_factor: float = 3.0, renormalize: bool = True,
@@ -90,10 +131,14 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return scores, expert_ids, weights * self.scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_aux: RouterAuxLosses | None = None) -> torch.Tensor:
+        """x [B, S, H] (or [T, H]: one sequence) -> [same]. With `router_aux`, this layer's sequence
+        balance loss (sequence_balance_loss) is added to it."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        _, expert_ids, weights = self.route(x)
+        scores, expert_ids, weights = self.route(x)
+        if router_aux is not None:
+            router_aux.add(sequence_balance_loss(scores, expert_ids, shape[0] if len(shape) == 3 else 1))
         flat_ids = expert_ids.reshape(-1)  # [N]
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert
         token_of_row = order // self.top_k
@@ -105,6 +150,12 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token_of_row, y)
         return out.view(shape)
 
+    def take_tokens_per_expert(self) -> torch.Tensor:
+        """The counts since the last take [E] (int64, on the buffer's device), and reset them. No host sync."""
+        counts = self.tokens_per_expert.clone()
+        self.tokens_per_expert.zero_()
+        return counts
+
     def _apply(self, fn: Callable, recurse: bool = True):
         # Module casts (model.to(bfloat16), Lightning's bf16-true) must not round the fp32 router
         # bias: keep its values and dtype, follow only the device change.
@@ -115,3 +166,11 @@ class MoE(nn.Module):
             self.router_bias = (torch.empty_like(bias, device=moved.device) if bias.is_meta
                                 else bias.to(moved.device))
         return self
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
+    """(qualified name, module) of every MoE block of a model, in model order: the router statistics
+    readers and the load balancer walk these."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            yield name, module

@@ -18,7 +18,7 @@ from step35.model.attention import Attention
 from step35.model.init import init_tensor
 from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from step35.model.mlp import SwiGLU
-from step35.model.moe import MoE
+from step35.model.moe import MoE, RouterAuxLosses
 from step35.model.norm import RMSNorm
 from step35.model.rope import inverse_frequencies, rotary_cos_sin
 
@@ -44,10 +44,12 @@ class DecoderLayer(nn.Module):
             # Dense layers (and MTP layers) use the shared-expert clamp list (spec 2.7).
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                router_aux: RouterAuxLosses | None = None) -> torch.Tensor:
+        """router_aux: where an MoE layer adds its sequence balance loss (None: not computed)."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         x = self.post_attention_layernorm(h)
-        ffn = self.moe(x) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
+        ffn = self.moe(x, router_aux) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
         return h + ffn
 
 
@@ -114,21 +116,25 @@ class Step35Model(nn.Module):
         positions = torch.arange(seq_len, device=device)
         return {key: rotary_cos_sin(positions, inv) for key, inv in self._inv_freq.items()}
 
-    def forward(self, input_ids: torch.Tensor, rope: dict | None = None) -> torch.Tensor:
-        """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H]."""
+    def forward(self, input_ids: torch.Tensor, rope: dict | None = None,
+                router_aux: RouterAuxLosses | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
+
+        router_aux: collects the MoE layers' sequence balance losses (None: not computed)."""
         rope = rope if rope is not None else self.rotary_tables(input_ids.shape[1], input_ids.device)
         h = self.embed_tokens(input_ids)
         for layer, key in zip(self.main_layers, self.rope_keys):
-            h = layer(h, *rope[key])
+            h = layer(h, *rope[key], router_aux=router_aux)
         return h
 
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # what to backpropagate: lm_loss + mtp_weight * mean(mtp_losses)
+    loss: torch.Tensor  # what to backpropagate: lm_loss + mtp_weight * mean(mtp_losses) + aux_loss
     lm_loss: torch.Tensor  # mean next-token loss of the main head
     mtp_losses: list[torch.Tensor] = field(default_factory=list)  # mean loss of MTP depth 1, 2, ...
     num_tokens: torch.Tensor | None = None  # tokens counted by the main loss
+    aux_loss: torch.Tensor | None = None  # coef x sequence balance loss, mean over MoE layers (None: coef 0)
 
 
 class Step35ForCausalLM(nn.Module):
@@ -153,12 +159,15 @@ class Step35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                mtp_loss_weight: float = 0.0, loss_chunk_size: int = 1024):
+                mtp_loss_weight: float = 0.0, loss_chunk_size: int = 1024, moe_aux_loss_coef: float = 0.0):
         """input_ids [B, S] -> logits [B, S, V]; with labels [B, S] (-100 = ignore) -> LossOutput.
 
-        The MTP layers run only when labels are given and mtp_loss_weight > 0."""
+        The MTP layers run only when labels are given and mtp_loss_weight > 0. With labels and
+        moe_aux_loss_coef > 0 the loss includes coef x the sequence balance loss averaged over the
+        MoE layers (moe.sequence_balance_loss); 0 does not compute it."""
         rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device)
-        h = self.model(input_ids, rope)
+        router_aux = RouterAuxLosses() if labels is not None and moe_aux_loss_coef > 0 else None
+        h = self.model(input_ids, rope, router_aux=router_aux)
         if labels is None:
             return self.lm_head(self.model.norm(h))
         total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
@@ -167,7 +176,11 @@ class Step35ForCausalLM(nn.Module):
         if mtp_loss_weight > 0:
             mtp_losses = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size)
         loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
-        return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count)
+        aux_loss = None
+        if router_aux is not None and router_aux.losses:
+            aux_loss = moe_aux_loss_coef * torch.stack(router_aux.losses).mean()
+            loss = loss + aux_loss
+        return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count, aux_loss=aux_loss)
 
     def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
                     chunk_size: int) -> list[torch.Tensor]:

@@ -1,0 +1,16 @@
+"""Lightning callbacks of step35 (each configurable from YAML under trainer.callbacks):
+
+- MemoryMonitor      device/host memory, max and min over ranks; a summary on out-of-memory
+- ExpertLoadMonitor  tokens per expert per MoE layer, balance metrics, heatmaps, router-bias stats
+- ThroughputMonitor  step time, tokens/s, TFLOP/s per device and MFU
+- DivergenceGuard    skip (or stop at) optimizer steps with a non-finite loss or gradient
+"""
+
+from step35.callbacks.divergence import DivergenceError, DivergenceGuard
+from step35.callbacks.expert_counts import ExpertCounter
+from step35.callbacks.expert_load import ExpertLoadMonitor
+from step35.callbacks.memory import MemoryMonitor
+from step35.callbacks.throughput import ThroughputMonitor
+
+__all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "MemoryMonitor",
+           "ThroughputMonitor"]

@@ -101,6 +101,10 @@ class Step35LightningModule(pl.LightningModule):
         self.model = model
         self.expert_counter = ExpertCounter(model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The model's own config.json travels with every checkpoint: `step35 export` needs no other source.
+        checkpoint["step35_config"] = self.model_config.to_dict()
+
     # ------------------------------------------------------------------------------- steps
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

@@ -36,6 +36,14 @@ def test_export_round_trip_fp32(trained, tmp_path):
     assert not torch.equal(loaded.lm_head.weight, init.lm_head.weight)  # the trained weights, not the init
 
 
+def test_checkpoint_carries_the_model_config(trained):
+    from step35.config import preset
+
+    _, ckpt = trained
+    meta = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert meta["step35_config"] == preset("tiny").to_dict()
+
+
 def test_export_to_bf16_keeps_router_bias_fp32(trained, tmp_path):
     model, ckpt = trained
     main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16"])

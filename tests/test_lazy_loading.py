@@ -45,8 +45,10 @@ def test_each_rank_reads_only_its_slices(tmp_path):
     for r in ranks:
         assert r["bytes_read"] == r["local_bytes"]  # what a rank read is what it holds
         assert r["bytes_read"] < 0.3 * total  # ~1/4 of the model each
-        # Peak host memory grows by about the shard, not the model (slack for allocator/page cache).
-        assert r["peak_rss_growth"] < 0.3 * total + 16e6, (r, total)
+        # Peak host memory grows by about the shard, not the model. Measured (2 cores, 2026-11-30):
+        # shard 53.6 MB, growth 77-78 MB (mapped file pages and the slice being copied), model 214 MB;
+        # a rank that read the whole model would grow by >= 214 MB.
+        assert r["peak_rss_growth"] < 0.5 * total, (r, total)
     # And the shards put together are the checkpoint, bit for bit.
     loaded = torch.load(tmp_path / "full.pt")
     reference = model.state_dict()

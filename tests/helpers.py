@@ -56,3 +56,38 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, num_mtp_layers
 
 def state_numel(module: torch.nn.Module) -> int:
     return sum(t.numel() for t in module.state_dict().values())
+
+
+def wandb_records(run_root, kind: str) -> list:
+    """Records of one type ("history", "config", ...) of an offline wandb run, read from its .wandb
+    file with wandb's own protobuf classes (offline runs write no wandb-summary.json, and wandb 0.31
+    ships no reader). The file is a LevelDB-style log: a 7-byte header, then 32 KiB blocks of chunks
+    [crc32 u32][length u16][type u8][data], types full=1, first=2, middle=3, last=4."""
+    from pathlib import Path
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = next(Path(run_root).glob("**/run-*.wandb")).read_bytes()
+    block, pos, chunks, pending = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        length, chunk_type = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if chunk_type == 1:
+            chunks.append(chunk)
+        elif chunk_type == 2:
+            pending = chunk
+        elif chunk_type == 3:
+            pending += chunk
+        elif chunk_type == 4:
+            chunks.append(pending + chunk)
+    records = []
+    for raw in chunks:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == kind:
+            records.append(record)
+    return records

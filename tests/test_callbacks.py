@@ -21,6 +21,7 @@ from step35.flops import training_flops_per_token
 from step35.model.moe import moe_layers
 from step35.module import Step35LightningModule
 from step35.parallel.parallelize import apply_activation_checkpointing
+from tests.helpers import wandb_records
 
 TOP_K = preset("tiny").moe_top_k  # 2
 NUM_EXPERTS = preset("tiny").moe_num_experts  # 8
@@ -260,37 +261,8 @@ def test_other_errors_print_no_memory_summary(capsys):
 
 # ------------------------------------------------------------------------------- loggers
 def wandb_history(run_root: Path) -> list[dict]:
-    """History rows of an offline wandb run, read from its .wandb file with wandb's own protobuf
-    records (offline runs write no wandb-summary.json). The file is a LevelDB-style log: a 7-byte
-    header, then 32 KiB blocks of chunks [crc32 u32][length u16][type u8][data], types full=1,
-    first=2, middle=3, last=4."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = next(run_root.glob("**/run-*.wandb")).read_bytes()
-    block, pos, records, pending = 32768, 7, [], b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 1:
-            records.append(chunk)
-        elif kind == 2:
-            pending = chunk
-        elif kind == 3:
-            pending += chunk
-        elif kind == 4:
-            records.append(pending + chunk)
-    rows = []
-    for raw in records:
-        record = pb.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in wandb_records(run_root, "history")]
 
 
 def test_metrics_reach_csv_and_offline_wandb(tmp_path):

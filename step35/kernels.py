@@ -25,6 +25,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     An expert-parallel weight (a DTensor sharded over experts) contributes its local experts.
     """
     weight = _local(weight)
+    if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped kernels: cast as it would
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
     if x.device.type == "npu":
         return _npu_grouped_mm(x, weight, counts)
     if _grouped_mm_supported(x, weight):

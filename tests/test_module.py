@@ -96,3 +96,18 @@ def test_configure_model_leaves_nothing_on_meta():
     assert not any(t.is_meta for t in module.model.state_dict().values())
     assert not any(b.is_meta for b in module.model.buffers())
     assert all(int(b.sum()) == 0 for n, b in module.model.named_buffers() if n.endswith("tokens_per_expert"))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_precisions_train(precision, builtin_cache):
+    data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
+    module = Step35LightningModule(config="tiny", mtp_loss_weight=0.3, lr=3e-3, warmup_steps=1,
+                                   moe_bias_update_rate=1e-3)
+    record = FirstLoss()
+    trainer(max_steps=6, precision=precision, callbacks=[record], gradient_clip_val=1.0).fit(module, datamodule=data)
+    assert len(record.losses) == 6 and all(math.isfinite(x) for x in record.losses)
+    assert 8.0 < record.losses[0] < 9.5  # ~ln(1024) x (1 + 0.3 for MTP) at init, whatever the precision
+    weights = {p.dtype for p in module.model.parameters()}
+    assert weights == ({torch.bfloat16} if precision == "bf16-true" else {torch.float32})
+    bias = module.model.model.layers[1].moe.router_bias
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # fp32 and updated, even under bf16-true

@@ -91,3 +91,22 @@ def wandb_records(run_root, kind: str) -> list:
         if record.WhichOneof("record_type") == kind:
             records.append(record)
     return records
+
+
+def run_process_group(cmd: list[str], timeout: float, **kwargs):
+    """subprocess.run for commands that start children (torchrun and its ranks): the command runs in
+    its own session and, on timeout, the whole group is killed, so a rank hung in a collective can
+    never outlive its test. Returns a CompletedProcess; raises subprocess.TimeoutExpired after the kill."""
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -9,12 +9,12 @@ tensor's max, so the per-tensor norm is the stated criterion).
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers import run_process_group
 
 SCRIPT = Path(__file__).parent / "dist" / "train_steps.py"
 ROOT = Path(__file__).parent.parent
@@ -28,7 +28,7 @@ def run(tmp_path: Path, name: str, nproc: int | None, *args: str, timeout: int =
         cmd = [sys.executable, str(SCRIPT)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
-    proc = subprocess.run(cmd + ["--out", str(out), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process_group(cmd + ["--out", str(out), *args], env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
 

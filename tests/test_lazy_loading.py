@@ -3,7 +3,6 @@ its own slices and its host memory grows by about its shard, not by the model.""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 from step35.config import PRESETS, Step35Config
 from step35.model import Step35ForCausalLM
+from tests.helpers import run_process_group
 
 ROOT = Path(__file__).parent.parent
 WORLD = 4
@@ -35,9 +35,9 @@ def test_each_rank_reads_only_its_slices(tmp_path):
     total = sum(sizes.values())
     replicated = sum(v for n, v in sizes.items() if n.endswith("router_bias"))  # buffers: a copy per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+    proc = run_process_group([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
                            str(ROOT / "tests" / "dist" / "lazy_load.py"), "--checkpoint", str(tmp_path / "hf"),
-                           "--ep", "2", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=500)
+                           "--ep", "2", "--out", str(tmp_path)], env=env, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     # Every byte of the checkpoint is read exactly once across ranks (replicated buffers once per rank).

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from step35.parallel import ParallelConfigError, ParallelDims
+from tests.helpers import run_process_group
 
 ROOT = Path(__file__).parent.parent
 
@@ -18,7 +19,7 @@ def torchrun(nproc: int, args: list[str], cache: Path, timeout: int = 600) -> su
     env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "step35", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_process_group(cmd, cwd=ROOT, env=env, timeout=timeout)
 
 
 def fit_args(run: Path, *extra: str) -> list[str]:

@@ -98,6 +98,12 @@ class Step35LightningModule(pl.LightningModule):
         resuming = self.trainer.ckpt_path is not None  # weights come from the Lightning checkpoint
         checkpoint = None if resuming else self.hparams.checkpoint
         materialize(model, strategy.root_device, checkpoint=checkpoint, seed=self.hparams.init_seed)
+        if self.hparams.mtp_loss_weight == 0:
+            # MTP layers are kept (and exported) but get no gradient: freeze them, so the optimizer
+            # holds no state for them (a sharded optimizer checkpoint would otherwise lack their
+            # entries and refuse to resume).
+            for layer in model.model.mtp_layers:
+                layer.requires_grad_(False)
         self.model = model
         self.expert_counter = ExpertCounter(model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
 

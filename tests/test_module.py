@@ -79,7 +79,12 @@ def test_no_weight_decay_on_norms_and_router_bias_not_optimised():
     optimised = {id(p) for g in opt.param_groups for p in g["params"]}
     bias = module.model.model.layers[1].moe.router_bias
     assert id(bias) not in optimised and not bias.requires_grad
-    assert len(optimised) == len(list(module.model.parameters()))
+    trainable = [p for p in module.model.parameters() if p.requires_grad]
+    assert len(optimised) == len(trainable)
+    # mtp_loss_weight 0 (the default): the MTP layer is kept but frozen, so it holds no optimizer state
+    mtp = module.model.model.mtp_layers[0]
+    assert all(not p.requires_grad for p in mtp.parameters())
+    assert len(trainable) == len(list(module.model.parameters())) - len(list(mtp.parameters()))
 
 
 def test_sequence_longer_than_model_supports_is_refused(builtin_cache):

@@ -7,6 +7,7 @@ update after each optimizer step."""
 from __future__ import annotations
 
 import math
+from typing import Any
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -24,6 +25,7 @@ class Step35LightningModule(pl.LightningModule):
         self,
         config: str = "tiny",
         checkpoint: str | None = None,
+        config_overrides: dict[str, Any] | None = None,
         num_mtp_layers: int | None = None,
         mtp_loss_weight: float = 0.0,
         init_seed: int = 0,
@@ -44,6 +46,10 @@ class Step35LightningModule(pl.LightningModule):
                 Ignored when `checkpoint` is given (the checkpoint's own config.json is used).
             checkpoint: an HF checkpoint folder (config.json + safetensors) to start from; each rank
                 reads only the slices it holds. None: the deterministic from-scratch init.
+            config_overrides: config.json fields to change for this run, validated like the file, e.g.
+                `{rope_scaling: null}` (no llama3 scaling, as StepFun's own trainer at 4K) or
+                `{sliding_window: 513}` (the 513-key window of Steptron/Megatron instead of HF's 512).
+                Shape fields that the checkpoint fixes make loading fail with the tensor named.
             num_mtp_layers: MTP layers to build (default: all of the config's; 0 builds none).
             mtp_loss_weight: weight of the mean MTP loss added to the main loss; 0 skips MTP compute.
             init_seed: seed of the from-scratch init (same model on any world size).
@@ -68,6 +74,8 @@ class Step35LightningModule(pl.LightningModule):
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         self.model_config: Step35Config = load_config(checkpoint if checkpoint else config)
+        if config_overrides:
+            self.model_config = Step35Config.from_dict({**self.model_config.to_dict(), **config_overrides})
         if moe_bias_update_rate < 0 or moe_aux_loss_coef < 0:
             raise ValueError("model.moe_bias_update_rate and model.moe_aux_loss_coef must be >= 0")
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:

@@ -116,3 +116,16 @@ def test_precisions_train(precision, builtin_cache):
     assert weights == ({torch.bfloat16} if precision == "bf16-true" else {torch.float32})
     bias = module.model.model.layers[1].moe.router_bias
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # fp32 and updated, even under bf16-true
+
+
+def test_config_overrides_switch_training_conventions(tmp_path):
+    from step35.config import ConfigError
+
+    module = Step35LightningModule(config="tiny", config_overrides={"rope_scaling": None, "sliding_window": 65})
+    assert module.model_config.rope_scaling is None and module.model_config.sliding_window == 65
+    assert not module.model_config.layer(0).rope_scaled  # full layers no longer scaled
+    module.trainer = trainer()
+    module.configure_model()
+    assert module.model.model.layers[1].self_attn.window == 65
+    with pytest.raises(ConfigError, match="moe_top_k"):
+        Step35LightningModule(config="tiny", config_overrides={"moe_top_k": 99})

@@ -18,10 +18,7 @@ from safetensors.torch import load_file, save_file
 from step35.checkpoint.hf import INDEX_FILE, CheckpointError
 from step35.model import Step35ForCausalLM
 
-try:
-    from tests.helpers import tiny_config_dict, tiny_model
-except ImportError:  # pragma: no cover - rootdir-less import mode
-    from helpers import tiny_config_dict, tiny_model  # type: ignore[no-redef]
+from tests.helpers import tiny_config_dict, tiny_model
 
 SHARD = 1_000_000  # bytes: the ~7.8 MB fp32 tiny model becomes ~9 shards
 MTP_PREFIX = "model.layers.5."  # tiny: 5 main layers, MTP layer 5

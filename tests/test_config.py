@@ -12,10 +12,7 @@ import torch
 from step35.config import PRESETS, ConfigError, Step35Config, load_config, preset
 from step35.model import Step35ForCausalLM
 
-try:
-    from tests.helpers import flash_config_dict, state_numel, tiny_config_dict
-except ImportError:  # pragma: no cover - rootdir-less import mode
-    from helpers import flash_config_dict, state_numel, tiny_config_dict  # type: ignore[no-redef]
+from tests.helpers import flash_config_dict, state_numel, tiny_config_dict
 
 
 # ----------------------------------------------------------------------------------- round trip

@@ -10,30 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-try:  # works both with and without a tests/__init__.py
-    from tests.hf_oracle import (
-        convert_state_dict_to_hf,
-        hf_config_from_dict,
-        hf_forward_logits,
-        hf_grads_to_ours,
-        hf_reference_logits,
-        hf_reference_model,
-        random_state_dict,
-        tiny_config_dict,
-    )
-    from tests.reference_forward import reference_logits, rope_inv_freq
-except ImportError:  # pragma: no cover - rootdir-less import mode
-    from hf_oracle import (  # type: ignore[no-redef]
-        convert_state_dict_to_hf,
-        hf_config_from_dict,
-        hf_forward_logits,
-        hf_grads_to_ours,
-        hf_reference_logits,
-        hf_reference_model,
-        random_state_dict,
-        tiny_config_dict,
-    )
-    from reference_forward import reference_logits, rope_inv_freq  # type: ignore[no-redef]
+from tests.hf_oracle import (  # the repository root is on sys.path (pyproject: pythonpath)
+    convert_state_dict_to_hf,
+    hf_config_from_dict,
+    hf_forward_logits,
+    hf_grads_to_ours,
+    hf_reference_logits,
+    hf_reference_model,
+    random_state_dict,
+    tiny_config_dict,
+)
+from tests.reference_forward import reference_logits, rope_inv_freq
 
 from transformers.models.step3p7.modeling_step3p7 import Step3p7RotaryEmbedding
 

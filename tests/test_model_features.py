@@ -24,10 +24,7 @@ from step35.model.moe import MoE
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
-try:
-    from tests.helpers import randomize_, tiny_config, tiny_model
-except ImportError:  # pragma: no cover - rootdir-less import mode
-    from helpers import randomize_, tiny_config, tiny_model  # type: ignore[no-redef]
+from tests.helpers import randomize_, tiny_config, tiny_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 vs float64 reference
 

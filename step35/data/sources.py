@@ -10,7 +10,7 @@ import glob
 import hashlib
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -66,6 +66,48 @@ class _BadRecord(Exception):
 Document = tuple[Cursor, Cursor, str]  # where the document starts, where the next item starts, its text
 
 
+# A record of one epoch: where it starts, where the next starts, its holdout key, and two callables
+# (its location for a warning, its text: None to pass over it silently, _BadRecord when malformed).
+Record = tuple[Cursor, Cursor, str, Callable[[], str], Callable[[], Optional[str]]]
+
+
+def owned_documents(
+    name: str,
+    epoch_records: Callable[[Cursor], Iterator[Record]],
+    start: Cursor,
+    shard: int,
+    num_shards: int,
+    holdout: Optional[Holdout],
+    bad: BadRecords,
+    endless: bool,
+) -> Iterator[Document]:
+    """The documents of `shard` (round-robin over record ordinals), kept by the holdout, from `start` on,
+    epoch after epoch when `endless`; bad records are reported to `bad` and skipped."""
+    cursor = start
+    while True:
+        whole_epoch = cursor == Cursor(epoch=cursor.epoch)
+        found = 0
+        for here, after, key, where, read in epoch_records(cursor):
+            if here.ordinal % num_shards != shard:
+                continue
+            if holdout is not None and not holdout.keeps(key):
+                continue
+            try:
+                text = read()
+            except _BadRecord as error:
+                bad(where(), str(error))
+                continue
+            if text is None:
+                continue
+            found += 1
+            yield here, after, text
+        if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
+            raise RuntimeError(empty_epoch_message(name, shard, num_shards, bad.count))
+        if not endless:
+            return
+        cursor = Cursor(epoch=cursor.epoch + 1)
+
+
 class FileSource:
     """Documents from local files, one epoch after another, file order reshuffled every epoch when `shuffle`."""
 
@@ -98,36 +140,21 @@ class FileSource:
         self, start: Cursor, shard: int, num_shards: int, bad: BadRecords, endless: bool
     ) -> Iterator[Document]:
         """Documents owned by `shard`, from the item at `start` on; endless streams roll into the next epoch."""
-        cursor = start
-        while True:
-            whole_epoch = cursor == Cursor(epoch=cursor.epoch)
-            found = 0
-            ordinal = cursor.ordinal
-            for file_index, path in enumerate(self.epoch_files(cursor.epoch)):
-                if file_index < cursor.file:
-                    continue
-                item, offset = (cursor.item, cursor.offset) if file_index == cursor.file else (0, 0)
-                for item, offset, next_offset, raw in self._items(path, item, offset):
-                    here = Cursor(cursor.epoch, file_index, item, offset, ordinal)
-                    ordinal += 1
-                    if here.ordinal % num_shards != shard:
-                        continue
-                    if self.holdout is not None and not self.holdout.keeps(f"{Path(path).name}:{item}"):
-                        continue
-                    try:
-                        text = self._text(path, raw)
-                    except _BadRecord as error:
-                        bad(self._where(path, item, offset), str(error))
-                        continue
-                    if text is None:
-                        continue
-                    found += 1
-                    yield here, Cursor(cursor.epoch, file_index, item + 1, next_offset, ordinal), text
-            if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
-                raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count))
-            if not endless:
-                return
-            cursor = Cursor(epoch=cursor.epoch + 1)
+        return owned_documents(self.name, self._records, start, shard, num_shards, self.holdout, bad, endless)
+
+    def _records(self, cursor: Cursor) -> Iterator[Record]:
+        ordinal = cursor.ordinal
+        for file_index, path in enumerate(self.epoch_files(cursor.epoch)):
+            if file_index < cursor.file:
+                continue
+            item, offset = (cursor.item, cursor.offset) if file_index == cursor.file else (0, 0)
+            for item, offset, next_offset, raw in self._items(path, item, offset):
+                here = Cursor(cursor.epoch, file_index, item, offset, ordinal)
+                ordinal += 1
+                yield (here, Cursor(cursor.epoch, file_index, item + 1, next_offset, ordinal),
+                       f"{Path(path).name}:{item}",
+                       lambda path=path, item=item, offset=offset: self._where(path, item, offset),
+                       lambda path=path, raw=raw: self._text(path, raw))
 
     def _kind(self, path: str) -> str:
         if path not in self._kinds:
@@ -225,37 +252,21 @@ class HubSource:
     def documents(
         self, start: Cursor, shard: int, num_shards: int, bad: BadRecords, endless: bool
     ) -> Iterator[Document]:
-        cursor = start
-        while True:
-            whole_epoch = cursor == Cursor(epoch=cursor.epoch)
-            found = 0
-            item = cursor.item
-            # `.iter()` rather than `for record in stream`: iterating a `datasets` stream inside a DataLoader
-            # worker splits it across workers on its own, which would fight the round-robin sharding here.
-            for batch in self.open(skip=cursor.item).iter(batch_size=256):
-                values = batch.get(self.text_field)
-                size = len(next(iter(batch.values()))) if batch else 0
-                for k in range(size):
-                    here = Cursor(cursor.epoch, 0, item, 0, item)
-                    item += 1
-                    if here.ordinal % num_shards != shard:
-                        continue
-                    if self.holdout is not None and not self.holdout.keeps(f"{self.name}:{here.item}"):
-                        continue
-                    try:
-                        text = _checked_text(None if values is None else values[k], self.text_field)
-                    except _BadRecord as error:
-                        bad(f"{self.name}: record {here.item}", str(error))
-                        continue
-                    if text is None:
-                        continue
-                    found += 1
-                    yield here, Cursor(cursor.epoch, 0, item, 0, item), text
-            if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
-                raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count))
-            if not endless:
-                return
-            cursor = Cursor(epoch=cursor.epoch + 1)
+        return owned_documents(self.name, self._records, start, shard, num_shards, self.holdout, bad, endless)
+
+    def _records(self, cursor: Cursor) -> Iterator[Record]:
+        item = cursor.item
+        # `.iter()` rather than `for record in stream`: iterating a `datasets` stream inside a DataLoader
+        # worker splits it across workers on its own, which would fight the round-robin sharding here.
+        for batch in self.open(skip=cursor.item).iter(batch_size=256):
+            values = batch.get(self.text_field)
+            size = len(next(iter(batch.values()))) if batch else 0
+            for k in range(size):
+                here = Cursor(cursor.epoch, 0, item, 0, item)
+                item += 1
+                yield (here, Cursor(cursor.epoch, 0, item, 0, item), f"{self.name}:{here.item}",
+                       lambda here=here: f"{self.name}: record {here.item}",
+                       lambda k=k, values=values: _checked_text(None if values is None else values[k], self.text_field))
 
 
 def expand_files(patterns: Sequence[str]) -> list[Path]:

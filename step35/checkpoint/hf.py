@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from step35.checkpoint.errors import CheckpointError
 from step35.config import ConfigError, Step35Config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -27,10 +28,6 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that does not hold exactly the model's tensors; the message names what."""
 
 
 @dataclass(frozen=True)

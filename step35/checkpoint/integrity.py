@@ -1,0 +1,180 @@
+"""Checkpoint manifests: a checksum and size per file, written LAST into a checkpoint, verified at load.
+
+Where the manifest lives:
+- a checkpoint folder (DCP sharded, HF safetensors, export): `<folder>/step35.manifest.json`;
+- a single file `x.ckpt`: the sibling `x.ckpt.manifest.json` (written after the file, see
+  `publish_file`).
+
+    {"format": "step35-manifest", "version": 1, "hash": "crc32",
+     "files": {"__0_0.distcp": {"size": 123, "crc32": "0a1b2c3d"}, ...},   # "." = the single file
+     "extra": {"global_step": 40, ...}}
+
+Hash: zlib's CRC-32, streamed in 8 MiB blocks (measured 6.6 GB/s on one core here, against 1.9 GB/s
+for SHA-256, 1.3 GB/s for BLAKE2b): faster than the disks it checks, in the standard library, and it
+catches every flipped byte and every burst error up to 32 bits. It guards against damage, not
+against an attacker (who could rewrite the manifest too); unpickling is made safe by
+`step35.checkpoint.safe_load`, not by this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+from step35.checkpoint.errors import CheckpointError
+
+MANIFEST = "step35.manifest.json"
+FILE_MANIFEST_SUFFIX = ".manifest.json"
+FORMAT = "step35-manifest"
+VERSION = 1
+_BLOCK = 8 << 20
+_SELF = "."  # the key of a single-file checkpoint's own entry
+
+
+def manifest_path(path: str | Path) -> Path:
+    """Where the manifest of checkpoint `path` (folder or single file) lives."""
+    path = Path(path)
+    return path / MANIFEST if path.is_dir() else path.with_name(path.name + FILE_MANIFEST_SUFFIX)
+
+
+def crc32_file(path: str | Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def file_entry(path: str | Path) -> dict:
+    """{"size", "crc32"} of one file."""
+    return {"size": os.path.getsize(path), "crc32": crc32_file(path)}
+
+
+def checkpoint_files(path: str | Path) -> list[str]:
+    """The files a manifest of `path` covers, relative to it: every file of a folder but the manifest
+    (sorted), or ["."] for a single file."""
+    path = Path(path)
+    if not path.is_dir():
+        return [_SELF]
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def hash_files(path: str | Path, names: Iterable[str]) -> dict[str, dict]:
+    """Entries for `names` (relative to the folder `path`, or "." for the file itself). Ranks of a
+    sharded save each call this on the files they wrote, rank 0 passes the union to `write_manifest`."""
+    path = Path(path)
+    return {name: file_entry(path if name == _SELF else path / name) for name in names}
+
+
+def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[str, dict] | None = None) -> Path:
+    """Write the manifest of the finished checkpoint `path` (call it last, before `publish`). Files
+    missing from `entries` (precomputed by other ranks) are hashed here. Returns the manifest's path."""
+    path = Path(path)
+    entries = dict(entries or {})
+    names = checkpoint_files(path)
+    unknown = sorted(set(entries) - set(names))
+    if unknown:
+        raise CheckpointError(f"{path}: hashed files that are not in the checkpoint: {unknown[:3]}")
+    entries.update(hash_files(path, [n for n in names if n not in entries]))
+    manifest = {"format": FORMAT, "version": VERSION, "hash": "crc32",
+                "files": {n: entries[n] for n in names}, "extra": extra or {}}
+    target = manifest_path(path)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def _read_manifest(path: Path) -> dict:
+    target = manifest_path(path)
+    if not target.exists():
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such checkpoint")
+        raise CheckpointError(f"{path}: no {target.name}: the save that wrote it did not finish (or it predates "
+                              f"manifests; if you trust it: python -m step35.checkpoint.integrity write {path})")
+    try:
+        manifest = json.loads(target.read_text())
+        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+            raise ValueError("not a step35 manifest")
+        if manifest.get("version") != VERSION or manifest.get("hash") != "crc32":
+            raise ValueError(f"version {manifest.get('version')} / hash {manifest.get('hash')} unknown to this step35")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{target}: unreadable manifest ({e})") from None
+    return manifest
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when `path` exists and carries a parsable manifest (its save finished); reads no data."""
+    path = Path(path)
+    if not path.exists():
+        return False
+    try:
+        _read_manifest(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def manifest_info(path: str | Path) -> dict:
+    """The parsed manifest (cheap: no data read); `manifest_info(p)["extra"]` holds e.g. global_step."""
+    return _read_manifest(Path(path))
+
+
+def verify(path: str | Path, rank: int = 0, world_size: int = 1, sizes_only: bool = False) -> dict:
+    """Check `path` against its manifest and return the manifest; raise a one-line CheckpointError
+    naming the first missing, truncated or damaged file. Every file's presence and size is checked;
+    the checksums of the files i % world_size == rank (sorted) are computed here, so ranks can share
+    the reading."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    files = manifest["files"]
+    names = sorted(files)
+    for name in names:
+        file = path if name == _SELF else path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in the checkpoint's manifest)")
+        size = file.stat().st_size
+        if size != files[name]["size"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {files[name]['size']}: truncated or "
+                                  f"overwritten")
+    if not sizes_only:
+        for i, name in enumerate(names):
+            if i % world_size != rank:
+                continue
+            file = path if name == _SELF else path / name
+            if crc32_file(file) != files[name]["crc32"]:
+                raise CheckpointError(f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
+                                      f"{files[name]['crc32']}): the file is damaged")
+    return manifest
+
+
+def remove_manifest(path: str | Path) -> None:
+    manifest_path(path).unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m step35.checkpoint.integrity",
+                                description="Verify a checkpoint against its manifest, or write one for a "
+                                            "checkpoint you trust (e.g. saved before manifests existed).")
+    p.add_argument("action", choices=["verify", "write"])
+    p.add_argument("path")
+    args = p.parse_args(argv)
+    if args.action == "write":
+        print(f"wrote {write_manifest(args.path)}")
+    else:
+        try:
+            manifest = verify(args.path)
+        except CheckpointError as e:
+            raise SystemExit(f"step35: {e}") from None
+        print(f"{args.path}: {len(manifest['files'])} file(s) intact")
+
+
+if __name__ == "__main__":
+    main()

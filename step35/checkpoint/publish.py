@@ -1,0 +1,180 @@
+"""Atomic publish: every checkpoint save (file or folder) is written into a temporary sibling and
+then switched in by `publish`, so a save killed at any moment leaves either the previous checkpoint
+or the new one under the final name, never a mix.
+
+    tmp = partial_path(final)      # .<name>.partial-<token>, same folder => same filesystem
+    ... write everything into tmp (and its manifest, last) ...
+    publish(tmp, final)
+
+The switch:
+- `final` absent, or a file replaced by a file: one `rename` (atomic on POSIX).
+- a folder replacing an existing folder (or file/folder mixes): Linux `renameat2(RENAME_EXCHANGE)`
+  swaps the two names in one atomic step where the filesystem supports it (ext4, xfs, btrfs, tmpfs);
+  the old content, now under the temporary name, is deleted afterwards. Elsewhere (NFS, Lustre,
+  macOS) two renames: `final` -> `.<name>.old-<token>`, then `tmp` -> `final`, then delete the old
+  one. A kill between those two renames leaves no `final` but an intact `.<name>.old-*`:
+  `interrupted_publish(final)` finds it and `restore(final)` renames it back.
+
+Anything a killed save leaves behind matches `.<name>.partial-*` or `.<name>.old-*` and is listed
+by `leftovers(folder)` (which also knows the names older step35 versions used).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, manifest_path
+
+# Temporary siblings: written by a save in progress (partial) or retired by a folder swap (old).
+# The bare `.x.partial` / `.x.old` / `.x.old-<pid>` spellings are those of step35 before this module.
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-[0-9A-Za-z-]+)?(\.manifest\.json)?$")
+_RENAME_EXCHANGE = 2  # linux/fs.h
+use_exchange = True  # tests switch it off to exercise the two-rename fallback
+
+
+def partial_path(final: str | Path) -> Path:
+    """The temporary sibling a save of `final` writes into: `.<name>.partial-<pid>-<random>`."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _old_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names `a` and `b`; False when this OS/filesystem cannot."""
+    if not use_exchange:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # not Linux / glibc < 2.28
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
+
+
+def publish(tmp: str | Path, final: str | Path) -> None:
+    """Switch the finished `tmp` (file or folder, a sibling of `final`) in under the name `final`."""
+    tmp, final = Path(tmp), Path(final)
+    if not tmp.exists():
+        raise CheckpointError(f"{tmp}: nothing to publish as {final}")
+    if tmp.parent.resolve() != final.parent.resolve():
+        raise CheckpointError(f"{tmp}: must be a sibling of {final} (a rename is only atomic within a folder)")
+    if tmp.is_dir():
+        for root, _, files in os.walk(tmp):  # the data must be on disk before the name points at it
+            for name in files:
+                _fsync_file(Path(root) / name)
+    else:
+        _fsync_file(tmp)
+    if tmp.is_file():
+        # A single file and its sibling manifest: the old manifest goes first, so no moment pairs a
+        # manifest with the wrong file (a kill in between leaves a file without a manifest:
+        # incomplete, never "damaged").
+        new_manifest, old_manifest = manifest_path(tmp), final.with_name(final.name + FILE_MANIFEST_SUFFIX)
+        if new_manifest.is_file():
+            _fsync_file(new_manifest)
+        old_manifest.unlink(missing_ok=True)
+        _fsync_dir(final.parent)
+        if final.is_dir():
+            _swap(tmp, final)
+        else:
+            os.replace(tmp, final)
+        if new_manifest.is_file():
+            os.replace(new_manifest, old_manifest)
+    elif not final.exists() and not final.is_symlink():
+        os.rename(tmp, final)
+    else:
+        _swap(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _swap(tmp: Path, final: Path) -> None:
+    if _exchange(tmp, final):  # tmp now holds the previous checkpoint
+        _fsync_dir(final.parent)
+        _remove(tmp)
+    else:
+        old = _old_path(final)
+        os.rename(final, old)
+        os.rename(tmp, final)  # a kill before this line: `restore(final)` renames `old` back
+        _fsync_dir(final.parent)
+        _remove(old)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def leftovers(folder: str | Path) -> list[Path]:
+    """Temporary siblings left in `folder` by saves that were killed (partial writes, retired folders)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _LEFTOVER.match(p.name))
+
+
+def leftover_of(path: str | Path) -> tuple[str, str] | None:
+    """(`final` name, 'partial' | 'old') when `path` is a leftover of a save of that name, else None."""
+    m = _LEFTOVER.match(Path(path).name)
+    return (m.group("name"), m.group("kind")) if m else None
+
+
+def interrupted_publish(final: str | Path) -> Path | None:
+    """The previous checkpoint a two-rename publish of `final` moved aside and was killed before
+    replacing: only when `final` itself is missing. None when there is nothing to restore."""
+    final = Path(final)
+    if final.exists() or not final.parent.is_dir():
+        return None
+    olds = [p for p in leftovers(final.parent) if leftover_of(p) == (final.name, "old")]
+    return max(olds, key=lambda p: p.stat().st_mtime) if olds else None
+
+
+def restore(final: str | Path) -> Path | None:
+    """Rename the checkpoint an interrupted publish moved aside back to `final`; returns it (or None)."""
+    old = interrupted_publish(final)
+    if old is not None:
+        os.rename(old, final)
+        return Path(final)
+    return None
+
+
+def check_not_interrupted(final: str | Path) -> None:
+    """Raise a CheckpointError with the fix when `final` is missing because a publish was killed."""
+    old = interrupted_publish(final)
+    if old is not None:
+        raise CheckpointError(f"{final}: not there, but the checkpoint that an interrupted save was replacing "
+                              f"is intact at {old}; rename it back to {final}")

@@ -18,6 +18,7 @@ from step35.checkpoint.materialize import materialize
 from step35.config import Step35Config, load_config
 from step35.model import Step35ForCausalLM
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
+from step35.resume import SavedRun, apply_optimizer_settings, check_resume, read_saved_run
 
 
 class Step35LightningModule(pl.LightningModule):
@@ -81,6 +82,7 @@ class Step35LightningModule(pl.LightningModule):
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
             raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
                              "model config has use_moe_router_bias=false")
+        self._resume_checked = False  # the checkpoint to resume was compared with this run's options
         # Reads the MoE layers' token counts (shared with the ExpertLoadMonitor callback); set in configure_model.
         self.expert_counter: ExpertCounter | None = None
 
@@ -94,6 +96,17 @@ class Step35LightningModule(pl.LightningModule):
                              f"(max_position_embeddings={limit} in the model config)")
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
+        if self.trainer.ckpt_path is not None:  # known here under the CLI (or `trainer.ckpt_path = ...`)
+            self._check_resume(read_saved_run(self.trainer.ckpt_path))
+
+    def _check_resume(self, saved) -> None:
+        # Before a byte is loaded: a different model shape is refused with the fields listed; options
+        # this run changes are said (step35/resume.py has the rule).
+        notes = check_resume(saved, self.model_config, dict(self.hparams))
+        self._resume_checked = True
+        if notes and self.trainer.is_global_zero:
+            print(f"step35: resuming {saved.path} with these settings changed by this run's options (the "
+                  f"checkpoint's are ignored): " + "; ".join(notes), flush=True)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -114,6 +127,21 @@ class Step35LightningModule(pl.LightningModule):
                 layer.requires_grad_(False)
         self.model = model
         self.expert_counter = ExpertCounter(model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
+
+    def on_train_start(self) -> None:
+        if self.trainer.ckpt_path is not None:
+            # The restore brought back the checkpoint's lr, betas, eps and weight decay in the
+            # optimizer and its lr in the schedule: the run's own options win (step35/resume.py).
+            schedulers = self.trainer.lr_scheduler_configs
+            apply_optimizer_settings(self.trainer.optimizers[0], self._group_settings(),
+                                     schedulers[0].scheduler if schedulers else None)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # `trainer.fit(ckpt_path=...)` makes the path known only now: for a single-file checkpoint
+        # still before the weights are loaded (a sharded one has loaded them and failed on a shape).
+        if not self._resume_checked:
+            self._check_resume(SavedRun(Path(str(self.trainer.ckpt_path)), dict(checkpoint.get("hyper_parameters") or {}),
+                                        checkpoint.get("step35_config")))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's own config.json travels with every checkpoint: `step35 export` needs no other source.
@@ -174,6 +202,12 @@ class Step35LightningModule(pl.LightningModule):
             update_router_bias(self.expert_counter.layers, counts, self.hparams.moe_bias_update_rate)
 
     # ------------------------------------------------------------------------------- optimizer
+    def _group_settings(self) -> list[dict]:
+        """AdamW settings of the two param groups (decayed, then norms without decay)."""
+        hp = self.hparams
+        common = {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps}
+        return [{**common, "weight_decay": hp.weight_decay}, {**common, "weight_decay": 0.0}]
+
     def configure_optimizers(self):
         hp = self.hparams
         decay, no_decay = [], []
@@ -181,7 +215,8 @@ class Step35LightningModule(pl.LightningModule):
             if not param.requires_grad:
                 continue
             (no_decay if name.endswith("norm.weight") else decay).append(param)
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay_settings, no_decay_settings = self._group_settings()
+        groups = [{"params": decay, **decay_settings}, {"params": no_decay, **no_decay_settings}]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
                                       foreach=_foreach_ok(decay + no_decay))
         total = hp.decay_steps or self.trainer.max_steps

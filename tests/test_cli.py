@@ -49,8 +49,8 @@ def test_tiny_config_trains_and_loss_falls(tmp_path, builtin_cache):
     header = rows(out)[0].keys()
     assert {"step", "train/loss", "train/grad_norm", "lr-AdamW/pg1"} <= set(header)
     assert any(r.get("val/loss") for r in rows(out)) and any(r.get("val/ppl") for r in rows(out))
-    assert (out / "checkpoints" / "last.ckpt").exists()
-    saved = (out / "config.yaml").read_text()
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()  # the run folder's, not the attempt's
+    saved = (tmp_path / "run" / "config.yaml").read_text()
     assert "mtp_loss_weight: 0.3" in saved and "max_steps: 60" in saved  # the resolved config, overrides applied
 
 

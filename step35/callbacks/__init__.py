@@ -4,8 +4,10 @@
 - ExpertLoadMonitor  tokens per expert per MoE layer, balance metrics, heatmaps, router-bias stats
 - ThroughputMonitor  step time, tokens/s, TFLOP/s per device and MFU
 - DivergenceGuard    skip (or stop at) optimizer steps with a non-finite loss or gradient
+- RunCheckpoint      periodic checkpoints of the run folder: atomic last.ckpt, keep the newest K, tidy leftovers
 """
 
+from step35.callbacks.checkpointing import RunCheckpoint
 from step35.callbacks.divergence import DivergenceError, DivergenceGuard
 from step35.callbacks.expert_counts import ExpertCounter
 from step35.callbacks.expert_load import ExpertLoadMonitor
@@ -13,4 +15,4 @@ from step35.callbacks.memory import MemoryMonitor
 from step35.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "MemoryMonitor",
-           "ThroughputMonitor"]
+           "RunCheckpoint", "ThroughputMonitor"]

@@ -1,0 +1,112 @@
+"""RunCheckpoint: the periodic checkpoints of a run folder (`<run_dir>/checkpoints/step=NNNNNN.ckpt`).
+
+Lightning's ModelCheckpoint with three changes that make unattended restarts safe:
+- after each save has completed (its manifest is on disk), `last.ckpt` is switched to it in one
+  atomic step (Lightning's `save_last` re-saves or re-links `last.ckpt` in place: there is a
+  moment without it, and a kill then leaves none);
+- the newest `keep_last` complete checkpoints are kept, older ones deleted (never the newest, never
+  the one this run resumed from);
+- at start, rank 0 tidies what killed saves left in the folder (and says so), points `last.ckpt`
+  at the newest complete checkpoint (pre-emption saves are written without this callback), and
+  lists checkpoints whose save did not finish.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from step35.checkpoint import catalog
+from step35.checkpoint.integrity import is_complete, remove_manifest, write_manifest
+
+
+def say(message: str) -> None:
+    print(f"step35: {message}", file=sys.stderr, flush=True)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "step={step:06d}",
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        keep_last: int = 3,
+        save_weights_only: bool = False,
+        verbose: bool = False,
+    ):
+        """
+        Args:
+            dirpath: where checkpoints go (default: `<run_dir>/checkpoints`, i.e. trainer.default_root_dir).
+            filename: name pattern (Lightning's format: `{step}`, `{epoch}`); `.ckpt` is appended.
+            every_n_train_steps: save every N optimizer steps.
+            train_time_interval: save at most this often (wall clock), e.g. "00:30:00".
+            every_n_epochs: save every N epochs (the data stream has no epochs: prefer steps).
+            keep_last: complete checkpoints kept in the folder (the newest K by global step,
+                pre-emption saves included); older ones are deleted after each save.
+            save_weights_only: save the model only (such a checkpoint cannot resume training).
+            verbose: print each save.
+        """
+        if keep_last < 1:
+            raise ValueError(f"RunCheckpoint.keep_last={keep_last}: must be >= 1 (the newest checkpoint is always kept)")
+        # save_top_k=-1: Lightning deletes nothing (retention is ours); no save_last (not atomic);
+        # no version counter: a save whose earlier attempt was killed overwrites what it left.
+        super().__init__(dirpath=dirpath, filename=filename, monitor=None, verbose=verbose, save_last=False,
+                         save_top_k=-1, save_weights_only=save_weights_only, auto_insert_metric_name=False,
+                         every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval,
+                         every_n_epochs=every_n_epochs, enable_version_counter=False)
+        self.keep_last = keep_last
+        self._resumed_from: Path | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        if trainer.is_global_zero:
+            self._tidy()
+        trainer.strategy.barrier("RunCheckpoint.setup")  # nobody writes before the folder is tidy
+
+    def _tidy(self) -> None:
+        folder = Path(self.dirpath)
+        for line in catalog.clean_leftovers(folder):
+            say(line)
+        for path in catalog.incomplete_checkpoints(folder):
+            say(f"ignoring {path}: its save did not finish (no manifest)")
+        newest = catalog.newest_complete([folder])
+        if newest is not None:
+            catalog.point_last(folder, newest.path)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # Only now is the checkpoint known whichever way it was given (trainer.fit(ckpt_path=...) too).
+        if trainer.ckpt_path:
+            self._resumed_from = Path(trainer.ckpt_path).resolve()
+        elif trainer.is_global_zero and (newest := catalog.newest_complete([self.dirpath])) is not None:
+            say(f"{self.dirpath} already holds checkpoints up to step {newest.global_step}, but this run starts "
+                f"from scratch: its saves join them, and --ckpt_path last|auto picks the highest step "
+                f"(--ckpt_path auto resumes instead; a new --run_dir keeps runs apart)")
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        path = Path(filepath)
+        if trainer.is_global_zero and path.is_file():
+            remove_manifest(path)  # an earlier save of this name: its manifest must not vouch for the new bytes
+        super()._save_checkpoint(trainer, filepath)
+        if not trainer.is_global_zero:
+            return
+        if not is_complete(path):
+            # A strategy whose save writes no manifest (Lightning's own single-file save): the file
+            # is in place, so the manifest can be written now; until then the checkpoint is incomplete.
+            write_manifest(path, extra={"global_step": trainer.global_step})
+        newest = catalog.newest_complete([path.parent])  # this save, unless the folder holds later steps
+        catalog.point_last(path.parent, newest.path)
+        protect = [self._resumed_from] if self._resumed_from is not None else []
+        for removed in catalog.prune(path.parent, self.keep_last, protect=protect):
+            if self.verbose:
+                say(f"removed {removed} (keep_last={self.keep_last})")

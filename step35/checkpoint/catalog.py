@@ -1,0 +1,145 @@
+"""The checkpoints of one folder (a run's `checkpoints/`): which are complete, which is the newest,
+the `last.ckpt` pointer to it, what killed saves left behind, and retention of the newest K.
+
+A checkpoint is any `*.ckpt` entry of the folder (a single file or a sharded folder) that carries
+its manifest (`step35.checkpoint.integrity`, written last by every save): without one, its save
+did not finish and it is never picked. "Newest" is the highest global step (the manifest's
+`extra.global_step`, else the `step=N` in the name), whoever wrote it: the periodic
+`RunCheckpoint` callback or a pre-emption save.
+
+`last.ckpt` is a relative symlink to the newest complete checkpoint, switched by one `os.replace`
+of a freshly made link, so there is no moment without it and never one where it names a partial
+save. It is a convenience for people and tools (`step35 export --checkpoint .../last.ckpt`);
+`--ckpt_path last|auto` does not trust it and scans the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, is_complete, manifest_info, manifest_path
+from step35.checkpoint.publish import interrupted_publish, leftover_of, leftovers, restore
+
+LAST = "last.ckpt"
+SUFFIX = ".ckpt"
+_STEP = re.compile(r"step=(\d+)")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint of a folder and the global step it was saved at."""
+
+    path: Path
+    global_step: int
+
+
+def _is_candidate(path: Path) -> bool:
+    name = path.name
+    if name.startswith(".") or name.endswith(FILE_MANIFEST_SUFFIX) or not name.endswith(SUFFIX):
+        return False
+    return not (name == LAST and path.is_symlink())
+
+
+def _global_step(path: Path) -> int:
+    step = manifest_info(path).get("extra", {}).get("global_step")
+    if isinstance(step, int):
+        return step
+    match = _STEP.search(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def complete_checkpoints(folder: str | Path) -> list[Checkpoint]:
+    """The complete checkpoints of `folder`, oldest first (by global step, then modification time)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        if _is_candidate(path) and is_complete(path):
+            found.append((_global_step(path), manifest_path(path).stat().st_mtime_ns, path))
+    return [Checkpoint(path, step) for step, _, path in sorted(found)]
+
+
+def incomplete_checkpoints(folder: str | Path) -> list[Path]:
+    """`*.ckpt` entries without a manifest: saves that did not finish (or that predate manifests)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _is_candidate(p) and not is_complete(p))
+
+
+def newest_complete(folders: list[str | Path]) -> Checkpoint | None:
+    """The complete checkpoint with the highest global step over `folders` (None when there is none)."""
+    found = [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
+    return max(found, key=lambda c: (c.global_step, manifest_path(c.path).stat().st_mtime_ns), default=None)
+
+
+def point_last(folder: str | Path, target: str | Path) -> Path | None:
+    """Switch `folder/last.ckpt` to `target` (a checkpoint in `folder`) in one atomic step.
+    A `last.ckpt` that is a real checkpoint (saved by Lightning's `save_last`) is left alone: None."""
+    folder, target = Path(folder), Path(target)
+    last = folder / LAST
+    if (last.exists() or last.is_symlink()) and not last.is_symlink():
+        return None
+    # The temporary link is named like a partial save, so a kill before the replace leaves a
+    # leftover that `clean_leftovers` recognises.
+    tmp = folder / f".{LAST}.partial-{os.getpid()}-link"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, last)
+    return last
+
+
+def _remove(path: Path) -> None:
+    # The manifest goes first: a kill half-way leaves an incomplete checkpoint (never picked),
+    # not a complete-looking one with files missing.
+    manifest_path(path).unlink(missing_ok=True)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def clean_leftovers(folder: str | Path) -> list[str]:
+    """Tidy what killed saves left in `folder` and say what was done, one line per entry:
+    a checkpoint that an interrupted folder swap had moved aside (its final name missing) is
+    renamed back; every other leftover (partial writes, retired copies) is deleted."""
+    folder = Path(folder)
+    done = []
+    for path in leftovers(folder):
+        name, kind = leftover_of(path)
+        final = folder / name
+        if kind == "old" and interrupted_publish(final) == path:
+            restore(final)
+            done.append(f"restored {final} (an interrupted save had moved it aside to {path.name})")
+        elif path.exists() or path.is_symlink():
+            _remove_leftover(path)
+            done.append(f"removed {path} (left by a save of {name} that was killed)")
+    return done
+
+
+def _remove_leftover(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prune(folder: str | Path, keep: int, protect: list[str | Path] = ()) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints of `folder`; never the newest one nor
+    any path in `protect` (e.g. the checkpoint this run resumed from). Returns what was deleted."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept")
+    found = complete_checkpoints(folder)
+    protected = {Path(p).resolve() for p in protect if p}
+    removed = []
+    for checkpoint in found[:-keep]:
+        if checkpoint.path.resolve() in protected:
+            continue
+        _remove(checkpoint.path)
+        removed.append(checkpoint.path)
+    return removed

@@ -1,0 +1,144 @@
+"""What a resumed run may change, one rule for single-file (.ckpt) and sharded checkpoints:
+
+- the command line wins for everything that does not change the tensors a checkpoint holds:
+  lr and its schedule, betas, eps, weight_decay, mtp_loss_weight (while it stays non-zero),
+  moe_* rates, loss_chunk_size, and config fields that change no shape (e.g. rope_scaling,
+  sliding_window). The optimizer's restored param groups and the LR scheduler's base lr are
+  overwritten with the command line's values after the restore (`apply_optimizer_settings`).
+- a different model shape (config / config_overrides fields that change a tensor, num_mtp_layers)
+  or a different set of trained parameters (mtp_loss_weight 0 <-> non-zero: MTP layers are frozen
+  at 0, so the optimizer state has no entries for them) is refused before anything is loaded,
+  listing the fields.
+
+Every difference from the checkpoint's own settings is printed, so a resume never changes a
+setting silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from step35.config import Step35Config
+from step35.model import Step35ForCausalLM
+
+# Module options a resume may change (the command line wins); each one is reported when it does.
+RUN_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "betas", "eps",
+                "loss_chunk_size", "mtp_loss_weight", "moe_bias_update_rate", "moe_aux_loss_coef")
+
+
+class ResumeMismatchError(ValueError):
+    """The run's model differs in shape from the checkpoint it is asked to resume."""
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """What a checkpoint says about the run that wrote it."""
+
+    path: Path
+    hparams: dict[str, Any]
+    model_config: dict[str, Any] | None
+
+
+def read_saved_run(path: str | Path) -> SavedRun:
+    """The saved module options and model config of a checkpoint (a `.ckpt` file, or a sharded
+    folder's `meta.pt`), read with `weights_only=True` (no code runs) and without its tensors."""
+    path = Path(path)
+    source = path / "meta.pt" if path.is_dir() else path
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: not found (a checkpoint is a .ckpt file or a sharded folder with meta.pt)")
+    state = torch.load(source, map_location="cpu", weights_only=True, mmap=not path.is_dir())
+    return SavedRun(path, dict(state.get("hyper_parameters") or {}), state.get("step35_config"))
+
+
+def _shapes(config: dict, num_mtp_layers: int | None) -> dict[str, tuple]:
+    with torch.device("meta"):
+        model = Step35ForCausalLM(Step35Config.from_dict(config), num_mtp_layers)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _changes_shapes(config: dict, num_mtp_layers: int | None, key: str, value, shapes: dict) -> bool:
+    """Whether changing only `key` of `config` changes a tensor (or makes the config inconsistent)."""
+    try:
+        return _shapes({**config, key: value}, num_mtp_layers) != shapes
+    except (ValueError, TypeError, KeyError):
+        return True
+
+
+def _fmt(value) -> str:
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
+def check_resume(saved: SavedRun, model_config: Step35Config, hparams: dict[str, Any]) -> list[str]:
+    """Raise ResumeMismatchError when the run (its model config and module options) cannot resume
+    `saved`; else return one line per setting that differs from the checkpoint's (the run's is used)."""
+    notes, refused = [], []
+    current = model_config.to_dict()
+    changed_fields = []
+    if saved.model_config is not None:
+        keys = sorted(set(saved.model_config) | set(current))
+        changed_fields = [k for k in keys if saved.model_config.get(k) != current.get(k)]
+    saved_mtp, mtp = saved.hparams.get("num_mtp_layers"), hparams.get("num_mtp_layers")
+    if saved.model_config is not None and (changed_fields or saved_mtp != mtp):
+        before, after = _shapes(saved.model_config, saved_mtp), _shapes(current, mtp)
+        if before != after:
+            shape_fields = [k for k in changed_fields if _changes_shapes(saved.model_config, saved_mtp, k, current[k], before)]
+            notes += [f"model config {k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))}"
+                      for k in changed_fields if k not in shape_fields]
+            fields = [f"{k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))}"
+                      for k in shape_fields or changed_fields]
+            if saved_mtp != mtp:
+                fields.append(f"num_mtp_layers: {_fmt(saved_mtp)} -> {_fmt(mtp)}")
+            tensors = [f"{n} {list(before[n]) if n in before else 'absent'} -> {list(after[n]) if n in after else 'absent'}"
+                       for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)]
+            more = f" (and {len(tensors) - 3} more)" if len(tensors) > 3 else ""
+            refused.append(f"the model shape differs: {'; '.join(fields)} (tensors: {'; '.join(tensors[:3])}{more})")
+        else:
+            notes += [f"model config {k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))} (shapes unchanged)"
+                      for k in changed_fields]
+    saved_weight, weight = saved.hparams.get("mtp_loss_weight"), hparams.get("mtp_loss_weight")
+    if saved_weight is not None and (saved_weight == 0) != (weight == 0) and _has_mtp(current, mtp):
+        refused.append(f"mtp_loss_weight: {saved_weight} -> {weight} changes which parameters train (MTP layers "
+                       f"are frozen at 0), so the checkpoint's optimizer state does not fit")
+    if refused:
+        raise ResumeMismatchError(f"cannot resume from {saved.path}: " + "; ".join(refused) +
+                                  ". Resume with the checkpoint's model options, or start a new run (--run_dir)")
+    for key in RUN_SETTINGS:
+        if key in saved.hparams and _differs(saved.hparams[key], hparams.get(key)):
+            notes.append(f"{key}: {_fmt(saved.hparams[key])} -> {_fmt(hparams.get(key))}")
+    return notes
+
+
+def _has_mtp(config: dict, num_mtp_layers: int | None) -> bool:
+    return (num_mtp_layers if num_mtp_layers is not None else config.get("num_nextn_predict_layers", 0)) > 0
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) != list(b)
+    return a != b
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, group_settings: list[dict[str, Any]],
+                             scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
+    """After a restore, give each param group the run's settings (`group_settings[i]`: lr, betas,
+    eps, weight_decay of group i) and rebase the LR schedule on the run's lr at the restored step.
+    With unchanged settings the values are the ones the restore produced, bit for bit."""
+    if len(group_settings) != len(optimizer.param_groups):
+        raise ValueError(f"{len(optimizer.param_groups)} param groups restored, {len(group_settings)} configured")
+    for group, settings in zip(optimizer.param_groups, group_settings):
+        for key, value in settings.items():
+            if key != "lr":
+                group[key] = value
+    if scheduler is None:
+        for group, settings in zip(optimizer.param_groups, group_settings):
+            group["lr"] = settings["lr"]
+        return
+    scheduler.base_lrs = [settings["lr"] for settings in group_settings]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR.get_lr computes it
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -44,12 +44,15 @@ def _is_candidate(path: Path) -> bool:
     return not (name == LAST and path.is_symlink())
 
 
+def step_from_name(path: str | Path) -> int:
+    """The N of `step=N` in a checkpoint's name (-1 when there is none)."""
+    match = _STEP.search(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
 def _global_step(path: Path) -> int:
     step = manifest_info(path).get("extra", {}).get("global_step")
-    if isinstance(step, int):
-        return step
-    match = _STEP.search(path.name)
-    return int(match.group(1)) if match else -1
+    return step if isinstance(step, int) else step_from_name(path)
 
 
 def complete_checkpoints(folder: str | Path) -> list[Checkpoint]:

@@ -1,0 +1,199 @@
+"""Chaos: a training run SIGKILLed at random moments (some in the middle of a checkpoint save) and
+restarted each time with `--ckpt_path auto`, as torchrun --max-restarts or a SLURM requeue would,
+ends with parameters and optimizer state bitwise equal to those of an uninterrupted run.
+
+The supervisor follows the run through its checkpoint folder: a kill "at a step" waits until a
+checkpoint at or after that step is complete, then a random fraction of a second more; a kill
+"during a save" waits for a save in progress (a temporary `.partial` entry, or a checkpoint whose
+manifest is not written yet) and kills at once. Kill plans come from a seeded generator."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from step35.checkpoint import catalog
+from step35.checkpoint.publish import leftovers
+
+ROOT = Path(__file__).parent.parent
+
+CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  precision: 32-true
+  val_check_interval: 1000
+  check_val_every_n_epoch: null
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  gradient_clip_val: 1.0
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    - class_path: step35.loggers.CSVLogger
+      init_args:
+        name: csv
+  callbacks:
+    - class_path: step35.callbacks.RunCheckpoint
+      init_args:
+        every_n_train_steps: 5
+        keep_last: 2
+model:
+  config: tiny
+  mtp_loss_weight: 0.3
+  lr: 3.0e-3
+  warmup_steps: 10
+  moe_bias_update_rate: 1.0e-3
+data:
+  seq_len: 32
+  micro_batch_size: 2
+  num_workers: 0
+"""
+
+
+@dataclass
+class Kill:
+    after_step: int
+    during_save: bool
+
+
+def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "step35", "fit", "--config", str(config), f"--run_dir={run}",
+           f"--trainer.max_steps={max_steps}", "--ckpt_path=auto"]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def newest_step(folder: Path) -> int:
+    newest = catalog.newest_complete([folder])
+    return newest.global_step if newest is not None else -1
+
+
+def save_in_progress(folder: Path, newest: int) -> bool:
+    if leftovers(folder):
+        return True
+    return any(catalog.step_from_name(p) > newest for p in catalog.incomplete_checkpoints(folder))
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[Kill], seed: int,
+              deadline_s: float) -> dict:
+    """Run to max_steps under `plan`, restarting after each kill. Returns counts of what happened."""
+    rng = random.Random(seed)
+    folder = run / "checkpoints"
+    stats = {"attempts": 0, "kills": 0, "mid_save": 0, "logs": [], "newest_at_start": []}
+    deadline = time.monotonic() + deadline_s
+    pending = list(plan)
+    while True:
+        log = run.parent / f"{run.name}-attempt{stats['attempts']}.log"
+        run.mkdir(parents=True, exist_ok=True)
+        stats["newest_at_start"].append(newest_step(folder))
+        proc = start(config, run, cache, max_steps, log)
+        stats["attempts"] += 1
+        stats["logs"].append(log)
+        try:
+            while pending and proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"chaos run not done in {deadline_s} s")
+                target = pending[0]
+                newest = newest_step(folder)
+                if newest < target.after_step:
+                    time.sleep(0.005)
+                    continue
+                if target.during_save:
+                    if not save_in_progress(folder, newest):
+                        time.sleep(0.0005)
+                        continue
+                    kill(proc)
+                    stats["mid_save"] += save_in_progress(folder, newest)  # the save really was cut short
+                else:
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    kill(proc)
+                stats["kills"] += 1
+                pending.pop(0)
+            if proc.poll() is None:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            if proc.poll() is None:
+                kill(proc)
+            raise
+        if proc.returncode == 0:
+            if pending:  # finished before the remaining kills could happen: they are dropped
+                pending.clear()
+            return stats
+        assert proc.returncode == -signal.SIGKILL, log.read_text()[-5000:]
+
+
+def final_state(run: Path, step: int) -> dict:
+    path = run / "checkpoints" / f"step={step:06d}.ckpt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {"params": state["state_dict"], "optimizer": state["optimizer_states"], "step": state["global_step"]}
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    for opt_a, opt_b in zip(a["optimizer"], b["optimizer"], strict=True):
+        assert opt_a["param_groups"] == opt_b["param_groups"]
+        for idx in opt_a["state"]:
+            for key, value in opt_a["state"][idx].items():
+                assert torch.equal(value, opt_b["state"][idx][key]), (idx, key)
+
+
+def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float) -> dict:
+    config = tmp_path / "chaos.yaml"
+    config.write_text(CONFIG)
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(1, max_steps - 5), kills))
+    # Every other kill waits for a save in progress, the others land at a random moment.
+    plan = [Kill(after_step=s, during_save=(i % 2 == 0)) for i, s in enumerate(steps)]
+
+    reference = supervise(config, tmp_path / "reference", cache, max_steps, [], seed, deadline_s)
+    assert reference["attempts"] == 1
+    stats = supervise(config, tmp_path / "chaos", cache, max_steps, plan, seed, deadline_s)
+    assert stats["kills"] == kills and stats["attempts"] == kills + 1, stats
+    assert stats["mid_save"] >= 1, stats  # at least one kill cut a save short
+    assert_bitwise_equal(final_state(tmp_path / "chaos", max_steps), final_state(tmp_path / "reference", max_steps))
+    # Every restart resumed the newest complete checkpoint or, before the first save, started afresh.
+    folder = tmp_path / "chaos" / "checkpoints"
+    for log, newest in zip(stats["logs"], stats["newest_at_start"], strict=True):
+        text = log.read_text()
+        if newest < 0:
+            assert "--ckpt_path auto: no complete checkpoint" in text and "starting from scratch" in text, text[-3000:]
+        else:
+            assert f"--ckpt_path auto: resuming from {folder}/step={newest:06d}.ckpt (global step {newest}," in text, \
+                text[-3000:]
+    assert max(stats["newest_at_start"]) > 0, stats  # some attempt did resume
+    print(f"chaos: {stats['kills']} kills ({stats['mid_save']} during a save), newest checkpoint at each start: "
+          f"{stats['newest_at_start']}")
+    return stats
+
+
+@pytest.mark.timeout(1200)
+def test_chaos_short_three_kills_bitwise_equal(tmp_path, builtin_cache):
+    chaos(tmp_path, builtin_cache, max_steps=40, kills=3, seed=1, deadline_s=900)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_chaos_200_steps_eight_kills_bitwise_equal(tmp_path, builtin_cache):
+    stats = chaos(tmp_path, builtin_cache, max_steps=200, kills=8, seed=8, deadline_s=3000)
+    assert stats["mid_save"] >= 2, stats

@@ -44,6 +44,19 @@ class Step35CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"trainer.default_root_dir": "runs"})
 
+    def instantiate_trainer(self, **kwargs):
+        # Checkpoints are data: unless a CheckpointIO is configured, single-file checkpoints go through
+        # step35's (atomic, manifest, weights_only with an allowlist, NaN check). Step35Strategy uses the same code.
+        from lightning.fabric.plugins import CheckpointIO
+
+        from step35.checkpoint.trainer_io import Step35CheckpointIO
+
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
+        return super().instantiate_trainer(**kwargs)
+
     def before_instantiate_classes(self) -> None:
         # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config

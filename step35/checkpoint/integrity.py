@@ -73,12 +73,14 @@ def hash_files(path: str | Path, names: Iterable[str]) -> dict[str, dict]:
     return {name: file_entry(path if name == _SELF else path / name) for name in names}
 
 
-def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[str, dict] | None = None) -> Path:
-    """Write the manifest of the finished checkpoint `path` (call it last, before `publish`). Files
-    missing from `entries` (precomputed by other ranks) are hashed here. Returns the manifest's path."""
+def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[str, dict] | None = None,
+                   names: Iterable[str] | None = None) -> Path:
+    """Write the manifest of the finished checkpoint `path` (call it last, before `publish`). It covers
+    `names` (default: every file of the folder); those missing from `entries` (precomputed by other
+    ranks) are hashed here. Returns the manifest's path."""
     path = Path(path)
     entries = dict(entries or {})
-    names = checkpoint_files(path)
+    names = checkpoint_files(path) if names is None else sorted(names)
     unknown = sorted(set(entries) - set(names))
     if unknown:
         raise CheckpointError(f"{path}: hashed files that are not in the checkpoint: {unknown[:3]}")
@@ -171,8 +173,9 @@ def verify_for_load(path: str | Path, hash_share: tuple[int, int] = (0, 1)) -> d
         return None
 
 
-def verify_on_all_ranks(path: str | Path) -> dict | None:
-    """`verify_for_load` with the checksums split over the ranks of the default process group; every
+def verify_on_all_ranks(path: str | Path, missing_ok: bool = False) -> dict | None:
+    """`verify_for_load` (or, with `missing_ok`, nothing at all when there is no manifest: an HF folder
+    from elsewhere) with the checksums split over the ranks of the default process group; every
     rank raises the same error (named file) when any rank finds damage, so none is left waiting in a
     collective. Without a process group: the whole check here."""
     import torch.distributed as dist
@@ -181,6 +184,8 @@ def verify_on_all_ranks(path: str | Path) -> dict | None:
 
     distributed = dist.is_available() and dist.is_initialized()
     share = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if missing_ok and not manifest_path(path).exists():
+        return None
     if share[0] != 0:  # only rank 0 warns about a missing manifest
         return raise_together(lambda: None if not manifest_path(path).exists() else verify(path, *share))
     return raise_together(lambda: verify_for_load(path, share))

@@ -57,6 +57,19 @@ class Step35CLI(LightningCLI):
             kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
         return super().instantiate_trainer(**kwargs)
 
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads a .ckpt's hyper-parameters here (torch.load, weights_only=True): same allowlist
+        # as every other step35 load, and a refusal names the file.
+        import pickle
+
+        from step35.checkpoint.safe_load import lightning_types, refusal
+
+        try:
+            with lightning_types():
+                super()._parse_ckpt_path()
+        except pickle.UnpicklingError as e:
+            raise refusal(self.config[self.config.subcommand].get("ckpt_path"), e) from None
+
     def before_instantiate_classes(self) -> None:
         # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config

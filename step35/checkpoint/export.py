@@ -86,20 +86,16 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None
     source = tokenizer_from or (meta.get("hyper_parameters") or {}).get("checkpoint")
     copies = [Path(source) / n for n in TOKENIZER_FILES if (Path(source) / n).exists()] \
         if source and Path(source).is_dir() else []
-    count = 0
 
     def cast() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal count
+        count = 0
         for name, tensor in tensors:
             count += 1
             yield name, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
-
-    try:
-        write_hf_folder(out, cast(), exported, max_shard_size, copy_files=copies)
-    except CheckpointError:
         if count == 0:
-            raise CheckpointError(f"{checkpoint}: holds no model weights (keys starting with '{_PREFIX}')") from None
-        raise
+            raise CheckpointError(f"{checkpoint}: holds no model weights (keys starting with '{_PREFIX}')")
+
+    write_hf_folder(out, cast(), exported, max_shard_size, copy_files=copies)
     return out
 
 

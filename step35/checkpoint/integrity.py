@@ -45,10 +45,11 @@ def manifest_path(path: str | Path) -> Path:
 
 
 def crc32_file(path: str | Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
+    crc, buffer = 0, bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
     return f"{crc & 0xFFFFFFFF:08x}"
 
 

@@ -115,10 +115,12 @@ def publish(tmp: str | Path, final: str | Path) -> None:
             os.replace(tmp, final)
         if new_manifest.is_file():
             os.replace(new_manifest, old_manifest)
-    elif not final.exists() and not final.is_symlink():
-        os.rename(tmp, final)
     else:
-        _swap(tmp, final)
+        if not final.exists() and not final.is_symlink():
+            os.rename(tmp, final)
+        else:
+            _swap(tmp, final)
+        final.with_name(final.name + FILE_MANIFEST_SUFFIX).unlink(missing_ok=True)  # a replaced file's
     _fsync_dir(final.parent)
 
 

@@ -49,7 +49,8 @@ def checkpoint_types() -> list:
 _REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|[Uu]nsupported (?:class|operand|global)\W+([\w.]+)")
 
 
-def _refusal(path: Path, error: BaseException) -> CheckpointError:
+def refusal(path: Path, error: BaseException) -> CheckpointError:
+    """The one-line error for a weights_only refusal by torch.load, naming the file and the global."""
     text = str(error)
     found = _REFUSED_GLOBAL.search(text)
     what = f"it asks for {found.group(1) or found.group(2)}" if found else "it holds a type outside the allowlist"
@@ -67,7 +68,7 @@ def load_torch(path: str | Path, mmap: bool = False, map_location: Any = "cpu") 
         with torch.serialization.safe_globals(checkpoint_types()):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise _refusal(path, e) from None
+        raise refusal(path, e) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:  # truncated zip, bad record, ...
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: unreadable checkpoint file, truncated or not written by torch.save "

@@ -158,3 +158,15 @@ def test_checksums_split_over_ranks_cover_every_file(tmp_path):
         except CheckpointError as e:
             hits.append((rank, str(e)))
     assert len(hits) == 1 and "shard.bin" in hits[0][1]  # exactly one rank hashes each file
+
+
+def test_symlink_pointer_is_replaced_in_one_rename(tmp_path, mode):
+    """A `last` pointer (symlink) to a checkpoint is switched by one rename; targets are untouched."""
+    for step in (1, 2):
+        target = tmp_path / f"step={step}.ckpt"
+        pub.publish(folder_checkpoint(target, str(step), step), target)
+        tmp = pub.partial_path(tmp_path / "last")
+        tmp.symlink_to(target.name)
+        pub.publish(tmp, tmp_path / "last")
+        assert (tmp_path / "last").is_symlink() and verify(tmp_path / "last")["extra"]["global_step"] == step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step=1.ckpt", "step=2.ckpt"]

@@ -131,6 +131,32 @@ class Step35CLI(LightningCLI):
     def _subcommand_config(self):
         return self.config.get(self.subcommand, self.config) if self.subcommand else self.config
 
+    def instantiate_trainer(self, **kwargs):
+        # Checkpoints are data: unless a CheckpointIO is configured, single-file checkpoints go through
+        # step35's (atomic, manifest, weights_only with an allowlist, NaN check). Step35Strategy uses the same code.
+        from lightning.fabric.plugins import CheckpointIO
+
+        from step35.checkpoint.trainer_io import Step35CheckpointIO
+
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
+        return super().instantiate_trainer(**kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads a .ckpt's hyper-parameters here (torch.load, weights_only=True): same allowlist
+        # as every other step35 load, and a refusal names the file.
+        import pickle
+
+        from step35.checkpoint.safe_load import lightning_types, refusal
+
+        try:
+            with lightning_types():
+                super()._parse_ckpt_path()
+        except pickle.UnpicklingError as e:
+            raise refusal(self.config[self.config.subcommand].get("ckpt_path"), e) from None
+
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
         # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.

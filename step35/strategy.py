@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -101,29 +100,63 @@ class Step35Strategy(ModelParallelStrategy):
                     reduce_dtype=self.reduce_dtype)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Write into a sibling temporary folder, then swap it in: a kill mid-save keeps the old one."""
+        """Write into a temporary sibling, hash (each rank its own shards), manifest last, then publish:
+        a kill at any moment leaves the previous checkpoint or the new one, never a mix."""
+        from step35.checkpoint.integrity import hash_files, write_manifest
+        from step35.checkpoint.publish import partial_path, publish
+        from step35.checkpoint.trainer_io import manifest_extra, rank_files, save_file
+
         path = Path(self.broadcast(str(filepath)))
-        tmp = path.with_name(f".{path.name}.partial")
+        if not self._save_distributed_checkpoint:  # full state dicts, gathered on rank 0 by Lightning
+            if self.global_rank == 0:
+                save_file(checkpoint, path)
+            self.barrier()
+            return
+        extra = manifest_extra(checkpoint, "dcp", self.world_size)
+        tmp = Path(self.broadcast(str(partial_path(path))))
         if self.global_rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if tmp.is_file():
-                tmp.unlink()
+            tmp.mkdir(parents=True)
         self.barrier()
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        self.barrier()
+        super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
+        entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, entries)
         if self.global_rank == 0:
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+            write_manifest(tmp, extra, {k: v for part in gathered for k, v in part.items()})
+            publish(tmp, path)
         self.barrier()
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify the manifest (checksums split over the ranks), read with no unpickling of code, and
+        refuse NaN/Inf weights; every rank raises the same one-line error naming the file or tensor."""
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        from step35.checkpoint.errors import raise_together
+        from step35.checkpoint.integrity import verify_on_all_ranks
+        from step35.checkpoint.safe_load import lightning_types, load_torch
+        from step35.checkpoint.trainer_io import check_loadable, finite_modules, load_sharded
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        raise_together(lambda: check_loadable(path))
+        verify_on_all_ranks(path)
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        if path.is_dir():
+            meta = raise_together(lambda: load_sharded(path, self.model, self.optimizers, strict))
+        else:
+            raise_together(lambda: load_torch(path, mmap=True))  # refuses a crafted file before Lightning reads it
+            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+            with lightning_types():  # Lightning's loader, with weights_only=True and our allowlist
+                meta = _load_checkpoint(path, state, strict=strict, optimizer_states_from_list=True,
+                                        weights_only=True)
+        raise_together(lambda: finite_modules(self.model, self.optimizers, path))
+        return meta
 
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0:
-            path = Path(filepath)
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            from step35.checkpoint.trainer_io import remove
+
+            remove(filepath)
 
     def teardown(self) -> None:
         # A barrier before the process group goes: without it gloo ranks can abort at exit

@@ -1,25 +1,28 @@
-"""HF checkpoint folders: config.json + safetensors (one file, or shards + model.safetensors.index.json).
+"""HF checkpoint folders, the format: config.json + safetensors (one file, or shards +
+model.safetensors.index.json). Knows files, names, shapes and dtypes; filling a model is
+`materialize.py`, model <-> folder is `pretrained.py`.
 
-Loading checks every tensor's name, shape and dtype against the model before any weight is read,
-and fails naming the tensor or file: nothing is skipped or left randomly initialised. Reading
-goes through `safe_open(...).get_slice`, so a caller that owns part of a tensor (an FSDP shard,
-the experts of one EP rank) reads only those bytes. Saving writes into a sibling temporary folder
-and swaps it in at the end, so a killed save never destroys the previous checkpoint.
+Reading checks every tensor's name, shape and dtype from the safetensors headers before any weight
+is read, and fails naming the tensor or file. `write_hf_folder` is the one writer of such folders
+(save_pretrained and export): shards streamed to a temporary sibling, index, config.json, a
+manifest of the weight files, then an atomic publish.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.config import ConfigError, Step35Config
+from step35.checkpoint.integrity import write_manifest
+from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
+from step35.config import Step35Config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -61,17 +64,8 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
 
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
-    _check_interrupted_save(path)
+    check_not_interrupted(path)
     raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
-
-
-def _check_interrupted_save(path: Path) -> None:
-    if path.exists():
-        return
-    leftovers = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.exists() else []
-    if leftovers:  # a save was killed between moving the old folder aside and moving the new one in
-        raise CheckpointError(f"{path}: not there, but the checkpoint that a save interrupted was moving aside "
-                              f"is intact at {leftovers[-1]}; rename it back to {path}")
 
 
 def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
@@ -122,44 +116,6 @@ def check_tensors(infos: dict[str, TensorInfo], expected: dict[str, tuple[tuple[
                                   f"(config.json torch_dtype; router_bias is always float32)")
 
 
-def expected_tensors(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    dtypes = model.checkpoint_dtypes()
-    return {name: (tuple(t.shape), dtypes[name]) for name, t in _checkpoint_state(model).items()}
-
-
-def ignored_mtp_tensors(config: Step35Config, num_mtp_layers: int, names) -> set[str]:
-    """Checkpoint tensors of MTP layers the model was built without."""
-    first_unbuilt = config.num_hidden_layers + num_mtp_layers
-    pattern = re.compile(r"model\.layers\.(\d+)\.")
-    return {n for n in names if (m := pattern.match(n)) and int(m.group(1)) >= first_unbuilt
-            and int(m.group(1)) < config.num_total_layers}
-
-
-def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    num_mtp_layers: int | None = None):
-    """Build `cls(config)` on meta, check the checkpoint against it, then materialise and fill it."""
-    from step35.checkpoint.materialize import materialize
-
-    path = Path(path)
-    _check_interrupted_save(path)
-    try:
-        config = Step35Config.from_json(path)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    with torch.device("meta"):
-        model = cls(config, num_mtp_layers)
-    model.to(dtype or getattr(torch, config.torch_dtype))  # router_bias stays fp32 (MoE._apply)
-    materialize(model, device, checkpoint=path)
-    return model
-
-
-def _checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state = model.state_dict(keep_vars=True)
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # stored once, as model.embed_tokens.weight
-    return state
-
-
 def parse_size(size: int | str) -> int:
     """'5GB' -> 5 * 10**9, '2GiB' -> 2 * 2**30, 1000 -> 1000 (the HF convention)."""
     if isinstance(size, int):
@@ -173,46 +129,56 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base ** power)
 
 
-def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_size: int | str = "5GB") -> None:
-    """Write config.json, model-0000k-of-0000n.safetensors shards and the index, atomically."""
+def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: Step35Config,
+                    max_shard_size: int | str = "5GB", copy_files: Iterable[Path] = ()) -> Path:
+    """Write an HF folder at `path` from (name, tensor) pairs, streamed: a shard is written as soon as
+    it is full, so the whole state never has to be in memory. Shards model-0000k-of-0000n, the index,
+    config.json, `copy_files` (tokenizer), the manifest of weights and index, then one atomic
+    publish; a failure removes the temporary folder and leaves any previous `path` untouched."""
     from safetensors.torch import save_file
 
     path = Path(path)
     limit = parse_size(max_shard_size)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in _checkpoint_state(model).items()}
-    weight_dtypes = {t.dtype for n, t in state.items() if not n.endswith("router_bias")}
-    if len(weight_dtypes) != 1:
-        raise CheckpointError(f"model holds weights of several dtypes {sorted(map(str, weight_dtypes))}; "
-                              "cast it to one dtype before saving")
-    config = Step35Config.from_dict(model.config.to_dict())
-    config.torch_dtype = str(weight_dtypes.pop()).removeprefix("torch.")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = partial_path(path)
     tmp.mkdir(parents=True)
-    weight_map = {}
-    for k, shard in enumerate(shards, start=1):
-        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, tmp / file, metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config.save(tmp / "config.json")
-    _replace_folder(tmp, path)
+    try:
+        shard: dict[str, torch.Tensor] = {}
+        files: list[list[str]] = []
+        size = total = 0
 
+        def flush() -> None:
+            nonlocal shard, size
+            if shard:
+                files.append(list(shard))
+                save_file(shard, tmp / f"shard-{len(files):05d}.safetensors", metadata={"format": "pt"})
+                shard, size = {}, 0
 
-def _replace_folder(new: Path, target: Path) -> None:
-    # Swap: the old folder survives until the new one is complete, then goes.
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        target.rename(old)
-    new.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+        for name, tensor in tensors:
+            tensor = tensor.detach().to("cpu").contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and size + nbytes > limit:
+                flush()
+            shard[name] = tensor
+            size += nbytes
+            total += nbytes
+        flush()
+        if not files:
+            raise CheckpointError(f"{path}: no tensors to write")
+        weight_map, names = {}, [INDEX_FILE]
+        for k, tensor_names in enumerate(files, start=1):  # final HF names, now that the count is known
+            final = f"model-{k:05d}-of-{len(files):05d}.safetensors"
+            (tmp / f"shard-{k:05d}.safetensors").rename(tmp / final)
+            weight_map.update({n: final for n in tensor_names})
+            names.append(final)
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2))
+        config.save(tmp / "config.json")
+        for file in copy_files:
+            shutil.copy(file, tmp / Path(file).name)
+        # config.json and tokenizer files stay editable (they are validated when read); weights are not
+        write_manifest(tmp, {"kind": "hf", "total_size": total}, names=names)
+        publish(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -34,6 +34,10 @@ _BLOCK = 8 << 20
 _SELF = "."  # the key of a single-file checkpoint's own entry
 
 
+class ManifestMissing(CheckpointError):
+    """The checkpoint exists but carries no manifest (saved before manifests, or outside step35)."""
+
+
 def manifest_path(path: str | Path) -> Path:
     """Where the manifest of checkpoint `path` (folder or single file) lives."""
     path = Path(path)
@@ -41,10 +45,11 @@ def manifest_path(path: str | Path) -> Path:
 
 
 def crc32_file(path: str | Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
+    crc, buffer = 0, bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
@@ -69,12 +74,14 @@ def hash_files(path: str | Path, names: Iterable[str]) -> dict[str, dict]:
     return {name: file_entry(path if name == _SELF else path / name) for name in names}
 
 
-def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[str, dict] | None = None) -> Path:
-    """Write the manifest of the finished checkpoint `path` (call it last, before `publish`). Files
-    missing from `entries` (precomputed by other ranks) are hashed here. Returns the manifest's path."""
+def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[str, dict] | None = None,
+                   names: Iterable[str] | None = None) -> Path:
+    """Write the manifest of the finished checkpoint `path` (call it last, before `publish`). It covers
+    `names` (default: every file of the folder); those missing from `entries` (precomputed by other
+    ranks) are hashed here. Returns the manifest's path."""
     path = Path(path)
     entries = dict(entries or {})
-    names = checkpoint_files(path)
+    names = checkpoint_files(path) if names is None else sorted(names)
     unknown = sorted(set(entries) - set(names))
     if unknown:
         raise CheckpointError(f"{path}: hashed files that are not in the checkpoint: {unknown[:3]}")
@@ -95,7 +102,7 @@ def _read_manifest(path: Path) -> dict:
     if not target.exists():
         if not path.exists():
             raise CheckpointError(f"{path}: no such checkpoint")
-        raise CheckpointError(f"{path}: no {target.name}: the save that wrote it did not finish (or it predates "
+        raise ManifestMissing(f"{path}: no {target.name}: the save that wrote it did not finish (or it predates "
                               f"manifests; if you trust it: python -m step35.checkpoint.integrity write {path})")
     try:
         manifest = json.loads(target.read_text())
@@ -151,6 +158,38 @@ def verify(path: str | Path, rank: int = 0, world_size: int = 1, sizes_only: boo
                 raise CheckpointError(f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
                                       f"{files[name]['crc32']}): the file is damaged")
     return manifest
+
+
+def verify_for_load(path: str | Path, hash_share: tuple[int, int] = (0, 1)) -> dict | None:
+    """`verify` as every loader uses it: a checkpoint without a manifest (older step35, written
+    outside step35) is loaded with a warning; returns the manifest or None. `hash_share` =
+    (rank, world_size) splits the checksum work."""
+    try:
+        return verify(path, *hash_share)
+    except ManifestMissing:
+        import warnings
+
+        warnings.warn(f"{path}: no step35 manifest (saved by an older step35 or outside it): loading it "
+                      f"without checksums", stacklevel=2)
+        return None
+
+
+def verify_on_all_ranks(path: str | Path, missing_ok: bool = False) -> dict | None:
+    """`verify_for_load` (or, with `missing_ok`, nothing at all when there is no manifest: an HF folder
+    from elsewhere) with the checksums split over the ranks of the default process group; every
+    rank raises the same error (named file) when any rank finds damage, so none is left waiting in a
+    collective. Without a process group: the whole check here."""
+    import torch.distributed as dist
+
+    from step35.checkpoint.errors import raise_together
+
+    distributed = dist.is_available() and dist.is_initialized()
+    share = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if missing_ok and not manifest_path(path).exists():
+        return None
+    if share[0] != 0:  # only rank 0 warns about a missing manifest
+        return raise_together(lambda: None if not manifest_path(path).exists() else verify(path, *share))
+    return raise_together(lambda: verify_for_load(path, share))
 
 
 def remove_manifest(path: str | Path) -> None:

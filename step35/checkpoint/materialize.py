@@ -2,17 +2,26 @@
 checkpoint (reading only those slices from the safetensors files) or from the deterministic init.
 
 Works the same for plain tensors (one process) and DTensors (FSDP2 shards, expert-parallel
-shards): each local piece is located in the full tensor by its global offset.
+shards): each local piece is located in the full tensor by its global offset. Before a weight is
+read the headers are checked against the model (names, shapes, dtypes), then the files against
+the folder's manifest when it has one (checksums split over the ranks); every piece read is
+refused if it holds NaN/Inf. Errors are raised on all ranks alike, naming the file or tensor.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import torch
 from torch import nn
 
-from step35.checkpoint.hf import TensorInfo, check_tensors, expected_tensors, ignored_mtp_tensors, read_tensor_infos
+from step35.checkpoint.errors import raise_together
+from step35.checkpoint.hf import TensorInfo, check_tensors, read_tensor_infos
+from step35.checkpoint.integrity import verify_on_all_ranks
+from step35.checkpoint.safe_load import check_finite
+from step35.config import Step35Config
 from step35.model.init import init_tensor
 
 Index = tuple[slice, ...]
@@ -41,8 +50,14 @@ def materialize(model: nn.Module, device: torch.device | str, checkpoint: str | 
                 seed: int = 0) -> int:
     """Allocate the model's local storage on `device` and fill it. Returns the bytes read from disk."""
     if checkpoint is not None:
-        infos = read_tensor_infos(checkpoint)
-        check_tensors(infos, expected_tensors(model), ignored_mtp_tensors(model.config, model.num_mtp_layers, infos))
+        def check_headers() -> dict[str, TensorInfo]:
+            infos = read_tensor_infos(checkpoint)
+            check_tensors(infos, expected_tensors(model),
+                          ignored_mtp_tensors(model.config, model.num_mtp_layers, infos))
+            return infos
+
+        infos = raise_together(check_headers)
+        verify_on_all_ranks(checkpoint, missing_ok=True)  # HF folders from elsewhere carry no manifest
     model.to_empty(device=device)
     persistent = set(model.state_dict())
     for name, buffer in model.named_buffers():
@@ -51,7 +66,7 @@ def materialize(model: nn.Module, device: torch.device | str, checkpoint: str | 
     if checkpoint is None:
         fill_from_init(model, seed)
         return 0
-    return fill_from_checkpoint(model, infos)
+    return raise_together(lambda: fill_from_checkpoint(model, infos))
 
 
 @torch.no_grad()
@@ -77,6 +92,28 @@ def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
                 if local.numel() == 0:
                     continue
                 value = f.get_slice(name)[index]
+                check_finite([(name, value)], file)
                 nbytes += value.numel() * value.element_size()
                 local.copy_(value)
     return nbytes
+
+
+def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an HF checkpoint of `model` holds (a tied lm_head is stored once, as the embedding)."""
+    state = model.state_dict(keep_vars=True)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    dtypes = model.checkpoint_dtypes()
+    return {name: (tuple(t.shape), dtypes[name]) for name, t in checkpoint_state(model).items()}
+
+
+def ignored_mtp_tensors(config: Step35Config, num_mtp_layers: int, names) -> set[str]:
+    """Checkpoint tensors of MTP layers the model was built without."""
+    first_unbuilt = config.num_hidden_layers + num_mtp_layers
+    pattern = re.compile(r"model\.layers\.(\d+)\.")
+    return {n for n in names if (m := pattern.match(n)) and int(m.group(1)) >= first_unbuilt
+            and int(m.group(1)) < config.num_total_layers}

@@ -34,7 +34,7 @@ from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, manifest_path
 
 # Temporary siblings: written by a save in progress (partial) or retired by a folder swap (old).
 # The bare `.x.partial` / `.x.old` / `.x.old-<pid>` spellings are those of step35 before this module.
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-[0-9A-Za-z-]+)?(\.manifest\.json)?$")
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-[0-9A-Za-z-]+)?(\.manifest\.json(\.tmp-\d+)?)?$")
 _RENAME_EXCHANGE = 2  # linux/fs.h
 use_exchange = True  # tests switch it off to exercise the two-rename fallback
 
@@ -88,37 +88,38 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def publish(tmp: str | Path, final: str | Path) -> None:
-    """Switch the finished `tmp` (file or folder, a sibling of `final`) in under the name `final`."""
+    """Switch the finished `tmp` (file, folder or symlink, a sibling of `final`) in under the name `final`."""
     tmp, final = Path(tmp), Path(final)
-    if not tmp.exists():
+    if not tmp.exists() and not tmp.is_symlink():
         raise CheckpointError(f"{tmp}: nothing to publish as {final}")
     if tmp.parent.resolve() != final.parent.resolve():
         raise CheckpointError(f"{tmp}: must be a sibling of {final} (a rename is only atomic within a folder)")
-    if tmp.is_dir():
+    link = tmp.is_symlink()  # e.g. a `last` pointer: replaced by one rename, its target is not ours to sync
+    final_is_folder = final.is_dir() and not final.is_symlink()
+    if not link and tmp.is_dir():
         for root, _, files in os.walk(tmp):  # the data must be on disk before the name points at it
             for name in files:
                 _fsync_file(Path(root) / name)
-    else:
-        _fsync_file(tmp)
-    if tmp.is_file():
+        if final.exists() or final.is_symlink():
+            _swap(tmp, final)
+        else:
+            os.rename(tmp, final)
+        final.with_name(final.name + FILE_MANIFEST_SUFFIX).unlink(missing_ok=True)  # a replaced file's
+    elif not link:
         # A single file and its sibling manifest: the old manifest goes first, so no moment pairs a
         # manifest with the wrong file (a kill in between leaves a file without a manifest:
         # incomplete, never "damaged").
+        _fsync_file(tmp)
         new_manifest, old_manifest = manifest_path(tmp), final.with_name(final.name + FILE_MANIFEST_SUFFIX)
         if new_manifest.is_file():
             _fsync_file(new_manifest)
         old_manifest.unlink(missing_ok=True)
         _fsync_dir(final.parent)
-        if final.is_dir():
-            _swap(tmp, final)
-        else:
-            os.replace(tmp, final)
+        _swap(tmp, final) if final_is_folder else os.replace(tmp, final)
         if new_manifest.is_file():
             os.replace(new_manifest, old_manifest)
-    elif not final.exists() and not final.is_symlink():
-        os.rename(tmp, final)
     else:
-        _swap(tmp, final)
+        _swap(tmp, final) if final_is_folder else os.replace(tmp, final)
     _fsync_dir(final.parent)
 
 

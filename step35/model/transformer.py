@@ -212,12 +212,12 @@ class Step35ForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                         num_mtp_layers: int | None = None) -> "Step35ForCausalLM":
-        from step35.checkpoint.hf import load_pretrained
+        from step35.checkpoint.pretrained import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers)
 
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:
-        from step35.checkpoint.hf import save_pretrained
+        from step35.checkpoint.pretrained import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size)
 

@@ -1,0 +1,187 @@
+"""The unpickling policy for every checkpoint step35 reads: checkpoints are data, never code.
+
+- Lightning checkpoints (a single `.ckpt`, the `meta.pt` of a sharded folder) are read with
+  `torch.load(weights_only=True)` plus an explicit allowlist (`CHECKPOINT_TYPES`) of the few
+  non-primitive types their dicts can hold. Saved by step35 they hold only dicts, lists, tuples,
+  numbers, strings, tensors and OrderedDicts (checked on real checkpoints); the allowlist adds the
+  types a user's hyper-parameters may carry (paths, Lightning's AttributeDict).
+- A DCP folder's `.metadata` is a plain pickle that torch's `FileSystemReader` unpickles with
+  `pickle.load`. `safe_reader(folder)` reads it with `restricted_unpickle`, which admits only the
+  classes of DCP's metadata (the set found by saving real sharded checkpoints: the dataclasses of
+  `torch.distributed.checkpoint.metadata`, `filesystem._StorageInfo`, torch.Size, dtypes, layouts,
+  paths). The tensor data files are read by DCP itself with `weights_only=True` already.
+- safetensors (HF folders) holds no code at all.
+
+Anything else makes the load stop before a single object is built: a CheckpointError names the file
+and the refused global. The private torch names used here (`_StorageInfo`, `_MEM_FORMAT_ENCODING`,
+`torch.serialization._get_layout`, `FileSystemReader._get_metadata_path`) live only in this module;
+when torch moves one, the error says so and points here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pathlib
+import pickle
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from step35.checkpoint.errors import CheckpointError
+
+_HERE = "step35/checkpoint/safe_load.py"
+
+# --- Lightning checkpoint dicts (torch.load weights_only=True) -------------------------------------
+
+
+def checkpoint_types() -> list:
+    """Types admitted (besides torch's own weights_only set) in `.ckpt` / `meta.pt` files."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePath, pathlib.PurePosixPath,
+            pathlib.PureWindowsPath, AttributeDict]
+
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|[Uu]nsupported (?:class|operand|global)\W+([\w.]+)")
+
+
+def refusal(path: Path, error: BaseException) -> CheckpointError:
+    """The one-line error for a weights_only refusal by torch.load, naming the file and the global."""
+    text = str(error)
+    found = _REFUSED_GLOBAL.search(text)
+    what = f"it asks for {found.group(1) or found.group(2)}" if found else "it holds a type outside the allowlist"
+    return CheckpointError(f"{path}: refused to unpickle ({what}); a checkpoint holds data only, so nothing "
+                           f"from it was run. If a legitimate checkpoint needs a new type, allow it in {_HERE}")
+
+
+def load_torch(path: str | Path, mmap: bool = False, map_location: Any = "cpu") -> Any:
+    """`torch.load` of a Lightning checkpoint file with weights_only=True and the step35 allowlist;
+    unreadable or refused files raise a one-line CheckpointError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        with torch.serialization.safe_globals(checkpoint_types()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise refusal(path, e) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:  # truncated zip, bad record, ...
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: unreadable checkpoint file, truncated or not written by torch.save "
+                              f"({type(e).__name__}: {first})") from None
+
+
+@contextmanager
+def lightning_types() -> Iterator[None]:
+    """For code that calls torch.load(weights_only=True) itself (Lightning's loaders): admit the allowlist."""
+    with torch.serialization.safe_globals(checkpoint_types()):
+        yield
+
+
+# --- DCP `.metadata` (restricted unpickler) --------------------------------------------------------
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, set[str]] = {
+    _DCP_METADATA: {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},  # dtypes are checked by value below
+    "torch.serialization": {"_get_layout"},  # name -> torch.layout, nothing else
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name not in _ALLOWED.get(module, ()):
+            raise CheckpointError(f"{self.source}: refused to unpickle (it asks for {module}.{name}, which DCP "
+                                  f"metadata never holds); a checkpoint holds data only, so nothing from it was run")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            raise CheckpointError(f"{self.source}: holds {module}.{name}, which this torch ({torch.__version__}) "
+                                  f"no longer has: a checkpoint from another torch version? (allowlist in {_HERE})"
+                                  ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.source}: refused to unpickle (persistent id {pid!r} in DCP metadata)")
+
+
+def restricted_unpickle(file: io.BufferedIOBase | Any, source: str | Path) -> Any:
+    """Unpickle DCP metadata from `file`, admitting only DCP's metadata classes."""
+    source = Path(source)
+    try:
+        return _RestrictedUnpickler(file, source).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated or garbled pickle
+        raise CheckpointError(f"{source}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def read_dcp_metadata(folder: str | Path):
+    """The `Metadata` of the DCP folder `folder`, read through the restricted unpickler."""
+    return safe_reader(folder).read_metadata()
+
+
+_reader_class = None
+
+
+def safe_reader(folder: str | Path):
+    """A DCP storage reader for `folder` (torch's FileSystemReader) whose metadata read runs no code.
+    Built on first use: importing torch.distributed.checkpoint takes a while."""
+    global _reader_class
+    if _reader_class is None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        class SafeFileSystemReader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any):
+                try:
+                    path = Path(self._get_metadata_path(kwargs.get("rank")))
+                    stream = self.fs.create_stream(path, "rb")
+                except AttributeError as e:
+                    raise CheckpointError(f"torch {torch.__version__} changed FileSystemReader ({e}); "
+                                          f"update {_HERE}") from None
+                except FileNotFoundError:
+                    raise CheckpointError(f"{Path(self.path) / '.metadata'}: missing (not a complete DCP "
+                                          f"checkpoint)") from None
+                with stream as f:
+                    metadata = restricted_unpickle(f, path)
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        _reader_class = SafeFileSystemReader
+    return _reader_class(folder)
+
+
+# --- loaded values ---------------------------------------------------------------------------------
+
+
+def check_finite(named: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> None:
+    """Refuse NaN/Inf in loaded floating-point tensors, naming the first bad one and its source."""
+    for name, tensor in named:
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if tensor.device.type == "meta":
+            continue
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+            raise CheckpointError(f"{source}: tensor {name} holds {kind} ({bad} of {tensor.numel()} values "
+                                  f"not finite); refusing to load it")

@@ -1,0 +1,171 @@
+"""Lightning training checkpoints (resume state): how step35 writes and reads them.
+
+Two layouts, both published atomically (`publish`) with a manifest (`integrity`):
+- a single file `x.ckpt` (one process, or Step35Strategy with save_distributed_checkpoint=False):
+  torch.save of Lightning's dict; manifest in the sibling `x.ckpt.manifest.json`;
+- a sharded folder `x.ckpt/` (Step35Strategy, DCP): `__<rank>_<i>.distcp` shards, DCP's
+  `.metadata`, Lightning's `meta.pt`, and `step35.manifest.json`.
+
+Reading verifies the manifest first (missing / truncated / damaged files named), unpickles only
+through `safe_load`, and refuses NaN/Inf in the loaded weights and optimizer state.
+`Step35CheckpointIO` is the CheckpointIO plugin for trainers without Step35Strategy (the CLI
+installs it); Step35Strategy calls the same functions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, verify_for_load, write_manifest
+from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
+from step35.checkpoint.safe_load import check_finite, load_torch, safe_reader
+
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded folder
+
+
+def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
+    """What a manifest records about a training checkpoint, readable without loading it."""
+    return {"kind": "lightning", "layout": layout, "global_step": checkpoint.get("global_step"),
+            "epoch": checkpoint.get("epoch"), "world_size": world_size}
+
+
+def save_file(checkpoint: dict, path: str | Path) -> None:
+    """torch.save into a temporary sibling, manifest, then publish under `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(path)
+    try:
+        torch.save(checkpoint, tmp)
+        write_manifest(tmp, manifest_extra(checkpoint, "file"))
+        publish(tmp, path)
+    finally:  # only left when the save failed: remove what it wrote
+        for leftover in (tmp, tmp.with_name(tmp.name + FILE_MANIFEST_SUFFIX)):
+            leftover.unlink(missing_ok=True)
+
+
+def remove(path: str | Path) -> None:
+    """Delete a checkpoint (file or folder) and its sibling manifest."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    path.with_name(path.name + FILE_MANIFEST_SUFFIX).unlink(missing_ok=True)
+
+
+def check_loadable(path: str | Path) -> Path:
+    """The checkpoint exists (or a clear error naming what an interrupted save left)."""
+    path = Path(path)
+    check_not_interrupted(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    return path
+
+
+def finite_state(checkpoint: dict, path: Path) -> None:
+    """NaN/Inf in the weights or optimizer state of a loaded single-file checkpoint is refused."""
+    check_finite(checkpoint.get("state_dict", {}).items(), path)
+    for i, optim in enumerate(checkpoint.get("optimizer_states", [])):
+        for param, values in (optim.get("state") or {}).items():
+            check_finite(((f"optimizer {i} {k} of parameter {param}", v) for k, v in values.items()), path)
+
+
+def load_file(path: str | Path, map_location: Any = "cpu") -> dict:
+    """Verify, then load a single-file checkpoint without running any code from it."""
+    path = check_loadable(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a sharded (DCP) checkpoint folder; resume it with Step35Strategy "
+                              f"(--trainer.strategy step35.strategy.Step35Strategy)")
+    verify_for_load(path)
+    checkpoint = load_torch(path, mmap=True, map_location=map_location)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path}: holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    finite_state(checkpoint, path)
+    return checkpoint
+
+
+def load_meta(folder: str | Path) -> dict:
+    """Lightning's `meta.pt` of a sharded folder (no tensors of the model), read safely."""
+    meta = Path(folder) / META_FILE
+    if not meta.is_file():
+        raise CheckpointError(f"{meta}: missing; {folder} is not a Lightning sharded checkpoint")
+    checkpoint = load_torch(meta)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{meta}: holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    return checkpoint
+
+
+def dcp_load(state: dict, folder: Path) -> None:
+    """`torch.distributed.checkpoint.load` through the safe metadata reader; DCP's own failures
+    (raised as BaseException subclasses, with every rank's traceback) become one line naming the folder."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=safe_reader(folder))
+    except (KeyboardInterrupt, SystemExit, CheckpointError):
+        raise
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else type(e).__name__)
+        raise CheckpointError(f"{folder}: DCP load failed ({detail[:300]})") from None
+
+
+def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, strict: bool = True) -> dict:
+    """Fill `module` (DTensor parameters) and `optimizers` from a DCP folder; returns the rest
+    (Lightning's meta.pt dict). The caller has verified the folder's manifest."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+
+    folder = Path(folder)
+    meta = load_meta(folder)  # first: a crafted meta.pt is refused before any collective
+    module_state = {"state_dict": get_model_state_dict(module)}
+    dcp_load(module_state, folder)
+    module.load_state_dict(module_state["state_dict"], strict=strict)
+    for i, optimizer in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp_load(optim_state, folder)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    return meta
+
+
+def finite_modules(module: torch.nn.Module, optimizers: list, path: Path) -> None:
+    """NaN/Inf in a loaded model (local shards) or optimizer state is refused, naming the tensor."""
+    check_finite(module.state_dict().items(), path)
+    names = {id(p): n for n, p in module.named_parameters()}
+    for i, optimizer in enumerate(optimizers):
+        for param, values in optimizer.state.items():
+            name = names.get(id(param), "?")
+            check_finite(((f"optimizer {i} {k} of {name}", v) for k, v in values.items()), path)
+
+
+def rank_files(folder: Path, rank: int) -> list[str]:
+    """The DCP shard files rank `rank` wrote (`__<rank>_<i>.distcp`): the ones it hashes."""
+    return sorted(f for f in os.listdir(folder) if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
+
+
+class Step35CheckpointIO(TorchCheckpointIO):
+    """Single-file checkpoints for trainers without Step35Strategy: atomic, with a manifest, read
+    with weights_only=True and the step35 allowlist, verified and checked for NaN/Inf at load."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("Step35CheckpointIO.save_checkpoint takes no storage_options")
+        save_file(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location: Callable | Any = "cpu",
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            raise CheckpointError(f"{path}: step35 never unpickles checkpoints with weights_only=False")
+        return load_file(path, map_location=map_location)
+
+    def remove_checkpoint(self, path) -> None:
+        remove(path)

@@ -1,0 +1,328 @@
+"""Checkpoints are data, not code, and damage is named, not loaded.
+
+- Crafted pickles (a DCP `.metadata`, a sharded folder's `meta.pt`, a single-file `.ckpt`) whose
+  payload would create a marker file are refused by `step35 fit --ckpt_path`, `step35 validate` and
+  `step35 export` (the real CLI, in a subprocess), naming the file; the marker never appears. The
+  crafted files carry a freshly written manifest, as an attacker would leave them, so it is the
+  unpickling policy that stops them, not the checksums.
+- Flipped byte, truncated file, deleted file, NaN weights in a sharded folder, a `.ckpt` and an HF
+  folder: refused at load (resume, export, from_pretrained) with the file or tensor named.
+- 2 ranks: a damaged shard fails the resume on every rank, quickly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from step35.checkpoint import CheckpointError
+from step35.checkpoint.export import export_hf
+from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
+from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
+from step35.checkpoint.trainer_io import Step35CheckpointIO, load_file
+from step35.data import Step35DataModule
+from step35.model import Step35ForCausalLM
+from step35.module import Step35LightningModule
+from step35.strategy import Step35Strategy
+from tests.helpers import run_process_group, tiny_model
+
+ROOT = Path(__file__).parent.parent
+COMMON = ["--config", "configs/tiny.yaml", "--trainer.val_check_interval=1000", "--trainer.limit_val_batches=1",
+          "--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.enable_progress_bar=false"]
+SHARDED = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1"]
+
+
+def step35(args: list[str], cache: Path, timeout: float = 300, nproc: int = 1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return run_process_group([sys.executable, *launcher, "-m", "step35", *args], cwd=ROOT, env=env, timeout=timeout)
+
+
+def error_line(stderr: str, text: str) -> str:
+    """The line of `stderr` that holds `text` (the error's message, not the source line raising it)."""
+    line = next((ln for ln in stderr.splitlines() if text in ln), None)
+    assert line is not None, stderr[-3000:]
+    return line
+
+
+def run_args(command: str, run: Path, sharded: bool, *extra: str) -> list[str]:
+    return [command, *COMMON, *(SHARDED if sharded else []), f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.save_dir={run}", *extra]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, builtin_cache) -> dict[str, Path]:
+    """A 2-step run of each kind through the CLI: {"file": last.ckpt, "sharded": last.ckpt/ (DCP)}."""
+    out = {}
+    for kind in ("file", "sharded"):
+        run = tmp_path_factory.mktemp(kind)
+        result = step35(run_args("fit", run, kind == "sharded", "--trainer.max_steps=2"), builtin_cache)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[kind] = run / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+        assert is_complete(out[kind]), list(out[kind].parent.iterdir())
+    return out
+
+
+# ------------------------------------------------------------------------------- crafted pickles
+class Payload:
+    """Unpickling this runs a command that creates `marker` (os.system) or runs Python (exec)."""
+
+    def __init__(self, marker: Path, how: str):
+        self.marker, self.how = str(marker), how
+
+    def __reduce__(self):
+        if self.how == "system":
+            return os.system, (f"touch {self.marker}",)
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def craft(kind: str, checkpoints: dict[str, Path], where: Path, marker: Path) -> tuple[Path, Path]:
+    """A copy of a real checkpoint with one file replaced by a payload; returns (checkpoint, that file)."""
+    if kind == "ckpt":
+        path = where / "evil.ckpt"
+        state = load_torch(checkpoints["file"])
+        state["loops"]["fit_loop"]["payload"] = Payload(marker, "exec")
+        torch.save(state, path)
+        write_manifest(path)
+        return path, path
+    path = where / "evil_sharded.ckpt"
+    shutil.copytree(checkpoints["sharded"], path)
+    if kind == "metadata":  # DCP's real metadata, with the payload riding along in a field
+        metadata = read_dcp_metadata(path)
+        metadata.planner_data = {"note": Payload(marker, "system")}
+        with open(path / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+        bad = path / ".metadata"
+    else:
+        state = load_torch(path / "meta.pt")
+        state["hyper_parameters"]["lr"] = Payload(marker, "exec")
+        torch.save(state, path / "meta.pt")
+        bad = path / "meta.pt"
+    write_manifest(path)  # as an attacker would: the checksums match the crafted files
+    return path, bad
+
+
+def test_payloads_are_live(checkpoints, tmp_path):
+    """The crafted files really run their payload when unpickled the old way (so the refusals below mean something)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for kind in ("metadata", "meta.pt", "ckpt"):
+        marker = tmp_path / f"marker-{kind}"
+        (tmp_path / kind).mkdir()
+        path, bad = craft(kind, checkpoints, tmp_path / kind, marker)
+        if kind == "metadata":
+            FileSystemReader(path).read_metadata()  # what Lightning's resume and the old export did
+        else:
+            torch.load(bad, weights_only=False)  # what the old export did
+        assert marker.exists(), kind
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "export"])
+@pytest.mark.parametrize("kind", ["metadata", "meta.pt", "ckpt"])
+def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoints, builtin_cache, tmp_path):
+    (tmp_path / "in").mkdir()
+    marker = tmp_path / "marker"
+    path, bad = craft(kind, checkpoints, tmp_path / "in", marker)
+    if command == "export":
+        result = step35(["export", "--checkpoint", str(path), "--out", str(tmp_path / "hf")], builtin_cache)
+    else:
+        extra = ["--trainer.max_steps=3"] if command == "fit" else []
+        result = step35(run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}", *extra),
+                        builtin_cache)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert not marker.exists(), "the payload ran"
+    line = error_line(result.stderr, f"{bad}: refused to unpickle")
+    assert len(line) < 500, line
+    assert not (tmp_path / "hf").exists()
+
+
+# --------------------------------------------------------------------------------- damaged files
+def flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 1000])
+
+
+@pytest.mark.parametrize("kind", ["file", "sharded"])
+def test_flipped_byte_refused_by_resume(kind, checkpoints, builtin_cache, tmp_path):
+    path = tmp_path / "last.ckpt"
+    (shutil.copytree if kind == "sharded" else shutil.copy)(checkpoints[kind], path)
+    if kind == "file":
+        shutil.copy(manifest_path(checkpoints[kind]), manifest_path(path))
+    damaged = path / "__0_0.distcp" if kind == "sharded" else path
+    flip_byte(damaged)
+    result = step35(run_args("fit", tmp_path / "run", kind == "sharded", f"--ckpt_path={path}",
+                             "--trainer.max_steps=3"), builtin_cache)
+    assert result.returncode != 0
+    error_line(result.stderr, f"{damaged}: checksum mismatch")
+
+
+def resume_in_process(path: Path, sharded: bool, cache: Path) -> pl.Trainer:
+    """The real resume path (Trainer.fit with ckpt_path) in this process: Step35Strategy for a sharded
+    folder, the CheckpointIO the CLI installs for a file."""
+    data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache))
+    module = Step35LightningModule(config="tiny", warmup_steps=1)
+    kwargs = {"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+                         default_root_dir=path.parent, **kwargs)
+    trainer.fit(module, datamodule=data, ckpt_path=path)
+    return trainer
+
+
+def nan_sharded(source: Path, path: Path) -> str:
+    """A sharded checkpoint whose weights hold a NaN, with a correct manifest (written as if by a diverged run)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    dcp_to_torch_save(source, path.parent / "full.pt")
+    state = torch.load(path.parent / "full.pt", weights_only=True)
+    name = "model.model.layers.1.self_attn.o_proj.weight"
+    state["state_dict"][name].view(-1)[7] = float("nan")
+    torch.save(state, path.parent / "full.pt")
+    torch_save_to_dcp(path.parent / "full.pt", path)
+    shutil.copy(source / "meta.pt", path / "meta.pt")
+    write_manifest(path)
+    return name
+
+
+def nan_file(source: Path, path: Path) -> str:
+    state = load_torch(source)
+    name = "model.lm_head.weight"
+    state["state_dict"][name][0, 0] = float("inf")
+    torch.save(state, path)
+    write_manifest(path)
+    return name
+
+
+DAMAGE = {  # name: (kind, damage(path) -> the text the error must hold)
+    "sharded-truncated-shard": ("sharded", lambda p: (truncate(p / "__0_0.distcp"), str(p / "__0_0.distcp"))[1]),
+    "sharded-deleted-shard": ("sharded", lambda p: ((p / "__0_0.distcp").unlink(), f"{p / '__0_0.distcp'}: missing")[1]),
+    "sharded-deleted-metadata": ("sharded", lambda p: ((p / ".metadata").unlink(), f"{p / '.metadata'}: missing")[1]),
+    "sharded-truncated-meta": ("sharded", lambda p: (truncate(p / "meta.pt"), str(p / "meta.pt"))[1]),
+    "sharded-flipped-meta": ("sharded", lambda p: (flip_byte(p / "meta.pt"), str(p / "meta.pt"))[1]),
+    "file-truncated": ("file", lambda p: (truncate(p), f"{p}: ")[1]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_refused_by_resume_naming_the_file(case, checkpoints, builtin_cache, tmp_path):
+    kind, damage = DAMAGE[case]
+    path = tmp_path / "last.ckpt"
+    if kind == "sharded":
+        shutil.copytree(checkpoints[kind], path)
+    else:
+        shutil.copy(checkpoints[kind], path)
+        shutil.copy(manifest_path(checkpoints[kind]), manifest_path(path))
+    expected = damage(path)
+    with pytest.raises(CheckpointError) as err:
+        resume_in_process(path, kind == "sharded", builtin_cache)
+    message = str(err.value)
+    assert expected in message and "\n" not in message and len(message) < 400, message
+
+
+@pytest.mark.parametrize("kind", ["file", "sharded"])
+def test_nan_weights_refused_by_resume_and_export(kind, checkpoints, builtin_cache, tmp_path):
+    path = tmp_path / "nan.ckpt"
+    name = nan_sharded(checkpoints[kind], path) if kind == "sharded" else nan_file(checkpoints[kind], path)
+    verify(path)  # the files are intact: it is the values that are refused
+    with pytest.raises(CheckpointError, match="holds (NaN|Inf)") as err:
+        resume_in_process(path, kind == "sharded", builtin_cache)
+    assert name.removeprefix("model.") in str(err.value), str(err.value)
+    with pytest.raises(CheckpointError, match="holds (NaN|Inf)") as err:
+        export_hf(path, tmp_path / "hf")
+    assert name.removeprefix("model.") in str(err.value) and not (tmp_path / "hf").exists()
+
+
+def test_damaged_sharded_checkpoint_refused_by_export(checkpoints, tmp_path):
+    path = tmp_path / "last.ckpt"
+    shutil.copytree(checkpoints["sharded"], path)
+    flip_byte(path / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
+        export_hf(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial*"))
+
+
+def test_manifest_records_the_step_and_every_file(checkpoints):
+    for kind, path in checkpoints.items():
+        info = manifest_info(path)
+        assert info["extra"]["global_step"] == 2 and info["extra"]["layout"] == ("dcp" if kind == "sharded" else "file")
+        if kind == "sharded":
+            assert sorted(info["files"]) == sorted(p.name for p in path.iterdir() if p.name != "step35.manifest.json")
+        else:
+            assert list(info["files"]) == ["."] and info["files"]["."]["size"] == path.stat().st_size
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(checkpoints, tmp_path):
+    path = tmp_path / "old.ckpt"
+    shutil.copy(checkpoints["file"], path)  # as saved before manifests existed
+    assert not is_complete(path)
+    with pytest.warns(UserWarning, match="no step35 manifest"):
+        state = load_file(path)
+    assert state["global_step"] == 2
+
+
+# ------------------------------------------------------------------------------------ HF folders
+@pytest.fixture
+def hf_folder(tmp_path) -> Path:
+    path = tmp_path / "hf"
+    tiny_model(seed=3).save_pretrained(path, max_shard_size=1_000_000)
+    return path
+
+
+def test_hf_flipped_byte_refused_naming_the_shard(hf_folder):
+    shard = sorted(hf_folder.glob("model-*.safetensors"))[2]
+    flip_byte(shard)
+    with pytest.raises(CheckpointError, match=f"{shard.name}: checksum mismatch"):
+        Step35ForCausalLM.from_pretrained(hf_folder)
+
+
+def test_hf_nan_weight_refused_naming_the_tensor(tmp_path):
+    model = tiny_model(seed=3)
+    with torch.no_grad():
+        model.model.layers[2].moe.down_proj.weight[1, 3, 5] = float("nan")
+    model.save_pretrained(tmp_path / "hf", max_shard_size=1_000_000)
+    with pytest.raises(CheckpointError, match="model.layers.2.moe.down_proj.weight holds NaN"):
+        Step35ForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_hf_config_json_stays_editable(hf_folder):
+    """The manifest covers weights and index; config.json is validated when read instead."""
+    assert sorted(manifest_info(hf_folder)["files"]) == sorted(
+        [p.name for p in hf_folder.glob("*.safetensors")] + ["model.safetensors.index.json"])
+    text = (hf_folder / "config.json").read_text()
+    (hf_folder / "config.json").write_text(text.replace("{", "{\n  ", 1))
+    Step35ForCausalLM.from_pretrained(hf_folder)
+
+
+# ------------------------------------------------------------------------------------- 2 ranks
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_two_ranks_damaged_shard_fails_every_rank_quickly(tmp_path, builtin_cache):
+    """Each rank hashes the shards it wrote; at resume the checksums are split over the ranks and a
+    damage found by one rank ends the job on all of them with the file named (no rank left waiting)."""
+    args = [*SHARDED[:1], "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2"]
+    result = step35(run_args("fit", tmp_path / "a", False, *args, "--trainer.max_steps=2"), builtin_cache,
+                    timeout=420, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = tmp_path / "a" / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    files = manifest_info(path)["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files), files
+    verify(path)
+    flip_byte(path / "__1_0.distcp")
+    result = step35(run_args("fit", tmp_path / "b", False, *args, "--trainer.max_steps=3", f"--ckpt_path={path}"),
+                    builtin_cache, timeout=300, nproc=2)
+    assert result.returncode != 0
+    assert f"{path / '__1_0.distcp'}: checksum mismatch" in result.stderr, result.stderr[-3000:]

@@ -125,8 +125,9 @@ class Step35CLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Lightning would overwrite the model options with the checkpoint's saved hyper_parameters
-        (single-file checkpoints only). step35 keeps the command line for both formats; the module
-        checks it against the checkpoint (step35/resume.py)."""
+        (single-file checkpoints only; unpickled here before any other check). step35 keeps the
+        command line for both formats; the module reads the checkpoint's settings through the safe
+        loader and checks them against the run's (step35/resume.py)."""
 
     def _subcommand_config(self):
         return self.config.get(self.subcommand, self.config) if self.subcommand else self.config
@@ -143,19 +144,6 @@ class Step35CLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
         return super().instantiate_trainer(**kwargs)
-
-    def _parse_ckpt_path(self) -> None:
-        # Lightning reads a .ckpt's hyper-parameters here (torch.load, weights_only=True): same allowlist
-        # as every other step35 load, and a refusal names the file.
-        import pickle
-
-        from step35.checkpoint.safe_load import lightning_types, refusal
-
-        try:
-            with lightning_types():
-                super()._parse_ckpt_path()
-        except pickle.UnpicklingError as e:
-            raise refusal(self.config[self.config.subcommand].get("ckpt_path"), e) from None
 
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.safe_load import load_torch
+from step35.checkpoint.trainer_io import check_loadable, load_meta
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 
@@ -45,12 +48,11 @@ class SavedRun:
 
 def read_saved_run(path: str | Path) -> SavedRun:
     """The saved module options and model config of a checkpoint (a `.ckpt` file, or a sharded
-    folder's `meta.pt`), read with `weights_only=True` (no code runs) and without its tensors."""
-    path = Path(path)
-    source = path / "meta.pt" if path.is_dir() else path
-    if not source.is_file():
-        raise FileNotFoundError(f"{source}: not found (a checkpoint is a .ckpt file or a sharded folder with meta.pt)")
-    state = torch.load(source, map_location="cpu", weights_only=True, mmap=not path.is_dir())
+    folder's `meta.pt`), read through step35's safe loader (no code runs) without its tensors."""
+    path = check_loadable(path)
+    state = load_meta(path) if path.is_dir() else load_torch(path, mmap=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
     return SavedRun(path, dict(state.get("hyper_parameters") or {}), state.get("step35_config"))
 
 

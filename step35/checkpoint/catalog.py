@@ -7,8 +7,8 @@ did not finish and it is never picked. "Newest" is the highest global step (the 
 `extra.global_step`, else the `step=N` in the name), whoever wrote it: the periodic
 `RunCheckpoint` callback or a pre-emption save.
 
-`last.ckpt` is a relative symlink to the newest complete checkpoint, switched by one `os.replace`
-of a freshly made link, so there is no moment without it and never one where it names a partial
+`last.ckpt` is a relative symlink to the newest complete checkpoint, switched by one rename of a
+freshly made link (`publish`), so there is no moment without it and never one where it names a partial
 save. It is a convenience for people and tools (`step35 export --checkpoint .../last.ckpt`);
 `--ckpt_path last|auto` does not trust it and scans the folder.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, is_complete, manifest_info, manifest_path
-from step35.checkpoint.publish import interrupted_publish, leftover_of, leftovers, restore
+from step35.checkpoint.publish import interrupted_publish, leftover_of, leftovers, partial_path, publish, restore
 
 LAST = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -88,12 +88,11 @@ def point_last(folder: str | Path, target: str | Path) -> Path | None:
     last = folder / LAST
     if (last.exists() or last.is_symlink()) and not last.is_symlink():
         return None
-    # The temporary link is named like a partial save, so a kill before the replace leaves a
-    # leftover that `clean_leftovers` recognises.
-    tmp = folder / f".{LAST}.partial-{os.getpid()}-link"
-    tmp.unlink(missing_ok=True)
+    # A fresh link in a temporary sibling (a kill before the switch leaves a leftover that
+    # `clean_leftovers` recognises), switched in by the one atomic publish.
+    tmp = partial_path(last)
     os.symlink(target.name, tmp)
-    os.replace(tmp, last)
+    publish(tmp, last)
     return last
 
 

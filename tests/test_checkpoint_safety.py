@@ -66,7 +66,7 @@ def checkpoints(tmp_path_factory, builtin_cache) -> dict[str, Path]:
         run = tmp_path_factory.mktemp(kind)
         result = step35(run_args("fit", run, kind == "sharded", "--trainer.max_steps=2"), builtin_cache)
         assert result.returncode == 0, result.stderr[-3000:]
-        out[kind] = run / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+        out[kind] = run / "checkpoints" / "last.ckpt"  # the run folder's pointer to its newest checkpoint
         assert is_complete(out[kind]), list(out[kind].parent.iterdir())
     return out
 
@@ -317,7 +317,7 @@ def test_two_ranks_damaged_shard_fails_every_rank_quickly(tmp_path, builtin_cach
     result = step35(run_args("fit", tmp_path / "a", False, *args, "--trainer.max_steps=2"), builtin_cache,
                     timeout=420, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    path = tmp_path / "a" / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    path = tmp_path / "a" / "checkpoints" / "last.ckpt"
     files = manifest_info(path)["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files), files
     verify(path)

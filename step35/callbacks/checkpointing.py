@@ -37,6 +37,7 @@ class RunCheckpoint(ModelCheckpoint):
         train_time_interval: timedelta | None = None,
         every_n_epochs: int | None = None,
         keep_last: int = 3,
+        save_on_train_end: bool = True,
         save_weights_only: bool = False,
         verbose: bool = False,
     ):
@@ -49,6 +50,8 @@ class RunCheckpoint(ModelCheckpoint):
             every_n_epochs: save every N epochs (the data stream has no epochs: prefer steps).
             keep_last: complete checkpoints kept in the folder (the newest K by global step,
                 pre-emption saves included); older ones are deleted after each save.
+            save_on_train_end: also save when training ends (max_steps, early stop) at a step not yet
+                saved by this callback or another writer (e.g. a pre-emption save).
             save_weights_only: save the model only (such a checkpoint cannot resume training).
             verbose: print each save.
         """
@@ -61,6 +64,7 @@ class RunCheckpoint(ModelCheckpoint):
                          every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval,
                          every_n_epochs=every_n_epochs, enable_version_counter=False)
         self.keep_last = keep_last
+        self.save_on_train_end = save_on_train_end
         self._resumed_from: Path | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -92,6 +96,15 @@ class RunCheckpoint(ModelCheckpoint):
             say(f"{self.dirpath} already holds checkpoints up to step {newest.global_step}, but this run starts "
                 f"from scratch: its saves join them, and --ckpt_path last|auto picks the highest step "
                 f"(--ckpt_path auto resumes instead; a new --run_dir keeps runs apart)")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if not self.save_on_train_end or self._should_skip_saving_checkpoint(trainer):
+            return
+        newest = catalog.newest_complete([self.dirpath])
+        if newest is not None and newest.global_step == trainer.global_step:
+            return  # this step is saved already (e.g. by a pre-emption save)
+        self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         path = Path(filepath)

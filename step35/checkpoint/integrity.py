@@ -41,6 +41,8 @@ class ManifestMissing(CheckpointError):
 def manifest_path(path: str | Path) -> Path:
     """Where the manifest of checkpoint `path` (folder or single file) lives."""
     path = Path(path)
+    if path.is_symlink():  # a pointer such as last.ckpt -> step=000200.ckpt: the target's manifest
+        path = path.resolve()
     return path / MANIFEST if path.is_dir() else path.with_name(path.name + FILE_MANIFEST_SUFFIX)
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
+from step35 import faults
 from step35.parallel import Meshes, ParallelDims, parallelize
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -39,7 +40,7 @@ class Step35Strategy(ModelParallelStrategy):
         activation_checkpointing: Literal["none", "selective", "full"] = "none",
         compile: bool = False,
         process_group_backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto",
-        timeout_minutes: float = 30.0,
+        timeout_minutes: float = 10.0,
         save_distributed_checkpoint: bool = True,
     ):
         """
@@ -55,12 +56,17 @@ class Step35Strategy(ModelParallelStrategy):
             activation_checkpointing: none, selective (recompute all but matmul outputs) or full, per block.
             compile: torch.compile each decoder block.
             process_group_backend: auto picks hccl on NPU, nccl on CUDA, gloo on CPU.
-            timeout_minutes: collective timeout (a hung rank fails the job after this long).
+            timeout_minutes: how long a rank may wait without progress: the collective timeout of the
+                process group and the watchdog of `step35.callbacks.FaultTolerance`, which ends a rank
+                stuck for this long (exit code 76) naming the phase it waited in. Must exceed the
+                slowest single phase (first-step compile, a checkpoint save or load).
             save_distributed_checkpoint: each rank writes its shards (DCP); False gathers on rank 0.
         """
         backend = None if process_group_backend == "auto" else process_group_backend
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=backend,
                          timeout=timedelta(minutes=timeout_minutes))
+        if timeout_minutes <= 0:
+            raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
         if activation_checkpointing not in ("none", "selective", "full"):
             raise ValueError(f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}")
         self.expert_parallel_size = expert_parallel_size
@@ -71,6 +77,8 @@ class Step35Strategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.meshes: Meshes | None = None
+        self.timeout_minutes = timeout_minutes
+        self._failed = False  # set by on_exception: no collective may run after a failure
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or default_backend(self.root_device)
@@ -125,10 +133,25 @@ class Step35Strategy(ModelParallelStrategy):
             path = Path(filepath)
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this on every rank that raised, before teardown. A failure is printed with
+        the rank at once and the process groups are aborted: the other ranks see the failure (a
+        closed connection, an aborted communicator, or torchrun ending them) instead of waiting in
+        a collective this rank will never join. A pre-emption stop (`faults.Preempted`, raised by
+        all ranks after the same step) is not a failure."""
+        super().on_exception(exception)
+        if isinstance(exception, faults.Preempted):
+            return
+        self._failed = True
+        faults.mark_failure()
+        faults.report_failure(exception, self.global_rank)
+        faults.abort_process_groups()
+
     def teardown(self) -> None:
-        # A barrier before the process group goes: without it gloo ranks can abort at exit
-        # ("terminate called without an active exception") after all work succeeded.
-        if dist.is_available() and dist.is_initialized():
+        # On success only: a barrier before the process group goes (without it gloo ranks can abort
+        # at exit, "terminate called without an active exception", after all work succeeded). After a
+        # failure the other ranks are elsewhere (or gone): a barrier would wait for them forever.
+        if not self._failed and dist.is_available() and dist.is_initialized():
             dist.barrier()
         super().teardown()
         if dist.is_available() and dist.is_initialized() and os.environ.get("STEP35_KEEP_PROCESS_GROUP") != "1":

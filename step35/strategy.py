@@ -56,17 +56,19 @@ class Step35Strategy(ModelParallelStrategy):
             activation_checkpointing: none, selective (recompute all but matmul outputs) or full, per block.
             compile: torch.compile each decoder block.
             process_group_backend: auto picks hccl on NPU, nccl on CUDA, gloo on CPU.
-            timeout_minutes: how long a rank may wait without progress: the collective timeout of the
-                process group and the watchdog of `step35.callbacks.FaultTolerance`, which ends a rank
-                stuck for this long (exit code 76) naming the phase it waited in. Must exceed the
-                slowest single phase (first-step compile, a checkpoint save or load).
+            timeout_minutes: how long a rank may wait without progress (default 10): the watchdog of
+                `step35.callbacks.FaultTolerance` ends a rank stuck this long (exit code 76), naming the
+                phase it waited in (the process group's own timeout is 30 s longer, a backstop). Must
+                exceed the slowest single phase (first-step compile, a checkpoint save or load).
             save_distributed_checkpoint: each rank writes its shards (DCP); False gathers on rank 0.
         """
-        backend = None if process_group_backend == "auto" else process_group_backend
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=backend,
-                         timeout=timedelta(minutes=timeout_minutes))
         if timeout_minutes <= 0:
             raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
+        backend = None if process_group_backend == "auto" else process_group_backend
+        # The backend's own collective timeout is a backstop 30 s behind the watchdog (FaultTolerance),
+        # which names the phase; subgroups of the device meshes keep torch's default timeout anyway.
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=backend,
+                         timeout=timedelta(minutes=timeout_minutes, seconds=30))
         if activation_checkpointing not in ("none", "selective", "full"):
             raise ValueError(f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}")
         self.expert_parallel_size = expert_parallel_size

@@ -113,10 +113,12 @@ class FaultTolerance(Checkpoint):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if isinstance(exception, faults.Preempted):
+            # The handlers stay: torchrun sends SIGTERM to the other ranks as soon as one has exited
+            # with 75, and a rank that is itself leaving with 75 must not be killed by it.
             faults.set_phase("exit after the pre-emption checkpoint")
-        else:
-            faults.mark_failure()
-        if self.stop_signals is not None:  # a second SIGTERM now takes the default way: end at once
+            return
+        faults.mark_failure()
+        if self.stop_signals is not None:  # after a failure, SIGTERM (torchrun ending the job) ends at once
             self.stop_signals.restore()
             self.stop_signals = None
 

@@ -56,16 +56,19 @@ class _Phase:
         self.name = "start-up"
         self.since = time.monotonic()
         self.step: int | None = None
+        self.patient = False  # a phase allowed the full timeout even while stopping (checkpoint I/O)
         self.failed_in: str | None = None  # the phase of the first failure, kept while exiting
 
 
 _PHASE = _Phase()
 
 
-def set_phase(name: str, step: int | None = None) -> None:
+def set_phase(name: str, step: int | None = None, patient: bool = False) -> None:
     """Records that the main thread entered `name` (and, when given, the optimizer step it belongs to).
-    Every call counts as progress for the watchdog."""
+    Every call counts as progress for the watchdog. `patient`: a phase that may legitimately take long
+    while the run is stopping (a checkpoint save): the signal grace does not apply to it."""
     _PHASE.name = name
+    _PHASE.patient = patient
     if step is not None:
         _PHASE.step = step
     _PHASE.since = time.monotonic()
@@ -90,11 +93,11 @@ class _PhaseScope:
         self.previous = ""
 
     def __enter__(self) -> None:
-        self.previous = _PHASE.name
-        set_phase(self.name)
+        self.previous = (_PHASE.name, _PHASE.patient)
+        set_phase(self.name, patient=self.previous[1])
 
     def __exit__(self, *exc) -> None:
-        set_phase(self.previous)
+        set_phase(self.previous[0], patient=self.previous[1])
 
 
 def phase(name: str):
@@ -106,19 +109,99 @@ def phase(name: str):
     return _PhaseScope(name)
 
 
+# ----------------------------------------------------------------------------------- signals
+class StopSignals:
+    """Records SIGTERM / SIGUSR1 and nothing else (no collective, no I/O but one line on stderr);
+    `requested` is read at the next step boundary. Installed from the main thread only.
+
+    Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in
+    native code (a collective whose peer is gone) never runs them, and the signal would wait for
+    the launcher's SIGKILL. So the signal is also written to a wakeup pipe by the interpreter's C
+    handler (`signal.set_wakeup_fd`), which the watchdog reads (`delivered`): a signal that the main
+    thread has not handled within a grace period means the main thread is stuck."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, rank: int = 0):
+        self.signals = tuple(int(s) for s in signals)
+        self.rank = rank
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+        self._pipe_lock = threading.Lock()  # the watchdog reads the pipe while the main thread may close it
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else "none"
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handler)
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._pipe = (read, write)
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            with self._pipe_lock:
+                pipe, self._pipe = self._pipe, None
+                for fd in pipe:
+                    os.close(fd)
+
+    def delivered(self) -> list[int]:
+        """Stop signals that reached the process since the last call, handled or not (any thread)."""
+        with self._pipe_lock:
+            if self._pipe is None:
+                return []
+            try:
+                data = os.read(self._pipe[0], 4096)
+            except OSError:  # nothing there (non-blocking read)
+                return []
+        return [b for b in data if b in self.signals]
+
+    def _handler(self, signum: int, frame) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        write_stderr(f"[rank {self.rank}] step35: received {signal.Signals(signum).name} during '{current_phase()}'; "
+                     + ("stopping at the next step boundary after writing a checkpoint\n" if first
+                        else "already stopping\n"))
+
+
 # ----------------------------------------------------------------------------------- watchdog
 class Watchdog:
-    """A daemon thread: when the recorded phase has not changed for `timeout_s`, print the rank, the
-    phase and every thread's stack, then end the process with `EXIT_STALLED` (without cleanup: a
-    process stuck in a collective cannot clean up). The launcher (torchrun) then ends the other
-    ranks and, with restarts configured, starts the job again from its last checkpoint."""
+    """A daemon thread that ends the process (printing the rank, the phase and every thread's stack,
+    exit code `EXIT_STALLED`, no cleanup: a process stuck in a collective cannot clean up) when
+    - the recorded phase has not changed for `timeout_s`, or
+    - a stop signal reached the process and, since, one phase has lasted `signal_grace_s` (a
+      checkpoint save excepted): the rank cannot reach the step boundary, typically blocked in a
+      collective whose peer failed or was stopped; without this, a rank that has handled the signal
+      (or is blocked in native code and cannot) waits for the launcher's SIGKILL.
+    The launcher (torchrun) then ends the other ranks and, with restarts configured, starts the job
+    again from its last checkpoint."""
 
-    def __init__(self, timeout_s: float, rank: int, hint: str = ""):
-        if timeout_s <= 0:
-            raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout_s}")
+    def __init__(self, timeout_s: float, rank: int, hint: str = "", signals: StopSignals | None = None,
+                 signal_grace_s: float = 20.0):
+        if timeout_s <= 0 or signal_grace_s <= 0:
+            raise ValueError(f"watchdog timeout and signal grace must be > 0 seconds, got {timeout_s}, {signal_grace_s}")
         self.timeout_s = float(timeout_s)
         self.rank = rank
         self.hint = hint
+        self.signals = signals
+        self.signal_grace_s = float(signal_grace_s)
+        self._signal_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -137,60 +220,33 @@ class Watchdog:
         self._thread = None
 
     def _run(self) -> None:
-        poll = min(5.0, max(0.2, self.timeout_s / 20))
+        poll = min(1.0, max(0.1, self.timeout_s / 20))
         while not self._stop.wait(poll):
-            idle = time.monotonic() - _PHASE.since
+            now = time.monotonic()
+            signals = self.signals
+            if signals is not None and signals.delivered() and self._signal_at is None:
+                self._signal_at = now
+            if self._signal_at is not None and not _PHASE.patient:
+                stuck = now - max(_PHASE.since, self._signal_at)
+                if stuck > self.signal_grace_s:
+                    handled = "" if signals.received is not None else ", the main thread never handled it"
+                    self._fire(f"a stop signal arrived {now - self._signal_at:.0f} s ago{handled}, and '{current_phase()}' "
+                               f"has made no progress for {stuck:.0f} s since (signal grace {self.signal_grace_s:.0f} s): "
+                               "this rank cannot reach the step boundary (a peer failed or stopped?), no checkpoint")
+            idle = now - _PHASE.since
             if idle > self.timeout_s:
-                self._fire(idle)
+                self._fire(f"no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s) while in "
+                           f"'{current_phase()}'. Waiting there means another rank stopped responding or died, "
+                           f"or this phase is slower than the timeout{self.hint}")
 
-    def _fire(self, idle: float) -> None:
-        write_stderr(f"\n[rank {self.rank}] step35 watchdog: no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s) "
-                f"while in '{current_phase()}'. Waiting there means another rank stopped responding or died, "
-                f"or this phase is slower than the timeout{self.hint}. Ending this process with exit code "
-                f"{EXIT_STALLED}; stacks of rank {self.rank}:\n")
+    def _fire(self, reason: str) -> None:
+        write_stderr(f"\n[rank {self.rank}] step35 watchdog: {reason}. Ending this process with exit code "
+                     f"{EXIT_STALLED}; stacks of rank {self.rank}:\n")
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         except (OSError, ValueError, RuntimeError):
             pass
         os._exit(EXIT_STALLED)
-
-
-# ----------------------------------------------------------------------------------- signals
-class StopSignals:
-    """Records SIGTERM / SIGUSR1 and nothing else (no collective, no I/O but one line on stderr);
-    `requested` is read at the next step boundary. Installed from the main thread only."""
-
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, rank: int = 0):
-        self.signals = tuple(signals)
-        self.rank = rank
-        self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
-
-    def name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "none"
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread() or self._previous:
-            return
-        for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._handler)
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self._previous = {}
-
-    def _handler(self, signum: int, frame) -> None:
-        first = self.received is None
-        if first:
-            self.received = signum
-        write_stderr(f"[rank {self.rank}] step35: received {signal.Signals(signum).name} ({current_phase()}); "
-                + ("stopping at the next step boundary after writing a checkpoint\n" if first
-                   else "already stopping\n"))
 
 
 # ----------------------------------------------------------------------------------- failures

@@ -58,7 +58,7 @@ def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
 
 class FaultTolerance(Checkpoint):
     def __init__(self, timeout_minutes: float | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
-                 watchdog: bool = True):
+                 signal_grace_s: float = 20.0, watchdog: bool = True):
         """
         Args:
             timeout_minutes: watchdog: a rank that makes no progress for this long ends with exit code
@@ -67,6 +67,9 @@ class FaultTolerance(Checkpoint):
                 the first step, a checkpoint save or load).
             signals: signals that stop the run at the next step boundary with a checkpoint and exit
                 code 75.
+            signal_grace_s: after a stop signal, a phase (other than a checkpoint save) that lasts this
+                long means the rank cannot reach the step boundary (blocked in a collective whose peer
+                failed or stopped): the watchdog ends it (exit code 76), not the launcher's SIGKILL.
             watchdog: False switches the watchdog off.
         """
         self.timeout_minutes = timeout_minutes
@@ -75,6 +78,9 @@ class FaultTolerance(Checkpoint):
                                  for name in signals)
         except KeyError as error:
             raise ValueError(f"FaultTolerance.signals: unknown signal {error.args[0]!r} (e.g. SIGTERM, SIGUSR1)") from None
+        if signal_grace_s <= 0:
+            raise ValueError(f"FaultTolerance.signal_grace_s must be > 0, got {signal_grace_s}")
+        self.signal_grace_s = signal_grace_s
         self.watchdog_enabled = watchdog
         self.stop_signals: faults.StopSignals | None = None
         self.watchdog: faults.Watchdog | None = None
@@ -93,9 +99,10 @@ class FaultTolerance(Checkpoint):
             minutes = self.timeout_minutes
             if minutes is None:
                 minutes = getattr(trainer.strategy, "timeout_minutes", None) or DEFAULT_TIMEOUT_MINUTES
-            self.watchdog = faults.Watchdog(minutes * 60, rank,
+            self.watchdog = faults.Watchdog(minutes * 60, rank, signals=self.stop_signals,
+                                            signal_grace_s=self.signal_grace_s,
                                             hint=" (raise trainer.strategy.timeout_minutes if it is slow, not stuck)")
-            faults.set_phase("setup: process group, model build, checkpoint load")
+            faults.set_phase("setup: process group, model build, checkpoint load", patient=True)
             self.watchdog.start()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -146,7 +153,7 @@ class FaultTolerance(Checkpoint):
         faults.set_phase("data: next batch")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        faults.set_phase("checkpoint save")
+        faults.set_phase("checkpoint save", patient=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         faults.set_phase("end of training (final hooks, teardown)")
@@ -167,7 +174,7 @@ class FaultTolerance(Checkpoint):
     def _stop(self, trainer: "pl.Trainer", step: int, local: bool) -> None:
         path = os.path.join(preempt_checkpoint_dir(trainer), f"step={step:06d}-preempt.ckpt")
         cause = self.stop_signals.name() if local else "a stop signal on another rank"
-        faults.set_phase("pre-emption checkpoint save", step=step)
+        faults.set_phase("pre-emption checkpoint save", step=step, patient=True)
         trainer.save_checkpoint(path)
         self.preempt_path = path
         message = (f"step35: stopped by {cause} after step {step}; checkpoint {path}; exit code "

@@ -92,11 +92,30 @@ class Step35Strategy(ModelParallelStrategy):
         config = getattr(self.lightning_module, "model_config", None)
         dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
                             num_experts=config.moe_num_experts if config is not None and config.use_moe else None)
-        self._setup_distributed()
+        self._init_process_group_of_restart()
+        self._setup_distributed()  # (Lightning's init is skipped when the group exists)
         assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
         self.meshes = dims.build(self.root_device.type)
         self._device_mesh = self.meshes.dense
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _init_process_group_of_restart(self) -> None:
+        """After a torchrun restart (--max-restarts), init the process group on a store prefixed by
+        the attempt. torch 2.13's env:// init reuses the torchrun agent's store as it is, assuming a
+        fresh one per attempt, but the agent keeps it: the subgroups of the device meshes then read the
+        previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused",
+        reproduced with plain torch). TORCHELASTIC_RESTART_COUNT is the same on every rank of a
+        single-node job, and on all nodes when every node's ranks failed (the usual case: a
+        collective fails when a peer dies)."""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+            return
+        env = self.cluster_environment
+        store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=self._timeout)
+        device = self.root_device
+        dist.init_process_group(self._get_process_group_backend(), store=dist.PrefixStore(f"step35/attempt_{attempt}", store),
+                                rank=env.global_rank(), world_size=env.world_size(), timeout=self._timeout,
+                                device_id=device if device.type != "cpu" else None)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

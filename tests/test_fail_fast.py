@@ -333,3 +333,21 @@ def test_watchdog_names_the_phase_and_exits_76(tmp_path):
     assert proc.returncode == EXIT_STALLED and time.monotonic() - started < 15
     assert "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
     assert "time.sleep(30)" in proc.stderr or "<string>" in proc.stderr  # the stacks follow
+
+
+# ----------------------------------------------------------------------------------- restarts
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_torchrun_restart_after_a_failure_runs_the_job_to_its_end(tmp_path, builtin_cache):
+    # What scripts/launch_torchrun.sh sets up (--max-restarts): rank 1 fails after step 2 of the first
+    # attempt; torchrun restarts both ranks, and the new attempt must form its process groups (with
+    # torch 2.13 it did not: its device-mesh subgroups read the first attempt's addresses).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=4",
+                                     "--trainer.callbacks+=tests.dist.fail_once.FailOnce")]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        rc = job.wait(timeout=300)
+        out = job.output()
+    assert "[rank 1] step35: run failed during" in out and "injected failure on rank 1 after step 2 (attempt 0)" in out
+    assert rc == 0, out[-6000:]
+    assert "(attempt 1)" not in out and "Trainer.fit` stopped: `max_steps=4` reached" in out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Ascend NPU launch (run on every node): CANN environment, HCCL settings, then torchrun.
-#   NNODES=12 NODE_RANK=$i MASTER_ADDR=node0 scripts/launch_npu.sh configs/flash-196b-4k-npu.yaml \
+#   NNODES=12 MASTER_ADDR=node0 scripts/launch_npu.sh configs/flash-196b-4k-npu.yaml \
 #       --model.checkpoint /data/Step-3.5-Flash --data.files "/data/corpus/*.jsonl"
 # Restarts, pre-emption and resume: MAX_RESTARTS, SHUTDOWN_TIMEOUT, CKPT_PATH as in launch_torchrun.sh.
 set -euo pipefail

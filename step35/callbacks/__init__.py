@@ -16,5 +16,4 @@ from step35.callbacks.memory import MemoryMonitor
 from step35.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "FaultTolerance",
-           "MemoryMonitor",
-           "ThroughputMonitor"]
+           "MemoryMonitor", "ThroughputMonitor"]

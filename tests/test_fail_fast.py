@@ -176,11 +176,15 @@ def test_a_rank_that_raises_ends_the_job_in_seconds_with_its_error_and_rank(tmp_
     corpus.write_text('{"text": "a single short document about nothing much, said twice. a single short document."}\n')
     with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=5", f"--data.files={corpus}")),
              tmp_path / "log.txt", builtin_cache) as job:
-        rc = job.wait(timeout=200)
-        elapsed = time.monotonic() - job.started
+        wait_for(lambda: "step35: run failed" in job.output(), 200, job, "the error")
+        failed = time.monotonic()
+        rc = job.wait(timeout=120)
+        after_error, elapsed = time.monotonic() - failed, time.monotonic() - job.started
         out = job.output()
     assert rc != 0, out[-4000:]
-    assert elapsed < 60, f"{elapsed:.0f} s\n{out[-4000:]}"
+    # < 60 s in all (about 20 s here, mostly start-up; on a loaded machine start-up alone can take a
+    # minute, so the bound that matters is from the error to the end of the job)
+    assert after_error < 20, f"{after_error:.0f} s after the error ({elapsed:.0f} s in all)\n{out[-4000:]}"
     assert re.search(r"\[rank 1\] step35: run failed during '[^']+': RuntimeError: .*no usable document", out), out[-6000:]
     assert "[rank 1] Traceback (most recent call last)" in out  # the traceback, each line with its rank
 

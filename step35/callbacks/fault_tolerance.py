@@ -96,13 +96,15 @@ class FaultTolerance(Checkpoint):
         self.stop_signals = faults.StopSignals(self.signals, rank=rank)
         self.stop_signals.install()
         if self.watchdog_enabled:
-            minutes = self.timeout_minutes
+            minutes, option = self.timeout_minutes, "FaultTolerance.timeout_minutes"
+            if minutes is None and getattr(trainer.strategy, "timeout_minutes", None):
+                minutes, option = trainer.strategy.timeout_minutes, "trainer.strategy.timeout_minutes"
             if minutes is None:
-                minutes = getattr(trainer.strategy, "timeout_minutes", None) or DEFAULT_TIMEOUT_MINUTES
+                minutes = DEFAULT_TIMEOUT_MINUTES
             self.watchdog = faults.Watchdog(minutes * 60, rank, signals=self.stop_signals,
                                             signal_grace_s=self.signal_grace_s,
-                                            hint=" (raise trainer.strategy.timeout_minutes if it is slow, not stuck)")
-            faults.set_phase("setup: process group, model build, checkpoint load", patient=True)
+                                            hint=f" (raise {option} if it is slow, not stuck)")
+            faults.set_phase("setup: model build, checkpoint load", patient=True)
             self.watchdog.start()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

@@ -92,6 +92,9 @@ def wait_for(condition, timeout: float, job: Job, what: str):
         if result:
             return result
         if job.proc.poll() is not None:
+            result = condition()  # it may have come true just before the end
+            if result:
+                return result
             raise AssertionError(f"ended (rc {job.proc.returncode}) before {what}:\n{job.output()[-6000:]}")
         time.sleep(0.2)
     raise AssertionError(f"no {what} after {timeout} s:\n{job.output()[-6000:]}")

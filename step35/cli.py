@@ -143,7 +143,14 @@ class Step35CLI(LightningCLI):
         plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
-        return super().instantiate_trainer(**kwargs)
+        # Pre-emption handling and the hang watchdog belong to every run (see step35.faults);
+        # listing FaultTolerance under trainer.callbacks sets its options.
+        from step35.callbacks import FaultTolerance
+
+        trainer = super().instantiate_trainer(**kwargs)
+        if not any(isinstance(callback, FaultTolerance) for callback in trainer.callbacks):
+            trainer.callbacks.append(FaultTolerance())
+        return trainer
 
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
@@ -190,16 +197,22 @@ def main(args: list[str] | None = None) -> None:
         else:
             from step35.plan import main as run
         return run(argv[1:])
+    from step35 import faults
     from step35.data import Step35DataModule
 
-    Step35CLI(
-        Step35LightningModule,
-        Step35DataModule,
-        save_config_callback=Step35SaveConfig,
-        save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    try:
+        Step35CLI(
+            Step35LightningModule,
+            Step35DataModule,
+            save_config_callback=Step35SaveConfig,
+            save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+            args=args,
+            auto_configure_optimizers=False,
+        )
+    except Exception as error:
+        if faults.was_reported(error):  # already printed with its rank and traceback
+            raise SystemExit(faults.EXIT_FAILED) from None
+        raise
 
 
 if __name__ == "__main__":

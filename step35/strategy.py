@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
+from step35 import faults
 from step35.parallel import Meshes, ParallelDims, parallelize
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -38,7 +39,7 @@ class Step35Strategy(ModelParallelStrategy):
         activation_checkpointing: Literal["none", "selective", "full"] = "none",
         compile: bool = False,
         process_group_backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto",
-        timeout_minutes: float = 30.0,
+        timeout_minutes: float = 10.0,
         save_distributed_checkpoint: bool = True,
     ):
         """
@@ -54,12 +55,19 @@ class Step35Strategy(ModelParallelStrategy):
             activation_checkpointing: none, selective (recompute all but matmul outputs) or full, per block.
             compile: torch.compile each decoder block.
             process_group_backend: auto picks hccl on NPU, nccl on CUDA, gloo on CPU.
-            timeout_minutes: collective timeout (a hung rank fails the job after this long).
+            timeout_minutes: how long a rank may wait without progress (default 10): the watchdog of
+                `step35.callbacks.FaultTolerance` ends a rank stuck this long (exit code 76), naming the
+                phase it waited in (the process group's own timeout is 30 s longer, a backstop). Must
+                exceed the slowest single phase (first-step compile, a checkpoint save or load).
             save_distributed_checkpoint: each rank writes its shards (DCP); False gathers on rank 0.
         """
+        if timeout_minutes <= 0:
+            raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
         backend = None if process_group_backend == "auto" else process_group_backend
+        # The backend's own collective timeout is a backstop 30 s behind the watchdog (FaultTolerance),
+        # which names the phase; subgroups of the device meshes keep torch's default timeout anyway.
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=backend,
-                         timeout=timedelta(minutes=timeout_minutes))
+                         timeout=timedelta(minutes=timeout_minutes, seconds=30))
         if activation_checkpointing not in ("none", "selective", "full"):
             raise ValueError(f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}")
         self.expert_parallel_size = expert_parallel_size
@@ -70,6 +78,8 @@ class Step35Strategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.meshes: Meshes | None = None
+        self.timeout_minutes = timeout_minutes
+        self._failed = False  # set by on_exception: no collective may run after a failure
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or default_backend(self.root_device)
@@ -81,11 +91,30 @@ class Step35Strategy(ModelParallelStrategy):
         config = getattr(self.lightning_module, "model_config", None)
         dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
                             num_experts=config.moe_num_experts if config is not None and config.use_moe else None)
-        self._setup_distributed()
+        self._init_process_group_of_restart()
+        self._setup_distributed()  # (Lightning's init is skipped when the group exists)
         assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
         self.meshes = dims.build(self.root_device.type)
         self._device_mesh = self.meshes.dense
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _init_process_group_of_restart(self) -> None:
+        """After a torchrun restart (--max-restarts), init the process group on a store prefixed by
+        the attempt. torch 2.13's env:// init reuses the torchrun agent's store as it is, assuming a
+        fresh one per attempt, but the agent keeps it: the subgroups of the device meshes then read the
+        previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused",
+        reproduced with plain torch). TORCHELASTIC_RESTART_COUNT is the same on every rank of a
+        single-node job, and on all nodes when every node's ranks failed (the usual case: a
+        collective fails when a peer dies)."""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+            return
+        env = self.cluster_environment
+        store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=self._timeout)
+        device = self.root_device
+        dist.init_process_group(self._get_process_group_backend(), store=dist.PrefixStore(f"step35/attempt_{attempt}", store),
+                                rank=env.global_rank(), world_size=env.world_size(), timeout=self._timeout,
+                                device_id=device if device.type != "cpu" else None)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -158,10 +187,25 @@ class Step35Strategy(ModelParallelStrategy):
 
             remove(filepath)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this on every rank that raised, before teardown. A failure is printed with
+        the rank at once and the process groups are aborted: the other ranks see the failure (a
+        closed connection, an aborted communicator, or torchrun ending them) instead of waiting in
+        a collective this rank will never join. A pre-emption stop (`faults.Preempted`, raised by
+        all ranks after the same step) is not a failure."""
+        super().on_exception(exception)
+        if isinstance(exception, faults.Preempted):
+            return
+        self._failed = True
+        faults.mark_failure()
+        faults.report_failure(exception, self.global_rank)
+        faults.abort_process_groups()
+
     def teardown(self) -> None:
-        # A barrier before the process group goes: without it gloo ranks can abort at exit
-        # ("terminate called without an active exception") after all work succeeded.
-        if dist.is_available() and dist.is_initialized():
+        # On success only: a barrier before the process group goes (without it gloo ranks can abort
+        # at exit, "terminate called without an active exception", after all work succeeded). After a
+        # failure the other ranks are elsewhere (or gone): a barrier would wait for them forever.
+        if not self._failed and dist.is_available() and dist.is_initialized():
             dist.barrier()
         super().teardown()
         if dist.is_available() and dist.is_initialized() and os.environ.get("STEP35_KEEP_PROCESS_GROUP") != "1":

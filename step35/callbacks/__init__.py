@@ -5,14 +5,17 @@
 - ThroughputMonitor  step time, tokens/s, TFLOP/s per device and MFU
 - DivergenceGuard    skip (or stop at) optimizer steps with a non-finite loss or gradient
 - RunCheckpoint      periodic checkpoints of the run folder: atomic last.ckpt, keep the newest K, tidy leftovers
+- FaultTolerance     SIGTERM/SIGUSR1 -> checkpoint at the next step boundary -> exit 75; hang watchdog
+                     (added by `step35 fit` by itself)
 """
 
 from step35.callbacks.checkpointing import RunCheckpoint
 from step35.callbacks.divergence import DivergenceError, DivergenceGuard
 from step35.callbacks.expert_counts import ExpertCounter
 from step35.callbacks.expert_load import ExpertLoadMonitor
+from step35.callbacks.fault_tolerance import FaultTolerance
 from step35.callbacks.memory import MemoryMonitor
 from step35.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "MemoryMonitor",
-           "RunCheckpoint", "ThroughputMonitor"]
+__all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "FaultTolerance",
+           "MemoryMonitor", "RunCheckpoint", "ThroughputMonitor"]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from step35.faults import phase
 from step35.model.moe import MoE, expert_swiglu
 
 
@@ -21,13 +22,15 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        with phase("expert all-to-all (forward)"):  # named by the hang watchdog
+            dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
+        with phase("expert all-to-all (backward)"):
+            dist.all_to_all_single(out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
         return out, None, None, None
 
 
@@ -46,10 +49,11 @@ class ExpertParallelDispatcher:
         ep, El = self.ep_size, self.local_experts
         send_counts = counts.view(ep, El)  # rows for [destination rank, its local expert]
         recv_counts = torch.empty_like(send_counts)  # rows from [source rank, my local expert]
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        # Host sync (one per MoE layer): the split sizes of the all-to-all.
-        send_splits = send_counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        with phase("expert all-to-all (token counts)"):
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            # Host sync (one per MoE layer): the split sizes of the all-to-all.
+            send_splits = send_counts.sum(1).tolist()
+            recv_splits = recv_counts.sum(1).tolist()
         x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.group)  # [M, H] by (source, expert)
         expert_of_row = torch.repeat_interleave(
             torch.arange(El, device=counts.device).repeat(ep), recv_counts.reshape(-1))

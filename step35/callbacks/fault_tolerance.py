@@ -1,0 +1,185 @@
+"""FaultTolerance: pre-emption (SIGTERM / SIGUSR1 -> checkpoint -> exit code) and the hang watchdog
+in the Lightning loop. The mechanics live in `step35.faults`; this file decides where they run.
+
+- Signals only set a flag (`faults.StopSignals`). At the end of every optimizer step (the same
+  point on every rank) the flags of all ranks are combined by one all_reduce(MAX) of a single
+  number, so all ranks stop after the same step: each writes its part of the checkpoint
+  `<checkpoint dir>/step=NNNNNN-preempt.ckpt` (trainer.save_checkpoint, the same path
+  ModelCheckpoint saves through, so resuming from it is as exact as from any checkpoint), then
+  raises `faults.Preempted`: the process exits with `faults.EXIT_PREEMPTED` (75).
+- Lightning's own SIGTERM handler is switched off: it broadcasts from rank 0 inside the handler,
+  where other ranks may be inside the expert all-to-all (a deadlock), and stops only at rank 0's
+  word. `_disable_lightning_signal_handlers` is the one place that touches that private API.
+- The watchdog (`faults.Watchdog`) follows the loop's phases (forward, backward, optimizer step,
+  step-boundary agreement, checkpoint save, data, validation; the expert all-to-all marks its own)
+  and ends a rank that has made no progress for the timeout, naming the phase. Timeout: the
+  strategy's `timeout_minutes` (Step35Strategy, default 10), else this callback's.
+
+`step35 fit` adds this callback by itself; list it under trainer.callbacks to set its options.
+It subclasses `Checkpoint` so Lightning runs it after every ModelCheckpoint at the end of a step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+
+from step35 import faults
+from step35.callbacks.reporting import StepEnds, all_reduce_
+
+DEFAULT_TIMEOUT_MINUTES = 10.0
+
+
+def _disable_lightning_signal_handlers(trainer: "pl.Trainer") -> None:
+    """Stops Lightning (2.6: `Trainer._signal_connector`, private) from installing its SIGTERM /
+    SLURM-requeue handlers for this run; it installs them after the callbacks' setup."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not callable(getattr(connector, "register_signal_handlers", None)):
+        import lightning
+
+        raise RuntimeError(
+            f"lightning {lightning.__version__} has no Trainer._signal_connector.register_signal_handlers: "
+            "step35 must switch Lightning's own SIGTERM handling off (it can deadlock multi-rank runs); "
+            "update _disable_lightning_signal_handlers in step35/callbacks/fault_tolerance.py")
+    connector.register_signal_handlers = lambda: None  # the instance attribute hides the method
+
+
+def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
+    """Where the pre-emption checkpoint goes: the ModelCheckpoint folder (so `--ckpt_path last|auto`
+    finds it among the others), else `<default_root_dir>/checkpoints`."""
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None) if callback is not None else None
+    return str(dirpath) if dirpath else os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+class FaultTolerance(Checkpoint):
+    def __init__(self, timeout_minutes: float | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+                 signal_grace_s: float = 20.0, watchdog: bool = True):
+        """
+        Args:
+            timeout_minutes: watchdog: a rank that makes no progress for this long ends with exit code
+                76, naming what it waited for. None: the strategy's `timeout_minutes` if it has one
+                (Step35Strategy), else 10 minutes. Must exceed the slowest single phase (compile of
+                the first step, a checkpoint save or load).
+            signals: signals that stop the run at the next step boundary with a checkpoint and exit
+                code 75.
+            signal_grace_s: after a stop signal, a phase (other than a checkpoint save) that lasts this
+                long means the rank cannot reach the step boundary (blocked in a collective whose peer
+                failed or stopped): the watchdog ends it (exit code 76), not the launcher's SIGKILL.
+            watchdog: False switches the watchdog off.
+        """
+        self.timeout_minutes = timeout_minutes
+        try:
+            self.signals = tuple(signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
+                                 for name in signals)
+        except KeyError as error:
+            raise ValueError(f"FaultTolerance.signals: unknown signal {error.args[0]!r} (e.g. SIGTERM, SIGUSR1)") from None
+        if signal_grace_s <= 0:
+            raise ValueError(f"FaultTolerance.signal_grace_s must be > 0, got {signal_grace_s}")
+        self.signal_grace_s = signal_grace_s
+        self.watchdog_enabled = watchdog
+        self.stop_signals: faults.StopSignals | None = None
+        self.watchdog: faults.Watchdog | None = None
+        self.preempt_path: str | None = None
+        self._step_ends = StepEnds()
+
+    # ------------------------------------------------------------------------------- life cycle
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        _disable_lightning_signal_handlers(trainer)
+        if stage != "fit":
+            return
+        rank = trainer.global_rank
+        self.stop_signals = faults.StopSignals(self.signals, rank=rank)
+        self.stop_signals.install()
+        if self.watchdog_enabled:
+            minutes, option = self.timeout_minutes, "FaultTolerance.timeout_minutes"
+            if minutes is None and getattr(trainer.strategy, "timeout_minutes", None):
+                minutes, option = trainer.strategy.timeout_minutes, "trainer.strategy.timeout_minutes"
+            if minutes is None:
+                minutes = DEFAULT_TIMEOUT_MINUTES
+            self.watchdog = faults.Watchdog(minutes * 60, rank, signals=self.stop_signals,
+                                            signal_grace_s=self.signal_grace_s,
+                                            hint=f" (raise {option} if it is slow, not stuck)")
+            faults.set_phase("setup: model build, checkpoint load", patient=True)
+            self.watchdog.start()
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        # The success path only (Lightning calls no teardown hook after an exception): after a failure
+        # the watchdog keeps watching the way out.
+        self._close()
+
+    def _close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.stop_signals is not None:
+            self.stop_signals.restore()
+            self.stop_signals = None
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if isinstance(exception, faults.Preempted):
+            # The handlers stay: torchrun sends SIGTERM to the other ranks as soon as one has exited
+            # with 75, and a rank that is itself leaving with 75 must not be killed by it.
+            faults.set_phase("exit after the pre-emption checkpoint")
+            return
+        faults.mark_failure()
+        if self.stop_signals is not None:  # after a failure, SIGTERM (torchrun ending the job) ends at once
+            self.stop_signals.restore()
+            self.stop_signals = None
+
+    # ------------------------------------------------------------------------------- phases
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._step_ends.reset(trainer)
+        faults.set_phase("data: first batch", step=trainer.global_step + 1)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        faults.set_phase("forward", step=trainer.global_step + 1)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        faults.set_phase("backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        faults.set_phase("optimizer step (grad norm, clipping, update)")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        faults.set_phase("validation")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        faults.set_phase("validation")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        faults.set_phase("data: next batch")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        faults.set_phase("checkpoint save", patient=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        faults.set_phase("end of training (final hooks, teardown)")
+
+    # ------------------------------------------------------------------------------- the step boundary
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self._step_ends(trainer):
+            faults.set_phase("data: next micro-batch")
+            return
+        step = trainer.global_step
+        faults.set_phase("step boundary: stop-signal agreement", step=step)
+        local = self.stop_signals is not None and self.stop_signals.requested
+        flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
+        if all_reduce_(flag, "max").item() > 0:
+            self._stop(trainer, step, local)
+        faults.set_phase("data: next batch", step=step + 1)
+
+    def _stop(self, trainer: "pl.Trainer", step: int, local: bool) -> None:
+        path = os.path.join(preempt_checkpoint_dir(trainer), f"step={step:06d}-preempt.ckpt")
+        cause = self.stop_signals.name() if local else "a stop signal on another rank"
+        faults.set_phase("pre-emption checkpoint save", step=step, patient=True)
+        trainer.save_checkpoint(path)
+        self.preempt_path = path
+        message = (f"step35: stopped by {cause} after step {step}; checkpoint {path}; exit code "
+                   f"{faults.EXIT_PREEMPTED} (continue with --ckpt_path auto, or --ckpt_path {path})")
+        faults.write_stderr(f"[rank {trainer.global_rank}] {message}\n")
+        raise faults.Preempted(message)

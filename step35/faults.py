@@ -1,0 +1,324 @@
+"""Failures, pre-emption and hangs of a (multi-rank) run: the plain mechanics, no Lightning here
+(`step35.callbacks.fault_tolerance` wires them into the training loop, `step35.strategy` into the
+process group's life).
+
+- Exit codes the launchers and schedulers can act on (`EXIT_PREEMPTED`, `EXIT_STALLED`).
+- `StopSignals`: SIGTERM / SIGUSR1 only set a flag. The decision to stop is taken at a step
+  boundary, agreed by all ranks with one tiny all_reduce, never inside a signal handler (a
+  collective started from a handler meets other ranks inside a different collective and hangs).
+- Phases and the `Watchdog`: the code records what it is doing (`phase("expert all-to-all")`);
+  a thread ends the process, naming the phase and the rank, when nothing has progressed for the
+  timeout. It is the one bound that holds whatever the backend (a SIGSTOPped peer, a collective on
+  a device-mesh subgroup that has torch's default 30-minute timeout, a stuck data loader).
+- `report_failure` / `abort_process_groups`: an exception is printed with its rank at once, and
+  the process groups are aborted instead of waited on, so no rank enters another collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+EXIT_FAILED = 1
+"""An exception on this rank (printed with the rank and its traceback)."""
+EXIT_PREEMPTED = 75
+"""Stopped on SIGTERM / SIGUSR1 at a step boundary after writing a checkpoint (EX_TEMPFAIL: run again
+with `--ckpt_path auto` to continue)."""
+EXIT_STALLED = 76
+"""The watchdog ended the process: nothing progressed for the timeout (no checkpoint written)."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""SIGTERM: scancel, `timeout`, torchrun's shutdown, Kubernetes. SIGUSR1: SLURM's `--signal` warning."""
+
+
+def write_stderr(message: str) -> None:
+    # os.write: safe from signal handlers and from a thread while the main thread holds sys.stderr's lock.
+    try:
+        os.write(2, message.encode(errors="replace"))
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------------- phases
+class _Phase:
+    """What the main thread is doing now and since when (written by the main thread, read by the watchdog)."""
+
+    def __init__(self) -> None:
+        self.name = "start-up"
+        self.since = time.monotonic()
+        self.step: int | None = None
+        self.patient = False  # a phase allowed the full timeout even while stopping (checkpoint I/O)
+        self.failed_in: str | None = None  # the phase of the first failure, kept while exiting
+
+
+_PHASE = _Phase()
+
+
+def set_phase(name: str, step: int | None = None, patient: bool = False) -> None:
+    """Records that the main thread entered `name` (and, when given, the optimizer step it belongs to).
+    Every call counts as progress for the watchdog. `patient`: a phase that may legitimately take long
+    while the run is stopping (a checkpoint save): the signal grace does not apply to it."""
+    _PHASE.name = name
+    _PHASE.patient = patient
+    if step is not None:
+        _PHASE.step = step
+    _PHASE.since = time.monotonic()
+
+
+def current_phase() -> str:
+    step = f" (step {_PHASE.step})" if _PHASE.step is not None else ""
+    return f"{_PHASE.name}{step}"
+
+
+def mark_failure(exiting_phase: str = "exit after an error") -> None:
+    """Remembers where the first failure happened (for `report_failure`), then records the exit as
+    the current phase: the watchdog keeps bounding the way out."""
+    if _PHASE.failed_in is None:
+        _PHASE.failed_in = current_phase()
+    set_phase(exiting_phase)
+
+
+class _PhaseScope:
+    def __init__(self, name: str):
+        self.name = name
+        self.previous = ""
+
+    def __enter__(self) -> None:
+        self.previous = (_PHASE.name, _PHASE.patient)
+        set_phase(self.name, patient=self.previous[1])
+
+    def __exit__(self, *exc) -> None:
+        set_phase(self.previous[0], patient=self.previous[1])
+
+
+def phase(name: str):
+    """`with phase("expert all-to-all"):` marks a region; the previous phase resumes after it.
+    Nothing is recorded inside torch.compile'd code (no side effect to trace; the enclosing loop
+    phase stands for it)."""
+    if torch.compiler.is_compiling():
+        return nullcontext()
+    return _PhaseScope(name)
+
+
+# ----------------------------------------------------------------------------------- signals
+class StopSignals:
+    """Records SIGTERM / SIGUSR1 and nothing else (no collective, no I/O but one line on stderr);
+    `requested` is read at the next step boundary. Installed from the main thread only.
+
+    Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in
+    native code (a collective whose peer is gone) never runs them, and the signal would wait for
+    the launcher's SIGKILL. So the signal is also written to a wakeup pipe by the interpreter's C
+    handler (`signal.set_wakeup_fd`), which the watchdog reads (`delivered`): a signal that the main
+    thread has not handled within a grace period means the main thread is stuck."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, rank: int = 0):
+        self.signals = tuple(int(s) for s in signals)
+        self.rank = rank
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+        self._pipe_lock = threading.Lock()  # the watchdog reads the pipe while the main thread may close it
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else "none"
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handler)
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._pipe = (read, write)
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            with self._pipe_lock:
+                pipe, self._pipe = self._pipe, None
+                for fd in pipe:
+                    os.close(fd)
+
+    def delivered(self) -> list[int]:
+        """Stop signals that reached the process since the last call, handled or not (any thread)."""
+        with self._pipe_lock:
+            if self._pipe is None:
+                return []
+            try:
+                data = os.read(self._pipe[0], 4096)
+            except OSError:  # nothing there (non-blocking read)
+                return []
+        return [b for b in data if b in self.signals]
+
+    def _handler(self, signum: int, frame) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        write_stderr(f"[rank {self.rank}] step35: received {signal.Signals(signum).name} during '{current_phase()}'; "
+                     + ("stopping at the next step boundary after writing a checkpoint\n" if first
+                        else "already stopping\n"))
+
+
+# ----------------------------------------------------------------------------------- watchdog
+class Watchdog:
+    """A daemon thread that ends the process (printing the rank, the phase and every thread's stack,
+    exit code `EXIT_STALLED`, no cleanup: a process stuck in a collective cannot clean up) when
+    - the recorded phase has not changed for `timeout_s`, or
+    - a stop signal reached the process and, since, one phase has lasted `signal_grace_s` (a
+      checkpoint save excepted): the rank cannot reach the step boundary, typically blocked in a
+      collective whose peer failed or was stopped; without this, a rank that has handled the signal
+      (or is blocked in native code and cannot) waits for the launcher's SIGKILL.
+    The launcher (torchrun) then ends the other ranks and, with restarts configured, starts the job
+    again from its last checkpoint."""
+
+    def __init__(self, timeout_s: float, rank: int, hint: str = "", signals: StopSignals | None = None,
+                 signal_grace_s: float = 20.0):
+        if timeout_s <= 0 or signal_grace_s <= 0:
+            raise ValueError(f"watchdog timeout and signal grace must be > 0 seconds, got {timeout_s}, {signal_grace_s}")
+        self.timeout_s = float(timeout_s)
+        self.rank = rank
+        self.hint = hint
+        self.signals = signals
+        self.signal_grace_s = float(signal_grace_s)
+        self._signal_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        set_phase(_PHASE.name)  # the clock starts now
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="step35-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    def _run(self) -> None:
+        poll = min(1.0, max(0.1, self.timeout_s / 20))
+        while not self._stop.wait(poll):
+            now = time.monotonic()
+            signals = self.signals
+            if signals is not None and signals.delivered() and self._signal_at is None:
+                self._signal_at = now
+            if self._signal_at is not None and not _PHASE.patient:
+                stuck = now - max(_PHASE.since, self._signal_at)
+                if stuck > self.signal_grace_s:
+                    handled = "" if signals.received is not None else ", the main thread never handled it"
+                    self._fire(f"a stop signal arrived {now - self._signal_at:.0f} s ago{handled}, and '{current_phase()}' "
+                               f"has made no progress for {stuck:.0f} s since (signal grace {self.signal_grace_s:.0f} s): "
+                               "this rank cannot reach the step boundary (a peer failed or stopped?), no checkpoint")
+            idle = now - _PHASE.since
+            if idle > self.timeout_s:
+                self._fire(f"no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s) while in "
+                           f"'{current_phase()}'. Waiting there means another rank stopped responding or died, "
+                           f"or this phase is slower than the timeout{self.hint}")
+
+    def _fire(self, reason: str) -> None:
+        write_stderr(f"\n[rank {self.rank}] step35 watchdog: {reason}. Ending this process with exit code "
+                     f"{EXIT_STALLED}; stacks of rank {self.rank}:\n")
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass
+        os._exit(EXIT_STALLED)
+
+
+# ----------------------------------------------------------------------------------- failures
+class Preempted(SystemExit):
+    """Raised by every rank together, after the pre-emption checkpoint is written: a clean stop with
+    `EXIT_PREEMPTED`, not a failure (the process group is torn down normally)."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_PREEMPTED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def report_failure(exception: BaseException, rank: int) -> None:
+    """Prints the exception with its rank, the phase and the traceback, every line prefixed by the rank
+    (ranks share one terminal), at once (a peer may end this process soon). `was_reported` then
+    tells the entry point not to print it a second time."""
+    prefix = f"[rank {rank}] "
+    where = _PHASE.failed_in or current_phase()
+    lines = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
+    body = "".join(prefix + line + "\n" for line in lines.rstrip("\n").split("\n"))
+    head = (f"{prefix}step35: run failed during '{where}': {type(exception).__name__}: "
+            f"{str(exception).splitlines()[0] if str(exception) else ''}\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    write_stderr(head + body + head)
+    try:
+        exception.step35_reported = True
+    except AttributeError:
+        pass
+
+
+def was_reported(exception: BaseException) -> bool:
+    return bool(getattr(exception, "step35_reported", False))
+
+
+def abort_process_groups(timeout_s: float = 10.0) -> bool:
+    """Aborts every process group of this process so no collective can wait on the failed job (the
+    peers see a closed connection with gloo; NCCL/HCCL communicators are aborted instead of flushed).
+    Bounded: runs in a thread that is abandoned after `timeout_s`. Returns whether an abort ran.
+
+    torch 2.13 offers this only as the private `distributed_c10d._abort_process_group` (it aborts
+    the default group and every subgroup, inside one NCCL group call); it is used here and nowhere else."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    from torch.distributed import distributed_c10d
+
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        write_stderr(f"step35: torch {torch.__version__} has no torch.distributed.distributed_c10d._abort_process_group; "
+                "the process groups are left to the process exit (update step35/faults.py)\n")
+        return False
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            abort()
+        except BaseException as error:  # noqa: BLE001 - reported below, the original failure matters more
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="step35-abort", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        write_stderr(f"step35: aborting the process groups did not finish within {timeout_s:.0f} s; exiting anyway\n")
+        return False
+    if errors:
+        write_stderr(f"step35: aborting the process groups failed: {errors[0]!r}\n")
+        return False
+    return True

@@ -1,0 +1,359 @@
+"""Failures, pre-emption and hangs of real runs (the CLI under torchrun, gloo, 2 ranks, EP 2; and the
+single-process tiny run): a failing rank ends the job in seconds with the error and its rank
+printed; SIGTERM / SIGUSR1 stop every rank at the same step with a checkpoint and exit code 75,
+and resuming from that checkpoint is bitwise exact; a SIGSTOPped rank ends the job within the
+configured timeout, naming what was waited for."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from step35.faults import EXIT_PREEMPTED, EXIT_STALLED
+
+ROOT = Path(__file__).parent.parent
+
+
+class Job:
+    """A command (torchrun or the CLI) in its own session, output to a file. Leaving the `with`
+    block kills it and every process it started (torchrun's workers live in their own sessions,
+    so killing torchrun's process group alone would leave them running)."""
+
+    def __init__(self, cmd: list[str], log: Path, cache: Path, env: dict | None = None):
+        self.log = log
+        full_env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                    **(env or {})}
+        self._out = open(log, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._seen: dict[int, psutil.Process] = {}
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.workers()  # remember the last set
+        for p in [*self._seen.values(), psutil.Process(self.proc.pid) if self.proc.poll() is None else None]:
+            if p is None:
+                continue
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(timeout=30)
+        self._out.close()
+
+    def workers(self) -> list[psutil.Process]:
+        """The training processes (torchrun's children running step35), ordered by rank."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for child in children:
+            try:
+                if "step35" in " ".join(child.cmdline()):
+                    self._seen.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                pass
+        ranks = []
+        for p in self._seen.values():
+            try:
+                ranks.append((int(p.environ().get("RANK", 0)), p))
+            except psutil.NoSuchProcess:
+                pass
+        return [p for _, p in sorted(ranks, key=lambda t: t[0])]
+
+    def output(self) -> str:
+        self._out.flush()
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.output()[-6000:]}") from None
+
+
+def wait_for(condition, timeout: float, job: Job, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        if job.proc.poll() is not None:
+            result = condition()  # it may have come true just before the end
+            if result:
+                return result
+            raise AssertionError(f"ended (rc {job.proc.returncode}) before {what}:\n{job.output()[-6000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} after {timeout} s:\n{job.output()[-6000:]}")
+
+
+def torchrun(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35", *args]
+
+
+def fit_args(run: Path, *extra: str, ranks: int = 2) -> list[str]:
+    strategy = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2",
+                "--trainer.devices=2"] if ranks == 2 else []
+    return ["fit", "--config", "configs/tiny.yaml", *strategy, "--trainer.val_check_interval=1000",
+            "--trainer.log_every_n_steps=1", "--data.seq_len=32", "--data.micro_batch_size=2",
+            "--model.decay_steps=10",  # the schedule must not depend on max_steps (runs differ in it)
+            f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}",
+            "--trainer.logger.init_args.flush_logs_every_n_steps=1", *extra]
+
+
+def checkpoint_every(n: int, dirpath: Path) -> list[str]:
+    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.every_n_train_steps={n}", "--trainer.callbacks.save_top_k=-1",
+            f"--trainer.callbacks.dirpath={dirpath}"]
+
+
+def logged_steps(run: Path) -> int:
+    """Optimizer steps logged so far (the CSV is flushed every step, see fit_args): progress seen
+    from outside without a checkpoint save, so a signal lands in the middle of training steps."""
+    try:
+        return len(losses(run))
+    except (ValueError, KeyError, OSError):  # not there yet, or a row half written
+        return 0
+
+
+def preempt_checkpoint(run: Path) -> Path:
+    found = sorted(run.glob("**/step=*-preempt.ckpt"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def preempt_step(path: Path) -> int:
+    return int(re.search(r"step=(\d+)-preempt", path.name).group(1))
+
+
+def losses(run: Path) -> dict[int, float]:
+    (metrics,) = run.glob("**/metrics.csv")
+    with open(metrics) as f:
+        return {int(r["step"]): float(r["train/lm_loss"]) for r in csv.DictReader(f) if r.get("train/lm_loss")}
+
+
+def consolidated_state(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Model parameters and optimizer state of a sharded (DCP) checkpoint, as full tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{checkpoint.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    state = torch.load(out, weights_only=False)
+    flat = {f"model/{k}": v for k, v in state["state_dict"].items()}
+    for key, value in _flatten(state["optimizer_0"]["state"]).items():  # AdamW moments and step counts
+        if isinstance(value, torch.Tensor):
+            flat[f"optimizer/{key}"] = value
+    return flat
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        return out
+    return {prefix.rstrip("/"): tree}
+
+
+# ----------------------------------------------------------------------------------- a failing rank
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_ends_the_job_in_seconds_with_its_error_and_rank(tmp_path, builtin_cache):
+    # One document for two ranks: rank 1's data shard is empty and raises in its first step, while
+    # rank 0 goes on into the first collective (before: rank 0 waited in an all_gather and rank 1 in
+    # the teardown barrier for the 30-minute collective timeout, printing nothing).
+    corpus = tmp_path / "one.jsonl"
+    corpus.write_text('{"text": "a single short document about nothing much, said twice. a single short document."}\n')
+    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=5", f"--data.files={corpus}")),
+             tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: "step35: run failed" in job.output(), 200, job, "the error")
+        failed = time.monotonic()
+        rc = job.wait(timeout=120)
+        after_error, elapsed = time.monotonic() - failed, time.monotonic() - job.started
+        out = job.output()
+    assert rc != 0, out[-4000:]
+    # < 60 s in all (about 20 s here, mostly start-up; on a loaded machine start-up alone can take a
+    # minute, so the bound that matters is from the error to the end of the job)
+    assert after_error < 20, f"{after_error:.0f} s after the error ({elapsed:.0f} s in all)\n{out[-4000:]}"
+    assert re.search(r"\[rank 1\] step35: run failed during '[^']+': RuntimeError: .*no usable document", out), out[-6000:]
+    assert "[rank 1] Traceback (most recent call last)" in out  # the traceback, each line with its rank
+
+
+# ----------------------------------------------------------------------------------- pre-emption
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(tmp_path, builtin_cache):
+    # What `timeout`, a plain `kill` of the launcher or a scheduler signalling the launcher does:
+    # torchrun forwards SIGTERM to every rank, the ranks agree on the stop at the next step boundary.
+    steps = 10
+    full = Job(torchrun(fit_args(tmp_path / "full", f"--trainer.max_steps={steps}",
+                                 *checkpoint_every(steps, tmp_path / "full_ckpt"))), tmp_path / "full.txt", builtin_cache)
+    with full:
+        assert full.wait(timeout=300) == 0, full.output()[-6000:]
+
+    with Job(torchrun(fit_args(tmp_path / "cut", "--trainer.max_steps=500")), tmp_path / "cut.txt", builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "cut") >= 2, 240, job, "2 steps")
+        sent = time.monotonic()
+        job.proc.send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+        stopped_in = time.monotonic() - sent
+        out = job.output()
+    assert stopped_in < 60, f"{stopped_in:.0f} s\n{out[-4000:]}"
+    ckpt = preempt_checkpoint(tmp_path / "cut")
+    step = preempt_step(ckpt)
+    for rank in (0, 1):
+        assert f"[rank {rank}] step35: stopped by SIGTERM after step {step}; checkpoint {ckpt}; exit code 75" in out, out[-4000:]
+    assert 2 <= step < steps, step  # mid-run: the resumed run has steps left to compare
+    assert ckpt.is_dir() and (ckpt / "meta.pt").exists() and list(ckpt.glob("*.distcp"))
+
+    with Job(torchrun(fit_args(tmp_path / "resumed", f"--trainer.max_steps={steps}", f"--ckpt_path={ckpt}",
+                               *checkpoint_every(steps, tmp_path / "resumed_ckpt"))),
+             tmp_path / "resumed.txt", builtin_cache) as job:
+        assert job.wait(timeout=300) == 0, job.output()[-6000:]
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(b) == list(range(step, steps)), sorted(b)  # metrics at 0-based steps
+    assert [b[s] for s in range(step, steps)] == [a[s] for s in range(step, steps)]  # bitwise equal
+    end_a = consolidated_state(next((tmp_path / "full_ckpt").glob(f"*step={steps}*")), tmp_path)
+    end_b = consolidated_state(next((tmp_path / "resumed_ckpt").glob(f"*step={steps}*")), tmp_path)
+    assert end_a.keys() == end_b.keys() and any(k.startswith("optimizer") for k in end_a)
+    for name in end_a:
+        assert torch.equal(end_a[name], end_b[name]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_exit_code_75(tmp_path, builtin_cache):
+    # A signal that reaches only some ranks (scancel / SLURM deliver to every task, but not at the
+    # same instant): the step-boundary all_reduce makes every rank stop after the same step.
+    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
+        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        sent = time.monotonic()
+        workers[1].send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+        stopped_in = time.monotonic() - sent
+        out = job.output()
+    assert stopped_in < 60, f"{stopped_in:.0f} s\n{out[-4000:]}"
+    step = preempt_step(preempt_checkpoint(tmp_path / "run"))
+    assert f"[rank 1] step35: stopped by SIGTERM after step {step}" in out, out[-4000:]
+    assert f"[rank 0] step35: stopped by a stop signal on another rank after step {step}" in out, out[-4000:]
+    # torchrun's summary lists each rank's exit code
+    assert len(re.findall(rf"exitcode\s+:\s*{EXIT_PREEMPTED}\b", out)) == 2, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, builtin_cache):
+    # SLURM's `--signal=USR1@secs` warning, on the plain tiny run (no Step35Strategy).
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1)]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 200, job, "2 steps")
+        sent = time.monotonic()
+        job.proc.send_signal(signal.SIGUSR1)
+        rc = job.wait(timeout=120)
+        stopped_in = time.monotonic() - sent
+        out = job.output()
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    assert stopped_in < 60
+    ckpt = preempt_checkpoint(tmp_path / "run")
+    step = preempt_step(ckpt)
+    assert ckpt.is_file() and f"stopped by SIGUSR1 after step {step}" in out
+    # It resumes: the next run starts at that step.
+    with Job([sys.executable, "-m", "step35", *fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}",
+                                                        f"--ckpt_path={ckpt}", ranks=1)],
+             tmp_path / "resumed.txt", builtin_cache) as job:
+        assert job.wait(timeout=200) == 0, job.output()[-4000:]
+    assert sorted(losses(tmp_path / "resumed")) == [step, step + 1]
+
+
+# ----------------------------------------------------------------------------------- a rank that stops responding
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_sigstopped_rank_ends_the_job_within_the_timeout_naming_the_phase(tmp_path, builtin_cache):
+    timeout_s = 18  # timeout_minutes 0.3
+    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", "--trainer.strategy.timeout_minutes=0.3")),
+             tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
+        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        stopped = time.monotonic()
+        workers[1].send_signal(signal.SIGSTOP)
+        # rank 0 notices by itself within the timeout (plus the watchdog's poll)...
+        wait_for(lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE,
+                 timeout_s + 20, job, "rank 0 exit")
+        rank0_in = time.monotonic() - stopped
+        # ...and torchrun ends the stopped rank: SIGTERM cannot reach it, SIGKILL follows after torchrun's
+        # fixed 30 s grace (on a worker failure torchrun ignores --shutdown-timeout)
+        job.wait(timeout=120)
+        job_in = time.monotonic() - stopped
+        out = job.output()
+    assert timeout_s - 1 <= rank0_in < timeout_s + 15, f"{rank0_in:.0f} s\n{out[-4000:]}"
+    assert job_in < timeout_s + 30 + 15, f"{job_in:.0f} s"
+    assert re.search(r"\[rank 0\] step35 watchdog: no progress for \d+ s \(timeout 18 s\) while in '[^']+'", out), out[-6000:]
+    assert re.search(rf"exitcode\s+:\s*{EXIT_STALLED}\b", out), out[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_sigterm_to_a_rank_blocked_by_a_stopped_peer_ends_it_after_the_signal_grace(tmp_path, builtin_cache):
+    # Rank 1 stops responding; then a SIGTERM (torchrun's, when another rank failed; or scancel)
+    # reaches rank 0, which waits in a collective for rank 1 and can never reach the step boundary.
+    # It ends after the signal grace (3 s here), not after the collective timeout (10 min default)
+    # or the launcher's SIGKILL.
+    grace = ["--trainer.callbacks+=step35.callbacks.FaultTolerance", "--trainer.callbacks.signal_grace_s=3"]
+    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", *grace)), tmp_path / "log.txt",
+             builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
+        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        workers[1].send_signal(signal.SIGSTOP)
+        time.sleep(2)  # rank 0 reaches the next collective with rank 1
+        sent = time.monotonic()
+        workers[0].send_signal(signal.SIGTERM)
+        wait_for(lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE,
+                 30, job, "rank 0 exit")
+        rank0_in = time.monotonic() - sent
+        out = job.output()  # (torchrun's 30 s wait for the stopped rank is covered above; the job is killed here)
+    assert rank0_in < 15, f"{rank0_in:.0f} s\n{out[-4000:]}"
+    assert re.search(r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago.*'[^']+' has made no progress "
+                     rf".*exit code {EXIT_STALLED}", out), out[-6000:]
+
+
+def test_watchdog_names_the_phase_and_exits_76(tmp_path):
+    # The watchdog alone, in a plain process stuck in a named phase.
+    code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=3)\n"
+            "faults.set_phase('checkpoint save', step=7)\nw.start()\ntime.sleep(30)\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == EXIT_STALLED and time.monotonic() - started < 15
+    assert "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
+    assert "time.sleep(30)" in proc.stderr or "<string>" in proc.stderr  # the stacks follow
+
+
+# ----------------------------------------------------------------------------------- restarts
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_torchrun_restart_after_a_failure_runs_the_job_to_its_end(tmp_path, builtin_cache):
+    # What scripts/launch_torchrun.sh sets up (--max-restarts): rank 1 fails after step 2 of the first
+    # attempt; torchrun restarts both ranks, and the new attempt must form its process groups (with
+    # torch 2.13 it did not: its device-mesh subgroups read the first attempt's addresses).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=4",
+                                     "--trainer.callbacks+=tests.dist.fail_once.FailOnce")]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        rc = job.wait(timeout=300)
+        out = job.output()
+    assert "[rank 1] step35: run failed during" in out and "injected failure on rank 1 after step 2 (attempt 0)" in out
+    assert rc == 0, out[-6000:]
+    assert "(attempt 1)" not in out and "Trainer.fit` stopped: `max_steps=4` reached" in out

@@ -6,6 +6,7 @@ saved into the run folder and sent to the loggers together with the code version
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 from pathlib import Path
 
@@ -47,8 +48,31 @@ class Step35CLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        _strategy_class_path_to_class(config)
         if config.get("data") is not None and not config.data.get("tokenizer") and config.model.get("checkpoint"):
             config.data.tokenizer = config.model.checkpoint
+
+
+def _strategy_class_path_to_class(config) -> None:
+    """`--trainer.strategy step35.strategy.Step35Strategy` with no sub-option: the Trainer types the
+    option `str | Strategy`, so jsonargparse keeps a bare class path as a string (which Lightning then
+    takes for a registered strategy name and refuses). A dotted path naming a Strategy class is turned
+    into the class_path form jsonargparse instantiates, exactly as if a sub-option had been given."""
+    from jsonargparse import Namespace
+    from lightning.pytorch.strategies import Strategy
+
+    trainer = config.get("trainer")
+    value = trainer.get("strategy") if trainer is not None else None
+    if not isinstance(value, str) or "." not in value:
+        return
+    module_name, _, class_name = value.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"trainer.strategy={value!r}: cannot import it ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ValueError(f"trainer.strategy={value!r} is not a lightning.pytorch.strategies.Strategy class")
+    trainer.strategy = Namespace(class_path=value, init_args=Namespace())
 
 
 def main(args: list[str] | None = None) -> None:

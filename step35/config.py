@@ -3,7 +3,7 @@
 The per-layer lists (`layer_types`, `rope_theta`, `partial_rotary_factors`, `swiglu_limits`,
 `swiglu_limits_shared`) hold one entry per *global* layer id: the `num_hidden_layers` main layers
 followed by the `num_nextn_predict_layers` MTP layers (45 + 3 = 48 in the release).
-Every field is documented in ../shared/step35-architecture.md, section 1.
+Every field is described in docs/architecture.md §1.
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ _RELEASE_KEY_ORDER = (
 
 
 def _flash_196b() -> dict[str, Any]:
-    """The released Step-3.5-Flash config.json, field for field (spec section 1)."""
+    """The released Step-3.5-Flash config.json, field for field (docs/architecture.md §1.1)."""
     n = 48
     return {
         "architectures": ["Step3p5ForCausalLM"],

@@ -1,6 +1,6 @@
 """Throughput: step time, tokens/s (global and per device), model TFLOP/s per device and MFU.
 
-Model FLOPs per token come from step35.flops.training_flops_per_token (architecture spec section 5:
+Model FLOPs per token come from step35.flops.training_flops_per_token (docs/architecture.md §5:
 6 x matmul-active parameters + causal attention, MTP layers counted when mtp_loss_weight > 0;
 activation-checkpoint recomputation is not counted, as usual for MFU). Tokens come from the batch
 shape: each micro-batch {"input_ids": [B, S + 1]} trains B x S tokens on every rank, so a step is

@@ -6,7 +6,6 @@ update after each optimizer step."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
+from step35.schedule import WarmupCosineLR
 
 
 class Step35LightningModule(pl.LightningModule):
@@ -56,7 +56,9 @@ class Step35LightningModule(pl.LightningModule):
             lr: peak learning rate, reached after `warmup_steps` of linear warmup.
             min_lr_ratio: cosine decay ends at lr * min_lr_ratio.
             warmup_steps: linear warmup steps (optimizer steps).
-            decay_steps: steps until the end of the cosine decay (default: trainer.max_steps).
+            decay_steps: steps until the end of the cosine decay (default: trainer.max_steps of the
+                run that started training: a resumed run keeps that length whatever its own max_steps,
+                and stays at lr * min_lr_ratio past it; set decay_steps to choose a new length).
             weight_decay: AdamW decoupled weight decay; never applied to norms.
             betas: AdamW betas.
             eps: AdamW epsilon.
@@ -204,8 +206,9 @@ class Step35LightningModule(pl.LightningModule):
         total = hp.decay_steps or self.trainer.max_steps
         if total is None or total < 0:
             raise ValueError("set trainer.max_steps or model.decay_steps: the cosine schedule needs a length")
-        schedule = warmup_cosine(hp.warmup_steps, total, hp.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        # A resumed run keeps the length its checkpoint was started with, unless decay_steps is set.
+        scheduler = WarmupCosineLR(optimizer, hp.warmup_steps, total, hp.min_lr_ratio,
+                                   length_from_option=hp.decay_steps is not None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -244,18 +247,6 @@ def update_router_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
     step = rate * torch.sign(load.mean(-1, keepdim=True) - load)  # [L, E]; 0 where a load equals the mean
     for moe, delta in zip(layers, step):
         moe.router_bias.add_(delta.to(moe.router_bias.device))
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
-    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then cosine to `min_ratio` at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _foreach_ok(params: list[torch.Tensor]) -> bool:

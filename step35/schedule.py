@@ -50,12 +50,16 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         super().load_state_dict(state_dict)  # the position (last_epoch), base lrs, ...
         self.warmup_steps, self.total_steps, self.min_ratio, self.length_from_option = mine
         saved = state_dict.get("total_steps")  # absent in checkpoints of older step35 versions
-        if saved is None or saved == self.total_steps:
-            return
-        if self.length_from_option:
-            rank_zero_info(f"LR schedule: model.decay_steps={self.total_steps} replaces the checkpoint's "
-                           f"schedule length of {saved} steps")
-            return
-        rank_zero_info(f"LR schedule: keeping the checkpoint's cosine length of {saved} steps (this run's "
-                       f"trainer.max_steps is {self.total_steps}); set model.decay_steps to change it")
-        self.total_steps = saved
+        if saved is not None and saved != self.total_steps:
+            if self.length_from_option:
+                rank_zero_info(f"LR schedule: model.decay_steps={self.total_steps} replaces the checkpoint's "
+                               f"schedule length of {saved} steps")
+            else:
+                rank_zero_info(f"LR schedule: keeping the checkpoint's cosine length of {saved} steps (this run's "
+                               f"trainer.max_steps is {self.total_steps}); set model.decay_steps to change it")
+                self.total_steps = saved
+        # The optimizer state (restored before this) holds the lr of the saved schedule; the step about to
+        # run must already use this run's (decay_steps, warmup, floor may differ).
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr

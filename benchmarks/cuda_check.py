@@ -7,7 +7,7 @@ against the CPU ones, then speed. Writes a JSON report to $OUT (or ./cuda_check.
    with a dense mask, forward and backward.
 2. the tiny model: CUDA bf16 logits vs CPU fp32 logits of the same weights.
 3. speed: a wider config (hidden 2048, 8 layers, 64 experts top-8) at 4K tokens in bf16: step time,
-   tokens/s, model TFLOP/s (spec FLOPs formula) and MFU against the H100/H200 dense bf16 peak.
+   tokens/s, model TFLOP/s (FLOPs formula of docs/architecture.md §5) and MFU against the H100/H200 dense bf16 peak.
 """
 
 import json

@@ -1,5 +1,5 @@
 """Forward+backward time of one training micro-batch, on whatever device is given, with model
-TFLOP/s from the spec's FLOPs formula. Run by hand; results go to docs/benchmarks.md.
+TFLOP/s from the FLOPs formula of docs/architecture.md §5. Run by hand; results go to docs/benchmarks.md.
 
     python benchmarks/step_time.py --config tiny --device cpu --batch 8 --seq 128
     python benchmarks/step_time.py --config tiny --device cuda --dtype bfloat16 --batch 8 --seq 4096

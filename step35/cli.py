@@ -15,6 +15,7 @@ decided in step35/resume.py: the command line wins, a different model shape is r
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,7 @@ class Step35CLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
         # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
+        _strategy_class_path_to_class(config)
         if config.get("data") is not None and not config.data.get("tokenizer") and config.model.get("checkpoint"):
             config.data.tokenizer = config.model.checkpoint
         if config.get("trainer") is None:
@@ -184,6 +186,28 @@ class Step35CLI(LightningCLI):
         # protects it), not only once Lightning starts loading it.
         self.trainer.ckpt_path = path
         kwargs["ckpt_path"] = None
+
+
+def _strategy_class_path_to_class(config) -> None:
+    """`--trainer.strategy step35.strategy.Step35Strategy` with no sub-option: the Trainer types the
+    option `str | Strategy`, so jsonargparse keeps a bare class path as a string (which Lightning then
+    takes for a registered strategy name and refuses). A dotted path naming a Strategy class is turned
+    into the class_path form jsonargparse instantiates, exactly as if a sub-option had been given."""
+    from jsonargparse import Namespace
+    from lightning.pytorch.strategies import Strategy
+
+    trainer = config.get("trainer")
+    value = trainer.get("strategy") if trainer is not None else None
+    if not isinstance(value, str) or "." not in value:
+        return
+    module_name, _, class_name = value.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"trainer.strategy={value!r}: cannot import it ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ValueError(f"trainer.strategy={value!r} is not a lightning.pytorch.strategies.Strategy class")
+    trainer.strategy = Namespace(class_path=value, init_args=Namespace())
 
 
 def main(args: list[str] | None = None) -> None:

@@ -3,12 +3,13 @@
 The per-layer lists (`layer_types`, `rope_theta`, `partial_rotary_factors`, `swiglu_limits`,
 `swiglu_limits_shared`) hold one entry per *global* layer id: the `num_hidden_layers` main layers
 followed by the `num_nextn_predict_layers` MTP layers (45 + 3 = 48 in the release).
-Every field is documented in ../shared/step35-architecture.md, section 1.
+Every field is described in docs/architecture.md §1.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -110,14 +111,33 @@ class Step35Config:
         # Aliases are read into their field and written back (by to_dict) from the field's current
         # value under the source's spelling; they are not kept in `extra`, where a stale copy would
         # be written back after the field changed (e.g. torch_dtype set by save_pretrained).
-        for alias, name in (("share_expert_dims", "share_expert_dim"),  # the config class accepts both
-                            ("dtype", "torch_dtype")):  # some re-uploads write "dtype"
+        for alias, name in _ALIASES.items():
             if alias in raw:
                 value = raw.pop(alias)
                 raw.setdefault(name, value)
         known = {k: raw[k] for k in raw if k in names}
         extra = {k: v for k, v in raw.items() if k not in names}
         return cls(**known, extra=extra, key_order=key_order)
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "Step35Config":
+        """A copy with `overrides` applied and validated. Unlike a config.json, which may carry keys
+        for other tools (architectures, auto_map, model_type, ...), every override must name a field:
+        a misspelt one would otherwise be kept as an extra key and change nothing."""
+        unknown = [key for key in overrides if key not in FIELD_NAMES and key not in _ALIASES]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(FIELD_NAMES), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"unknown config field {', '.join(hints)}; the fields are: {', '.join(sorted(FIELD_NAMES))}")
+        # A field is changed under the spelling the source used (`dtype` or `torch_dtype`, ...), so that
+        # the written config.json keeps that spelling, whichever one the override used.
+        raw = self.to_dict()
+        for key, value in overrides.items():
+            name = _ALIASES.get(key, key)
+            spellings = [name] + [alias for alias, target in _ALIASES.items() if target == name]
+            raw[next((s for s in spellings if s in raw), name)] = value
+        return Step35Config.from_dict(raw)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Step35Config":
@@ -224,6 +244,9 @@ class Step35Config:
 
     # ----------------------------------------------------------------------------- validation
     def validate(self) -> None:
+        for f in fields(self):
+            if f.name not in ("extra", "key_order"):
+                _check_type(f.name, getattr(self, f.name), f.type)
         n = self.num_total_layers
         _require(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
         _require(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
@@ -285,6 +308,36 @@ class Step35Config:
 
 
 _MISSING = fields(Step35Config)[0].default_factory  # dataclasses.MISSING, spelled without importing it
+FIELD_NAMES = frozenset(f.name for f in fields(Step35Config)) - {"extra", "key_order"}
+_ALIASES = {
+    "share_expert_dims": "share_expert_dim",  # the HF config class accepts both spellings
+    "dtype": "torch_dtype",  # some re-uploads write "dtype"
+}
+
+
+def _check_type(name: str, value: Any, annotation: str) -> None:
+    """`value` fits the field's annotation (written as a string: `int`, `list[float] | float`, ...), so that
+    `"64"` for an int or `"false"` for a bool is refused by name instead of misbehaving later. JSON
+    has one number type for a float field: an int is a float there; a bool is never a number."""
+    accepted = []
+    for part in (p.strip() for p in annotation.split("|")):
+        kind = part.split("[")[0]
+        accepted.append(kind)
+        if kind == "None" and value is None:
+            return
+        if kind == "bool" and isinstance(value, bool):
+            return
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind == "str" and isinstance(value, str):
+            return
+        if kind in ("list", "dict") and isinstance(value, {"list": (list, tuple), "dict": dict}[kind]):
+            return
+    names = {"None": "null", "dict": "object (dict)"}
+    expected = " or ".join(names.get(k, k) for k in accepted)
+    raise ConfigError(f"config field {name}: must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -306,7 +359,7 @@ _RELEASE_KEY_ORDER = (
 
 
 def _flash_196b() -> dict[str, Any]:
-    """The released Step-3.5-Flash config.json, field for field (spec section 1)."""
+    """The released Step-3.5-Flash config.json, field for field (docs/architecture.md §1.1)."""
     n = 48
     return {
         "architectures": ["Step3p5ForCausalLM"],
@@ -411,12 +464,27 @@ PRESETS = {"flash-196b": _flash_196b, "tiny": _tiny}
 def preset(name: str) -> Step35Config:
     """A named config: `flash-196b` (the released model, exactly) or `tiny`."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; the presets are: {', '.join(sorted(PRESETS))}")
     return Step35Config.from_dict(PRESETS[name]())
 
 
 def load_config(name_or_path: str | Path) -> Step35Config:
     """A preset name, a config.json file, or an HF checkpoint folder holding one."""
-    if str(name_or_path) in PRESETS:
-        return preset(str(name_or_path))
-    return Step35Config.from_json(name_or_path)
+    name = str(name_or_path)
+    if name in PRESETS:
+        return preset(name)
+    path = Path(name).expanduser()
+    if not path.exists():
+        presets = ", ".join(sorted(PRESETS))
+        if _looks_like_path(name):
+            raise ConfigError(f"{name}: no such file or folder (give a config.json, a checkpoint folder holding one, "
+                              f"or a preset: {presets})")
+        close = difflib.get_close_matches(name, sorted(PRESETS), n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown preset {name!r}{hint}; the presets are: {presets} "
+                          "(or give a config.json file or a checkpoint folder holding one)")
+    return Step35Config.from_json(path)
+
+
+def _looks_like_path(name: str) -> bool:
+    return "/" in name or "\\" in name or name.startswith((".", "~")) or name.endswith(".json")

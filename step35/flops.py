@@ -1,4 +1,4 @@
-"""Training FLOPs per token of Step-3.5 (architecture spec section 5): 6 x matmul-active parameters
+"""Training FLOPs per token of Step-3.5 (docs/architecture.md §5): 6 x matmul-active parameters
 plus the attention core (QK^T and PV) counted causally-exact for full and sliding layers."""
 
 from __future__ import annotations

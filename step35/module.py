@@ -6,7 +6,6 @@ update after each optimizer step."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 from pathlib import Path
 
@@ -15,10 +14,11 @@ import torch
 
 from step35.callbacks.expert_counts import ExpertCounter
 from step35.checkpoint.materialize import materialize
-from step35.config import Step35Config, load_config
+from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.resume import SavedRun, apply_optimizer_settings, check_resume, read_saved_run
+from step35.schedule import WarmupCosineLR
 
 
 class Step35LightningModule(pl.LightningModule):
@@ -57,7 +57,9 @@ class Step35LightningModule(pl.LightningModule):
             lr: peak learning rate, reached after `warmup_steps` of linear warmup.
             min_lr_ratio: cosine decay ends at lr * min_lr_ratio.
             warmup_steps: linear warmup steps (optimizer steps).
-            decay_steps: steps until the end of the cosine decay (default: trainer.max_steps).
+            decay_steps: steps until the end of the cosine decay (default: trainer.max_steps of the
+                run that started training: a resumed run keeps that length whatever its own max_steps,
+                and stays at lr * min_lr_ratio past it; set decay_steps to choose a new length).
             weight_decay: AdamW decoupled weight decay; never applied to norms.
             betas: AdamW betas.
             eps: AdamW epsilon.
@@ -74,11 +76,28 @@ class Step35LightningModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
-        self.model_config: Step35Config = load_config(checkpoint if checkpoint else config)
+        _check_options(lr=lr, min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, decay_steps=decay_steps,
+                       weight_decay=weight_decay, betas=betas, eps=eps, loss_chunk_size=loss_chunk_size,
+                       mtp_loss_weight=mtp_loss_weight, moe_bias_update_rate=moe_bias_update_rate,
+                       moe_aux_loss_coef=moe_aux_loss_coef)
+        source = ("model.checkpoint", checkpoint) if checkpoint else ("model.config", config)
+        try:
+            self.model_config: Step35Config = load_config(source[1])
+        except ConfigError as e:
+            raise ConfigError(f"{source[0]}={source[1]}: {e}") from None
         if config_overrides:
-            self.model_config = Step35Config.from_dict({**self.model_config.to_dict(), **config_overrides})
-        if moe_bias_update_rate < 0 or moe_aux_loss_coef < 0:
-            raise ValueError("model.moe_bias_update_rate and model.moe_aux_loss_coef must be >= 0")
+            try:
+                self.model_config = self.model_config.with_overrides(config_overrides)
+            except ConfigError as e:
+                raise ConfigError(f"model.config_overrides: {e}") from None
+        available = self.model_config.num_nextn_predict_layers
+        if num_mtp_layers is not None and not 0 <= num_mtp_layers <= available:
+            raise ValueError(f"model.num_mtp_layers={num_mtp_layers}: must be between 0 and the config's "
+                             f"num_nextn_predict_layers={available}")
+        built = available if num_mtp_layers is None else num_mtp_layers
+        if mtp_loss_weight > 0 and built == 0:
+            raise ValueError(f"model.mtp_loss_weight={mtp_loss_weight}: no MTP layer is built (num_mtp_layers="
+                             f"{num_mtp_layers}, config num_nextn_predict_layers={available}); set it to 0")
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
             raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
                              "model config has use_moe_router_bias=false")
@@ -222,9 +241,36 @@ class Step35LightningModule(pl.LightningModule):
         total = hp.decay_steps or self.trainer.max_steps
         if total is None or total < 0:
             raise ValueError("set trainer.max_steps or model.decay_steps: the cosine schedule needs a length")
-        schedule = warmup_cosine(hp.warmup_steps, total, hp.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        # A resumed run keeps the length its checkpoint was started with, unless decay_steps is set.
+        scheduler = WarmupCosineLR(optimizer, hp.warmup_steps, total, hp.min_lr_ratio,
+                                   length_from_option=hp.decay_steps is not None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _check_options(**values: Any) -> None:
+    """Refuse optimisation options that cannot mean anything, naming the option (`model.lr=-1: must be > 0`)."""
+    rules = {
+        "lr": (lambda v: v >= 0, ">= 0"),  # 0 is allowed: the weights stay, e.g. to study the router alone
+        "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
+        "warmup_steps": (lambda v: v >= 0, ">= 0"),
+        "decay_steps": (lambda v: v is None or v > values["warmup_steps"], "> model.warmup_steps (or null: trainer.max_steps)"),
+        "weight_decay": (lambda v: v >= 0, ">= 0"),
+        "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+        "eps": (lambda v: v > 0, "> 0"),
+        "loss_chunk_size": (lambda v: v >= 1, ">= 1"),
+        "mtp_loss_weight": (lambda v: v >= 0, ">= 0"),
+        "moe_bias_update_rate": (lambda v: v >= 0, ">= 0"),
+        "moe_aux_loss_coef": (lambda v: v >= 0, ">= 0"),
+    }
+    for name, (ok, requirement) in rules.items():
+        value = values[name]
+        try:
+            good = bool(ok(value))  # NaN fails every comparison, so it is refused too
+        except TypeError:
+            good = False
+        if not good:
+            shown = list(value) if isinstance(value, tuple) else value
+            raise ValueError(f"model.{name}={shown}: must be {requirement}")
 
 
 @torch.no_grad()
@@ -236,18 +282,6 @@ def update_router_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
     step = rate * torch.sign(load.mean(-1, keepdim=True) - load)  # [L, E]; 0 where a load equals the mean
     for moe, delta in zip(layers, step):
         moe.router_bias.add_(delta.to(moe.router_bias.device))
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
-    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then cosine to `min_ratio` at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _foreach_ok(params: list[torch.Tensor]) -> bool:

@@ -125,7 +125,7 @@ def _differs(a, b) -> bool:
 
 
 def apply_optimizer_settings(optimizer: torch.optim.Optimizer, group_settings: list[dict[str, Any]],
-                             scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
+                             scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
     """After a restore, give each param group the run's settings (`group_settings[i]`: lr, betas,
     eps, weight_decay of group i) and rebase the LR schedule on the run's lr at the restored step.
     With unchanged settings the values are the ones the restore produced, bit for bit."""
@@ -140,7 +140,9 @@ def apply_optimizer_settings(optimizer: torch.optim.Optimizer, group_settings: l
             group["lr"] = settings["lr"]
         return
     scheduler.base_lrs = [settings["lr"] for settings in group_settings]
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    # The multiplier per group: step35's WarmupCosineLR has one (`lr_factor`), torch's LambdaLR one per group.
+    factors = getattr(scheduler, "lr_lambdas", None) or [scheduler.lr_factor] * len(scheduler.base_lrs)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, factors):
         group["initial_lr"] = base
-        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR.get_lr computes it
+        group["lr"] = base * factor(scheduler.last_epoch)  # as the scheduler's get_lr computes it
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -1,5 +1,5 @@
 """Shared tiny-model builders for the step35 tests (no reference math here: each test file writes
-its own independent computation from the spec)."""
+its own independent computation from docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@
 computes the same main-model function as the Step-3.5 HF reference. That class has no LM head and
 no MTP, and names the MoE tensors differently from the released checkpoint, so this module:
 
-* turns OUR config dict (released ``config.json`` layout, spec section 1) into a
+* turns OUR config dict (released ``config.json`` layout, docs/architecture.md §1) into a
   ``Step3p7TextConfig`` (checking the fields that transformers silently ignores or hard-codes);
-* converts OUR HF-format state dict (spec section 3) into the ``Step3p7TextModel`` layout and loads
+* converts OUR HF-format state dict (docs/architecture.md §3) into the ``Step3p7TextModel`` layout and loads
   it with ``load_state_dict(strict=True)`` (a plain ``from_pretrained`` on a Step-3.5 folder leaves
   the MoE weights randomly initialised);
 * multiplies the final normed hidden states by ``lm_head.weight`` to get logits;

@@ -1,11 +1,11 @@
 """Slow, independent per-token reference forward of the Step-3.5-Flash main model.
 
-Written directly from /work/shared/step35-architecture.md sections 1-3 (not from any
+Written directly from docs/architecture.md §1-§3 (not from any
 implementation): explicit loops over batch rows, tokens, heads and selected experts; clarity over
 speed. Computes in float64 by default and is differentiable with respect to the state-dict tensors
 (pass tensors with ``requires_grad=True``), so it can serve as a gradient reference too.
 
-Semantics (the HF semantics of the released checkpoint, spec "Decisions"):
+Semantics (the HF semantics of the released checkpoint, docs/architecture.md §7):
 * zero-centred RMSNorm  y = x * rsqrt(mean(x^2) + eps) * (1 + w), eps = rms_norm_eps (1e-5);
 * attention: q/k per-head RMSNorm before RoPE; NeoX rotate-half RoPE on the first
   r = head_dim * partial_rotary_factors[l] dims; llama3 frequency scaling on layers whose type is in
@@ -46,7 +46,7 @@ def _per_layer(value, i):
 
 
 def rope_inv_freq(config: dict, layer: int) -> list[float]:
-    """Per-pair inverse frequencies (spec 2.4 step 3 and 2.5), as Python floats (float64)."""
+    """Per-pair inverse frequencies (docs/architecture.md §2.4 step 3 and §2.5), as Python floats (float64)."""
     layer_type = config["layer_types"][layer]
     head_dim = _head_shape(config, layer)[2]
     r = int(head_dim * _per_layer(config.get("partial_rotary_factors", 1.0), layer))

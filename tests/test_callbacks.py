@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from step35.callbacks import ExpertCounter, ExpertLoadMonitor, MemoryMonitor, ThroughputMonitor
+from step35.callbacks import ExpertCounter, ExpertLoadMonitor, MemoryMonitor, SpeedMonitor
 from step35.callbacks.expert_load import load_stats
 from step35.callbacks.memory import device_memory_stats
 from step35.callbacks.throughput import peak_tflops_for
@@ -161,7 +161,7 @@ def test_load_stats_by_hand():
 
 
 class FakeTime(pl.Callback):
-    """Each micro-batch takes `seconds` on a fake clock (listed before ThroughputMonitor)."""
+    """Each micro-batch takes `seconds` on a fake clock (listed before SpeedMonitor)."""
 
     def __init__(self, seconds: float):
         self.now, self.seconds = 1000.0, seconds
@@ -172,7 +172,7 @@ class FakeTime(pl.Callback):
 
 def test_mfu_equals_hand_computation(tmp_path):
     clock = FakeTime(seconds=0.5)
-    monitor = ThroughputMonitor(every_n_steps=2, peak_tflops=0.002)
+    monitor = SpeedMonitor(every_n_steps=2, peak_tflops=0.002)
     monitor.clock = lambda: clock.now
     module = Step35LightningModule(config="tiny", mtp_loss_weight=0.3, warmup_steps=1)  # MTP layer counted
     B, S, accum = 2, 16, 2
@@ -205,7 +205,7 @@ def test_peak_table_and_no_mfu_on_cpu(tmp_path):
     assert peak_tflops_for("Ascend910B2") == 320.0
     assert peak_tflops_for("cpu") is None
     module = Step35LightningModule(config="tiny", warmup_steps=1)
-    fit(module, [ThroughputMonitor(every_n_steps=1)], max_steps=2, logger=CSVLogger(tmp_path, name="csv"))
+    fit(module, [SpeedMonitor(every_n_steps=1)], max_steps=2, logger=CSVLogger(tmp_path, name="csv"))
     header = set(metric_rows(tmp_path / "csv" / "version_0")[0])
     assert "throughput/tflops_per_device" in header and "throughput/mfu" not in header
 
@@ -270,7 +270,7 @@ def test_metrics_reach_csv_and_offline_wandb(tmp_path):
 
     csv_logger = CSVLogger(tmp_path, name="csv")
     wandb_logger = Step35WandbLogger(project="step35-test", save_dir=str(tmp_path / "wandb"), offline=True)
-    callbacks = [ThroughputMonitor(every_n_steps=2), MemoryMonitor(every_n_steps=2),
+    callbacks = [SpeedMonitor(every_n_steps=2), MemoryMonitor(every_n_steps=2),
                  ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2)]
     module = Step35LightningModule(config="tiny", warmup_steps=1, moe_bias_update_rate=0.01, moe_aux_loss_coef=0.01)
     try:
@@ -296,3 +296,117 @@ def test_metrics_reach_csv_and_offline_wandb(tmp_path):
     assert [sum(r) for r in counts] == [2 * 2 * 16 * TOP_K] * 4
     # the router bias moved (rate > 0) and its stats were logged
     assert any(float(r["router_bias/layer1/std"]) > 0 for r in rows if r.get("router_bias/layer1/std"))
+
+
+# ------------------------------------------------------------------------------- short runs, names
+def heatmap_totals(csv_path: Path) -> list[int]:
+    with open(csv_path) as f:
+        return [sum(map(int, r[1:])) for r in list(csv.reader(f))[1:]]
+
+
+def test_run_ending_between_heatmaps_gets_one_of_its_last_steps(tmp_path):
+    # max_steps 5, windows of 2, heatmaps every 10: windows end at 2 and 4; the heatmap at the end
+    # shows step 5 alone (1 step x 2 sequences x 16 tokens x K per layer).
+    module = Step35LightningModule(config="tiny", warmup_steps=1)
+    fit(module, [ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=10)], max_steps=5,
+        logger=CSVLogger(tmp_path, name="csv"))
+    folder = tmp_path / "csv" / "version_0" / "expert_load"
+    assert sorted(p.name for p in folder.glob("heatmap_step*.png")) == ["heatmap_step0000005.png"]
+    assert heatmap_totals(folder / "counts_step0000005.csv") == [1 * 2 * 16 * TOP_K] * 4
+    # ending on a window boundary: the heatmap shows that last window (steps 3-4)
+    module = Step35LightningModule(config="tiny", warmup_steps=1)
+    fit(module, [ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=10)], max_steps=4,
+        logger=CSVLogger(tmp_path / "b", name="csv"))
+    folder = tmp_path / "b" / "csv" / "version_0" / "expert_load"
+    assert sorted(p.name for p in folder.glob("heatmap_step*.png")) == ["heatmap_step0000004.png"]
+    assert heatmap_totals(folder / "counts_step0000004.csv") == [2 * 2 * 16 * TOP_K] * 4
+
+
+def tensorboard_events(folder: Path) -> list:
+    """Every Event of the tfevents files under `folder` (TFRecord framing: length, crc, data, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(folder.rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[at + 12:at + 12 + length])
+            events.append(event)
+            at += 12 + length + 4
+    return events
+
+
+def test_tensorboard_logger_gets_metrics_heatmap_and_histogram(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    module = Step35LightningModule(config="tiny", warmup_steps=1, moe_bias_update_rate=0.01)
+    fit(module, [SpeedMonitor(every_n_steps=2), ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2)],
+        max_steps=2, logger=TensorBoardLogger(tmp_path, name="tb"))
+    values = [(e.step, v) for e in tensorboard_events(tmp_path / "tb") for v in e.summary.value]
+    tags = {v.tag for _, v in values}
+    assert {"train/loss", "expert_load/cv", "throughput/tokens_per_s", "router_bias/layer1/std"} <= tags, tags
+    images = [(step, v.image) for step, v in values if v.tag == "expert_load/heatmap"]
+    assert len(images) == 1 and images[0][1].encoded_image_string[:4] == b"\x89PNG"
+    assert images[0][1].height > 50 and images[0][1].width > 50
+    hist = [v.histo for _, v in values if v.tag == "router_bias/layer1/hist"]
+    assert len(hist) == 1 and hist[0].num == NUM_EXPERTS
+
+
+class Linear(pl.LightningModule):
+    """A one-layer model: the loop's behaviour is under test, not the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.w - batch["input_ids"].float().mean() / 1000).pow(2).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", (self.w - 1).pow(2).sum())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Validations(pl.Callback):
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("max_steps,interval,final,expected", [
+    (5, 100, True, [5]),       # the interval is beyond the run: one validation, at the end
+    (5, 100, False, []),       # what Lightning alone does
+    (5, 2, True, [2, 4, 5]),   # the run ends between two validations
+    (4, 2, True, [2, 4]),      # the last step is a validation step: validated once
+])
+def test_final_validation(max_steps, interval, final, expected):
+    from step35.callbacks import FinalValidation
+
+    seen = Validations()
+    callbacks = [seen] + ([FinalValidation()] if final else [])
+    trainer = fit(Linear(), callbacks, max_steps=max_steps, val=loader(2, 16, n=4, seed=1),
+                  val_check_interval=interval, check_val_every_n_epoch=None)
+    assert seen.steps == expected
+    assert trainer.global_step == max_steps  # the stop it requests ends nothing early
+
+
+def test_speed_monitor_is_not_named_like_lightnings_callback():
+    import step35.callbacks
+
+    assert not hasattr(step35.callbacks, "ThroughputMonitor")  # Lightning's ThroughputMonitor means that one only
+    root = Path(__file__).parent.parent
+    named = set()
+    for path in sorted((root / "configs").glob("*.yaml")):
+        named |= {line.split("step35.callbacks.")[1].split()[0] for line in path.read_text().splitlines()
+                  if "class_path: step35.callbacks." in line}
+    assert named >= {"SpeedMonitor", "ExpertLoadMonitor", "FinalValidation"}
+    assert all(hasattr(step35.callbacks, name) for name in named), named

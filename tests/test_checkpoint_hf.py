@@ -1,4 +1,4 @@
-"""HF checkpoint folders (spec section 3): save_pretrained / from_pretrained round trips bit for bit,
+"""HF checkpoint folders (docs/architecture.md §3): save_pretrained / from_pretrained round trips bit for bit,
 shards + index, config.json written back, MTP tensors ignored exactly when MTP is not built, an
 interrupted save keeps the previous checkpoint, and every kind of bad checkpoint fails naming the
 tensor or file."""
@@ -138,7 +138,7 @@ def test_config_json_written_back(saved, tmp_path):
 
 
 def test_release_config_survives_save(tmp_path):
-    # config.json of the release (spec section 1) round-trips through a checkpoint save unchanged
+    # config.json of the release (docs/architecture.md §1) round-trips through a checkpoint save unchanged
     # apart from torch_dtype; built on meta, nothing allocated: only the config path is exercised.
     from step35.config import PRESETS, Step35Config
 

@@ -1,5 +1,5 @@
-"""Step35Config: the released config.json read and written as is, the derived per-layer map (spec
-section 1), the `tiny` preset, and validation errors that name the offending field."""
+"""Step35Config: the released config.json read and written as is, the derived per-layer map
+(docs/architecture.md §1), the `tiny` preset, and validation errors that name the offending field."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_release_dict_round_trips_with_key_order():
 
 
 def test_release_has_the_spec_fields():
-    # Spot checks of spec section 1 values (typed in from the spec table).
+    # Spot checks of the release values (docs/architecture.md §1.1, typed in from its table).
     raw = flash_config_dict()
     assert raw["hidden_size"] == 4096 and raw["vocab_size"] == 128896 and raw["num_hidden_layers"] == 45
     assert raw["moe_num_experts"] == 288 and raw["moe_top_k"] == 8 and raw["moe_router_scaling_factor"] == 3.0
@@ -119,7 +119,7 @@ def test_share_expert_dims_alias():
 def test_release_layer_map():
     cfg = preset("flash-196b")
     assert cfg.num_total_layers == 48
-    full_ids = [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44]  # spec section 1 derived layer map
+    full_ids = [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44]  # docs/architecture.md §1.3 layer map
     main = [cfg.layer(i) for i in range(45)]
     assert [s.layer_id for s in main if not s.sliding] == full_ids
     assert sum(1 for s in main if s.sliding) == 33

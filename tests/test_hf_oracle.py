@@ -115,7 +115,7 @@ def test_config_mapping_tiny(config):
 
 
 def _release_config() -> dict:
-    """config.json of the release as described in spec section 1 (48-entry per-layer lists)."""
+    """config.json of the release as described in docs/architecture.md §1 (48-entry per-layer lists)."""
     full = [i % 4 == 0 for i in range(48)]
     limits = [0.0] * 48
     limits[43] = limits[44] = 7.0
@@ -146,7 +146,7 @@ def _release_config() -> dict:
 
 
 def test_config_mapping_release_shapes():
-    """48-entry lists with 45 layers + 3 MTP parse as the spec's layer map (no weights built)."""
+    """48-entry lists with 45 layers + 3 MTP parse as the layer map of docs/architecture.md §1.3 (no weights built)."""
     cfg = _release_config()
     hf = hf_config_from_dict(cfg)
     assert len(hf.layer_types) == 45 and hf.mtp_layer_types == ["sliding_attention"] * 3
@@ -163,7 +163,7 @@ def test_config_mapping_release_shapes():
     assert sliding["rope_type"] == "default" and sliding["rope_theta"] == 1e4
     assert sliding.get("partial_rotary_factor", 1.0) == 1.0
 
-    # RoPE frequencies: HF == reference == spec 2.5 multipliers
+    # RoPE frequencies: HF == reference == the multipliers of docs/architecture.md §2.5
     rot = Step3p7RotaryEmbedding(hf)
     hf_full = rot.full_attention_inv_freq.double()
     ref_full = torch.tensor(rope_inv_freq(cfg, 0), dtype=torch.float64)
@@ -172,8 +172,8 @@ def test_config_mapping_release_shapes():
     base = torch.tensor([5e6 ** (-2 * j / 64) for j in range(32)], dtype=torch.float64)
     mult = (ref_full / base).tolist()
     assert all(abs(m - 1.0) < 1e-12 for m in mult[:14])
-    # spec 2.5 lists x0.879, 0.728, ... (rounded; the first is 0.87845)
-    spec = [0.879, 0.728, 0.634, 0.577, 0.541, 0.519, 0.506]
+    # docs/architecture.md §2.5 lists x0.878, 0.728, ... (rounded; the first is 0.87845)
+    spec = [0.878, 0.728, 0.634, 0.577, 0.541, 0.519, 0.506]
     assert all(abs(m - s) < 1e-3 for m, s in zip(mult[14:21], spec)), mult[14:21]
     assert all(abs(m - 0.5) < 1e-12 for m in mult[21:])
     hf_sliding = rot.sliding_attention_inv_freq.double()

@@ -1,4 +1,4 @@
-"""chunked_cross_entropy against F.cross_entropy on the full logits (spec 2.11): value, token
+"""chunked_cross_entropy against F.cross_entropy on the full logits (docs/architecture.md §2.11): value, token
 count and gradients w.r.t. the hidden states and the output matrix.
 
 Tolerances: fp32 1e-5 (relative and absolute); bf16 inputs: the reference is computed in fp32

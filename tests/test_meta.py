@@ -1,6 +1,6 @@
 """The released 196B model built on the meta device: parameter counts, the 804 checkpoint names and
-shapes, checkpoint dtypes and the active-parameter count, all against spec sections 3 and 4 (the
-expected values below are typed in from the spec, not derived from step35 code)."""
+shapes, checkpoint dtypes and the active-parameter count, all against docs/architecture.md §3 and §4 (the
+expected values below are typed in from there, not derived from step35 code)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ACTIVE_WITH_LM_HEAD = 11_459_353_856
 NUM_TENSORS = 804
 
 H, V, E, I_MOE, I_DENSE = 4096, 128896, 288, 1280, 11264
-FULL_LAYERS = set(range(0, 45, 4))  # 0, 4, ..., 44 (spec section 1, derived layer map)
+FULL_LAYERS = set(range(0, 45, 4))  # 0, 4, ..., 44 (docs/architecture.md §1.3, layer map)
 
 
 def _attention_shapes(sliding: bool) -> dict[str, tuple[int, ...]]:
@@ -107,7 +107,7 @@ def meta_models():
 
 
 def test_expected_table_matches_spec_counts():
-    # The table typed in above reproduces the spec's own totals (guards the table itself).
+    # The table typed in above reproduces the totals of docs/architecture.md §4 (guards the table itself).
     table = expected_names_and_shapes()
     assert len(table) == NUM_TENSORS
     assert sum(_numel(s) for s in table.values()) == TOTAL_WITH_MTP

@@ -1,6 +1,6 @@
 """Our Step35ForCausalLM against two outside computations on a tiny random checkpoint in which every
 feature bites (see tests/hf_oracle.py): transformers 5.24's Step3p7TextModel in fp32 and the slow
-float64 per-token reference written from the spec (tests/reference_forward.py)."""
+float64 per-token reference written from docs/architecture.md (tests/reference_forward.py)."""
 
 import pytest
 import torch

@@ -10,7 +10,8 @@ import torch
 from step35.config import preset
 from step35.data import Step35DataModule
 from step35.model import Step35ForCausalLM
-from step35.module import Step35LightningModule, warmup_cosine
+from step35.module import Step35LightningModule
+from step35.schedule import warmup_cosine
 
 
 class FirstLoss(pl.Callback):

@@ -36,7 +36,7 @@ def test_flash_196b_on_192_ranks_ep96():
     dense_total = plan["total_params"] - experts_total
     # rank 0 holds the ceil-sized chunk of every dense tensor (e.g. 672 of 128,896 embedding rows)
     assert dense_total / 192 <= plan["local_dense_params"] <= dense_total / 192 * 1.05
-    assert plan["flops_per_token"] == pytest.approx(73.506e9, rel=1e-4)  # spec section 5, causal-exact
+    assert plan["flops_per_token"] == pytest.approx(73.506e9, rel=1e-4)  # docs/architecture.md §5, causal-exact
 
 
 @pytest.mark.timeout(300)

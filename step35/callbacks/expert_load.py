@@ -22,7 +22,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from step35.callbacks.expert_counts import ExpertCounter
@@ -96,8 +96,9 @@ class ExpertLoadMonitor(pl.Callback):
                 rank) are summed with one all_reduce and logged; 0 turns the callback off.
             heatmap_every_n_steps: every so many steps, at the end of a window, a layers x experts
                 heatmap (PNG) and the raw counts (CSV) go into `<run folder>/expert_load/`, the PNG
-                to wandb as an image when a WandbLogger is attached, and the router-bias
-                distribution is logged. Must be a multiple of every_n_steps; 0 = never.
+                as an image to wandb and TensorBoard when such a logger is attached, and the
+                router-bias distribution is logged. A run that ends between two heatmaps gets one
+                more at its end (of its last steps). Must be a multiple of every_n_steps; 0 = never.
             per_layer: log the per-layer metrics too, not only the overall ones.
         """
         if every_n_steps < 0 or heatmap_every_n_steps < 0:
@@ -112,12 +113,16 @@ class ExpertLoadMonitor(pl.Callback):
         self.out_dir: Path | None = None
         self.last_counts: torch.Tensor | None = None  # the last window's global counts [L, E] (CPU)
         self._step_ends = StepEnds()
+        self._window_start = 0  # first step (1-based) of the current window
+        self._last_window: tuple[int, int] | None = None  # steps of last_counts
+        self._heatmap_step: int | None = None  # step of the last heatmap written
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # The module's counter when it has one (it also feeds the bias update), else our own.
         counter = getattr(pl_module, "expert_counter", None)
         self.counter = counter if counter is not None else ExpertCounter(pl_module)
         self._step_ends.reset(trainer)
+        self._window_start = trainer.global_step + 1
         # trainer.log_dir is a broadcast (a collective): every rank asks, once, here.
         self.out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "expert_load"
 
@@ -129,6 +134,8 @@ class ExpertLoadMonitor(pl.Callback):
             return
         counts = window.cpu()  # host sync (once per window)
         self.last_counts = counts
+        self._last_window = (self._window_start, trainer.global_step)
+        self._window_start = trainer.global_step + 1
         ids = self.counter.layer_ids
         stats = [load_stats(row) for row in counts]
         metrics = {f"expert_load/{k}": v for k, v in overall_stats(stats).items()}
@@ -137,8 +144,29 @@ class ExpertLoadMonitor(pl.Callback):
                 metrics.update({f"expert_load/layer{i}/{k}": v for k, v in s.items()})
         if every(trainer.global_step, self.heatmap_every_n_steps):
             metrics.update(self._router_bias_stats())
-            self._write_heatmap(trainer, counts)
+            self._write_heatmap(trainer, counts, self._last_window)
+            self._heatmap_step = trainer.global_step
         log_metrics(trainer, metrics)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A run that ends between heatmap intervals (a short run: max_steps below the interval, or an
+        end that is not a multiple of it) still gets a heatmap of its last steps: those since the last
+        window when there are any, else the last window. Runs on every rank (one collective)."""
+        step = trainer.global_step
+        if not self.heatmap_every_n_steps or self.counter is None or not self.counter.layers:
+            return
+        if self._heatmap_step == step or step < self._window_start and self.last_counts is None:
+            return  # written at this very step already, or no step was trained
+        window = self.counter.pop_window()  # collective: all ranks
+        counts, steps = window.cpu(), (self._window_start, step)
+        if counts.sum() == 0 and self.last_counts is not None:  # nothing routed since the last window
+            counts, steps = self.last_counts, self._last_window
+        self._window_start = step + 1
+        if counts.sum() == 0:
+            return
+        log_metrics(trainer, self._router_bias_stats())
+        self._write_heatmap(trainer, counts, steps)
+        self._heatmap_step = step
 
     def _router_bias_stats(self) -> dict[str, float]:
         # router_bias is a plain (unsharded) buffer, identical on every rank: no collective needed.
@@ -153,14 +181,25 @@ class ExpertLoadMonitor(pl.Callback):
         return metrics
 
     @rank_zero_only
-    def _write_heatmap(self, trainer: "pl.Trainer", counts: torch.Tensor) -> None:
+    def _write_heatmap(self, trainer: "pl.Trainer", counts: torch.Tensor, steps: tuple[int, int]) -> None:
         step = trainer.global_step
         self.out_dir.mkdir(parents=True, exist_ok=True)
         png = self.out_dir / f"heatmap_step{step:07d}.png"
         save_heatmap(counts, self.counter.layer_ids, png,
-                     f"expert load, steps {step - self.every_n_steps + 1}-{step} (tokens / layer mean)")
+                     f"expert load, steps {steps[0]}-{steps[1]} (tokens / layer mean)")
         save_counts_csv(counts, self.counter.layer_ids, self.out_dir / f"counts_step{step:07d}.csv")
         for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                from matplotlib.image import imread
+
+                image = imread(png)[..., :3]  # [H, W, RGBA] floats in [0, 1]; TensorBoard takes RGB
+                logger.experiment.add_image("expert_load/heatmap", image, global_step=metric_step(trainer),
+                                            dataformats="HWC")
+                for i, moe in zip(self.counter.layer_ids, self.counter.layers):
+                    if moe.router_bias is not None:
+                        logger.experiment.add_histogram(f"router_bias/layer{i}/hist",
+                                                        moe.router_bias.detach().float().cpu().numpy(),
+                                                        global_step=metric_step(trainer))
             if isinstance(logger, WandbLogger):
                 import wandb
 

@@ -1,6 +1,6 @@
 """Throughput: step time, tokens/s (global and per device), model TFLOP/s per device and MFU.
 
-Model FLOPs per token come from step35.flops.training_flops_per_token (architecture spec section 5:
+Model FLOPs per token come from step35.flops.training_flops_per_token (docs/architecture.md §5:
 6 x matmul-active parameters + causal attention, MTP layers counted when mtp_loss_weight > 0;
 activation-checkpoint recomputation is not counted, as usual for MFU). Tokens come from the batch
 shape: each micro-batch {"input_ids": [B, S + 1]} trains B x S tokens on every rank, so a step is
@@ -68,7 +68,12 @@ def batch_tokens(batch) -> tuple[int, int]:
     return B * (S1 - 1), S1 - 1
 
 
-class ThroughputMonitor(pl.Callback):
+class SpeedMonitor(pl.Callback):
+    """Step time, tokens/s (global and per device), TFLOP/s per device and MFU of the step35 model.
+
+    Named apart from Lightning's own `ThroughputMonitor` (which needs a batch-size function and
+    knows nothing of the model's FLOPs), so that a class_path in YAML means one thing."""
+
     clock = staticmethod(time.perf_counter)  # wall clock (tests substitute a fake one)
 
     def __init__(self, every_n_steps: int = 5, peak_tflops: float | None = None, prog_bar: bool = True):
@@ -99,7 +104,7 @@ class ThroughputMonitor(pl.Callback):
         self._t0 = None
         self._peak = self.peak_tflops or peak_tflops_for(device_name(pl_module.device))
         if self._peak is None:
-            rank_zero_info(f"ThroughputMonitor: no peak TFLOP/s known for device '{device_name(pl_module.device)}'; "
+            rank_zero_info(f"SpeedMonitor: no peak TFLOP/s known for device '{device_name(pl_module.device)}'; "
                            "MFU is not logged (set peak_tflops to get it)")
         config = getattr(pl_module, "model_config", None)
         model = getattr(pl_module, "model", None)

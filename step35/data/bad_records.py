@@ -1,6 +1,10 @@
-"""What happens to a record that cannot be trained on: skipped, counted and reported, or an error."""
+"""What happens to a record that cannot be trained on: skipped, counted and reported, or an error;
+and how the counts of all ranks and workers reach the loggers and the end-of-fit summary."""
 
 import warnings
+from typing import Any, Optional
+
+import torch.distributed as dist
 
 
 class BadRecordWarning(UserWarning):
@@ -10,6 +14,8 @@ class BadRecordWarning(UserWarning):
 class BadRecordError(ValueError):
     """Raised instead of skipping a bad record when the DataModule runs with ``strict=True``."""
 
+
+METRIC_PREFIX = "data/skipped_records/"
 
 # Enough individual reports to diagnose a broken file; a corpus that is mostly garbage must not bury the log.
 REPORTS_PER_SOURCE = 10
@@ -37,6 +43,54 @@ class BadRecords:
             if self.reported == REPORTS_PER_SOURCE:
                 message += (
                     f" (further bad records of {self.source_name!r} in this process are skipped without a report;"
-                    " Step35DataModule.skipped_records counts them)"
+                    f" the logged metric {METRIC_PREFIX}<source> and the summary at the end of fit count them)"
                 )
             warnings.warn(message, BadRecordWarning, stacklevel=2)
+
+
+class SkippedRecordsLog:
+    """The running count of skipped records per source, over all ranks and DataLoader workers, logged
+    as `data/skipped_records/<source>` and summed up in one line at the end of fit.
+
+    The counts live in the stream states: one per (rank, worker) shard of the training stream, each
+    document owned by exactly one shard, so their sum counts every bad record once (ranks that share a
+    data-parallel replica read the same shards and count once). Validation is different: every rank
+    reads the held-out stream from its start (validation.py), so the ranks' counts overlap and the
+    largest is the number of held-out bad records read.
+
+    `sync` is a collective: the DataModule calls it on every rank at the same training batches.
+    """
+
+    def __init__(self) -> None:
+        self.totals: Optional[dict[str, int]] = None  # as of `step`, the last sync
+        self.step: Optional[int] = None
+        self.final = False  # synced at the last batch of the run: nothing can be added after it
+
+    def sync(self, train: dict[str, int], val: dict[str, int], dp_rank: int, step: int, final: bool) -> dict[str, int]:
+        mine = (dp_rank, train, val)
+        gathered: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        totals = {name: 0 for _, t, v in gathered for name in (*t, *v)}
+        for counts in {rank: t for rank, t, _ in gathered}.values():  # one entry per data-parallel replica
+            for name, n in counts.items():
+                totals[name] += n
+        for name in totals:
+            totals[name] += max((v.get(name, 0) for _, _, v in gathered), default=0)
+        self.totals, self.step, self.final = totals, step, final
+        return totals
+
+    @staticmethod
+    def metrics(totals: dict[str, int]) -> dict[str, float]:
+        return {METRIC_PREFIX + name: float(n) for name, n in totals.items()}
+
+    def summary(self) -> Optional[str]:
+        """One line for the end of fit, or None when nothing was counted yet."""
+        if self.totals is None:
+            return None
+        when = "" if self.final else f" (as of step {self.step})"
+        counts = ", ".join(f"{name!r}: {n}" for name, n in self.totals.items())
+        total = sum(self.totals.values())
+        verdict = "none" if total == 0 else f"{total} in all"
+        return f"bad records skipped, all ranks and workers{when}: {verdict} ({counts})"

@@ -6,8 +6,10 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from step35.data.bad_records import SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
 from step35.data.sources import FileSource, Holdout, HubSource, TxtMode, check_files, expand_files
 from step35.data.stream import STATE_FORMAT, TokenWindows
@@ -125,6 +127,8 @@ class Step35DataModule(pl.LightningDataModule):
         self._val_cache: Optional[tuple[int, int, list[dict[str, torch.Tensor]]]] = None
         self._val_skipped: dict[str, int] = {}
         self._saved_streams: Optional[dict[str, Any]] = None  # from a checkpoint, until the train loader exists
+        self._skipped_log = SkippedRecordsLog()
+        self._skipped_logged: Optional[tuple[int, dict[str, int]]] = None  # (step, totals) last sent to the loggers
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -264,18 +268,51 @@ class Step35DataModule(pl.LightningDataModule):
     def teardown(self, stage: Optional[str] = None) -> None:
         if self._train_batches is not None:
             self._train_batches.close()
+        # Lightning calls this only after a fit that ended normally, after the strategy's teardown:
+        # no collective here, the summary reports the last sync (normally the run's last batch).
+        summary = self._skipped_log.summary() if stage == "fit" else None
+        if summary is not None:
+            rank_zero_info(summary)
 
     @property
     def skipped_records(self) -> dict[str, int]:
         """Bad records skipped so far, per source, over this rank's workers (training) and validation."""
         counts = {source.name: 0 for source in self._train_sources + self._val_sources}
-        if self._train_batches is not None:
-            for state in _stream_states(self._train_batches.stream_state()):
-                for source, s in zip(self._train_sources, state["sources"]):
-                    counts[source.name] += s["skipped"]
-        for name, n in self._val_skipped.items():
+        for name, n in [*self._train_skipped().items(), *self._val_skipped.items()]:
             counts[name] += n
         return counts
+
+    def _train_skipped(self) -> dict[str, int]:
+        counts = {source.name: 0 for source in self._train_sources}
+        if self._train_batches is not None:
+            for state in _stream_states(self._train_batches.stream_state()):  # one per worker
+                for source, s in zip(self._train_sources, state["sources"]):
+                    counts[source.name] += s["skipped"]
+        return counts
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Lightning's batch hook, used as the one point every rank passes at the same training batches:
+        every `trainer.log_every_n_steps` steps and at the run's last step, the skipped-record counts of
+        all ranks and workers are gathered (a collective) and logged as `data/skipped_records/<source>`
+        once any is non-zero."""
+        trainer = self.trainer
+        if trainer is not None and trainer.training and self._train_batches is not None:
+            self._log_skipped_records(trainer)
+        return batch
+
+    def _log_skipped_records(self, trainer: "pl.Trainer") -> None:
+        step = trainer.global_step
+        final = 0 < trainer.max_steps <= step + 1  # every micro-batch of the last step: its reads are the last
+        due = step % max(1, trainer.log_every_n_steps) == 0 and step != self._skipped_log.step
+        if not (due or final):
+            return
+        rank, _ = self.data_parallel_rank_and_size()
+        totals = self._skipped_log.sync(self._train_skipped(), dict(self._val_skipped), rank, step, final)
+        if not trainer.is_global_zero or not any(totals.values()) or self._skipped_logged == (step, totals):
+            return
+        self._skipped_logged = (step, totals)
+        for logger in trainer.loggers:
+            logger.log_metrics(SkippedRecordsLog.metrics(totals), step=step)
 
     # -- checkpointing -----------------------------------------------------------------------------------------
     #

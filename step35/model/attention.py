@@ -1,4 +1,4 @@
-"""Step-3.5 attention (spec 2.4): GQA with per-head q/k RMSNorm before partial RoPE, full-causal or
+"""Step-3.5 attention (docs/architecture.md §2.4): GQA with per-head q/k RMSNorm before partial RoPE, full-causal or
 a 512-key sliding window, and a head-wise sigmoid output gate before o_proj."""
 
 from __future__ import annotations

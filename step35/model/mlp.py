@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward with Step-3.5's optional clamp (spec 2.7/2.8), dense or as the shared expert."""
+"""SwiGLU feed-forward with Step-3.5's optional clamp (docs/architecture.md §2.7, §2.8), dense or as the shared expert."""
 
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""Step-3.5 mixture of experts (spec 2.9): fp32 sigmoid router with a selection-only bias, top-k
+"""Step-3.5 mixture of experts (docs/architecture.md §2.9): fp32 sigmoid router with a selection-only bias, top-k
 weights from unbiased scores renormalised and scaled, routed SwiGLU experts stacked [E, out, in]
 and computed through one grouped GEMM per projection.
 

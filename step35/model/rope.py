@@ -1,5 +1,5 @@
 """Rotary position embedding: partial (first r dims of a head), rotate-half convention, with the
-llama3 frequency scaling used on Step-3.5's full-attention layers (spec sections 2.4.3 and 2.5)."""
+llama3 frequency scaling used on Step-3.5's full-attention layers (docs/architecture.md §2.4 step 3 and §2.5)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Step-3.5-Flash: decoder layers, the MTP layers and the causal LM (spec section 2).
+"""Step-3.5-Flash: decoder layers, the MTP layers and the causal LM (docs/architecture.md §2).
 
-Module and parameter names are the HF checkpoint names (spec section 3), so `state_dict()` is a
+Module and parameter names are the HF checkpoint names (docs/architecture.md §3), so `state_dict()` is a
 checkpoint: `model.layers.{i}.self_attn.q_proj.weight`, `model.layers.{i}.moe.gate_proj.weight`
 [E, out, in], `model.layers.{i}.share_expert.*`, MTP layers at `model.layers.{45+j}.*`.
 """
@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
                            fp32_router=config.need_fp32_gate)
             self.share_expert = SwiGLU(H, config.share_expert_dim, limit=spec.swiglu_limit_shared)
         else:
-            # Dense layers (and MTP layers) use the shared-expert clamp list (spec 2.7).
+            # Dense layers (and MTP layers) use the shared-expert clamp list (docs/architecture.md §2.7).
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -61,7 +61,7 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """Multi-token prediction layer (spec 2.10): u = eh_proj([enorm(E[x_{t+k}]), hnorm(h_t)]), one dense
+    """Multi-token prediction layer (docs/architecture.md §2.10): u = eh_proj([enorm(E[x_{t+k}]), hnorm(h_t)]), one dense
     sliding-window decoder block, then its own head predicting x_{t+k+1}."""
 
     def __init__(self, config: Step35Config, spec: LayerSpec):

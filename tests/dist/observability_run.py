@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from step35.callbacks import DivergenceGuard, ExpertLoadMonitor, MemoryMonitor, ThroughputMonitor
+from step35.callbacks import DivergenceGuard, ExpertLoadMonitor, MemoryMonitor, SpeedMonitor
 from step35.model.moe import moe_layers
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
@@ -78,7 +78,7 @@ def main() -> None:
     module = Step35LightningModule(config="tiny", warmup_steps=1, mtp_loss_weight=0.3,
                                    moe_bias_update_rate=0.01, moe_aux_loss_coef=0.01)
     recount, guard = Recount(), DivergenceGuard()
-    callbacks = [recount, ThroughputMonitor(every_n_steps=2, peak_tflops=1.0), MemoryMonitor(every_n_steps=2),
+    callbacks = [recount, SpeedMonitor(every_n_steps=2, peak_tflops=1.0), MemoryMonitor(every_n_steps=2),
                  ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2), guard]
     if args.nan_step >= 0:
         callbacks.append(NaNGradient(args.nan_step, args.nan_rank))

@@ -211,9 +211,10 @@ def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num
         saved.add("mtp_input", T * INT64)  # the shifted token ids, kept by the embedding
         layer = Saved()
         # eh_proj(cat([enorm(E[x_{t+k}]), hnorm(h)])): the norms keep their fp32 work, the concat is kept
-        # by eh_proj (the norm outputs are not). For k = 1 and fp32, h is the final norm's input.
+        # by eh_proj (the norm outputs are not). In fp32, h is already kept as the input of the norm before
+        # the previous loss (the final norm for k = 1, the previous MTP head's norm after that).
         rms_norm(layer, "mtp_input", T, H, s, output_saved=False)
-        rms_norm(layer, "mtp_input", T, H, s, output_saved=False, input_counted=(k == 1))
+        rms_norm(layer, "mtp_input", T, H, s, output_saved=False, input_counted=True)
         layer.add("mtp_input", T * 2 * H * a)
         layer.merge(decoder_layer(config, spec, s))
         rms_norm(layer, "loss", T, H, s)  # shared_head.norm; its output is kept by the chunked loss

@@ -87,6 +87,7 @@ def parse_fit_args(args: list[str]):
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            warnings.filterwarnings("ignore", message="No seed found")
             _ParseOnly(Step35LightningModule, Step35DataModule, args=["fit", *args], auto_configure_optimizers=False)
     except _Parsed as parsed:
         return parsed.args[0]["fit"]

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from step35.config import PRESETS, Step35Config, load_config
-from step35.model import Step35ForCausalLM
+from step35.model import DecoderLayer, Step35ForCausalLM
 from step35.model.moe import MoE
 from step35.parallel.parallelize import apply_activation_checkpointing
 
@@ -56,7 +56,7 @@ def _issue10_shape() -> dict:
 
 
 SHAPES = {"issue10": _issue10_shape}
-PARTS = ("embedding", "attention_norm", "attention", "ffn_norm", "router", "dispatch", "experts", "shared_expert",
+PARTS = ("embedding", "residual", "attention_norm", "attention", "ffn_norm", "router", "dispatch", "experts", "shared_expert",
          "dense_mlp", "final_norm", "loss", "other")
 
 
@@ -92,6 +92,8 @@ class _PartTracker:
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             label = "final_norm" if name == "model.norm" else labels.get(leaf)
+            if isinstance(module, DecoderLayer):
+                label = "residual"  # the block's own ops: the residual adds (its modules relabel the rest)
             if isinstance(module, MoE):
                 label = "dispatch"  # permutation, combine; route and experts are relabelled inside
                 module.route = self.wrap(module.route, "router")
@@ -129,6 +131,25 @@ def _storage_key(t: torch.Tensor) -> tuple[int, str]:
     return t.untyped_storage().data_ptr(), str(t.device)
 
 
+def count_saved(forward, tracker: _PartTracker, model: nn.Module):
+    """Run `forward()` and count what it leaves for backward: (saved, retained, its output), the two
+    dicts mapping a storage to (part, bytes). See the module docstring for the two counts."""
+    params = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
+    saved: dict[tuple[int, str], tuple[str, int]] = {}
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in params and key not in saved:
+            saved[key] = (tracker.current, t.untyped_storage().nbytes())
+        return t
+
+    mode = _CreatedStorages(tracker, params)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        out = forward()
+    retained = {ref: v for ref, v in mode.created.items() if not ref.expired()}
+    return saved, retained, out
+
+
 def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: int = 0,
             dtype: torch.dtype = torch.float32) -> dict:
     """One training forward (model(input_ids, labels)) on CPU; returns the JSON row."""
@@ -142,22 +163,9 @@ def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: 
             apply_activation_checkpointing(layer, ac)
     tracker = _PartTracker()
     tracker.instrument(model)
-    params = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    saved: dict[tuple[int, str], tuple[str, int]] = {}
-
-    def pack(t: torch.Tensor):
-        key = _storage_key(t)
-        if key not in params and key not in saved:
-            saved[key] = (tracker.current, t.untyped_storage().nbytes())
-        return t
-
-    mode = _CreatedStorages(tracker, params)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-        loss = model(input_ids, labels).loss
-    retained = {ref: v for ref, v in mode.created.items() if not ref.expired()}
+    saved, retained, out = count_saved(lambda: model(input_ids, labels).loss, tracker, model)
     n = batch * seq
 
     def per_part(entries) -> dict:
@@ -170,7 +178,7 @@ def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: 
            "saved_bytes_per_token": round(sum(b for _, b in saved.values()) / n, 1),
            "retained_bytes_per_token": round(sum(b for _, b in retained.values()) / n, 1),
            "saved_by_part": per_part(saved.values()), "retained_by_part": per_part(retained.values())}
-    loss.backward()  # the graph is whole (a check that the instrumented model still trains)
+    out.backward()  # the graph is whole (a check that the instrumented model still trains)
     return row
 
 

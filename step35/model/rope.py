@@ -30,8 +30,9 @@ def _llama3_scale(inv: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, rotary_dim] (each frequency repeated for both halves), fp32."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [S, r/2]
+    """cos, sin of shape [..., rotary_dim] for positions [...] ([S], or [B, S] per sequence), each
+    frequency repeated for both halves, fp32."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., r/2]
     angles = torch.cat([angles, angles], dim=-1)  # [S, r]
     return angles.cos(), angles.sin()
 

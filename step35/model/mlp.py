@@ -1,17 +1,50 @@
-"""SwiGLU feed-forward with Step-3.5's optional clamp (spec 2.7/2.8), dense or as the shared expert."""
+"""SwiGLU feed-forward with Step-3.5's optional clamp (spec 2.7/2.8), dense or as the shared expert.
+
+`clamped_swiglu` is an autograd function that keeps only its two inputs for backward and
+recomputes the activation there (a few elementwise ops), instead of the three or four
+intermediate tensors (SiLU output, clamped copies) the default autograd would keep.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+class _ClampedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.limit = limit
+        act = F.silu(gate)
+        if limit > 0:
+            act = act.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        limit = ctx.limit
+        g, gate32, up32 = grad.float(), gate.float(), up.float()
+        sig = torch.sigmoid(gate32)
+        act = gate32 * sig
+        d_act = sig * (1 + gate32 * (1 - sig))  # d SiLU / d gate
+        if limit > 0:
+            # clamp passes the gradient where the input lies inside [min, max], bounds included
+            d_act = d_act * (act <= limit)
+            act = act.clamp(max=limit)
+            up_grad_mask = (up32 >= -limit) & (up32 <= limit)
+            up32 = up32.clamp(min=-limit, max=limit)
+        grad_gate = (g * up32 * d_act).to(gate.dtype)
+        grad_up = g * act
+        if limit > 0:
+            grad_up = grad_up * up_grad_mask
+        return grad_gate, grad_up.to(up.dtype), None
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """min(SiLU(gate), L) * clip(up, -L, L); plain SiLU(gate) * up when L == 0."""
-    act = F.silu(gate)
-    if limit > 0:
-        act = act.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return act * up
+    return _ClampedSwiGLU.apply(gate, up, limit)
 
 
 class SwiGLU(nn.Module):

@@ -8,7 +8,7 @@ the total against a count of the real saved tensors for none, selective and full
 Conventions: T tokens of the micro-batch (batch x seq), `a` bytes per element of the compute dtype
 (activations), fp32 = 4. A tensor that several ops save is counted once, by the first module that
 saves it (as the storage count does). Where the saved set depends on the kernel (the attention
-statistics, the CPU sliding-window mask) `device_type` picks the kernel's behaviour (step35/kernels.py).
+statistics) `device_type` picks the kernel's behaviour (step35/kernels.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class Shape:
     act_bytes: int  # bytes per element of activations (the compute dtype: param_dtype, or the stored dtype)
     device_type: str = "cuda"  # cpu | cuda | npu: kernels differ in what they keep
     expert_parallel_size: int = 1
+    autocast: bool = False  # bf16-mixed: ops cast their inputs themselves
+    document_masking: bool = False  # per-sequence RoPE tables [B, 1, S, r]
 
     @property
     def tokens(self) -> int:
@@ -63,13 +65,12 @@ class Saved:
 # ------------------------------------------------------------------------------------- modules
 def rms_norm(saved: Saved, part: str, rows: int, dim: int, s: Shape, *, output_saved: bool = True,
              input_counted: bool = False) -> None:
-    """model/norm.py: x32 = x.float(); y = x32 * rsqrt(mean(x32^2) + eps); out = (y * scale).to(x.dtype).
-
-    Kept: x32 (x itself when already fp32, then counted here unless `input_counted`), the rsqrt [rows, 1],
-    the fp32 scale [dim], y (fp32), and the output when the next op saves it (a linear, the loss)."""
-    if not (input_counted and s.act_is_fp32):
-        saved.add(part, rows * dim * FP32)
-    saved.add(part, rows * FP32 + dim * FP32 + rows * dim * FP32)
+    """model/norm.py _RMSNormFunction: keeps its input x and the inverse RMS [rows, 1] fp32 (the weight is
+    a parameter); the output (x.dtype) is kept by the op after it when that op saves its input (a linear,
+    the loss). `input_counted`: x is already kept by an earlier module (the same tensor)."""
+    if not input_counted:
+        saved.add(part, rows * dim * s.act_bytes)
+    saved.add(part, rows * FP32)
     if output_saved:
         saved.add(part, rows * dim * s.act_bytes)
 
@@ -77,26 +78,27 @@ def rms_norm(saved: Saved, part: str, rows: int, dim: int, s: Shape, *, output_s
 def attention(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape) -> None:
     """model/attention.py + kernels.attention. The layer input (the norm output) is counted by the norm."""
     T, a, nq, nkv, d = s.tokens, s.act_bytes, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    if config.use_qk_norm:  # q, k through RMSNorm; the rotated (or plain) q, k are kept by the kernel below
+    if config.use_qk_norm:  # q, k projections kept as the norms' inputs; the norm outputs go to RoPE
         rms_norm(saved, "attention", T * nq, d, s, output_saved=False)
         rms_norm(saved, "attention", T * nkv, d, s, output_saved=False)
+    # RoPE (model/rope.py _Rotary) keeps only the shared cos/sin tables (counted once, under "rope").
     # The kernel keeps q, k, v, its output and the softmax statistics per query and head: the log-sum-exp
-    # (fp32) for SDPA / FlexAttention; npu_fusion_attention keeps softmax max and sum, [B, N, S, 8] fp32 each.
+    # (fp32) for SDPA / FlexAttention / the CPU masked kernel; npu_fusion_attention keeps softmax max and
+    # sum, [B, N, S, 8] fp32 each.
     stats = 2 * 8 * FP32 if s.device_type == "npu" else FP32
     saved.add("attention", T * (nq + 2 * nkv + nq) * d * a + T * nq * stats)
-    window = config.sliding_window if spec.sliding else None
-    if s.device_type == "cpu" and window is not None and window < s.seq:
-        saved.add("attention", s.seq * s.seq * a)  # CPU: a dense [S, S] mask in the compute dtype, per layer
     if config.use_head_wise_attn_gate:
-        saved.add("attention", T * nq * a)  # sigmoid(g_proj(x)) [T, heads]
-    saved.add("attention", T * nq * d * a)  # o_proj input
+        saved.add("attention", T * nq * a)  # sigmoid(g_proj(x)) [T, heads]; _GatedOutput recomputes o * gate
+        if s.autocast:
+            saved.add("attention", T * nq * d * a)  # under autocast the gated product is o_proj's kept input
+    else:
+        saved.add("attention", T * nq * d * a)  # o_proj input (a contiguous copy of the transposed output)
 
 
 def swiglu(saved: Saved, part: str, rows: int, width: int, limit: float, s: Shape) -> None:
-    """model/mlp.py clamped_swiglu + down projection: gate, SiLU(gate), up, product (and the two clamp
-    inputs' outputs when the clamp is on); the input x is counted by the norm before it."""
-    kept = 6 if limit > 0 else 4
-    saved.add(part, kept * rows * width * s.act_bytes)
+    """model/mlp.py _ClampedSwiGLU keeps its two inputs (gate and up projections) and recomputes the
+    activation in backward; the down projection keeps the product. The input x is counted by the norm."""
+    saved.add(part, 3 * rows * width * s.act_bytes)
 
 
 def moe(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape, aux_loss: bool) -> None:
@@ -119,12 +121,12 @@ def moe(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape, aux_loss:
     saved.add("dispatch", N * INT64)
     if ep > 1:
         saved.add("dispatch", 2 * N * INT64)
-    # routed experts: the gathered rows, three offset vectors, the clamped SwiGLU on N rows.
+    # routed experts: the gathered rows, three offset vectors, the SwiGLU on N rows.
     saved.add("experts", N * H * a + 3 * (E // ep) * INT32)
     swiglu(saved, "experts", N, I, spec.swiglu_limit, s)
-    # combine: expert outputs in fp32 times the routing weight of each row (gathered by `order`),
-    # then index_add_ keeps its source rows.
-    saved.add("dispatch", N * H * FP32 + N * INT64 + N * FP32 + N * H * a)
+    # combine (_WeightedCombine): the expert outputs, each row's routing weight (fp32) and the `order`
+    # index that gathered those weights.
+    saved.add("dispatch", N * H * a + N * FP32 + N * INT64)
 
 
 def decoder_layer(config: Step35Config, spec: LayerSpec, s: Shape, aux_loss: bool = False) -> Saved:
@@ -176,7 +178,8 @@ class ActivationEstimate:
 def _rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int:
     """cos and sin [S, rotary_dim] fp32, one pair per distinct (rotary dim, theta, scaled), shared by layers."""
     keys = {(spec.rotary_dim, spec.rope_theta, spec.rope_scaled) for spec in layers if spec.uses_rope}
-    return sum(2 * s.seq * rd * FP32 for rd, _, _ in keys)
+    rows = s.tokens if s.document_masking else s.seq
+    return sum(2 * rows * rd * FP32 for rd, _, _ in keys)
 
 
 def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num_mtp_layers: int = 0,
@@ -204,15 +207,15 @@ def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num
         if mode == "selective":
             saved.add("checkpoint_inputs", matmul_outputs(config, spec, s))
         recompute = max(recompute, layer.total)
-    # Final norm and the main loss: the norm input is the last block's output (h itself when fp32).
+    # Final norm and the main loss: the norm keeps its input, the last block's output h.
     rms_norm(saved, "final_norm", T, H, s)
     saved.add("loss", T * INT64 + INT64)  # the labels (a contiguous copy) and the token count
     for k, spec in enumerate(mtp, start=1):
         saved.add("mtp_input", T * INT64)  # the shifted token ids, kept by the embedding
         layer = Saved()
-        # eh_proj(cat([enorm(E[x_{t+k}]), hnorm(h)])): the norms keep their fp32 work, the concat is kept
-        # by eh_proj (the norm outputs are not). In fp32, h is already kept as the input of the norm before
-        # the previous loss (the final norm for k = 1, the previous MTP head's norm after that).
+        # eh_proj(cat([enorm(E[x_{t+k}]), hnorm(h)])): enorm keeps the embeddings, the concat is kept by
+        # eh_proj (the norm outputs are not); h is already kept as the input of the norm before the
+        # previous loss (the final norm for k = 1, the previous MTP head's norm after that).
         rms_norm(layer, "mtp_input", T, H, s, output_saved=False)
         rms_norm(layer, "mtp_input", T, H, s, output_saved=False, input_counted=True)
         layer.add("mtp_input", T * 2 * H * a)
@@ -223,8 +226,8 @@ def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num
         if mode == "none":
             saved.merge(layer)
             continue
-        # Checkpoint inputs: h (a separate tensor unless fp32 and k = 1), the embeddings, the labels.
-        h_separate = k > 1 or not s.act_is_fp32
+        # Checkpoint inputs: h (for k = 1 the final norm's input, already counted), the embeddings, the labels.
+        h_separate = k > 1
         saved.add("checkpoint_inputs", (T * H * a if h_separate else 0) + T * H * a + T * INT64)
         if mode == "selective":
             saved.add("checkpoint_inputs", matmul_outputs(config, spec, s) + T * H * a  # eh_proj

@@ -72,7 +72,8 @@ def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGr
 
 def activation_shape(s: RunSettings) -> Shape:
     return Shape(s.micro_batch_size, s.seq_len, torch.empty((), dtype=s.compute_dtype).element_size(),
-                 s.accelerator, s.expert_parallel_size if s.sharded else 1)
+                 s.accelerator, s.expert_parallel_size if s.sharded else 1,
+                 autocast=s.precision == "bf16-mixed" and s.param_dtype is None, document_masking=s.document_masking)
 
 
 def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtime_reserve_gib: float | None = None,

@@ -43,6 +43,7 @@ class RunSettings:
     micro_batch_size: int = 4
     loss_chunk_size: int = 1024
     accumulate_grad_batches: int = 1
+    document_masking: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -145,7 +146,7 @@ def settings_from_namespace(cfg) -> RunSettings:
         accelerator=device, devices_per_node=devices, num_nodes=nodes, sharded=class_path == STEP35_STRATEGY,
         precision=str(trainer.precision), seq_len=data.seq_len, micro_batch_size=data.micro_batch_size,
         loss_chunk_size=model.loss_chunk_size, accumulate_grad_batches=int(trainer.accumulate_grad_batches or 1),
-        notes=notes)
+        document_masking=bool(data.get("document_masking", False)), notes=notes)
     if settings.sharded:
         args = strategy.init_args
         settings = settings.with_layout(

@@ -75,7 +75,8 @@ def text(p: Plan) -> str:
               f"  = required          {_gib(v.required)}   of {v.device_memory / GiB:.1f} GiB",
               "",
               (f"FITS: {v.free / GiB:.1f} GiB free, margin {v.margin_pct:.0f}% of device memory" if v.fits else
-               f"DOES NOT FIT: {-v.free / GiB:.1f} GiB over ({-v.margin_pct:.0f}% more than the device has)"),
+               f"DOES NOT FIT: needs {v.required / GiB:.1f} GiB, {-v.free / GiB:.1f} GiB more than the device's "
+               f"{v.device_memory / GiB:.1f} GiB"),
               "",
               "Speed (upper bounds: kernels at peak, balanced routing)",
               f"  training FLOPs/token    {sp.flops_per_token / 1e9:,.2f} GFLOP (model; "

@@ -73,17 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     if settings.sharded:
         experts = cfg.moe_num_experts if cfg.use_moe else None
         ep, world = settings.expert_parallel_size, settings.world_size
-        if (experts and experts % ep) or world % ep:
-            valid = valid_ep_sizes(experts, world)
-            print(f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide the "
-                  f"{experts} experts and the world size {world} ({settings.num_nodes} x {settings.devices_per_node}). "
-                  f"Valid sizes: {', '.join(map(str, valid))}", file=sys.stderr)
-            return INVALID
     device = _device(args, settings.accelerator)
 
     def evaluate(layout):
         return make_plan(layout, device, allocator_margin=args.allocator_margin,
                          runtime_reserve_gib=args.runtime_reserve_gib)
+
+    if settings.sharded:
+        experts = cfg.moe_num_experts if cfg.use_moe else None
+        ep, world = settings.expert_parallel_size, settings.world_size
+        if (experts and experts % ep) or world % ep:
+            valid = valid_ep_sizes(experts, world)
+            print(f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide the "
+                  f"{experts} experts and the world size {world} ({settings.num_nodes} x {settings.devices_per_node}). "
+                  f"Valid sizes: {', '.join(map(str, valid))}", file=sys.stderr)
+            if not args.no_suggestions:
+                nearest = sorted(valid, key=lambda d: (abs(d - ep), -d))[:3]
+                for alt in (evaluate(settings.with_layout(expert_parallel_size=d)) for d in sorted(nearest)):
+                    v = alt.verdict
+                    print(f"  expert_parallel_size={alt.settings.expert_parallel_size}: "
+                          + (f"FITS, {v.margin_pct:.0f}% margin" if v.fits else "DOES NOT FIT")
+                          + f" ({v.required / 1024**3:.1f} of {v.device_memory / 1024**3:.1f} GiB)", file=sys.stderr)
+            return INVALID
 
     try:
         plan = evaluate(settings)

@@ -64,7 +64,7 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     trainable_blocks = [sum(g.unsharded_numel for g in gs if g.trainable) for gs in by_layer.values()]
     biggest = max(blocks, default=0)
     rs_copy = r if r != a else 0
-    lm_head = V * H if cfg and root.trainable else 0
+    lm_head = V * H if root.trainable else 0  # the lm_head gradient, unsharded from the loss backward on
     tokens = s.micro_batch_size * s.seq_len
     ep_rows = tokens * cfg.moe_top_k if cfg.use_moe and s.expert_parallel_size > 1 else 0
     loss_fwd = chunk * V * (a + 2 * 4)  # h @ W^T, its fp32 copy, the exp of logsumexp

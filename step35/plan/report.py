@@ -14,6 +14,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:8.2f} GiB"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def _dtype(d: torch.dtype | None) -> str:
     return "-" if d is None else str(d).removeprefix("torch.")
 
@@ -33,7 +37,7 @@ def text(p: Plan) -> str:
            "no gradients, optimizer states or activations") if s.num_mtp_layers else "no MTP layers")
     lines = [
         f"step35 plan  ({p.seconds:.1f} s)",
-        f"model      {s.model_source}: {st.params_total / 1e9:.2f} B parameters, {cfg.num_hidden_layers} layers, "
+        f"model      {s.model_source}: {_count(st.params_total)} parameters, {cfg.num_hidden_layers} layers, "
         f"{cfg.moe_num_experts if cfg.use_moe else 0} experts top-{cfg.moe_top_k}; {mtp}",
         f"layout     {layout_line(p)}",
         f"dtypes     stored {_dtype(s.stored_dtype)} (precision {s.precision}), compute {_dtype(s.compute_dtype)}, "
@@ -49,15 +53,17 @@ def text(p: Plan) -> str:
     if st.expert_shapes:
         shapes = ", ".join(f"{k.removesuffix('.weight')} {v}" for k, v in st.expert_shapes.items())
         lines.append(f"    local experts of one MoE layer: {shapes}")
-    lines += ["  transient buffers (largest)",
-              f"    root gathered       {_gib(t.root_gathered)}   embedding + final norm + lm_head, whole step",
-              f"    block all-gather    {_gib(t.block_gather)}   biggest block, x{t.gathered_blocks} in backward "
-              f"(prefetch)" if s.reshard_after_forward else
-              f"    blocks gathered     {_gib(t.block_gather * t.gathered_blocks)}   reshard_after_forward false: all",
-              f"    reduce-scatter      {_gib(t.block_grads + t.reduce_scatter)}   block gradients "
-              f"({_dtype(s.compute_dtype)}) + {_dtype(s.reduce_dtype)} copy",
-              f"    EP all-to-all       {_gib(t.all_to_all)}   receive + regrouped rows, one MoE layer",
-              f"    loss backward       {_gib(t.loss_backward)}   fp32 [vocab, hidden] gradient + chunk of "
+    lines.append("  transient buffers (largest)")
+    if s.sharded:
+        lines += [f"    root gathered       {_gib(t.root_gathered)}   embedding + final norm + lm_head, whole step",
+                  f"    block all-gather    {_gib(t.block_gather)}   biggest block, x{t.gathered_blocks} in backward "
+                  f"(prefetch)" if s.reshard_after_forward else
+                  f"    blocks gathered     {_gib(t.block_gather * t.gathered_blocks)}   reshard_after_forward false: all",
+                  f"    reduce-scatter      {_gib(t.block_grads + t.reduce_scatter)}   block gradients "
+                  f"({_dtype(s.compute_dtype)}) + {_dtype(s.reduce_dtype)} copy"]
+    if s.sharded and s.expert_parallel_size > 1:
+        lines.append(f"    EP all-to-all       {_gib(t.all_to_all)}   receive + regrouped rows, one MoE layer")
+    lines += [f"    loss backward       {_gib(t.loss_backward)}   fp32 [vocab, hidden] gradient + chunk of "
               f"{s.loss_chunk_size} logits",
               f"  activations         {_gib(p.activations.total)}   {s.activation_checkpointing} checkpointing, "
               f"one micro-batch" + (f" (+{_gib(p.activations.recompute).strip()} rebuilt per block in backward)"

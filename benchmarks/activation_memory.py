@@ -64,15 +64,15 @@ class _PartTracker:
     """Which part of the model is running now: a stack of labels pushed by module hooks and wrappers."""
 
     def __init__(self) -> None:
-        self.stack = ["other"]
+        self.stack: list[tuple[str, int | None]] = [("other", None)]  # (part, decoder layer id or None)
 
     @property
-    def current(self) -> str:
+    def current(self) -> tuple[str, int | None]:
         return self.stack[-1]
 
     @contextlib.contextmanager
     def part(self, label: str):
-        self.stack.append(label)
+        self.stack.append((label, self.stack[-1][1]))
         try:
             yield
         finally:
@@ -99,11 +99,12 @@ class _PartTracker:
                 module.route = self.wrap(module.route, "router")
                 module.dispatcher = self.wrap(module.dispatcher, "experts")
             if label is not None:
-                module.register_forward_pre_hook(functools.partial(self._enter, label))
+                layer = module.spec.layer_id if isinstance(module, DecoderLayer) else None
+                module.register_forward_pre_hook(functools.partial(self._enter, label, layer))
                 module.register_forward_hook(self._leave)
 
-    def _enter(self, label: str, module: nn.Module, args) -> None:
-        self.stack.append(label)
+    def _enter(self, label: str, layer: int | None, module: nn.Module, args) -> None:
+        self.stack.append((label, layer if layer is not None else self.stack[-1][1]))
 
     def _leave(self, module: nn.Module, args, output) -> None:
         self.stack.pop()
@@ -123,7 +124,7 @@ class _CreatedStorages(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 ref = StorageWeakRef(t.untyped_storage())
                 if ref not in self.created and _storage_key(t) not in self.existing:
-                    self.created[ref] = (self.tracker.current, t.untyped_storage().nbytes())
+                    self.created[ref] = (*self.tracker.current, t.untyped_storage().nbytes())
         return out
 
 
@@ -140,7 +141,7 @@ def count_saved(forward, tracker: _PartTracker, model: nn.Module):
     def pack(t: torch.Tensor):
         key = _storage_key(t)
         if key not in params and key not in saved:
-            saved[key] = (tracker.current, t.untyped_storage().nbytes())
+            saved[key] = (*tracker.current, t.untyped_storage().nbytes())
         return t
 
     mode = _CreatedStorages(tracker, params)
@@ -170,14 +171,26 @@ def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: 
 
     def per_part(entries) -> dict:
         parts: dict[str, float] = defaultdict(float)
-        for label, nbytes in entries:
+        for label, _, nbytes in entries:
             parts[label] += nbytes / n
         return {p: round(parts[p], 1) for p in PARTS if parts.get(p)}
 
+    def per_layer(entries) -> dict:
+        """{layer id: {kind, total, part: bytes per token}}: what one decoder layer of each kind costs."""
+        layers: dict[int, list] = defaultdict(list)
+        for label, layer, nbytes in entries:
+            if layer is not None:
+                layers[layer].append((label, layer, nbytes))
+        kinds = {layer.spec.layer_id: ("moe" if layer.spec.is_moe else "dense") + "/" + layer.spec.attention_type
+                 for layer in model.model.layers}
+        return {str(i): {"kind": kinds[i], "total": round(sum(b for *_, b in layers[i]) / n, 1), **per_part(layers[i])}
+                for i in sorted(layers)}
+
     row = {"batch": batch, "seq": seq, "activation_checkpointing": ac, "dtype": str(dtype).removeprefix("torch."),
-           "saved_bytes_per_token": round(sum(b for _, b in saved.values()) / n, 1),
-           "retained_bytes_per_token": round(sum(b for _, b in retained.values()) / n, 1),
-           "saved_by_part": per_part(saved.values()), "retained_by_part": per_part(retained.values())}
+           "saved_bytes_per_token": round(sum(b for *_, b in saved.values()) / n, 1),
+           "retained_bytes_per_token": round(sum(b for *_, b in retained.values()) / n, 1),
+           "saved_by_part": per_part(saved.values()), "retained_by_part": per_part(retained.values()),
+           "saved_by_layer": per_layer(saved.values())}
     out.backward()  # the graph is whole (a check that the instrumented model still trains)
     return row
 

@@ -179,9 +179,9 @@ def _float_mask(q: torch.Tensor, window: int | None, documents: DocumentMask | N
                        torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
 
 
-@functools.lru_cache(maxsize=1)
 def _flash_cpu_ops():
     # Private ATen ops behind F.scaled_dot_product_attention on CPU (the only place they are used).
+    # Not lru_cached: per-block compile traces this, and dynamo warns about cache wrappers.
     try:
         aten = torch.ops.aten
         return (aten._scaled_dot_product_flash_attention_for_cpu.default,

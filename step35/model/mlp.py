@@ -26,20 +26,19 @@ class _ClampedSwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         limit = ctx.limit
         g, gate32, up32 = grad.float(), gate.float(), up.float()
-        sig = torch.sigmoid(gate32)
-        act = gate32 * sig
-        d_act = sig * (1 + gate32 * (1 - sig))  # d SiLU / d gate
+        act = F.silu(gate32)
         if limit > 0:
-            # clamp passes the gradient where the input lies inside [min, max], bounds included
-            d_act = d_act * (act <= limit)
-            act = act.clamp(max=limit)
-            up_grad_mask = (up32 >= -limit) & (up32 <= limit)
             up32 = up32.clamp(min=-limit, max=limit)
-        grad_gate = (g * up32 * d_act).to(gate.dtype)
-        grad_up = g * act
+        # silu_backward(t, gate) = t * SiLU'(gate), the kernel default autograd of F.silu uses
+        grad_gate = torch.ops.aten.silu_backward(g * up32, gate32)
         if limit > 0:
-            grad_up = grad_up * up_grad_mask
-        return grad_gate, grad_up.to(up.dtype), None
+            # clamp passes the gradient where its input lies inside [min, max], bounds included
+            grad_gate.masked_fill_(act > limit, 0)
+            act.clamp_(max=limit)
+        grad_up = act.mul_(g)
+        if limit > 0:
+            grad_up.masked_fill_(up.float().abs() > limit, 0)
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -60,7 +60,7 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, w, token_of_row = ctx.saved_tensors
-        grad_rows = grad[token_of_row].float()  # [N, H]
+        grad_rows = grad.index_select(0, token_of_row).float()  # [N, H]
         grad_y = (grad_rows * w[:, None]).to(y.dtype) if ctx.needs_input_grad[0] else None
         grad_w = (grad_rows * y.float()).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
         return grad_y, grad_w, None, None, None

@@ -29,9 +29,11 @@ class _RMSNormFunction(torch.autograd.Function):
             grad_weight = (g * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
         scale = weight.float() + 1.0 if ctx.zero_centered else weight.float()
         gs = g * scale
-        # d/dx of x * r(x): r * (gs - xhat * mean(gs * xhat)), r = rsqrt(mean(x^2) + eps)
-        grad_x = (rstd * (gs - xhat * (gs * xhat).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_weight, None, None
+        # d/dx of x * r(x): r * (gs - xhat * mean(gs * xhat)), r = rsqrt(mean(x^2) + eps); in place on
+        # this function's own temporaries (fresh allocations are what costs on CPU)
+        dot = (gs * xhat).mean(-1, keepdim=True)
+        grad_x = gs.sub_(xhat.mul_(dot)).mul_(rstd)
+        return grad_x.to(x.dtype), grad_weight, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

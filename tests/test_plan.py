@@ -104,6 +104,26 @@ def test_predicted_activations_match_saved_tensors(case, dtype, mode):
     assert predicted == pytest.approx(kept, rel=0.01)  # measured: equal up to a few hundred bytes of scalars
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_predicted_activations_match_under_expert_parallelism(tmp_path):
+    """2 gloo ranks, EP 2 (the real all-to-all dispatcher), bf16: the rows a rank receives differ from
+    what it sends with the routing, so the plan (balanced routing) is compared on the sum over ranks."""
+    config = preset("tiny")
+    config.save(tmp_path / "config.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "dist" / "plan_ep_activations.py"), "--config", str(tmp_path / "config.json"),
+           "--out", str(tmp_path)]
+    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    shape = Shape(2, 64, 2, device_type="cpu", expert_parallel_size=2)  # the script's micro-batch, bf16
+    for mode in ("none", "selective", "full"):
+        predicted = 2 * model_activations(config, shape, mode=mode, num_mtp_layers=1).total
+        assert predicted == pytest.approx(sum(r[mode] for r in ranks), rel=0.01), mode
+
+
 def test_checkpointing_orders_activations_and_mtp_only_counts_when_trained():
     config = preset("flash-196b")
     shape = Shape(1, 4096, 2, "cuda", expert_parallel_size=96)

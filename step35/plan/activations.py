@@ -146,7 +146,8 @@ def decoder_layer(config: Step35Config, spec: LayerSpec, s: Shape, aux_loss: boo
 
 def matmul_outputs(config: Step35Config, spec: LayerSpec, s: Shape) -> int:
     """Bytes of the matmul results a layer keeps under selective checkpointing (parallelize._save_matmuls:
-    mm, addmm, bmm, grouped mm and the flash / efficient SDPA kernels; everything else is recomputed)."""
+    mm, addmm, bmm, grouped mm, the flash / efficient SDPA kernels and, under EP, the all-to-alls;
+    everything else is recomputed)."""
     T, a, H = s.tokens, s.act_bytes, config.hidden_size
     nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     total = T * (nq + 2 * nkv) * d * a + T * H * a  # q, k, v, o projections
@@ -159,6 +160,8 @@ def matmul_outputs(config: Step35Config, spec: LayerSpec, s: Shape) -> int:
         E, K, I = config.moe_num_experts, config.moe_top_k, config.moe_intermediate_size
         total += T * E * (FP32 if config.need_fp32_gate else a)  # router logits
         total += T * K * (2 * I + H) * a  # grouped gate, up, down
+        if s.expert_parallel_size > 1:  # the all-to-all results are kept too: rows received, rows returned, counts
+            total += 2 * T * K * H * a + E * INT64
         total += T * (2 * config.share_expert_dim + H) * a
     else:
         total += T * (2 * config.intermediate_size + H) * a

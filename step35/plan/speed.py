@@ -54,12 +54,13 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
     intra = inter = 0.0
 
     # Expert all-to-all: each MoE layer sends its routed rows away and back in forward, twice more in
-    # backward, and once more each way when checkpointing replays the forward.
+    # backward, and once more each way when full checkpointing replays the forward (selective keeps
+    # the all-to-all results, so its replay communicates nothing).
     ep = s.expert_parallel_size
     a2a = 0.0
     if cfg.use_moe and ep > 1:
         per_call = tokens * cfg.moe_top_k * cfg.hidden_size * a * (ep - 1) / ep
-        calls = 4 + (2 if s.activation_checkpointing != "none" else 0)
+        calls = 4 + (2 if s.activation_checkpointing == "full" else 0)
         a2a = per_call * calls * len(cfg.moe_layer_ids) * micro_batches
         remote = max(0, ep - dpn) / (ep - 1)  # share of the ep peers on other nodes (contiguous ranks)
         inter += a2a * remote / (device.inter_node_gbps * 1e9)

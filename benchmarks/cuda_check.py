@@ -3,8 +3,8 @@ against the CPU ones, then speed. Writes a JSON report to $OUT (or ./cuda_check.
 
     PYTHONPATH=. python benchmarks/cuda_check.py
 
-1. kernels: torch._grouped_mm (bf16) vs the per-expert loop; FlexAttention sliding window vs SDPA
-   with a dense mask, forward and backward.
+1. kernels: torch._grouped_mm (bf16) vs the per-expert loop; FlexAttention sliding window and
+   packed-document block masks vs SDPA with a dense mask, forward and backward.
 2. the tiny model: CUDA bf16 logits vs CPU fp32 logits of the same weights.
 3. speed: a wider config (hidden 2048, 8 layers, 64 experts top-8) at 4K tokens in bf16: step time,
    tokens/s, model TFLOP/s (FLOPs formula of docs/architecture.md §5) and MFU against the H100/H200 dense bf16 peak.
@@ -49,6 +49,17 @@ def check_kernels(report: dict) -> None:
     a = torch.autograd.grad(out, (q, k, v), go)
     b = torch.autograd.grad(dense, (q, k, v), go)
     report["flex_sliding_rel_err"] = {"out": rel(out, dense), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)}}
+    # packed documents (data.document_masking): FlexAttention document block mask vs the dense mask
+    positions = torch.cat([torch.arange(n, device="cuda") for n in (700, 300, 1048)])[None].repeat(2, 1)
+    docs = kernels.DocumentMask(positions)
+    for window in (None, 512):
+        out = kernels.attention(q, k, v, window=window, scale=128 ** -0.5, documents=docs)
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=docs.dense(window),
+                                                                 scale=128 ** -0.5, enable_gqa=True)
+        a = torch.autograd.grad(out, (q, k, v), go)
+        b = torch.autograd.grad(dense, (q, k, v), go)
+        report[f"flex_documents_window{window}_rel_err"] = {
+            "out": rel(out, dense), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)}}
 
 
 def check_tiny(report: dict) -> None:

@@ -106,10 +106,28 @@ def npu_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tens
     return _NPUGroupedMatmul.apply(x, weight, counts)
 
 
-def npu_sliding_attention(q, k, v, window: int, scale: float) -> torch.Tensor:
-    """Causal attention over the last `window` keys (the query included) with the fused NPU kernel:
-    band mode (sparse_mode 4) with pre_tokens = window - 1, next_tokens = 0."""
+def npu_attention(q, k, v, window: int | None, scale: float, documents=None) -> torch.Tensor:
+    """Causal attention with the fused NPU kernel (torch_npu.npu_fusion_attention).
+
+    q [B, Hq, S, D], k, v [B, Hkv, S, D]. The kernel takes a 2048 x 2048 compressed upper-triangle
+    mask and a sparse mode: 3 (causal, aligned to the bottom right) or 4 (band: pre_tockens keys
+    before the query, next_tockens after), band with pre_tockens = window - 1, next_tockens = 0
+    for a window of `window` keys including the query. With `documents` (kernels.DocumentMask) the
+    rows are flattened to the varlen TND layout [B*S, H, D] and each document is its own sequence
+    (actual_seq_qlen = actual_seq_kvlen = cumulative document ends). Semantics checked against
+    Huawei's CPU reference (tests/test_npu_golden.py, docs/npu.md)."""
     torch_npu = import_torch_npu()
     mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=q.device), diagonal=1)
-    return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], "BNSD", atten_mask=mask, scale=scale,
-                                          pre_tockens=window - 1, next_tockens=0, sparse_mode=4)[0]
+    band = {"sparse_mode": 4, "pre_tockens": window - 1, "next_tockens": 0} if window is not None else {
+        "sparse_mode": 3}
+    if documents is None:
+        return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], "BNSD", atten_mask=mask, scale=scale, **band)[0]
+    B, Hq, S, D = q.shape
+    cu = documents.cu_seqlens()
+
+    def tnd(t: torch.Tensor) -> torch.Tensor:  # [B, H, S, D] -> [B*S, H, D]
+        return t.transpose(1, 2).reshape(B * S, t.shape[1], D)
+
+    out = torch_npu.npu_fusion_attention(tnd(q), tnd(k), tnd(v), Hq, "TND", atten_mask=mask, scale=scale,
+                                         actual_seq_qlen=cu, actual_seq_kvlen=cu, **band)[0]
+    return out.reshape(B, S, Hq, D).transpose(1, 2)

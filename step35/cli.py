@@ -210,16 +210,30 @@ def _strategy_class_path_to_class(config) -> None:
     trainer.strategy = Namespace(class_path=value, init_args=Namespace())
 
 
+SUBCOMMANDS = """usage: step35 {fit,validate,export,plan} ...
+
+  fit       train (LightningCLI): step35 fit --config configs/tiny.yaml
+  validate  validate a model or checkpoint (LightningCLI)
+  export    write a training checkpoint as an HF folder: step35 export --help
+  plan      will a training config fit on its devices, and how fast could it go:
+            step35 plan --config configs/flash-196b-4k-npu.yaml [any fit option]
+
+`step35 <subcommand> --help` lists each one's options."""
+
+
 def main(args: list[str] | None = None) -> None:
     """`step35 fit|validate ...` (LightningCLI), `step35 export ...`, `step35 plan ...`."""
     import sys
 
     argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(SUBCOMMANDS)
+        return None
     if argv and argv[0] in ("export", "plan"):
         if argv[0] == "export":
             from step35.checkpoint.export import main as run
         else:
-            from step35.plan import main as run
+            from step35.plan.cli import run
         return run(argv[1:])
     from step35 import faults
     from step35.data import Step35DataModule

@@ -3,8 +3,9 @@
 Model code calls `grouped_mm` and `attention`; which kernel runs is decided here, by the device of
 the tensors, and nowhere else:
 - grouped GEMM: `torch._grouped_mm` (CUDA sm90+ and CPU) or `torch_npu.npu_grouped_matmul` (NPU).
-- attention: SDPA (causal) for full layers everywhere; sliding-window layers through FlexAttention
-  on CUDA, the fused NPU attention with a band mask on NPU, and SDPA with a boolean mask on CPU.
+- attention: SDPA (causal) for full layers everywhere; sliding-window layers and packed documents
+  (`DocumentMask`) through FlexAttention block masks on CUDA, the fused NPU attention (band mode,
+  varlen TND for documents) on NPU, and SDPA's CPU kernel with an explicit mask on CPU.
 """
 
 from __future__ import annotations
@@ -70,41 +71,146 @@ def _npu_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor)
 # ---------------------------------------------------------------------------------- attention
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """Causal attention with grouped KV heads and an optional sliding window.
+class DocumentMask:
+    """Packed documents in a batch, the one mask description every attention backend reads.
+
+    position_ids [B, S]: each token's position within its document, restarting at 0 where a
+    document starts (so column 0 is always 0). A query then reads only keys of its own document
+    (and, on sliding layers, at most `window` of them). Backends take what they need:
+    `dense` (CPU: an explicit boolean mask), `block_mask` (CUDA FlexAttention),
+    `cu_seqlens` (the NPU fused kernel's varlen TND form: one host sync, done once per forward).
+    """
+
+    def __init__(self, position_ids: torch.Tensor):
+        if position_ids.dim() != 2:
+            raise ValueError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}")
+        self.position_ids = position_ids
+        self.ids = torch.cumsum(position_ids == 0, dim=1)  # [B, S] document number within its row
+        self._cu_seqlens: list[int] | None = None
+        self._block_masks: dict = {}
+
+    def dense(self, window: int | None) -> torch.Tensor:
+        """[B, 1, S, S] boolean, True where query i may read key j."""
+        seq = self.ids.shape[1]
+        keep = causal_mask(seq, window, self.ids.device)[None, None]
+        return keep & (self.ids[:, None, :, None] == self.ids[:, None, None, :])
+
+    def cu_seqlens(self) -> list[int]:
+        """Cumulative document ends over the flattened batch (B*S tokens), e.g. [3, 8, 12, 16] for
+        rows [3 + 5, 4 + 4]: the `actual_seq_qlen` / `actual_seq_kvlen` of a TND call."""
+        if self._cu_seqlens is None:
+            B, S = self.ids.shape
+            starts = (self.position_ids == 0).clone()
+            ends = torch.zeros_like(starts)
+            ends[:, :-1] = starts[:, 1:]
+            ends[:, -1] = True
+            flat = torch.nonzero(ends.reshape(-1)).squeeze(1) + 1
+            self._cu_seqlens = flat.tolist()  # host sync: the kernel takes the lengths as host integers
+        return self._cu_seqlens
+
+    def block_mask(self, window: int | None):
+        if window not in self._block_masks:
+            self._block_masks[window] = _document_block_mask(self.ids, window)
+        return self._block_masks[window]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
+              documents: DocumentMask | None = None) -> torch.Tensor:
+    """Causal attention with grouped KV heads, an optional sliding window and optional documents.
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] with Hq a multiple of Hkv; query head h reads KV head
     h // (Hq / Hkv). window: a query at position i sees keys i - window + 1 .. i (window keys,
-    itself included), or all keys <= i when None. Returns [B, Hq, S, D].
+    itself included), or all keys <= i when None. documents: keys of other documents are never
+    read (packed windows). Returns [B, Hq, S, D].
     """
     seq = q.shape[-2]
-    if window is None or window >= seq:
+    if window is not None and window >= seq:
+        window = None
+    if window is None and documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     if q.device.type == "cuda":
-        return _flex_sliding_attention(q, k, v, window, scale)
+        return _flex_attention(q, k, v, window, scale, documents)
     if q.device.type == "npu":
-        from step35.accelerators import npu_sliding_attention
+        from step35.accelerators import npu_attention
 
-        return npu_sliding_attention(q, k, v, window, scale)
-    mask = sliding_window_mask(seq, window, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return npu_attention(q, k, v, window, scale, documents)
+    return _MaskedAttentionCPU.apply(q, k, v, window, scale, documents)
+
+
+def causal_mask(seq: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[S, S] boolean, True where query i may read key j: j <= i, and i - window < j with a window."""
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (j > i - window) if window is not None else j <= i
 
 
 def sliding_window_mask(seq: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[S, S] boolean, True where query i may read key j: i - window < j <= i."""
-    i = torch.arange(seq, device=device)[:, None]
-    j = torch.arange(seq, device=device)[None, :]
-    return (j <= i) & (j > i - window)
+    return causal_mask(seq, window, device)
+
+
+class _MaskedAttentionCPU(torch.autograd.Function):
+    """SDPA with an explicit mask that is rebuilt in backward instead of kept: the [S, S] float
+    mask SDPA makes from a boolean one would otherwise stay alive per layer (4 MB at 1K tokens,
+    1 GB at 16K). The forward is SDPA's own CPU kernel with the same float mask, so outputs are
+    bit-identical to `F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window, scale, documents):
+        ctx.window, ctx.scale, ctx.documents = window, scale, documents
+        mask = _float_mask(q, window, documents)
+        out, lse = _flash_cpu_ops()[0](q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        mask = _float_mask(q, ctx.window, ctx.documents)
+        grads = _flash_cpu_ops()[1](grad.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale)
+        return grads[0], grads[1], grads[2], None, None, None
+
+
+def _float_mask(q: torch.Tensor, window: int | None, documents: DocumentMask | None) -> torch.Tensor:
+    seq = q.shape[-2]
+    keep = documents.dense(window) if documents is not None else causal_mask(seq, window, q.device)
+    # as SDPA converts a boolean mask: 0 where kept, -inf elsewhere, in the query dtype
+    return torch.where(keep, torch.zeros((), dtype=q.dtype, device=q.device),
+                       torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
+
+
+def _flash_cpu_ops():
+    # Private ATen ops behind F.scaled_dot_product_attention on CPU (the only place they are used).
+    # Not lru_cached: per-block compile traces this, and dynamo warns about cache wrappers.
+    try:
+        aten = torch.ops.aten
+        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    except AttributeError as e:  # renamed in a later torch: say where to look
+        raise RuntimeError(f"torch {torch.__version__} lacks SDPA's CPU flash-attention ops that "
+                           "step35.kernels._MaskedAttentionCPU calls; update that function") from e
 
 
 @functools.lru_cache(maxsize=32)
-def _sliding_block_mask(seq: int, window: int, device: str):
+def _sliding_block_mask(seq: int, window: int | None, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def keep(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+        inside = kv_idx <= q_idx
+        return inside & (kv_idx > q_idx - window) if window is not None else inside
 
     return create_block_mask(keep, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device)
+
+
+def _document_block_mask(ids: torch.Tensor, window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def keep(b, h, q_idx, kv_idx):
+        inside = (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+        return inside & (kv_idx > q_idx - window) if window is not None else inside
+
+    B, S = ids.shape
+    return create_block_mask(keep, B=B, H=None, Q_LEN=S, KV_LEN=S, device=str(ids.device))
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,6 +220,9 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_sliding_attention(q, k, v, window: int, scale: float) -> torch.Tensor:
-    block_mask = _sliding_block_mask(q.shape[-2], window, str(q.device))
+def _flex_attention(q, k, v, window: int | None, scale: float, documents: DocumentMask | None) -> torch.Tensor:
+    if documents is not None:
+        block_mask = documents.block_mask(window)
+    else:
+        block_mask = _sliding_block_mask(q.shape[-2], window, str(q.device))
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)

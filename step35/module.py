@@ -175,7 +175,8 @@ class Step35LightningModule(pl.LightningModule):
         weight = self.hparams.mtp_loss_weight if self.training else 0.0
         aux_coef = self.hparams.moe_aux_loss_coef if self.training else 0.0
         return self.model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
-                          loss_chunk_size=self.hparams.loss_chunk_size), tokens[:, 1:].numel()
+                          loss_chunk_size=self.hparams.loss_chunk_size,
+                          position_ids=batch.get("position_ids")), tokens[:, 1:].numel()  # data.document_masking
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out, n_tokens = self._loss(batch)

@@ -11,6 +11,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
+from step35.data.packing import document_positions
 from step35.data.sources import FileSource, Holdout, HubSource, TxtMode, check_files, expand_files
 from step35.data.stream import STATE_FORMAT, TokenWindows
 from step35.data.tokenizer import TextTokenizer
@@ -51,6 +52,11 @@ class Step35DataModule(pl.LightningDataModule):
         seed: Seed of the file order per epoch and of the source mixing.
         cache_dir: Folder for the built-in corpus and tokenizer; None: $STEP35_CACHE or ~/.cache/step35.
         builtin_vocab_size: Vocabulary size of the built-in tokenizer.
+        document_masking: Attention stays inside each document of a packed window and positions restart
+            per document: batches then also hold "position_ids" [micro_batch_size, seq_len] (0 where a
+            document starts: column 0 and after every EOS), which the model turns into RoPE positions
+            and its attention mask. Labels are unchanged (an EOS still predicts the next document's first
+            token).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class Step35DataModule(pl.LightningDataModule):
         seed: int = 0,
         cache_dir: Optional[str] = None,
         builtin_vocab_size: int = 1024,
+        document_masking: bool = False,
     ) -> None:
         super().__init__()
         files = [files] if isinstance(files, str) else files
@@ -119,6 +126,7 @@ class Step35DataModule(pl.LightningDataModule):
         self.seed = seed
         self.cache_dir = cache_dir
         self.builtin_vocab_size = builtin_vocab_size
+        self.document_masking = document_masking
 
         self.tokenizer: Optional[TextTokenizer] = None
         self._train_sources: list[Any] = []
@@ -264,6 +272,15 @@ class Step35DataModule(pl.LightningDataModule):
             self._val_cache = (rank, world_size, batches)
             self._val_skipped = {s.name: n for s, n in zip(self._val_sources, skipped)}
         return FixedBatches(self._val_cache[2])
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With document_masking, add each window's document positions (computed on the host, before the
+        batch moves to the device; train and validation batches alike)."""
+        if self.document_masking and isinstance(batch, dict) and "input_ids" in batch:
+            if self.eos_token_id is None:
+                raise RuntimeError("document_masking needs the EOS id: call setup() before drawing batches")
+            batch = {**batch, "position_ids": document_positions(batch["input_ids"][:, :-1], [self.eos_token_id])}
+        return batch
 
     def teardown(self, stage: Optional[str] = None) -> None:
         if self._train_batches is not None:

@@ -3,6 +3,8 @@
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from step35.data.bad_records import BadRecords
 from step35.data.sources import Cursor
 from step35.data.tokenizer import TextTokenizer
@@ -68,3 +70,21 @@ class PackedSource:
             partial.extend(ids[used:])
         state["skipped"] = self.bad.count
         state["done"] = True
+
+
+def document_positions(input_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """Positions that restart at 0 in every document of packed windows (for `data.document_masking`).
+
+    input_ids [B, S] (the model's inputs); a document starts at column 0 and right after every EOS
+    token. Returns int64 [B, S], e.g. [5, 6, EOS, 9, 9] -> [0, 1, 2, 0, 1]. The model derives both its
+    RoPE positions and the attention's document mask (step35.kernels.DocumentMask) from this."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    starts = torch.zeros((B, S), dtype=torch.bool, device=input_ids.device)
+    starts[:, 0] = True
+    eos = torch.tensor(eos_token_ids, dtype=input_ids.dtype, device=input_ids.device)
+    starts[:, 1:] = torch.isin(input_ids[:, :-1], eos)
+    column = torch.arange(S, device=input_ids.device).expand(B, S)
+    last_start = torch.where(starts, column, 0).cummax(dim=1).values
+    return column - last_start

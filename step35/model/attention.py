@@ -4,6 +4,7 @@ a 512-key sliding window, and a head-wise sigmoid output gate before o_proj."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from step35 import kernels
@@ -27,8 +28,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [B, S, hidden]; cos, sin: [S, rotary_dim]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: kernels.DocumentMask | None = None) -> torch.Tensor:
+        # x: [B, S, hidden]; cos, sin: [S, rotary_dim] or [B, 1, S, rotary_dim] (per-document positions)
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
@@ -38,8 +40,34 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         if self.uses_rope:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5)  # [B, Hq, S, D]
+        o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)  # [B, Hq, S, D]
         o = o.transpose(1, 2)  # [B, S, Hq, D]
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)  # one gate per head per token
-        return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
+        if self.g_proj is None:
+            return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
+        gate = torch.sigmoid(self.g_proj(x))  # [B, S, Hq]: one gate per head per token
+        if torch.is_autocast_enabled(x.device.type):
+            return self.o_proj((o * gate.unsqueeze(-1)).reshape(B, S, self.num_heads * self.head_dim))
+        return _GatedOutput.apply(o, gate, self.o_proj.weight)
+
+
+class _GatedOutput(torch.autograd.Function):
+    """o_proj(o * gate): keeps o (attention keeps it anyway) and the gate, and recomputes the gated
+    product in backward, instead of keeping that [B, S, Hq * D] product as o_proj's input."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(o, gate, weight)
+        B, S, H, D = o.shape
+        return F.linear((o * gate.unsqueeze(-1)).reshape(B, S, H * D), weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        o, gate, weight = ctx.saved_tensors
+        B, S, H, D = o.shape
+        grad_2d = grad.reshape(B * S, -1)
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            gated = (o * gate.unsqueeze(-1)).reshape(B * S, H * D)
+            grad_weight = grad_2d.t().mm(gated)
+        grad_gated = grad_2d.mm(weight).view(B, S, H, D)
+        return grad_gated * gate.unsqueeze(-1), (grad_gated * o).sum(-1), grad_weight

@@ -1,17 +1,49 @@
-"""SwiGLU feed-forward with Step-3.5's optional clamp (docs/architecture.md §2.7, §2.8), dense or as the shared expert."""
+"""SwiGLU feed-forward with Step-3.5's optional clamp (docs/architecture.md §2.7, §2.8), dense or as the shared expert.
+
+`clamped_swiglu` is an autograd function that keeps only its two inputs for backward and
+recomputes the activation there (a few elementwise ops), instead of the three or four
+intermediate tensors (SiLU output, clamped copies) the default autograd would keep.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+class _ClampedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.limit = limit
+        act = F.silu(gate)
+        if limit > 0:
+            act = act.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        limit = ctx.limit
+        g, gate32, up32 = grad.float(), gate.float(), up.float()
+        act = F.silu(gate32)
+        if limit > 0:
+            up32 = up32.clamp(min=-limit, max=limit)
+        # silu_backward(t, gate) = t * SiLU'(gate), the kernel default autograd of F.silu uses
+        grad_gate = torch.ops.aten.silu_backward(g * up32, gate32)
+        if limit > 0:
+            # clamp passes the gradient where its input lies inside [min, max], bounds included
+            grad_gate.masked_fill_(act > limit, 0)
+            act.clamp_(max=limit)
+        grad_up = act.mul_(g)
+        if limit > 0:
+            grad_up.masked_fill_(up.float().abs() > limit, 0)
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """min(SiLU(gate), L) * clip(up, -L, L); plain SiLU(gate) * up when L == 0."""
-    act = F.silu(gate)
-    if limit > 0:
-        act = act.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return act * up
+    return _ClampedSwiGLU.apply(gate, up, limit)
 
 
 class SwiGLU(nn.Module):

@@ -45,6 +45,33 @@ def expert_swiglu(moe: "MoE", x: torch.Tensor, counts: torch.Tensor) -> torch.Te
     return moe.down_proj(hidden, counts)
 
 
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = sum of (y[r] * w[r]) over the rows r routed from token t, products in fp32.
+
+    Keeps y, w and the row-to-token map for backward; default autograd of the same ops would also
+    keep the weighted [N, H] copy (index_add_ saves its source)."""
+
+    @staticmethod
+    def forward(ctx, y, w, token_of_row, num_tokens: int, dtype: torch.dtype):
+        ctx.save_for_backward(y, w, token_of_row)
+        weighted = (y.float() * w[:, None]).to(dtype)
+        return weighted.new_zeros((num_tokens, y.shape[-1])).index_add_(0, token_of_row, weighted)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, w, token_of_row = ctx.saved_tensors
+        grad_rows = grad.index_select(0, token_of_row).float()  # [N, H]
+        grad_y = (grad_rows * w[:, None]).to(y.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (grad_rows * y.float()).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None, None, None
+
+
+def weighted_combine(y: torch.Tensor, w: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """y [N, H] expert outputs, w [N] fp32 routing weights, token_of_row [N] -> [num_tokens, H] in `dtype`."""
+    return _WeightedCombine.apply(y, w, token_of_row, num_tokens, dtype)
+
+
 class ExpertDispatcher(Protocol):
     """Runs the routed experts on rows sorted by global expert id and returns their outputs in the
     same order. The default runs every expert locally; expert parallelism swaps in an all-to-all."""
@@ -146,8 +173,7 @@ class MoE(nn.Module):
         if self.training and not in_backward_recompute():
             self.tokens_per_expert += counts.detach()
         y = self.dispatcher(x[token_of_row], counts, self)  # [N, H]
-        y = (y.float() * weights.reshape(-1)[order, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of_row, y)
+        out = weighted_combine(y, weights.reshape(-1)[order], token_of_row, x.shape[0], x.dtype)
         return out.view(shape)
 
     def take_tokens_per_expert(self) -> torch.Tensor:

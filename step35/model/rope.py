@@ -30,20 +30,44 @@ def _llama3_scale(inv: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, rotary_dim] (each frequency repeated for both halves), fp32."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [S, r/2]
+    """cos, sin of shape [..., rotary_dim] for positions [...] ([S], or [B, S] per sequence), each
+    frequency repeated for both halves, fp32."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., r/2]
     angles = torch.cat([angles, angles], dim=-1)  # [S, r]
     return angles.cos(), angles.sin()
+
+
+class _Rotary(torch.autograd.Function):
+    """The rotation is linear in x: backward rotates the gradient back and needs only cos and sin
+    (shared by every layer), where default autograd would keep fp32 copies of the rotated q and k."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = cos.shape[-1]
+        rot, passthrough = x[..., :r], x[..., r:]
+        rot32 = rot.float()
+        first, second = rot32[..., : r // 2], rot32[..., r // 2:]
+        rotated = torch.cat([-second, first], dim=-1)
+        out = (rot32 * cos + rotated * sin).to(x.dtype)
+        ctx.save_for_backward(cos, sin)
+        return torch.cat([out, passthrough], dim=-1) if passthrough.shape[-1] else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        r = cos.shape[-1]
+        g = grad[..., :r].float()
+        via_sin = g * sin  # gradient reaching `rotated` = [-second, first]
+        grad_rot = (g * cos + torch.cat([via_sin[..., r // 2:], -via_sin[..., : r // 2]], dim=-1)).to(grad.dtype)
+        grad_x = torch.cat([grad_rot, grad[..., r:]], dim=-1) if grad.shape[-1] > r else grad_rot
+        return grad_x, None, None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first r = cos.shape[-1] dims of x [B, H, S, D]; dims r..D pass through.
 
-    Within the rotated slice, dim i pairs with dim i + r/2 (rotate-half, not interleaved)."""
-    r = cos.shape[-1]
-    rot, passthrough = x[..., :r], x[..., r:]
-    rot32 = rot.float()
-    first, second = rot32[..., : r // 2], rot32[..., r // 2:]
-    rotated = torch.cat([-second, first], dim=-1)
-    out = (rot32 * cos + rotated * sin).to(x.dtype)
-    return torch.cat([out, passthrough], dim=-1) if passthrough.shape[-1] else out
+    Within the rotated slice, dim i pairs with dim i + r/2 (rotate-half, not interleaved).
+    cos, sin: [S, r], or [B, 1, S, r] when positions differ per sequence (document masking)."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("rotary cos/sin tables are constants; got tables that require grad")
+    return _Rotary.apply(x, cos, sin)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from step35.config import LayerSpec, Step35Config
+from step35.kernels import DocumentMask
 from step35.model.attention import Attention
 from step35.model.init import init_tensor
 from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
@@ -45,9 +46,10 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                router_aux: RouterAuxLosses | None = None) -> torch.Tensor:
-        """router_aux: where an MoE layer adds its sequence balance loss (None: not computed)."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+                router_aux: RouterAuxLosses | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
+        """router_aux: where an MoE layer adds its sequence balance loss (None: not computed);
+        documents: packed documents that attention must keep apart (None: one document per row)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
         x = self.post_attention_layernorm(h)
         ffn = self.moe(x, router_aux) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
         return h + ffn
@@ -73,10 +75,10 @@ class MTPLayer(DecoderLayer):
         self.transformer = nn.ModuleDict({"shared_head": SharedHead(config)})
 
     def forward(self, h: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                labels: torch.Tensor | None = None, chunk_size: int = 1024):
+                labels: torch.Tensor | None = None, chunk_size: int = 1024, documents: DocumentMask | None = None):
         """Returns (block output [B, S, H], summed loss, counted tokens); loss parts are None without labels."""
         u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h)], dim=-1))
-        out = super().forward(u, cos, sin)
+        out = super().forward(u, cos, sin, documents=documents)
         if labels is None:
             return out, None, None
         head = self.transformer["shared_head"]
@@ -112,19 +114,26 @@ class Step35Model(nn.Module):
     def mtp_layers(self) -> list[MTPLayer]:
         return list(self.layers)[self.config.num_hidden_layers:]
 
-    def rotary_tables(self, seq_len: int, device: torch.device) -> dict:
-        positions = torch.arange(seq_len, device=device)
-        return {key: rotary_cos_sin(positions, inv) for key, inv in self._inv_freq.items()}
+    def rotary_tables(self, seq_len: int, device: torch.device, position_ids: torch.Tensor | None = None) -> dict:
+        """(cos, sin) per RoPE kind: [S, r] for positions 0..S-1, or [B, 1, S, r] for `position_ids` [B, S]."""
+        if position_ids is None:
+            positions = torch.arange(seq_len, device=device)
+            return {key: rotary_cos_sin(positions, inv) for key, inv in self._inv_freq.items()}
+        tables = {key: rotary_cos_sin(position_ids, inv) for key, inv in self._inv_freq.items()}
+        return {key: (cos[:, None], sin[:, None]) for key, (cos, sin) in tables.items()}
 
     def forward(self, input_ids: torch.Tensor, rope: dict | None = None,
-                router_aux: RouterAuxLosses | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
-        router_aux: collects the MoE layers' sequence balance losses (None: not computed)."""
-        rope = rope if rope is not None else self.rotary_tables(input_ids.shape[1], input_ids.device)
+        router_aux: collects the MoE layers' sequence balance losses (None: not computed);
+        documents: packed documents kept apart by attention (RoPE then comes from their positions)."""
+        if rope is None:
+            position_ids = documents.position_ids if documents is not None else None
+            rope = self.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         h = self.embed_tokens(input_ids)
         for layer, key in zip(self.main_layers, self.rope_keys):
-            h = layer(h, *rope[key], router_aux=router_aux)
+            h = layer(h, *rope[key], router_aux=router_aux, documents=documents)
         return h
 
 
@@ -159,22 +168,29 @@ class Step35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                mtp_loss_weight: float = 0.0, loss_chunk_size: int = 1024, moe_aux_loss_coef: float = 0.0):
+                mtp_loss_weight: float = 0.0, loss_chunk_size: int = 1024, moe_aux_loss_coef: float = 0.0,
+                position_ids: torch.Tensor | None = None):
         """input_ids [B, S] -> logits [B, S, V]; with labels [B, S] (-100 = ignore) -> LossOutput.
+
+        position_ids [B, S] (packed documents, see step35.data.packing.document_positions): positions
+        restarting at 0 where a document starts; attention then never crosses a document boundary.
 
         The MTP layers run only when labels are given and mtp_loss_weight > 0. With labels and
         moe_aux_loss_coef > 0 the loss includes coef x the sequence balance loss averaged over the
         MoE layers (moe.sequence_balance_loss); 0 does not compute it."""
-        rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device)
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")
+        documents = DocumentMask(position_ids) if position_ids is not None else None
+        rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         router_aux = RouterAuxLosses() if labels is not None and moe_aux_loss_coef > 0 else None
-        h = self.model(input_ids, rope, router_aux=router_aux)
+        h = self.model(input_ids, rope, router_aux=router_aux, documents=documents)
         if labels is None:
             return self.lm_head(self.model.norm(h))
         total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
         lm_loss = total / count.clamp(min=1)
         mtp_losses = []
         if mtp_loss_weight > 0:
-            mtp_losses = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size)
+            mtp_losses = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size, documents)
         loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
         aux_loss = None
         if router_aux is not None and router_aux.losses:
@@ -183,7 +199,7 @@ class Step35ForCausalLM(nn.Module):
         return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count, aux_loss=aux_loss)
 
     def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
-                    chunk_size: int) -> list[torch.Tensor]:
+                    chunk_size: int, documents: DocumentMask | None = None) -> list[torch.Tensor]:
         # Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
         # x_{t+k+1} = labels[t+k]; the last k positions have no target. The token read comes from
         # input_ids, not labels: a masked label (-100: prompt, padding) still has its token there.
@@ -193,7 +209,7 @@ class Step35ForCausalLM(nn.Module):
             targets = _shift_left(labels, k, fill=IGNORE_INDEX)
             key = self.model.rope_keys[layer.spec.layer_id]
             h, total, count = layer(h, self.model.embed_tokens(next_ids), *rope[key], labels=targets,
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, documents=documents)
             losses.append(total / count.clamp(min=1))
         return losses
 

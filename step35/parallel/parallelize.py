@@ -65,7 +65,8 @@ def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forwar
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:
     """Recompute the layer's activations in backward: all of them ("full"), or all but the matmul
-    outputs ("selective": saves GEMM results, recomputes norms, activations and elementwise ops).
+    outputs ("selective": saves GEMM and attention results and the expert-parallel all-to-all
+    outputs, recomputes norms, activations and elementwise ops; the replay communicates nothing).
 
     The forward is wrapped in place, so parameter names do not change."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -99,6 +100,14 @@ def _ignore_profiler_ops_in_selective_checkpointing() -> None:
                                        profiler._record_function_exit._RecordFunction})
 
 
+@functools.lru_cache(maxsize=1)
+def _all_to_all_ops() -> frozenset:
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    if functional is None:
+        return frozenset()
+    return frozenset({functional.all_to_all_single.default, functional.wait_tensor.default})
+
+
 def _save_matmuls(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -107,4 +116,7 @@ def _save_matmuls(ctx, op, *args, **kwargs):
              torch.ops.aten._scaled_dot_product_efficient_attention.default}
     if hasattr(torch.ops.aten, "_grouped_mm"):
         saved.add(torch.ops.aten._grouped_mm.default)
+    # Expert parallelism (expert_parallel.all_to_all): keep the count exchange and the row
+    # all-to-alls, so the replay in backward communicates nothing (and reuses the split sizes).
+    saved |= _all_to_all_ops()
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE

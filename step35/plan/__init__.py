@@ -1,0 +1,9 @@
+"""`step35 plan`: will a training config fit on its devices, and how fast could it go.
+
+settings (the fit parser) -> world (fake process group, meta model, real sharding) -> state, activations,
+memory phases, speed -> report; suggest tries nearby layouts. See docs/plan.md.
+"""
+
+from step35.plan.planner import Plan, make_plan
+
+__all__ = ["Plan", "make_plan"]

@@ -1,0 +1,3 @@
+from step35.plan.cli import run
+
+run()

@@ -1,0 +1,131 @@
+"""Peak device memory of one rank over a training step, phase by phase.
+
+The step is cut where the big transient buffers live (see docs/plan.md):
+  forward     state + root gathered + activations + one block gathered + the loss's logits chunk
+  loss bwd    state + root gathered + activations + the loss backward (fp32 [V, H] weight gradient)
+  block bwd   state + gradients + root gathered + lm_head gradient + activations + two blocks gathered
+              (prefetch) + one block's gradients and reduce-scatter input + one block rebuilt or its
+              activation gradients + the expert all-to-all receive buffers
+  end of bwd  state + gradients + root gathered + root gradients and reduce-scatter input
+  optimizer   state + gradients + the AdamW temporaries
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from step35.plan.activations import ActivationEstimate
+from step35.plan.settings import RunSettings
+from step35.plan.state import FsdpGroup, RankState
+
+
+def _bytes(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Phase:
+    name: str
+    rows: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+
+@dataclass
+class Transients:
+    root_gathered: int  # embedding + final norm + lm_head gathered for the whole step (not resharded)
+    block_gather: int  # the biggest block (its dense part and its experts) gathered, compute dtype
+    gathered_blocks: int  # blocks gathered at once in backward: 2 with prefetch; all without resharding
+    block_grads: int  # that block's unsharded gradients (compute dtype)
+    reduce_scatter: int  # their copy in reduce_dtype for the reduce-scatter (0 when the dtypes match)
+    root_grads: int  # root gradients at the end of backward, plus their reduce-scatter copy
+    lm_head_grad: int  # the lm_head gradient, from the loss backward to the end of backward
+    all_to_all: int  # expert-parallel receive rows and their regrouped copy, one MoE layer
+    loss_forward: int  # logits of one loss chunk
+    loss_backward: int  # fp32 weight gradient accumulator + one chunk's addend + logits/softmax of a chunk
+    optimizer: int  # AdamW temporaries (foreach: a copy of all local states; per-parameter: the biggest)
+
+
+def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Transients:
+    cfg = s.model_config
+    a, r = _bytes(s.compute_dtype), _bytes(s.reduce_dtype or s.compute_dtype)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    chunk = min(s.loss_chunk_size, s.micro_batch_size * s.seq_len)
+    root = next(g for g in groups if g.name == "root")
+    by_layer: dict[str, list[FsdpGroup]] = {}
+    for g in groups:
+        if g.name != "root" and g.runs:
+            by_layer.setdefault(g.name.split(".moe")[0], []).append(g)
+    blocks = [sum(g.unsharded_numel for g in gs) for gs in by_layer.values()]
+    trainable_blocks = [sum(g.unsharded_numel for g in gs if g.trainable) for gs in by_layer.values()]
+    biggest = max(blocks, default=0)
+    rs_copy = r if r != a else 0
+    lm_head = V * H if root.trainable else 0  # the lm_head gradient, unsharded from the loss backward on
+    tokens = s.micro_batch_size * s.seq_len
+    ep_rows = tokens * cfg.moe_top_k if cfg.use_moe and s.expert_parallel_size > 1 else 0
+    loss_fwd = chunk * V * (a + 2 * 4)  # h @ W^T, its fp32 copy, the exp of logsumexp
+    loss_bwd = 2 * V * H * 4 + V * H * a + chunk * V * (2 * a + 2 * 4)
+    trainable_local = state.grads
+    foreach = s.expert_parallel_size == 1  # module._foreach_ok: one mesh only
+    optimizer = trainable_local if foreach else 2 * state.largest_local_param
+    if not s.sharded:
+        return Transients(0, 0, 0, 0, 0, 0, 0, 0, loss_fwd, loss_bwd, optimizer)
+    gathered = 2 if s.reshard_after_forward else max(1, len(blocks))
+    block_gather = biggest * a if s.reshard_after_forward else sum(blocks) * a // max(1, len(blocks))
+    return Transients(
+        root_gathered=root.unsharded_numel * a,
+        block_gather=block_gather,
+        gathered_blocks=gathered,
+        block_grads=max(trainable_blocks, default=0) * a,
+        reduce_scatter=max(trainable_blocks, default=0) * rs_copy,
+        root_grads=(root.unsharded_numel * (a + rs_copy)) if root.trainable else 0,
+        lm_head_grad=lm_head * a,
+        all_to_all=2 * ep_rows * H * a,
+        loss_forward=loss_fwd, loss_backward=loss_bwd, optimizer=optimizer)
+
+
+def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate) -> list[Phase]:
+    persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
+    grads_in_forward = state.grads if s.accumulate_grad_batches > 1 else 0
+    acts = act.total
+    block_work = act.recompute if act.mode != "none" else act.largest_layer
+    return [
+        Phase("forward", {**persistent, "gradients": grads_in_forward, "root gathered": t.root_gathered,
+                          "activations": acts, "block all-gather": t.block_gather, "loss chunk": t.loss_forward}),
+        Phase("loss backward", {**persistent, "gradients": grads_in_forward, "root gathered": t.root_gathered,
+                                "activations": acts, "loss backward": t.loss_backward}),
+        Phase("block backward", {**persistent, "gradients": state.grads, "root gathered": t.root_gathered,
+                                 "lm_head gradient": t.lm_head_grad, "activations": acts,
+                                 "block all-gather": t.gathered_blocks * t.block_gather,
+                                 "block gradients": t.block_grads, "reduce-scatter": t.reduce_scatter,
+                                 "block backward work": block_work, "all-to-all buffers": t.all_to_all}),
+        Phase("end of backward", {**persistent, "gradients": state.grads, "root gathered": t.root_gathered,
+                                  "root gradients + reduce-scatter": t.root_grads}),
+        Phase("optimizer step", {**persistent, "gradients": state.grads, "optimizer temporaries": t.optimizer}),
+    ]
+
+
+@dataclass
+class Verdict:
+    peak_phase: str
+    peak: int  # bytes allocated at the peak phase
+    allocator_margin: int  # fragmentation / caching allowance
+    runtime_reserve: int
+    required: int
+    device_memory: int
+    free: int
+    margin_pct: float
+    fits: bool
+
+
+def verdict(phase_list: list[Phase], device_memory: int, allocator_margin: float, runtime_reserve: int) -> Verdict:
+    worst = max(phase_list, key=lambda p: p.total)
+    margin = int(worst.total * allocator_margin)
+    required = worst.total + margin + runtime_reserve
+    free = device_memory - required
+    pct = 100.0 * free / device_memory if device_memory else float("nan")
+    return Verdict(worst.name, worst.total, margin, runtime_reserve, required, device_memory, free, pct, free >= 0)

@@ -1,0 +1,96 @@
+"""One plan: shard the real model for the simulated world, then add up memory phase by phase and
+estimate the step's speed. `make_plan` is what `step35 plan` prints; suggestions call it again with
+other layouts."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from step35.parallel import ParallelDims
+from step35.plan.activations import ActivationEstimate, Shape, model_activations
+from step35.plan.devices import Device
+from step35.plan.memory import Phase, Transients, Verdict, phases, transients, verdict
+from step35.plan.settings import RunSettings
+from step35.plan.speed import Speed, speed
+from step35.plan.state import FsdpGroup, RankState, fsdp_groups, rank_state
+from step35.plan.world import close_world, sharded_meta_model
+
+GiB = 1024**3
+
+
+@dataclass
+class Plan:
+    settings: RunSettings
+    device: Device
+    efsdp: int
+    state: RankState
+    activations: ActivationEstimate
+    transients: Transients
+    phases: list[Phase]
+    verdict: Verdict
+    speed: Speed
+    seconds: float
+    suggestions: list["Plan"] = field(default_factory=list)
+
+
+_STATE_CACHE: dict[tuple, tuple[RankState, list[FsdpGroup]]] = {}
+
+
+def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGroup]]:
+    """Local shards of `rank` (rank 0 holds the largest: FSDP gives the first ranks the rounded-up chunks)."""
+    cfg = s.model_config
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.replicate_size, s.sharded, s.stored_dtype,
+           s.num_mtp_layers, s.train_mtp, rank)
+    if key in _STATE_CACHE:
+        return _STATE_CACHE[key]
+    ep = s.expert_parallel_size if s.sharded else 1
+    world = s.world_size if s.sharded else 1
+    dims = ParallelDims(world, ep, s.replicate_size if s.sharded else 1,
+                        num_experts=cfg.moe_num_experts if cfg.use_moe else None)
+    if s.sharded:
+        model = sharded_meta_model(cfg, s.num_mtp_layers, dims, rank=rank, stored_dtype=s.stored_dtype,
+                                   param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype,
+                                   reshard_after_forward=s.reshard_after_forward, train_mtp=s.train_mtp)
+        close_world()
+    else:
+        from step35.model import Step35ForCausalLM
+
+        with torch.device("meta"):
+            model = Step35ForCausalLM(cfg, s.num_mtp_layers)
+        model.to(s.stored_dtype)
+        if not s.train_mtp:
+            for layer in model.model.mtp_layers:
+                layer.requires_grad_(False)
+    result = rank_state(model), fsdp_groups(model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=ep,
+                                            train_mtp=s.train_mtp)
+    _STATE_CACHE[key] = result
+    return result
+
+
+def activation_shape(s: RunSettings) -> Shape:
+    return Shape(s.micro_batch_size, s.seq_len, torch.empty((), dtype=s.compute_dtype).element_size(),
+                 s.accelerator, s.expert_parallel_size if s.sharded else 1,
+                 autocast=s.precision == "bf16-mixed" and s.param_dtype is None, document_masking=s.document_masking)
+
+
+def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtime_reserve_gib: float | None = None,
+              device_memory_gib: float | None = None) -> Plan:
+    start = time.perf_counter()
+    cfg = s.model_config
+    if s.sharded:
+        ParallelDims(s.world_size, s.expert_parallel_size, s.replicate_size,
+                     num_experts=cfg.moe_num_experts if cfg.use_moe else None)  # refuse bad sizes first
+    state, groups = sharded_state(s)
+    act = model_activations(cfg, activation_shape(s), mode=s.activation_checkpointing,
+                            num_mtp_layers=s.num_mtp_layers if s.train_mtp else 0, aux_loss=s.aux_loss)
+    t = transients(s, state, groups)
+    phase_list = phases(s, state, t, act)
+    memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
+    reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
+    v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
+    efsdp = s.world_size // s.expert_parallel_size if s.sharded else 1
+    return Plan(s, device, efsdp, state, act, t, phase_list, v, speed(s, groups, device), time.perf_counter() - start)

@@ -1,0 +1,91 @@
+"""How fast the run could go: model FLOPs per token, the bytes each rank moves per optimizer step
+(expert all-to-all, FSDP all-gather and reduce-scatter), and an upper bound on MFU from the device's
+peak and its link bandwidths. Balanced expert routing is assumed; kernels are taken to run at peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from step35.flops import attention_flops_per_token, training_flops_per_token
+from step35.plan.devices import Device
+from step35.plan.settings import RunSettings
+from step35.plan.state import FsdpGroup
+
+
+@dataclass
+class Speed:
+    flops_per_token: float  # model FLOPs (6N + attention), the MFU numerator
+    hardware_flops_per_token: float  # plus what activation checkpointing recomputes
+    tokens_per_rank_step: int
+    all_to_all_bytes: float  # per rank per optimizer step, sent (the same received)
+    fsdp_gather_bytes: float  # per rank per step, received by all-gathers
+    fsdp_reduce_bytes: float  # per rank per step, sent by reduce-scatters
+    intra_node_seconds: float
+    inter_node_seconds: float
+    compute_seconds: float  # hardware FLOPs at peak
+    step_seconds_overlapped: float  # max(compute, intra, inter): links and compute fully overlapped
+    step_seconds_serial: float  # compute + communication, nothing overlapped
+    mfu_bound: float
+    mfu_serial: float
+    tokens_per_second_per_device: float
+
+
+def _bytes(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
+    cfg = s.model_config
+    mtp = s.num_mtp_layers if s.train_mtp else 0
+    fpt = training_flops_per_token(cfg, s.seq_len, mtp)
+    attention = attention_flops_per_token(cfg, s.seq_len, mtp)
+    if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)
+        hw = fpt + (fpt - 6 * cfg.vocab_size * cfg.hidden_size) / 3
+    elif s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
+        hw = fpt + attention / 3
+    else:
+        hw = fpt
+    micro_batches = s.accumulate_grad_batches
+    tokens = s.micro_batch_size * s.seq_len
+    a, r = _bytes(s.compute_dtype), _bytes(s.reduce_dtype or s.compute_dtype)
+    dpn, nodes = s.devices_per_node, s.num_nodes
+    intra = inter = 0.0
+
+    # Expert all-to-all: each MoE layer sends its routed rows away and back in forward, twice more in
+    # backward, and once more each way when full checkpointing replays the forward (selective keeps
+    # the all-to-all results, so its replay communicates nothing).
+    ep = s.expert_parallel_size
+    a2a = 0.0
+    if cfg.use_moe and ep > 1:
+        per_call = tokens * cfg.moe_top_k * cfg.hidden_size * a * (ep - 1) / ep
+        calls = 4 + (2 if s.activation_checkpointing == "full" else 0)
+        a2a = per_call * calls * len(cfg.moe_layer_ids) * micro_batches
+        remote = max(0, ep - dpn) / (ep - 1)  # share of the ep peers on other nodes (contiguous ranks)
+        inter += a2a * remote / (device.inter_node_gbps * 1e9)
+        intra += a2a * (1 - remote) / (device.intra_node_gbps * 1e9)
+
+    gather = reduce = 0.0
+    if s.sharded:
+        for g in groups:
+            if not g.runs or g.ranks == 1:
+                continue
+            share = (g.ranks - 1) / g.ranks
+            times = 2 if (s.reshard_after_forward and g.name != "root") else 1
+            gather += g.unsharded_numel * a * share * times * micro_batches
+            if g.trainable:
+                reduce += g.unsharded_numel * r * share * micro_batches
+        link = device.inter_node_gbps if nodes > 1 else device.intra_node_gbps
+        t = (gather + reduce) / (link * 1e9)
+        if nodes > 1:
+            inter += t
+        else:
+            intra += t
+    step_tokens = tokens * micro_batches
+    compute = step_tokens * hw / (device.peak_tflops * 1e12)
+    overlapped = max(compute, intra, inter)
+    serial = compute + intra + inter
+    useful = step_tokens * fpt / (device.peak_tflops * 1e12)
+    return Speed(fpt, hw, step_tokens, a2a, gather, reduce, intra, inter, compute, overlapped, serial,
+                 useful / overlapped, useful / serial, step_tokens / overlapped)

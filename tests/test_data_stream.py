@@ -15,7 +15,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import REPORTS_PER_SOURCE, BadRecordError, BadRecords, BadRecordWarning
-from step35.data.sources import Cursor, FileSource, Holdout, HubSource
+from step35.data.hub import HubSource
+from step35.data.sources import Cursor, FileSource, Holdout
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
 

@@ -187,7 +187,8 @@ class Step35DataModule(pl.LightningDataModule):
 
         val_fraction = self.val_fraction
         if val_fraction is None:
-            val_fraction = 0.0 if self.val_files else BUILTIN_VAL_FRACTION if self.uses_builtin_corpus else DEFAULT_VAL_FRACTION
+            val_fraction = BUILTIN_VAL_FRACTION if self.uses_builtin_corpus else DEFAULT_VAL_FRACTION
+            val_fraction = 0.0 if self.val_files else val_fraction
         train_holdout = Holdout(val_fraction, "train") if val_fraction else None
         val_holdout = Holdout(val_fraction, "val") if val_fraction else None
         specs = self.source_specs()
@@ -219,7 +220,7 @@ class Step35DataModule(pl.LightningDataModule):
         elif self.val_files:
             rank_zero_info(f"validation: {self.val_batches} batches per rank from data.val_files")
         elif val_fraction:
-            how = " (the default; data.val_fraction sets it, 0 turns validation off)" if self.val_fraction is None else ""
+            how = "" if self.val_fraction is not None else " (default; data.val_fraction sets it, 0 turns it off)"
             rank_zero_info(f"validation: {val_fraction:.2%} of the documents of every source held out{how}")
         else:
             rank_zero_info(

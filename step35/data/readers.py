@@ -281,7 +281,8 @@ def reader_for(path: str | Path, text_field: str = "text", txt_mode: TxtMode = "
         return ParquetReader(path, text_field)
     if suffix == ".arrow":
         return ArrowReader(path, text_field)
-    raise ValueError(f"{path}: cannot read {suffix or 'extensionless'} files; expected one of {list(READABLE_SUFFIXES)}")
+    kind = suffix or "extensionless"
+    raise ValueError(f"{path}: cannot read {kind} files; expected one of {sorted(READABLE_SUFFIXES)}")
 
 
 def _decoded(raw: bytes) -> str:

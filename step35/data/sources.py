@@ -131,7 +131,9 @@ class Source:
                 return
             cursor = Cursor(epoch=cursor.epoch + 1)
 
-    def _owned_records(self, cursor: Cursor, shard: int, num_shards: int) -> Iterator[tuple[Cursor, Cursor, str, Record]]:
+    def _owned_records(
+        self, cursor: Cursor, shard: int, num_shards: int
+    ) -> Iterator[tuple[Cursor, Cursor, str, Record]]:
         """(where the record is, where the next one is, its holdout key, the record) for the records of `shard`."""
         by_part = self.by_part(num_shards)
         ordinal = cursor.ordinal

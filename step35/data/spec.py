@@ -81,7 +81,7 @@ class SourceSpec:
         if isinstance(entry, cls):
             return entry
         if not isinstance(entry, dict):
-            raise ValueError(f"data.sources[{index}]: expected a mapping like {{path: ..., weight: ...}}, got {entry!r}")
+            raise ValueError(f"data.sources[{index}]: expected a mapping {{path: ..., weight: ...}}, not {entry!r}")
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(entry) - set(known))
         if unknown:
@@ -108,6 +108,9 @@ def open_source(
         source.check()
         return source
     # A save_to_disk folder given as `hub` (load_dataset refuses those) is read like any local data.
-    files = saved_dataset_files(Path(spec.hub).expanduser(), spec.split) if spec.hub else expand_files(spec.patterns, spec.split)
+    if spec.hub is not None:
+        files = saved_dataset_files(Path(spec.hub).expanduser(), spec.split)
+    else:
+        files = expand_files(spec.patterns, spec.split)
     check_files(name, files, field, mode)
     return FileSource(name, files, field, mode, shuffle, seed, holdout)

@@ -20,7 +20,8 @@ class TokenWindows(IterableDataset):
 
     Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
     documents go round-robin to shards, or whole files of a hub stream that has enough (see sources.py), so
-    within an epoch no document is read twice or skipped. Shards end up with slightly different token counts; an endless stream (training) makes that
+    within an epoch no document is read twice or skipped.
+    Shards end up with slightly different token counts; an endless stream (training) makes that
     harmless, since every rank can always produce its next batch and Lightning stops all ranks at the same
     `max_steps`. Each shard of each source runs its own epochs: epoch e+1 starts, with a fresh file order,
     when that shard has read its part of epoch e, and the leftover tokens of epoch e open epoch e+1.

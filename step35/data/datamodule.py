@@ -56,7 +56,8 @@ class Step35DataModule(pl.LightningDataModule):
         val_files: Held-out text, like `files`; excludes `val_fraction`.
         val_fraction: Fraction of the documents of every source held out for validation, chosen by a hash of
             their position. None: 0.05 for the built-in corpus, 0.01 for other data (validation is then skipped,
-            with a warning, when that holds less than one window), 0 with `val_files`. 0: no validation.
+            with a warning, when that holds less than one window), 0 with `val_files` or `val_batches=0`.
+            0: no validation.
         val_batches: Validation batches per rank at each validation (0: no validation).
         strict: Raise on a bad record (naming file and line) instead of skipping, counting and warning.
         seed: Seed of the file order per epoch and of the source mixing.
@@ -188,7 +189,7 @@ class Step35DataModule(pl.LightningDataModule):
         val_fraction = self.val_fraction
         if val_fraction is None:
             val_fraction = BUILTIN_VAL_FRACTION if self.uses_builtin_corpus else DEFAULT_VAL_FRACTION
-            val_fraction = 0.0 if self.val_files else val_fraction
+            val_fraction = 0.0 if self.val_files or self.val_batches == 0 else val_fraction
         train_holdout = Holdout(val_fraction, "train") if val_fraction else None
         val_holdout = Holdout(val_fraction, "val") if val_fraction else None
         specs = self.source_specs()
@@ -204,7 +205,7 @@ class Step35DataModule(pl.LightningDataModule):
         val_sources = open_all(val_holdout, shuffle=False) if val_holdout else []
         if self.val_files:
             val_sources = [open_source(SourceSpec(path=self.val_files), self.text_field, self.txt_mode, None,
-                                       shuffle=False, seed=self.seed, name="val_files")]  # fmt: skip
+                                       shuffle=False, seed=self.seed)]  # fmt: skip
 
         # Set last, so that a failed setup() fails again when called again.
         self._train_sources, self._val_sources = train_sources, val_sources

@@ -378,11 +378,16 @@ data:
       weight: 2
     - path: [{data["sources"][1]["path"]}]
       text_field: body
+    - hub: {corpus}
+      split: train
+      weight: 0.5
+      name: streamed
 """
     dm = parser.instantiate(parser.parse_string(yaml)).data
-    assert [(s.text_field, s.weight) for s in dm.sources] == [("content", 2.0), ("body", 1.0)]
+    assert [(s.text_field, s.weight) for s in dm.sources] == [("content", 2.0), ("body", 1.0), (None, 0.5)]
     dm.setup("fit")
-    assert [s.text_field for s in dm._train_sources] == ["content", "body"]
+    assert [s.text_field for s in dm._train_sources] == ["content", "body", "text"]
+    assert dm._train_sources[2].name == "streamed" and len(dm._train_sources[2].parts) == 2  # corpus: 2 files
     batch = next(iter(dm.train_dataloader()))["input_ids"]
     assert batch.shape == (4, 9)
     assert dm.hparams["sources"][0] == {"path": data["sources"][0]["path"], "hub": None, "subset": None,

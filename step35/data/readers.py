@@ -7,7 +7,10 @@ calls. A record can be found again from its `index` (and `offset`, for formats t
 resume needs.
 
 Columnar files (parquet, arrow) are read with pyarrow one record batch at a time, only the text column;
-arrow files are memory-mapped, so skipping batches on resume reads nothing but their row counts.
+arrow files are memory-mapped, so skipping batches on resume reads nothing but their row counts. Line-based
+files are read here rather than with `pyarrow.json` / `datasets`' json builder: those parse a block at a
+time and fail the whole block on one bad line, while a record here needs its own line number (reports),
+its byte offset (a resume seeks there) and its own fate (a bad line is skipped, the rest is kept).
 """
 
 import json

@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from step35.data import Step35DataModule, builtin_corpus_path, builtin_tokenizer_dir
-from step35.data.bad_records import BadRecordWarning
+from step35.data.bad_records import BadRecords, BadRecordWarning
+from step35.data.sources import Cursor, Holdout
 from step35.data.tokenizer import TextTokenizer
 
 WORDS = [f"d{i}" for i in range(500)] + [f"w{i}" for i in range(50)]
@@ -201,6 +202,50 @@ def test_hub_dataset_path_streams_a_local_dataset(tmp_path, word_tokenizer):
         Step35DataModule(hub_dataset=str(folder), text_field="content", tokenizer=str(word_tokenizer)).setup()
 
 
+# -- the same corpus in the formats people already have ------------------------------------------------------
+
+
+def corpus_texts(corpus: Path) -> list[str]:
+    return [json.loads(line)["text"] for f in sorted(corpus.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def write_arrow(path: Path, field: str, texts: list[str]) -> Path:
+    import pyarrow as pa
+
+    table = pa.table({field: texts})
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=16):
+            writer.write_batch(batch)
+    return path
+
+
+def data_options(kind: str, corpus: Path, folder: Path) -> dict:
+    """DataModule options reading `corpus` (80 documents) as jsonl files, a save_to_disk folder, an arrow file,
+    a hub-style stream of 8 files, or two sources with different text fields and weights (a save_to_disk folder with `content`, an arrow file
+    with `body`)."""
+    from datasets import Dataset
+
+    texts = corpus_texts(corpus)
+    if kind == "jsonl":
+        return {"files": str(corpus)}
+    if kind == "save_to_disk":
+        Dataset.from_dict({"text": texts}).save_to_disk(str(folder / "saved"), num_shards=3)
+        return {"files": str(folder / "saved")}
+    if kind == "arrow":
+        return {"files": str(write_arrow(folder / "corpus.arrow", "text", texts))}
+    if kind == "hub_8_files":  # a datasets stream with 8 data files: 2 ranks x 2 workers each stream 2 of them
+        (folder / "hub").mkdir()
+        for k in range(8):
+            lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[10 * k : 10 * k + 10])
+            (folder / "hub" / f"part{k}.jsonl").write_text(lines)
+        return {"hub_dataset": str(folder / "hub")}
+    assert kind == "two_text_fields"
+    Dataset.from_dict({"content": texts[:40], "id": list(range(40))}).save_to_disk(str(folder / "saved"), num_shards=2)
+    arrow = write_arrow(folder / "rest.arrow", "body", texts[40:])
+    return {"sources": [{"path": str(folder / "saved"), "text_field": "content", "weight": 2.0},
+                        {"path": str(arrow), "text_field": "body", "weight": 1.0}]}  # fmt: skip
+
+
 # -- per-rank state through a rank-0-only checkpoint ---------------------------------------------------------
 #
 # Two processes form a real gloo group. Each takes 5 batches, then Step35DataModule.state_dict() all-gathers
@@ -209,11 +254,11 @@ def test_hub_dataset_path_streams_a_local_dataset(tmp_path, word_tokenizer):
 # each must continue with exactly its own 6 batches.
 
 
-def _rank_process(phase: str, rank: int, folder: str, corpus: str, tokenizer: str) -> None:
+def _rank_process(phase: str, rank: int, folder: str, data: dict, tokenizer: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store-{phase}", rank=rank, world_size=2)
-    dm = Step35DataModule(files=corpus, tokenizer=tokenizer, seq_len=6, micro_batch_size=2, num_workers=2)
+    dm = Step35DataModule(**data, tokenizer=tokenizer, seq_len=6, micro_batch_size=2, num_workers=2)
     dm.setup("fit")
     if phase == "resume":
         dm.load_state_dict(torch.load(f"{folder}/datamodule_state.pt", weights_only=True))
@@ -231,11 +276,17 @@ def _rank_process(phase: str, rank: int, folder: str, corpus: str, tokenizer: st
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_per_rank_state_survives_a_rank0_only_checkpoint(tmp_path, corpus, word_tokenizer):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["jsonl", "two_text_fields", "hub_8_files"])
+def test_per_rank_state_survives_a_rank0_only_checkpoint(tmp_path, corpus, word_tokenizer, kind):
     context = multiprocessing.get_context("fork")
+    data = data_options(kind, corpus, tmp_path)
+    if kind == "hub_8_files":
+        from step35.data.hub import HubSource
+
+        assert HubSource(data["hub_dataset"]).by_part(2 * 2)  # 2 ranks x 2 workers: sharded by file
     for phase in ("first", "resume"):
-        args = [(phase, rank, str(tmp_path), str(corpus), str(word_tokenizer)) for rank in range(2)]
+        args = [(phase, rank, str(tmp_path), data, str(word_tokenizer)) for rank in range(2)]
         processes = [context.Process(target=_rank_process, args=a) for a in args]
         for p in processes:
             p.start()
@@ -276,11 +327,14 @@ class Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.timeout(120)
-def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word_tokenizer):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["jsonl", "save_to_disk", "arrow", "two_text_fields", "hub_8_files"])
+def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word_tokenizer, kind):
+    data = data_options(kind, corpus, tmp_path)
+
     def run(ckpt_path=None):
         module = Recorder()
-        dm = Step35DataModule(files=str(corpus), tokenizer=str(word_tokenizer), seq_len=8, micro_batch_size=2,
+        dm = Step35DataModule(**data, tokenizer=str(word_tokenizer), seq_len=8, micro_batch_size=2,
                               num_workers=2, val_fraction=0.1, val_batches=2)  # fmt: skip
         trainer = pl.Trainer(
             accelerator="cpu", devices=1, max_steps=8, val_check_interval=4, logger=False, enable_progress_bar=False,
@@ -300,3 +354,105 @@ def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word
     for i, (a, b) in enumerate(zip(resumed.seen, full.seen[3:])):
         assert torch.equal(a, b), f"batch {3 + i} differs after resume"
     assert len(full.val_seen) == 4 and all(torch.equal(a, b) for a, b in zip(full.val_seen[:2], full.val_seen[2:]))
+    if kind == "two_text_fields":  # both sources are read, each through its own text field
+        docs = {t - 2 for b in full.seen for t in b.flatten().tolist() if 2 <= t < 2 + 500}
+        assert min(docs) < 40 <= max(docs)
+
+
+# -- data.sources in YAML, validation defaults, a save_to_disk folder as hub_dataset -------------------------
+
+
+def test_sources_yaml_shape_through_the_cli_parser(tmp_path, corpus, word_tokenizer):
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    data = data_options("two_text_fields", corpus, tmp_path)
+    parser = LightningArgumentParser(exit_on_error=False)
+    parser.add_lightning_class_args(Step35DataModule, "data")
+    yaml = f"""
+data:
+  tokenizer: {word_tokenizer}
+  seq_len: 8
+  sources:
+    - path: {data["sources"][0]["path"]}
+      text_field: content
+      weight: 2
+    - path: [{data["sources"][1]["path"]}]
+      text_field: body
+    - hub: {corpus}
+      split: train
+      weight: 0.5
+      name: streamed
+"""
+    dm = parser.instantiate(parser.parse_string(yaml)).data
+    assert [(s.text_field, s.weight) for s in dm.sources] == [("content", 2.0), ("body", 1.0), (None, 0.5)]
+    dm.setup("fit")
+    assert [s.text_field for s in dm._train_sources] == ["content", "body", "text"]
+    assert dm._train_sources[2].name == "streamed" and len(dm._train_sources[2].parts) == 2  # corpus: 2 files
+    batch = next(iter(dm.train_dataloader()))["input_ids"]
+    assert batch.shape == (4, 9)
+    assert dm.hparams["sources"][0] == {"path": data["sources"][0]["path"], "hub": None, "subset": None,
+                                        "split": "train", "text_field": "content", "txt_mode": None, "weight": 2.0,
+                                        "name": None}  # fmt: skip
+    with pytest.raises(Exception, match="text_fields"):
+        parser.parse_string(yaml.replace("text_field: body", "text_fields: body"))
+    with pytest.raises(ValueError, match=r"unknown keys \['text_fields'\]"):
+        Step35DataModule(sources=[{"path": "x", "text_fields": "body"}])
+    with pytest.raises(ValueError, match="exactly one of `path`"):
+        Step35DataModule(sources=[{"weight": 1.0}])
+    with pytest.raises(ValueError, match="either sources or the short form"):
+        Step35DataModule(files="x", sources=[{"path": "y"}])
+
+
+def test_the_same_file_twice_with_two_text_fields(tmp_path, word_tokenizer):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"q": f"d{i} w1", "a": f"d{i} w2"}) + "\n" for i in range(30)))
+    dm = Step35DataModule(sources=[{"path": str(path), "text_field": "q"}, {"path": str(path), "text_field": "a"}],
+                          tokenizer=str(word_tokenizer), seq_len=2, micro_batch_size=30, val_fraction=0)  # fmt: skip
+    dm.setup("fit")
+    assert [s.name for s in dm._train_sources] == [str(path), f"{path}#2"]  # distinct names for the counts
+    words = {w for w in next(iter(dm.train_dataloader()))["input_ids"][:, 1].tolist()}
+    assert words == {2 + WORDS.index("w1"), 2 + WORDS.index("w2")}
+
+
+def test_validation_is_on_by_default_and_said_so(tmp_path, corpus, word_tokenizer, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": f"d{i % 500} w{i % 50} w1"}) + "\n" for i in range(2000)))
+    dm = Step35DataModule(files=str(big), tokenizer=str(word_tokenizer), seq_len=4, micro_batch_size=2, val_batches=2)
+    dm.setup("fit")
+    assert dm._train_sources[0].holdout == Holdout(0.01, "train")
+    assert "validation: 1.00% of the documents of every source held out (default" in caplog.text
+    held_out = [t for _, _, t in dm._val_sources[0].documents(Cursor(), 0, 1, BadRecords("v", False), False)]
+    assert 10 <= len(held_out) <= 30  # 1% of 2000, give or take the hash
+    assert len(dm.val_dataloader()) == 2
+
+    # 3 documents at 1%: nothing is held out, and a run that did not ask for validation must not fail on it.
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"text": f"d{i} w1 w2"}) + "\n" for i in range(3)))
+    dm = Step35DataModule(files=str(few), tokenizer=str(word_tokenizer), seq_len=4, micro_batch_size=1)
+    dm.setup("fit")
+    assert not list(dm._val_sources[0].documents(Cursor(), 0, 1, BadRecords("v", False), False))
+    with pytest.warns(UserWarning, match="validation is off: validation data .* holds no window"):
+        assert dm.val_dataloader() == []
+
+    caplog.clear()
+    off = Step35DataModule(files=str(corpus), tokenizer=str(word_tokenizer), val_fraction=0)
+    off.setup("fit")
+    assert off.val_dataloader() == [] and "validation: off (data.val_fraction=0 and no data.val_files)" in caplog.text
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text(json.dumps({"text": "d1 w1"}) + "\n")
+    strict = Step35DataModule(files=str(tiny), tokenizer=str(word_tokenizer), seq_len=8, val_fraction=0.5)
+    strict.setup("fit")
+    with pytest.raises(ValueError, match="no window"):  # asked for explicitly: an error, as before
+        strict.val_dataloader()
+
+
+def test_a_save_to_disk_folder_as_hub_dataset_or_files(tmp_path, corpus, word_tokenizer):
+    options = data_options("save_to_disk", corpus, tmp_path)
+    for data in ({"hub_dataset": options["files"]}, options):
+        dm = Step35DataModule(**data, tokenizer=str(word_tokenizer), seq_len=8, val_fraction=0)
+        dm.setup("fit")
+        assert [Path(p.path).name for p in dm._train_sources[0].parts] == [f"data-0000{k}-of-00003.arrow" for k in range(3)]
+        assert next(iter(dm.train_dataloader()))["input_ids"].shape == (4, 9)

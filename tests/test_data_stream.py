@@ -15,7 +15,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import REPORTS_PER_SOURCE, BadRecordError, BadRecords, BadRecordWarning
-from step35.data.sources import Cursor, FileSource, Holdout, HubSource
+from step35.data.hub import HubSource
+from step35.data.sources import Cursor, FileSource, Holdout
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
 
@@ -352,3 +353,131 @@ def test_validation_batches_are_equal_per_rank_and_disjoint(tmp_path, tok):
     assert len(batches) == 2  # still every rank gets its batches
     with pytest.raises(ValueError, match="no window of seq_len"):
         validation_batches([tiny], tok, 63, 2, 2, rank=0, world_size=2)
+
+
+# -- arrow files, save_to_disk folders and hub streams sharded by file ---------------------------------------
+
+
+def write_arrow(path: Path, texts: list, field: str = "text", stream_format: bool = False, rows_per_batch: int = 3):
+    """An Arrow IPC file (file format, as pyarrow/Feather v2 write it) or stream (as `datasets` writes it)."""
+    import pyarrow as pa
+
+    table = pa.table({field: pa.array(texts, pa.string()), "n": list(range(len(texts)))})
+    open_writer = pa.ipc.new_stream if stream_format else pa.ipc.new_file
+    with open_writer(str(path), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=rows_per_batch):
+            writer.write_batch(batch)
+    return path
+
+
+def save_to_disk(folder: Path, texts: list[str], field: str = "text", num_shards: int = 3) -> Path:
+    from datasets import Dataset
+
+    Dataset.from_dict({field: texts, "n": list(range(len(texts)))}).save_to_disk(str(folder), num_shards=num_shards)
+    return folder
+
+
+def test_arrow_files_both_layouts_resume_inside_a_file_and_report_rows(tmp_path):
+    from step35.data.files import check_files
+
+    texts = [f"d{i} w1" for i in range(10)]
+    texts[4] = None  # a null: a bad record, reported by row
+    paths = [write_arrow(tmp_path / "f.arrow", texts), write_arrow(tmp_path / "s.arrow", texts, stream_format=True)]
+    for path in paths:
+        source = FileSource("a", [path], shuffle=False)
+        with pytest.warns(BadRecordWarning, match=rf"{path.name}: row 4: 'text' is missing or null"):
+            docs = list(source.documents(Cursor(), 0, 1, BadRecords("a", False), False))
+        assert [t for _, _, t in docs] == [t for t in texts if t is not None]
+        for k, (start, _, _) in enumerate(docs):  # resume at every document, across record batches of 3 rows
+            again = [t for _, _, t in source.documents(start, 0, 1, BadRecords("a", False), False)]
+            assert again == [t for _, _, t in docs[k:]]
+    with pytest.raises(ValueError, match=r"f\.arrow: no column 'body'"):
+        check_files("a", paths[:1], "body")
+    with pytest.raises(ValueError, match=r"s\.arrow: column 'n' holds int64, not strings"):
+        check_files("a", paths[1:], "n")
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow at all")
+    with pytest.raises(ValueError, match=r"junk\.arrow: not an Arrow IPC file or stream"):
+        check_files("a", [tmp_path / "junk.arrow"], "text")
+
+
+def test_save_to_disk_folders_are_read_as_their_arrow_shards(tmp_path):
+    from datasets import DatasetDict, load_from_disk
+
+    from step35.data.files import expand_files
+
+    texts = [f"d{i} w{i % 50}" for i in range(20)]
+    saved = save_to_disk(tmp_path / "saved", texts, num_shards=3)
+    files = expand_files([str(saved)])
+    assert [f.name for f in files] == [f"data-0000{k}-of-00003.arrow" for k in range(3)]
+    assert read_all(FileSource("s", files, shuffle=False))[0] == list(load_from_disk(str(saved))["text"]) == texts
+    # Inside a folder, or matched by a glob: the metadata json files are never read as data.
+    (tmp_path / "more.jsonl").write_text(json.dumps({"text": "extra"}) + "\n")
+    assert expand_files([str(tmp_path)]) == [tmp_path / "more.jsonl", *files]
+    assert expand_files([str(saved / "*")]) == files
+    # A DatasetDict folder: one split of it.
+    from datasets import Dataset
+
+    DatasetDict({"train": Dataset.from_dict({"text": texts[:5]}), "test": Dataset.from_dict({"text": texts[5:7]})}
+                ).save_to_disk(str(tmp_path / "dd"))  # fmt: skip
+    assert read_all(FileSource("t", expand_files([str(tmp_path / "dd")], split="test")))[0] == texts[5:7]
+    with pytest.raises(ValueError, match=r"splits \['train', 'test'\], no 'validation'"):
+        expand_files([str(tmp_path / "dd")], split="validation")
+
+
+def hub_folder(folder: Path, files: int, per_file: int) -> Path:
+    folder.mkdir()
+    for k in range(files):
+        write_jsonl(folder / f"part{k:02d}.jsonl", [f"d{k * per_file + i} w{k}" for i in range(per_file)])
+    return folder
+
+
+def test_hub_stream_with_enough_files_is_sharded_by_file(tmp_path, tok):
+    folder = hub_folder(tmp_path / "hub", files=8, per_file=5)
+    source = HubSource(str(folder), split="train")
+    assert len(source.parts) == 8 and source.by_part(4) and not source.by_part(3)
+    owned = {shard: read_all(source, shard, 4)[0] for shard in range(4)}
+    assert sorted(int(t.split()[0][1:]) for texts in owned.values() for t in texts) == list(range(40))
+    # Shard s reads files s and s + 4 only: the others can be garbage without shard s ever seeing them.
+    for shard, texts in owned.items():
+        assert {int(t.split()[1][1:]) for t in texts} == {shard, shard + 4}
+    # 2 ranks x 2 DataLoader workers: every document once (datasets does not split the stream again per worker).
+    seen = []
+    for rank in range(2):
+        finite = TokenWindows([source], tok, seq_len=2, rank=rank, world_size=2, endless=False)  # a window a document
+        seen += [doc_id(w[0]) for b in StatefulDataLoader(finite, batch_size=2, num_workers=2) for w in b["input_ids"]]
+    assert sorted(seen) == list(range(40))
+    for k in (1, 2, 3, 5, 6, 7):
+        (folder / f"part{k:02d}.jsonl").write_text("{not json\n")
+    assert read_all(HubSource(str(folder), split="train"), 0, 4)[0] == owned[0]
+
+
+def test_hub_stream_with_too_few_files_falls_back_to_round_robin(tmp_path):
+    folder = hub_folder(tmp_path / "hub", files=3, per_file=7)
+    source = HubSource(str(folder), split="train")
+    assert not source.by_part(2)
+    shards = [read_all(source, shard, 2)[0] for shard in range(2)]
+    assert sorted(int(t.split()[0][1:]) for s in shards for t in s) == list(range(21))
+    assert abs(len(shards[0]) - len(shards[1])) <= 1  # every shard streams every file and keeps every other record
+
+
+@pytest.mark.timeout(180)
+def test_resume_exact_for_arrow_save_to_disk_and_file_sharded_hub(tmp_path, tok):
+    rng = random.Random(9)
+    arrow = write_arrow(tmp_path / "a.arrow", make_docs(0, 30, rng, (3, 20)), field="body", rows_per_batch=4)
+    saved = save_to_disk(tmp_path / "saved", make_docs(30, 30, rng, (3, 20)), field="content", num_shards=4)
+    from step35.data.files import expand_files
+
+    sources = [
+        FileSource("arrow", [arrow], text_field="body", seed=3),
+        FileSource("saved", expand_files([str(saved)]), text_field="content", seed=3),
+    ]
+    resume_matches(lambda: TokenWindows(sources, tok, seq_len=9, weights=[1, 2], seed=2), 40, save_at=[4, 13, 29])
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    for k in range(4):
+        write_jsonl(folder / f"p{k}.jsonl", make_docs(60 + 10 * k, 10, rng, (3, 20)))
+    hub = HubSource(str(folder), split="train", shuffle=True, seed=5)
+    assert hub.by_part(2)  # 2 workers, 4 files: each worker streams 2 files
+    states = resume_matches(lambda: TokenWindows([hub], tok, seq_len=9), 45, save_at=[3, 17, 36])
+    assert max(worker_epochs(states[-1])) >= 1  # the last save is past an epoch boundary

@@ -1,5 +1,6 @@
 """Step35DataModule: raw text in, packed token windows out, with exact per-rank resume."""
 
+import dataclasses
 import warnings
 from typing import Any, Optional
 
@@ -12,13 +13,16 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from step35.data.bad_records import SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
 from step35.data.packing import document_positions
-from step35.data.sources import FileSource, Holdout, HubSource, TxtMode, check_files, expand_files
-from step35.data.stream import STATE_FORMAT, TokenWindows
+from step35.data.readers import TxtMode
+from step35.data.resume import TrainBatches, TrainStreamResume
+from step35.data.sources import Holdout, Source
+from step35.data.spec import TXT_MODES, SourceSpec, open_source
+from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
-from step35.data.train_batches import TrainBatches
 from step35.data.validation import FixedBatches, validation_batches
 
 BUILTIN_VAL_FRACTION = 0.05  # the built-in corpus is small; this keeps about 8 documents for validation
+DEFAULT_VAL_FRACTION = 0.01  # user data without val_files: 1% of the documents of every source
 
 
 class Step35DataModule(pl.LightningDataModule):
@@ -27,26 +31,34 @@ class Step35DataModule(pl.LightningDataModule):
 
     Training is one endless stream (stop it with Trainer(max_steps=...)); validation is a fixed set of
     `val_batches` batches. The exact stream position of every rank and worker is saved in checkpoints.
+    docs/data.md describes formats, sources, sharding and resume.
 
     Args:
-        files: Training text: paths, folders or globs (`**` recurses) of .jsonl, .json, .txt, .md and .parquet
-            files. Without `weights` all of them form one source; with `weights` each entry is its own source.
-            Neither `files` nor `hub_dataset`: the built-in corpus (Python's own documentation).
+        files: Training text (short form of `sources`): paths, folders or globs (`**` recurses) of .jsonl, .json,
+            .txt, .md, .parquet and .arrow files, or `save_to_disk` folders. Without `weights` all of them form
+            one source; with `weights` each entry is its own source. No `files`, `sources` or `hub_dataset`:
+            the built-in corpus (Python's own documentation).
         weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
-        text_field: Field of jsonl/json records, or column of parquet files, holding the text.
+        text_field: Field of json records, or column of parquet/arrow data, holding the text; the default for
+            every source of `sources` that names none.
         txt_mode: What a document is in .txt/.md files: the whole "file", each "line", or each "paragraph"
-            (blocks separated by blank lines).
+            (blocks separated by blank lines); the default for `sources` too.
         hub_dataset: Instead of `files`: a `datasets.load_dataset` path (a hub name or a local folder), streamed.
         hub_name: Configuration name of `hub_dataset`.
         hub_split: Split of `hub_dataset`.
+        sources: Instead of `files`/`weights`/`hub_dataset`: a list of sources, each with its own `text_field`
+            and `weight`: `[{path: ..., text_field: ..., weight: ...}, {hub: ..., subset: ..., split: ...}]`
+            (fields: step35.data.spec.SourceSpec).
         tokenizer: A Hugging Face tokenizer folder (with tokenizer.json). None: the built-in byte-level BPE.
         eos_token_id: EOS id appended after every document; None: read from the tokenizer folder.
         seq_len: Tokens the model sees per sample; windows hold seq_len + 1 tokens for the shifted labels.
         micro_batch_size: Windows per batch on each rank.
         num_workers: DataLoader worker processes per rank (0: load in the training process).
         val_files: Held-out text, like `files`; excludes `val_fraction`.
-        val_fraction: Fraction of the training documents held out for validation, chosen by a hash of their
-            position. None: 0.05 for the built-in corpus, else 0.
+        val_fraction: Fraction of the documents of every source held out for validation, chosen by a hash of
+            their position. None: 0.05 for the built-in corpus, 0.01 for other data (validation is then skipped,
+            with a warning, when that holds less than one window), 0 with `val_files` or `val_batches=0`.
+            0: no validation.
         val_batches: Validation batches per rank at each validation (0: no validation).
         strict: Raise on a bad record (naming file and line) instead of skipping, counting and warning.
         seed: Seed of the file order per epoch and of the source mixing.
@@ -68,6 +80,7 @@ class Step35DataModule(pl.LightningDataModule):
         hub_dataset: Optional[str] = None,
         hub_name: Optional[str] = None,
         hub_split: str = "train",
+        sources: Optional[list[SourceSpec]] = None,
         tokenizer: Optional[str] = None,
         eos_token_id: Optional[int] = None,
         seq_len: int = 256,
@@ -93,6 +106,10 @@ class Step35DataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers and val_batches must be >= 0, got {num_workers} and {val_batches}")
         if files and hub_dataset:
             raise ValueError("give either files or hub_dataset, not both")
+        if sources is not None and (files or hub_dataset or weights is not None):
+            raise ValueError("give either sources or the short form (files, weights, hub_dataset), not both")
+        if sources is not None and not sources:
+            raise ValueError("sources is an empty list; give at least one source, or leave it unset")
         if weights is not None:
             if not files or len(weights) != len(files):
                 raise ValueError(
@@ -100,13 +117,18 @@ class Step35DataModule(pl.LightningDataModule):
                 )
             if any(w < 0 for w in weights) or sum(weights) <= 0:
                 raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
-        if txt_mode not in ("file", "line", "paragraph"):
+        if txt_mode not in TXT_MODES:
             raise ValueError(f"txt_mode must be 'file', 'line' or 'paragraph', got {txt_mode!r}")
         if val_fraction is not None and not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_files and val_fraction:
             raise ValueError("give either val_files or val_fraction, not both")
-        self.save_hyperparameters()
+        specs = [SourceSpec.parse(entry, i) for i, entry in enumerate(sources)] if sources is not None else None
+        if specs is not None and sum(s.weight for s in specs) <= 0:
+            raise ValueError(f"the sources' weights must have a positive sum, got {[s.weight for s in specs]}")
+        self.save_hyperparameters(ignore=["sources"])
+        # Plain dicts in the checkpoint's hyperparameters: loadable without trusting any class.
+        self.hparams["sources"] = [dataclasses.asdict(s) for s in specs] if specs is not None else None
         self.files = files
         self.weights = weights
         self.text_field = text_field
@@ -114,6 +136,7 @@ class Step35DataModule(pl.LightningDataModule):
         self.hub_dataset = hub_dataset
         self.hub_name = hub_name
         self.hub_split = hub_split
+        self.sources = specs
         self.tokenizer_path = tokenizer
         self.eos_token_id = eos_token_id  # the resolved id after setup()
         self.seq_len = seq_len
@@ -129,12 +152,13 @@ class Step35DataModule(pl.LightningDataModule):
         self.document_masking = document_masking
 
         self.tokenizer: Optional[TextTokenizer] = None
-        self._train_sources: list[Any] = []
-        self._val_sources: list[Any] = []
-        self._train_batches: Optional[TrainBatches] = None
+        self._train_sources: list[Source] = []
+        self._train_weights: list[float] = []
+        self._val_sources: list[Source] = []
+        self._val_fraction_is_default = False
         self._val_cache: Optional[tuple[int, int, list[dict[str, torch.Tensor]]]] = None
         self._val_skipped: dict[str, int] = {}
-        self._saved_streams: Optional[dict[str, Any]] = None  # from a checkpoint, until the train loader exists
+        self._resume = TrainStreamResume(num_workers)
         self._skipped_log = SkippedRecordsLog()
         self._skipped_logged: Optional[tuple[int, dict[str, int]]] = None  # (step, totals) last sent to the loggers
 
@@ -142,7 +166,7 @@ class Step35DataModule(pl.LightningDataModule):
 
     @property
     def uses_builtin_corpus(self) -> bool:
-        return not self.files and not self.hub_dataset
+        return not self.files and not self.hub_dataset and not self.sources
 
     def prepare_data(self) -> None:
         # Lightning runs this once per node before setup(); the builtin files are written atomically anyway.
@@ -150,6 +174,18 @@ class Step35DataModule(pl.LightningDataModule):
             builtin_corpus_path(self.cache_dir)
         if self.tokenizer_path is None:
             builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
+
+    def source_specs(self) -> list[SourceSpec]:
+        """The training sources asked for, the short form spelled out as `sources`."""
+        if self.sources is not None:
+            return list(self.sources)
+        if self.hub_dataset:
+            return [SourceSpec(hub=self.hub_dataset, subset=self.hub_name, split=self.hub_split)]
+        if self.files:
+            if self.weights is not None:
+                return [SourceSpec(path=entry, weight=w) for entry, w in zip(self.files, self.weights)]
+            return [SourceSpec(path=self.files)]
+        return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Resolve the tokenizer and the sources; every way the run cannot work fails here, by name."""
@@ -160,38 +196,46 @@ class Step35DataModule(pl.LightningDataModule):
 
         val_fraction = self.val_fraction
         if val_fraction is None:
-            val_fraction = BUILTIN_VAL_FRACTION if self.uses_builtin_corpus and not self.val_files else 0.0
+            val_fraction = BUILTIN_VAL_FRACTION if self.uses_builtin_corpus else DEFAULT_VAL_FRACTION
+            val_fraction = 0.0 if self.val_files or self.val_batches == 0 else val_fraction
         train_holdout = Holdout(val_fraction, "train") if val_fraction else None
         val_holdout = Holdout(val_fraction, "val") if val_fraction else None
-        if self.hub_dataset:
-            train_sources = [self._hub_source(train_holdout)]
-            val_sources = [self._hub_source(val_holdout)] if val_holdout else []
-        else:
-            files = self.files or [str(builtin_corpus_path(self.cache_dir))]
-            groups = [[entry] for entry in files] if self.weights else [files]
-            train_sources = [self._file_source(g, train_holdout, shuffle=True) for g in groups]
-            val_sources = [self._file_source(g, val_holdout, shuffle=False) for g in groups] if val_holdout else []
+        specs = self.source_specs()
+        names = _unique_names([spec.display_name for spec in specs])
+
+        def open_all(holdout: Optional[Holdout], shuffle: bool) -> list[Source]:
+            return [
+                open_source(spec, self.text_field, self.txt_mode, holdout, shuffle, self.seed, name)
+                for spec, name in zip(specs, names)
+            ]
+
+        train_sources = open_all(train_holdout, shuffle=True)
+        val_sources = open_all(val_holdout, shuffle=False) if val_holdout else []
         if self.val_files:
-            val_sources = [self._file_source(self.val_files, None, shuffle=False)]
+            val_sources = [open_source(SourceSpec(path=self.val_files), self.text_field, self.txt_mode, None,
+                                       shuffle=False, seed=self.seed)]  # fmt: skip
 
         # Set last, so that a failed setup() fails again when called again.
         self._train_sources, self._val_sources = train_sources, val_sources
+        self._train_weights = [spec.weight for spec in specs]
+        self._val_fraction_is_default = self.val_fraction is None and not self.val_files
         self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
+        self._announce_validation(val_fraction)
 
-    def _file_source(self, patterns: list[str], holdout: Optional[Holdout], shuffle: bool) -> FileSource:
-        name = "builtin" if self.uses_builtin_corpus else ",".join(patterns)
-        files = expand_files(patterns)
-        check_files(name, files, self.text_field)
-        return FileSource(name, files, self.text_field, self.txt_mode, shuffle, self.seed, holdout)
-
-    def _hub_source(self, holdout: Optional[Holdout]) -> HubSource:
-        source = HubSource(self.hub_dataset, self.hub_name, self.hub_split, self.text_field, holdout)
-        first = next(iter(source.open().take(1)), None)  # fails here, by name, for a wrong path, config or split
-        if first is None:
-            raise ValueError(f"hub dataset {source.name} is empty")
-        if self.text_field not in first:
-            raise ValueError(f"hub dataset {source.name} has no field {self.text_field!r} (fields: {sorted(first)})")
-        return source
+    def _announce_validation(self, val_fraction: float) -> None:
+        """Say at start where validation data comes from, or that there is none and how to get it."""
+        if self.val_batches == 0:
+            rank_zero_info("validation: off (data.val_batches=0)")
+        elif self.val_files:
+            rank_zero_info(f"validation: {self.val_batches} batches per rank from data.val_files")
+        elif val_fraction:
+            how = "" if self.val_fraction is not None else " (default; data.val_fraction sets it, 0 turns it off)"
+            rank_zero_info(f"validation: {val_fraction:.2%} of the documents of every source held out{how}")
+        else:
+            rank_zero_info(
+                "validation: off (data.val_fraction=0 and no data.val_files); set data.val_fraction (e.g. 0.01)"
+                " or data.val_files to validate"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -230,20 +274,15 @@ class Step35DataModule(pl.LightningDataModule):
         self._ready_tokenizer()
         rank, world_size = self.data_parallel_rank_and_size()
         stream = TokenWindows(
-            self._train_sources, self.tokenizer, self.seq_len, self.weights, rank, world_size, self.seed,
+            self._train_sources, self.tokenizer, self.seq_len, self._train_weights, rank, world_size, self.seed,
             endless=True, strict=self.strict,
         )  # fmt: skip
         loader = StatefulDataLoader(
             stream, batch_size=self.micro_batch_size, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
         )
-        previous = self._train_batches
-        self._train_batches = TrainBatches(loader, self._planned_batches())
-        if previous is not None:  # asked again (reload_dataloaders_every_n_epochs): continue, do not restart
-            previous.close()
-            self._train_batches.restore_stream_state(previous.stream_state())
-        if self._saved_streams is not None:
-            self._restore_train_stream()
-        return self._train_batches
+        batches = TrainBatches(loader, self._planned_batches())
+        self._resume.attach(batches, rank, world_size)
+        return batches
 
     def _planned_batches(self) -> Optional[int]:
         """The batches this run will draw, if Lightning knows; see train_batches.py for why it must be told."""
@@ -264,11 +303,20 @@ class Step35DataModule(pl.LightningDataModule):
             return []  # Lightning skips validation for an empty list of loaders
         rank, world_size = self.data_parallel_rank_and_size()
         if self._val_cache is None or self._val_cache[:2] != (rank, world_size):
-            weights = self.weights if len(self._val_sources) == len(self._train_sources) else None
-            batches, skipped = validation_batches(
-                self._val_sources, self.tokenizer, self.seq_len, self.micro_batch_size, self.val_batches,
-                rank, world_size, weights, self.seed, self.strict,
-            )  # fmt: skip
+            weights = self._train_weights if len(self._val_sources) == len(self._train_sources) else None
+            try:
+                batches, skipped = validation_batches(
+                    self._val_sources, self.tokenizer, self.seq_len, self.micro_batch_size, self.val_batches,
+                    rank, world_size, weights, self.seed, self.strict,
+                )  # fmt: skip
+            except ValueError as error:
+                if not self._val_fraction_is_default:
+                    raise
+                # The default holdout of a small corpus can hold less than one window: no reason to fail a run
+                # that did not ask for validation.
+                warnings.warn(f"validation is off: {error}", stacklevel=2)
+                self._val_sources = []
+                return []
             self._val_cache = (rank, world_size, batches)
             self._val_skipped = {s.name: n for s, n in zip(self._val_sources, skipped)}
         return FixedBatches(self._val_cache[2])
@@ -283,8 +331,7 @@ class Step35DataModule(pl.LightningDataModule):
         return batch
 
     def teardown(self, stage: Optional[str] = None) -> None:
-        if self._train_batches is not None:
-            self._train_batches.close()
+        self._resume.close()
         # Lightning calls this only after a fit that ended normally, after the strategy's teardown:
         # no collective here, the summary reports the last sync (normally the run's last batch).
         summary = self._skipped_log.summary() if stage == "fit" else None
@@ -301,10 +348,9 @@ class Step35DataModule(pl.LightningDataModule):
 
     def _train_skipped(self) -> dict[str, int]:
         counts = {source.name: 0 for source in self._train_sources}
-        if self._train_batches is not None:
-            for state in _stream_states(self._train_batches.stream_state()):  # one per worker
-                for source, s in zip(self._train_sources, state["sources"]):
-                    counts[source.name] += s["skipped"]
+        for state in self._resume.worker_states():
+            for source, s in zip(self._train_sources, state["sources"]):
+                counts[source.name] += s["skipped"]
         return counts
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -313,7 +359,7 @@ class Step35DataModule(pl.LightningDataModule):
         all ranks and workers are gathered (a collective) and logged as `data/skipped_records/<source>`
         once any is non-zero."""
         trainer = self.trainer
-        if trainer is not None and trainer.training and self._train_batches is not None:
+        if trainer is not None and trainer.training and self._resume.batches is not None:
             self._log_skipped_records(trainer)
         return batch
 
@@ -335,58 +381,20 @@ class Step35DataModule(pl.LightningDataModule):
     #
     # Lightning calls state_dict() on every rank while building a checkpoint (checkpoint_connector.py,
     # dump_checkpoint) but only rank 0 writes the non-tensor part, and every rank reads back rank 0's copy
-    # (restore_datamodule). So state_dict() all-gathers the loader state of every rank into one dict keyed by
-    # data-parallel rank, and load_state_dict() keeps the whole dict until train_dataloader() knows this
-    # rank and applies its entry. Lightning's own copy of the loader state is kept out (train_batches.py).
+    # (restore_datamodule): resume.py gathers every rank's stream position into it and hands each rank its own.
 
     def state_dict(self) -> dict[str, Any]:
-        if self._train_batches is None:
-            return self._saved_streams or {}  # no training yet in this process: pass a loaded state through
-        rank, world_size = self.data_parallel_rank_and_size()
-        mine = (rank, self._train_batches.stream_state())
-        gathered = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)  # collective: Lightning calls state_dict() on every rank
-        return {
-            "format": "step35.datamodule/1",
-            "data_parallel_size": world_size,
-            "num_workers": self.num_workers,
-            "train_stream_by_rank": dict(gathered),  # ranks sharing a replica hold the same state
-        }
+        return self._resume.state_dict(*self.data_parallel_rank_and_size())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._saved_streams = state_dict or None
-        if self._train_batches is not None and self._saved_streams is not None:
-            self._restore_train_stream()  # the loader was built first (some strategies set up before restoring)
-
-    def _restore_train_stream(self) -> None:
-        saved = self._saved_streams
-        assert saved is not None and self._train_batches is not None
-        self._saved_streams = None
-        rank, world_size = self.data_parallel_rank_and_size()
-        by_rank = saved.get("train_stream_by_rank", {})
-        state = by_rank.get(rank, by_rank.get(str(rank)))
-        layout = (saved.get("data_parallel_size"), saved.get("num_workers"))
-        if layout != (world_size, self.num_workers) or state is None:
-            # The shards are (rank, worker) pairs: another layout splits documents differently, so no saved
-            # position means anything. Restarting the stream repeats data, which beats a crash on resume.
-            warnings.warn(
-                f"the checkpoint's data stream was saved with {layout[0]} data-parallel ranks x {layout[1]} workers,"
-                f" this run has {world_size} x {self.num_workers}: the training stream starts from the beginning",
-                stacklevel=2,
-            )
-            return
-        self._train_batches.restore_stream_state(state)
-        # Lightning (training_epoch_loop.py, reset) warns that a mid-epoch resume is unreliable when it sees no
-        # stateful train loader; ours is hidden from it on purpose (train_batches.py) and was just restored.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        self._resume.load_state_dict(state_dict, *self.data_parallel_rank_and_size())
 
 
-def _stream_states(loader_state: Any) -> list[dict[str, Any]]:
-    """Our dataset states inside a StatefulDataLoader state (one per worker, or one without workers)."""
-    if isinstance(loader_state, dict):
-        if loader_state.get("format") == STATE_FORMAT and "sources" in loader_state:
-            return [loader_state]
-        return [s for value in loader_state.values() for s in _stream_states(value)]
-    return []
+def _unique_names(names: list[str]) -> list[str]:
+    """Source names key the skipped-record counts: the same data twice (another text field) gets `#2`, `#3`."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return unique

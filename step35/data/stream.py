@@ -11,17 +11,17 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from step35.data.packing import PackedSource, fresh_packing_state
+from step35.data.resume import STATE_FORMAT, check_stream_state
 from step35.data.tokenizer import TextTokenizer
-
-STATE_FORMAT = "step35.token_windows/1"  # marks our state inside a StatefulDataLoader's state dict
 
 
 class TokenWindows(IterableDataset):
     """Yields {"input_ids": LongTensor [seq_len + 1]} windows packed from the documents of `sources`.
 
     Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
-    documents go round-robin to shards (see sources.py), so within an epoch no document is read twice or
-    skipped. Shards end up with slightly different token counts; an endless stream (training) makes that
+    documents go round-robin to shards, or whole files of a hub stream that has enough (see sources.py), so
+    within an epoch no document is read twice or skipped.
+    Shards end up with slightly different token counts; an endless stream (training) makes that
     harmless, since every rank can always produce its next batch and Lightning stops all ranks at the same
     `max_steps`. Each shard of each source runs its own epochs: epoch e+1 starts, with a fresh file order,
     when that shard has read its part of epoch e, and the leftover tokens of epoch e open epoch e+1.
@@ -34,7 +34,8 @@ class TokenWindows(IterableDataset):
     RNG state. Every source keeps its own packing state, so a window never mixes two sources.
 
     State (`state_dict`/`load_state_dict`, as torchdata's StatefulDataLoader expects of an IterableDataset):
-    the window count and per source a cursor, a token skip and a bad-record count; a handful of integers.
+    the window count and per source a cursor, a token skip and a bad-record count; a handful of integers
+    (resume.py describes the whole chain from here to a checkpoint).
     `__iter__` continues from the current state, and the state advances before every window leaves, so the
     state read right after a batch is the exact position after that batch.
     """
@@ -77,11 +78,7 @@ class TokenWindows(IterableDataset):
         return copy.deepcopy(self._state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("format") != STATE_FORMAT or len(state_dict["sources"]) != len(self.sources):
-            raise ValueError(
-                f"stream state does not fit: saved for {len(state_dict.get('sources', []))} sources"
-                f" ({state_dict.get('format')}), the stream has {len(self.sources)} ({STATE_FORMAT})"
-            )
+        check_stream_state(state_dict, len(self.sources))
         self._state = copy.deepcopy(state_dict)
 
     def shard(self) -> tuple[int, int]:

@@ -1,0 +1,312 @@
+"""One small reader per file format; every reader yields the same `Record` type.
+
+A reader turns one file into a sequence of records (a line, a paragraph, a whole file, a JSON array element, a
+parquet or arrow row). Listing records is cheap and done by every shard; turning a record into text (decoding,
+JSON parsing, converting an arrow value) happens in `Record.text()`, which only the shard owning the record
+calls. A record can be found again from its `index` (and `offset`, for formats that can seek), which is what a
+resume needs.
+
+Columnar files (parquet, arrow) are read with pyarrow one record batch at a time, only the text column;
+arrow files are memory-mapped, so skipping batches on resume reads nothing but their row counts. Line-based
+files are read here rather than with `pyarrow.json` / `datasets`' json builder: those parse a block at a
+time and fail the whole block on one bad line, while a record here needs its own line number (reports),
+its byte offset (a resume seeks there) and its own fate (a bad line is skipped, the rest is kept).
+"""
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+TxtMode = Literal["file", "line", "paragraph"]
+
+BATCH_ROWS = 1024  # rows per record batch read from a columnar file
+
+
+class BadRecord(Exception):
+    """A record that cannot be trained on; the message says why (the reader's `where` says where)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record of one file: its index in the file, its byte span (for formats that seek) and its raw content."""
+
+    reader: "Reader"
+    index: int
+    offset: int = 0  # byte offset of the record; a resume seeks there instead of re-reading the file
+    end: int = 0  # byte offset where the next record starts
+    raw: Any = None
+
+    def text(self) -> Optional[str]:
+        """The document text; None for an empty record (passed over silently); `BadRecord` if it cannot be used."""
+        return self.reader.text(self)
+
+    def where(self) -> str:
+        """The record's location for a report: file:line, file:row, ..."""
+        return self.reader.where(self)
+
+
+class Reader:
+    """The records of one file, from record `start` on (at byte `offset` where the format seeks)."""
+
+    def __init__(self, path: str | Path, text_field: str = "text") -> None:
+        self.path = str(path)
+        self.text_field = text_field
+
+    def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
+        raise NotImplementedError
+
+    def text(self, record: Record) -> Optional[str]:
+        raise NotImplementedError
+
+    def where(self, record: Record) -> str:
+        return f"{self.path}:{record.index + 1}"
+
+    def check(self) -> None:
+        """Errors that make the whole file useless, raised before training starts (by name)."""
+
+
+class _LineReader(Reader):
+    def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            for index, line in enumerate(f, start):
+                yield Record(self, index, offset, offset + len(line), line)
+                offset += len(line)
+
+
+class JsonlReader(_LineReader):
+    """JSON Lines: one JSON object per line, the text in `text_field`; blank lines are no records."""
+
+    def text(self, record: Record) -> Optional[str]:
+        line = _decoded(record.raw)
+        if not line.strip():
+            return None
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise BadRecord(f"invalid JSON ({error.msg} at column {error.colno})") from None
+        return _field_text(value, self.text_field)
+
+
+class TextLineReader(_LineReader):
+    """Plain text, one document per non-blank line."""
+
+    def text(self, record: Record) -> Optional[str]:
+        line = _decoded(record.raw)
+        return line.rstrip("\r\n") if line.strip() else None
+
+
+class TextParagraphReader(Reader):
+    """Plain text, one document per block of non-blank lines; the blank lines between belong to no document."""
+
+    def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
+        index = start
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            block: list[bytes] = []
+            first = offset
+            for line in f:
+                if line.strip():
+                    if not block:
+                        first = offset
+                    block.append(line)
+                elif block:
+                    yield Record(self, index, first, offset, b"".join(block))
+                    index += 1
+                    block = []
+                offset += len(line)
+            if block:
+                yield Record(self, index, first, offset, b"".join(block))
+
+    def text(self, record: Record) -> Optional[str]:
+        return _decoded(record.raw).rstrip("\r\n")
+
+    def where(self, record: Record) -> str:
+        return f"{self.path}: paragraph {record.index + 1} (byte {record.offset})"
+
+
+class TextFileReader(Reader):
+    """Plain text, the whole file one document; only the shard owning it reads its bytes."""
+
+    def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
+        if start == 0:
+            yield Record(self, 0)
+
+    def text(self, record: Record) -> Optional[str]:
+        text = _decoded(Path(self.path).read_bytes())
+        return text if text.strip() else None
+
+    def where(self, record: Record) -> str:
+        return self.path
+
+
+class JsonArrayReader(Reader):
+    """A JSON array of objects. It has to be parsed whole to count its elements, and every shard parses it:
+    keep such files small (or convert them to JSON Lines)."""
+
+    def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                elements = json.load(f)
+        except UnicodeDecodeError as error:
+            problem = f"not valid UTF-8 ({error.reason} at byte {error.start})"
+        except json.JSONDecodeError as error:
+            problem = f"invalid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+        else:
+            if isinstance(elements, list):
+                for index in range(start, len(elements)):
+                    yield Record(self, index, raw=elements[index])
+                return
+            problem = "not a JSON array of records"
+        if start == 0:  # the whole file is one bad record
+            yield Record(self, 0, raw=BadRecord(problem))
+
+    def text(self, record: Record) -> Optional[str]:
+        if isinstance(record.raw, BadRecord):
+            raise record.raw
+        return _field_text(record.raw, self.text_field)
+
+    def where(self, record: Record) -> str:
+        return f"{self.path}: element {record.index}"
+
+
+class _ColumnarReader(Reader):
+    """Rows of a column-oriented file; `raw` is (the record batch's text column, the row within it)."""
+
+    def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
+        for first, column in self._columns(start):
+            for k in range(max(0, start - first), len(column)):
+                yield Record(self, first + k, raw=(column, k))
+
+    def text(self, record: Record) -> Optional[str]:
+        column, k = record.raw
+        return checked_text(column[k].as_py(), self.text_field)
+
+    def where(self, record: Record) -> str:
+        return f"{self.path}: row {record.index}"
+
+    def check(self) -> None:
+        import pyarrow as pa
+
+        schema = self._schema()
+        if self.text_field not in schema.names:
+            raise ValueError(f"{self.path}: no column {self.text_field!r} (columns: {schema.names}); set text_field")
+        kind = schema.field(self.text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            raise ValueError(f"{self.path}: column {self.text_field!r} holds {kind}, not strings; set text_field")
+
+    def _schema(self) -> Any:
+        raise NotImplementedError
+
+    def _columns(self, start: int) -> Iterator[tuple[int, Any]]:
+        """(index of the first row, text column) per record batch, from the batch holding row `start` on."""
+        raise NotImplementedError
+
+
+class ParquetReader(_ColumnarReader):
+    """Parquet, read one row group at a time; a resume skips whole row groups without reading them."""
+
+    def _schema(self) -> Any:
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(self.path)
+
+    def _columns(self, start: int) -> Iterator[tuple[int, Any]]:
+        import pyarrow.parquet as pq
+
+        self.check()
+        parquet = pq.ParquetFile(self.path)
+        row = 0
+        for group in range(parquet.num_row_groups):
+            rows = parquet.metadata.row_group(group).num_rows
+            if row + rows <= start:
+                row += rows
+                continue
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[self.text_field]):
+                yield row, batch.column(0)
+                row += batch.num_rows
+
+
+class ArrowReader(_ColumnarReader):
+    """Arrow IPC, in both layouts: the file format (`pyarrow.ipc.new_file`, Feather v2) and the stream format
+    (what `datasets` writes: `Dataset.save_to_disk` shards, its cache files). Memory-mapped, batch by batch."""
+
+    FILE_MAGIC = b"ARROW1"
+
+    def _open(self) -> Any:
+        import pyarrow as pa
+
+        source = pa.memory_map(self.path)
+        if source.read(len(self.FILE_MAGIC)) == self.FILE_MAGIC:
+            source.seek(0)
+            return pa.ipc.open_file(source)
+        source.seek(0)
+        return pa.ipc.open_stream(source)
+
+    def _schema(self) -> Any:
+        try:
+            return self._open().schema
+        except Exception as error:  # pyarrow raises ArrowInvalid; keep the file name in the message
+            raise ValueError(f"{self.path}: not an Arrow IPC file or stream ({error})") from None
+
+    def _columns(self, start: int) -> Iterator[tuple[int, Any]]:
+        self.check()
+        reader = self._open()
+        if hasattr(reader, "num_record_batches"):  # file format: random access to batches
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            batches = iter(reader)
+        row = 0
+        for batch in batches:  # zero-copy views of the mapped file: skipping one costs nothing
+            if row + batch.num_rows > start:
+                yield row, batch.column(self.text_field)
+            row += batch.num_rows
+
+
+# The file types a source may name, by suffix; `.json` is a JSON array or JSON Lines, told apart by a peek.
+READABLE_SUFFIXES = (".jsonl", ".json", ".txt", ".md", ".parquet", ".arrow")
+
+
+def reader_for(path: str | Path, text_field: str = "text", txt_mode: TxtMode = "file") -> Reader:
+    """The reader for one file, chosen by its suffix."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        return JsonlReader(path, text_field)
+    if suffix == ".json":  # a JSON array of records, or JSON Lines under a .json name: both occur
+        with open(path, "rb") as f:
+            is_array = f.read(4096).lstrip().startswith(b"[")
+        return JsonArrayReader(path, text_field) if is_array else JsonlReader(path, text_field)
+    if suffix in (".txt", ".md"):
+        return {"file": TextFileReader, "line": TextLineReader, "paragraph": TextParagraphReader}[txt_mode](path)
+    if suffix == ".parquet":
+        return ParquetReader(path, text_field)
+    if suffix == ".arrow":
+        return ArrowReader(path, text_field)
+    kind = suffix or "extensionless"
+    raise ValueError(f"{path}: cannot read {kind} files; expected one of {sorted(READABLE_SUFFIXES)}")
+
+
+def _decoded(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadRecord(f"not valid UTF-8 ({error.reason} at byte {error.start})") from None
+
+
+def _field_text(value: Any, field: str) -> Optional[str]:
+    if not isinstance(value, dict):
+        raise BadRecord(f"not a JSON object but {type(value).__name__}")
+    if field not in value:
+        raise BadRecord(f"no {field!r} field (fields: {sorted(value)[:10]})")
+    return checked_text(value[field], field)
+
+
+def checked_text(value: Any, field: str) -> Optional[str]:
+    if value is None:
+        raise BadRecord(f"{field!r} is missing or null")
+    if not isinstance(value, str):
+        raise BadRecord(f"{field!r} is {type(value).__name__}, not a string")
+    return value if value.strip() else None
+

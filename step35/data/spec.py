@@ -1,0 +1,116 @@
+"""What a user asks for: `data.sources`, a list of sources each with its own text field and weight, or the
+short form (`data.files` + `data.weights` + `data.text_field`, or `data.hub_dataset`); and how a request
+becomes a readable source.
+
+    data:
+      sources:
+        - path: /data/web/*.jsonl            # files, folders, globs; a save_to_disk folder; .arrow files
+          weight: 3
+        - path: [/data/code/a.parquet, /data/code/b.parquet]
+          text_field: content
+          weight: 1
+        - hub: HuggingFaceFW/fineweb-edu     # a datasets.load_dataset path, streamed
+          subset: sample-10BT
+          split: train
+          weight: 1
+"""
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from step35.data.files import check_files, expand_files, is_saved_dataset, saved_dataset_files
+from step35.data.hub import HubSource
+from step35.data.readers import TxtMode
+from step35.data.sources import FileSource, Holdout, Source
+
+TXT_MODES = ("file", "line", "paragraph")
+
+
+@dataclass
+class SourceSpec:
+    """One training source.
+
+    Args:
+        path: Local data: paths, folders or globs (`**` recurses) of .jsonl, .json, .txt, .md, .parquet and .arrow
+            files, or folders written by `datasets`' `save_to_disk`. Give `path` or `hub`.
+        hub: A `datasets.load_dataset` path (a hub name or a local dataset folder), streamed.
+        subset: The configuration name of `hub` (`load_dataset(hub, subset)`).
+        split: The split of `hub`, or of a `DatasetDict` folder written by `save_to_disk`.
+        text_field: Field of json records, column of parquet/arrow data, holding the text; None: `data.text_field`.
+        txt_mode: What a document is in .txt/.md files ("file", "line", "paragraph"); None: `data.txt_mode`.
+        weight: Sampling weight, as a share of training tokens (weights are normalised over the sources).
+        name: The source's name in logs and metrics; None: its path or hub name.
+    """
+
+    path: Union[str, list[str], None] = None
+    hub: Optional[str] = None
+    subset: Optional[str] = None
+    split: str = "train"
+    text_field: Optional[str] = None
+    txt_mode: Optional[TxtMode] = None
+    weight: float = 1.0
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        where = f"data.sources entry {self.name or self.path or self.hub!r}"
+        if (self.path is None) == (self.hub is None):
+            raise ValueError(f"{where}: give exactly one of `path` (local data) and `hub` (a datasets stream)")
+        if isinstance(self.path, list) and not self.path:
+            raise ValueError(f"{where}: `path` is an empty list")
+        if self.subset is not None and self.hub is None:
+            raise ValueError(f"{where}: `subset` is a configuration of a `hub` dataset; this entry has a `path`")
+        if not self.weight >= 0:
+            raise ValueError(f"{where}: weight must be >= 0, got {self.weight}")
+        if self.txt_mode is not None and self.txt_mode not in TXT_MODES:
+            raise ValueError(f"{where}: txt_mode must be one of {TXT_MODES}, got {self.txt_mode!r}")
+        if self.text_field is not None and not self.text_field:
+            raise ValueError(f"{where}: text_field is empty")
+
+    @property
+    def patterns(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path or [])
+
+    @property
+    def display_name(self) -> str:
+        return self.name or (",".join(self.patterns) if self.path is not None else str(self.hub))
+
+    @classmethod
+    def parse(cls, entry: Any, index: int) -> "SourceSpec":
+        """An entry of `data.sources`: a SourceSpec, or a dict with its fields."""
+        if isinstance(entry, cls):
+            return entry
+        if not isinstance(entry, dict):
+            raise ValueError(f"data.sources[{index}]: expected a mapping {{path: ..., weight: ...}}, not {entry!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(entry) - set(known))
+        if unknown:
+            raise ValueError(f"data.sources[{index}]: unknown keys {unknown}; a source takes {known}")
+        return cls(**entry)
+
+
+def open_source(
+    spec: SourceSpec,
+    text_field: str,
+    txt_mode: TxtMode,
+    holdout: Optional[Holdout],
+    shuffle: bool,
+    seed: int,
+    name: Optional[str] = None,
+) -> Source:
+    """The source `spec` asks for, checked: every way it cannot work fails here, naming the file or dataset.
+    `text_field` and `txt_mode` apply where the spec names none."""
+    field = spec.text_field or text_field
+    mode = spec.txt_mode or txt_mode
+    name = name or spec.display_name
+    if spec.hub is not None and not is_saved_dataset(Path(spec.hub).expanduser()):
+        source = HubSource(spec.hub, spec.subset, spec.split, field, holdout, shuffle, seed, source_name=name)
+        source.check()
+        return source
+    # A save_to_disk folder given as `hub` (load_dataset refuses those) is read like any local data.
+    if spec.hub is not None:
+        files = saved_dataset_files(Path(spec.hub).expanduser(), spec.split)
+    else:
+        files = expand_files(spec.patterns, spec.split)
+    check_files(name, files, field, mode)
+    return FileSource(name, files, field, mode, shuffle, seed, holdout)

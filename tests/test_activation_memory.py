@@ -12,7 +12,7 @@ from benchmarks.activation_memory import _config, measure
 from step35 import kernels
 from step35.model.attention import _GatedOutput
 from step35.model.mlp import clamped_swiglu
-from step35.model.moe import weighted_combine
+from step35.model.moe import fp32_linear, weighted_combine
 from step35.model.norm import rms_norm
 from step35.model.rope import apply_rotary, rotary_cos_sin, inverse_frequencies
 
@@ -105,6 +105,13 @@ def test_weighted_combine_function(dtype):
         return torch.zeros(T, H, dtype=dtype).index_add_(0, token_of_row, (y.float() * w[:, None]).to(dtype))
 
     _check(lambda y, w: weighted_combine(y, w, token_of_row, T, dtype), plain, y, w, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_router_linear_function(dtype):
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(12, 16, generator=g).to(dtype), torch.randn(5, 16, generator=g).to(dtype)
+    _check(fp32_linear, lambda x, w: F.linear(x.float(), w.float()), x, w, **TOL[dtype])
 
 
 def test_gated_output_function():

@@ -72,6 +72,29 @@ def weighted_combine(y: torch.Tensor, w: torch.Tensor, token_of_row: torch.Tenso
     return _WeightedCombine.apply(y, w, token_of_row, num_tokens, dtype)
 
 
+class _Fp32Linear(torch.autograd.Function):
+    """F.linear(x.float(), weight.float()) that keeps x and the weight as they are for backward and
+    upcasts again there: under bf16 the default autograd would keep an fp32 copy of the router's
+    input [T, H] per MoE layer (the layer keeps x itself anyway, for the shared expert)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.mm(weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t().mm(x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ weight[out, in].T computed in fp32 -> [T, out] fp32 (the fp32 router)."""
+    return _Fp32Linear.apply(x, weight)
+
+
 class ExpertDispatcher(Protocol):
     """Runs the routed experts on rows sorted by global expert id and returns their outputs in the
     same order. The default runs every expert locally; expert parallelism swaps in an all-to-all."""
@@ -146,7 +169,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, H] -> scores [T, E] fp32, expert ids [T, K], weights [T, K] fp32."""
-        if self.fp32_router:
+        if self.fp32_router and not torch.is_autocast_enabled(x.device.type):
+            logits = fp32_linear(x, self.gate.weight)
+        elif self.fp32_router:  # autocast decides the matmul dtype: leave it to default autograd
             logits = F.linear(x.float(), self.gate.weight.float())
         else:
             logits = self.gate(x).float()

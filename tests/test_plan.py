@@ -246,3 +246,10 @@ def test_step35_help_lists_plan_and_export():
     assert proc.returncode == 0
     for sub in ("fit", "validate", "export", "plan"):
         assert f"  {sub} " in proc.stdout
+
+
+def test_unreadable_inputs_name_the_field(capsys, tmp_path):
+    code, _, err = run_plan(capsys, "plan", "--model.checkpoint", str(tmp_path / "missing"), "--trainer.devices", "1")
+    assert code == 2 and "model.checkpoint" in err and "--model.config" in err
+    code, _, err = run_plan(capsys, "plan", "--model.config", "tiny")  # trainer.devices defaults to "auto"
+    assert code == 2 and "trainer.devices='auto'" in err

@@ -108,9 +108,10 @@ def moe(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape, aux_loss:
         config.moe_intermediate_size
     N = T * K
     ep = s.expert_parallel_size
-    # router: fp32 logits from x.float() and the weight .float() (copies unless already fp32), sigmoid
-    # scores, the top-k ids, the renormalised weights and their denominator.
-    if config.need_fp32_gate and not s.act_is_fp32:
+    # router: fp32 logits (moe._Fp32Linear keeps x and the weight as they are; under autocast the
+    # default autograd keeps fp32 copies of both), sigmoid scores, the top-k ids, the renormalised
+    # weights and their denominator.
+    if config.need_fp32_gate and not s.act_is_fp32 and s.autocast:
         saved.add("router", T * H * FP32 + E * H * FP32)
     saved.add("router", T * E * FP32 + T * K * INT64)
     if config.norm_expert_weight:

@@ -326,3 +326,25 @@ def test_two_ranks_damaged_shard_fails_every_rank_quickly(tmp_path, builtin_cach
                     builtin_cache, timeout=300, nproc=2)
     assert result.returncode != 0
     assert f"{path / '__1_0.distcp'}: checksum mismatch" in result.stderr, result.stderr[-3000:]
+
+
+def test_step35strategy_full_file_checkpoint_round_trip(tmp_path, builtin_cache):
+    """Step35Strategy with save_distributed_checkpoint=False writes one file (with its manifest) through
+    the same code; it resumes, and a flipped byte in it is refused."""
+    def fit(max_steps: int, ckpt_path=None) -> pl.Trainer:
+        data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
+        module = Step35LightningModule(config="tiny", warmup_steps=1)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Step35Strategy(save_distributed_checkpoint=False),
+                             max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, default_root_dir=tmp_path,
+                             callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(2)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_file() and manifest_info(last)["extra"]["global_step"] == 2
+    assert fit(3, ckpt_path=last).global_step == 3
+    flip_byte(last)
+    with pytest.raises(CheckpointError, match=f"{last}: checksum mismatch"):
+        fit(4, ckpt_path=last)

@@ -7,7 +7,9 @@ or the new one under the final name, never a mix.
     publish(tmp, final)
 
 The switch:
-- `final` absent, or a file replaced by a file: one `rename` (atomic on POSIX).
+- `final` absent, a file replaced by a file, a symlink (a `last` pointer) replaced: one `rename`
+  (atomic on POSIX). A single file's sibling manifest (`x.ckpt.manifest.json`) travels with it: the
+  old one is removed first, the new one moved in after the file.
 - a folder replacing an existing folder (or file/folder mixes): Linux `renameat2(RENAME_EXCHANGE)`
   swaps the two names in one atomic step where the filesystem supports it (ext4, xfs, btrfs, tmpfs);
   the old content, now under the temporary name, is deleted afterwards. Elsewhere (NFS, Lustre,

@@ -21,6 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, is_complete, manifest_info, manifest_path
 from step35.checkpoint.publish import interrupted_publish, leftover_of, leftovers, partial_path, publish, restore
 
@@ -35,6 +36,7 @@ class Checkpoint:
 
     path: Path
     global_step: int
+    saved_ns: int  # modification time of its manifest: orders checkpoints of the same step
 
 
 def _is_candidate(path: Path) -> bool:
@@ -62,9 +64,13 @@ def complete_checkpoints(folder: str | Path) -> list[Checkpoint]:
         return []
     found = []
     for path in folder.iterdir():
-        if _is_candidate(path) and is_complete(path):
-            found.append((_global_step(path), manifest_path(path).stat().st_mtime_ns, path))
-    return [Checkpoint(path, step) for step, _, path in sorted(found)]
+        if not _is_candidate(path):
+            continue
+        try:  # a checkpoint deleted meanwhile (retention in a running job) is simply not there
+            found.append(Checkpoint(path, _global_step(path), manifest_path(path).stat().st_mtime_ns))
+        except (CheckpointError, OSError):
+            continue
+    return sorted(found, key=lambda c: (c.global_step, c.saved_ns, c.path.name))
 
 
 def incomplete_checkpoints(folder: str | Path) -> list[Path]:
@@ -78,7 +84,7 @@ def incomplete_checkpoints(folder: str | Path) -> list[Path]:
 def newest_complete(folders: list[str | Path]) -> Checkpoint | None:
     """The complete checkpoint with the highest global step over `folders` (None when there is none)."""
     found = [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
-    return max(found, key=lambda c: (c.global_step, manifest_path(c.path).stat().st_mtime_ns), default=None)
+    return max(found, key=lambda c: (c.global_step, c.saved_ns), default=None)
 
 
 def point_last(folder: str | Path, target: str | Path) -> Path | None:

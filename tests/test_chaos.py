@@ -3,7 +3,8 @@ restarted each time with `--ckpt_path auto`, as torchrun --max-restarts or a SLU
 ends with parameters and optimizer state bitwise equal to those of an uninterrupted run.
 
 The supervisor follows the run through its checkpoint folder: a kill "at a step" waits until a
-checkpoint at or after that step is complete, then a random fraction of a second more; a kill
+checkpoint at or after that step is complete (and one saved by this attempt), then a random
+fraction of a second more; a kill
 "during a save" waits for a save in progress (a temporary `.partial` entry, or a checkpoint whose
 manifest is not written yet) and kills at once. Kill plans come from a seeded generator."""
 
@@ -68,10 +69,15 @@ class Kill:
     during_save: bool
 
 
-def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path) -> subprocess.Popen:
+TWO_RANKS = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2",
+             "--trainer.devices=2"]
+
+
+def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path, nproc: int = 1) -> subprocess.Popen:
     env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "step35", "fit", "--config", str(config), f"--run_dir={run}",
-           f"--trainer.max_steps={max_steps}", "--ckpt_path=auto"]
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, *launcher, "-m", "step35", "fit", "--config", str(config), f"--run_dir={run}",
+           f"--trainer.max_steps={max_steps}", "--ckpt_path=auto", *(TWO_RANKS if nproc == 2 else [])]
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -87,13 +93,32 @@ def save_in_progress(folder: Path, newest: int) -> bool:
     return any(catalog.step_from_name(p) > newest for p in catalog.incomplete_checkpoints(folder))
 
 
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively (torchrun starts each rank in a session of its own)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            out += [child, *descendants(child)]
+    return out
+
+
 def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole job at once, as a node failure would: every rank, then the launcher."""
+    for pid in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
 def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[Kill], seed: int,
-              deadline_s: float) -> dict:
+              deadline_s: float, nproc: int = 1) -> dict:
     """Run to max_steps under `plan`, restarting after each kill. Returns counts of what happened."""
     rng = random.Random(seed)
     folder = run / "checkpoints"
@@ -104,7 +129,7 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
         log = run.parent / f"{run.name}-attempt{stats['attempts']}.log"
         run.mkdir(parents=True, exist_ok=True)
         stats["newest_at_start"].append(newest_step(folder))
-        proc = start(config, run, cache, max_steps, log)
+        proc = start(config, run, cache, max_steps, log, nproc)
         stats["attempts"] += 1
         stats["logs"].append(log)
         try:
@@ -113,7 +138,11 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
                     raise TimeoutError(f"chaos run not done in {deadline_s} s")
                 target = pending[0]
                 newest = newest_step(folder)
-                if newest < target.after_step:
+                # A kill "at a step" also waits for this attempt to have saved once (it has resumed
+                # and trained), so that every attempt makes progress.
+                at_least = target.after_step if target.during_save else max(target.after_step,
+                                                                            stats["newest_at_start"][-1] + 1)
+                if newest < at_least:
                     time.sleep(0.005)
                     continue
                 if target.during_save:
@@ -142,23 +171,41 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
 
 def final_state(run: Path, step: int) -> dict:
     path = run / "checkpoints" / f"step={step:06d}.ckpt"
+    if path.is_dir():  # sharded: consolidated by torch's own DCP reader
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(path, run / "consolidated.pt")
+        state = torch.load(run / "consolidated.pt", map_location="cpu", weights_only=False)
+        optim = {k: v for k, v in state.items() if k.startswith("optimizer")}
+        return {"params": state["state_dict"], "optimizer": [optim], "step": step}
     state = torch.load(path, map_location="cpu", weights_only=True)
     return {"params": state["state_dict"], "optimizer": state["optimizer_states"], "step": state["global_step"]}
 
 
+def assert_same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
-    assert a["params"].keys() == b["params"].keys()
-    for name in a["params"]:
-        assert torch.equal(a["params"][name], b["params"][name]), name
-    for opt_a, opt_b in zip(a["optimizer"], b["optimizer"], strict=True):
-        assert opt_a["param_groups"] == opt_b["param_groups"]
-        for idx in opt_a["state"]:
-            for key, value in opt_a["state"][idx].items():
-                assert torch.equal(value, opt_b["state"][idx][key]), (idx, key)
+    assert len(a["params"]) > 0
+    assert_same(a["params"], b["params"], "params")
+    assert_same(a["optimizer"], b["optimizer"], "optimizer")
 
 
-def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float) -> dict:
+def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float,
+          nproc: int = 1) -> dict:
     config = tmp_path / "chaos.yaml"
     config.write_text(CONFIG)
     rng = random.Random(seed)
@@ -166,9 +213,9 @@ def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, de
     # Every other kill waits for a save in progress, the others land at a random moment.
     plan = [Kill(after_step=s, during_save=(i % 2 == 0)) for i, s in enumerate(steps)]
 
-    reference = supervise(config, tmp_path / "reference", cache, max_steps, [], seed, deadline_s)
+    reference = supervise(config, tmp_path / "reference", cache, max_steps, [], seed, deadline_s, nproc)
     assert reference["attempts"] == 1
-    stats = supervise(config, tmp_path / "chaos", cache, max_steps, plan, seed, deadline_s)
+    stats = supervise(config, tmp_path / "chaos", cache, max_steps, plan, seed, deadline_s, nproc)
     assert stats["kills"] == kills and stats["attempts"] == kills + 1, stats
     assert stats["mid_save"] >= 1, stats  # at least one kill cut a save short
     assert_bitwise_equal(final_state(tmp_path / "chaos", max_steps), final_state(tmp_path / "reference", max_steps))
@@ -197,3 +244,12 @@ def test_chaos_short_three_kills_bitwise_equal(tmp_path, builtin_cache):
 def test_chaos_200_steps_eight_kills_bitwise_equal(tmp_path, builtin_cache):
     stats = chaos(tmp_path, builtin_cache, max_steps=200, kills=8, seed=8, deadline_s=3000)
     assert stats["mid_save"] >= 2, stats
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3600)
+def test_chaos_two_ranks_sharded_bitwise_equal(tmp_path, builtin_cache):
+    """2 ranks under torchrun (Step35Strategy, EP 2, sharded checkpoints): every rank and the launcher
+    killed at once, restarted with --ckpt_path auto."""
+    chaos(tmp_path, builtin_cache, max_steps=30, kills=3, seed=2, deadline_s=3000, nproc=2)

@@ -1,4 +1,5 @@
-"""`step35 fit --config configs/tiny.yaml`: LightningCLI over the module, the data and the trainer.
+"""`step35 fit --config configs/tiny.yaml`: LightningCLI over the module, the data and the trainer;
+`step35 export|generate|plan` dispatched to their modules (`step35 --help` lists them all).
 
 Every option comes from YAML and can be overridden on the command line. A run lives in one folder,
 `--run_dir` (default `runs/<name of the config file>`), across all its attempts:
@@ -78,6 +79,10 @@ def run_dir_of(run_dir: str | None, default_root_dir: str | None, config_files: 
     return Path("runs/default")
 
 
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _logger_configs(logger) -> list:
     if isinstance(logger, (list, tuple)):
         return [entry for entry in logger if isinstance(entry, (Namespace, dict))]
@@ -118,6 +123,12 @@ def resolve_ckpt_path(value: str | None, folders: list[Path]) -> str | None:
 
 
 class Step35CLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # test and predict are left out: the module has no test_step / predict_step and the data
+        # module no test / predict loaders (generation is `step35 generate`).
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--run_dir", type=str | None, default=None,
                             help="The run folder (checkpoints/, config.yaml, logs of every attempt); "
@@ -139,10 +150,18 @@ class Step35CLI(LightningCLI):
 
         from step35.checkpoint.trainer_io import Step35CheckpointIO
 
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
-        plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
+        trainer = self._get(self.config_init, "trainer", default={})
+        plugins = _as_list(trainer.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
+        # Unless one is configured (or bars are off), the step/max_steps bar (step35/callbacks/progress.py).
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from step35.callbacks.progress import Step35ProgressBar
+
+        callbacks = _as_list(trainer.get("callbacks"))
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, Step35ProgressBar()])
         return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
@@ -179,14 +198,31 @@ class Step35CLI(LightningCLI):
         kwargs["ckpt_path"] = None
 
 
-def main(args: list[str] | None = None) -> None:
-    """`step35 fit|validate ...` (LightningCLI), `step35 export ...`, `step35 plan ...`."""
-    import sys
+SUBCOMMANDS = """usage: step35 {fit,validate,export,generate,plan} ...
 
+  fit       train (LightningCLI): step35 fit --config configs/tiny.yaml
+  validate  the validation loss of a model or checkpoint (LightningCLI):
+            step35 validate --config configs/tiny.yaml --ckpt_path last
+  export    write a training checkpoint as an HF folder with its tokenizer:
+            step35 export --checkpoint runs/tiny --out hf_out [--dtype bfloat16]
+  generate  text from a run checkpoint or an HF folder:
+            step35 generate --checkpoint runs/tiny --prompt "The for statement"
+  plan      will a training config fit on its devices, and how fast could it go
+
+`step35 <subcommand> --help` lists each one's options."""
+
+
+def main(args: list[str] | None = None) -> None:
+    """`step35 fit|validate ...` (LightningCLI), `step35 export|generate|plan ...`."""
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] in ("export", "plan"):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(SUBCOMMANDS)
+        return None
+    if argv[0] in ("export", "generate", "plan"):
         if argv[0] == "export":
             from step35.checkpoint.export import main as run
+        elif argv[0] == "generate":
+            from step35.generate import main as run
         else:
             from step35.plan import main as run
         return run(argv[1:])
@@ -197,7 +233,7 @@ def main(args: list[str] | None = None) -> None:
         Step35DataModule,
         save_config_callback=Step35SaveConfig,
         save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
-        args=args,
+        args=argv,
         auto_configure_optimizers=False,
     )
 

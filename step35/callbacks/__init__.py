@@ -5,6 +5,7 @@
 - ThroughputMonitor  step time, tokens/s, TFLOP/s per device and MFU
 - DivergenceGuard    skip (or stop at) optimizer steps with a non-finite loss or gradient
 - RunCheckpoint      periodic checkpoints of the run folder: atomic last.ckpt, keep the newest K, tidy leftovers
+- Step35ProgressBar  the training bar in optimizer steps (loss, tokens/s, memory); the CLI installs it
 """
 
 from step35.callbacks.checkpointing import RunCheckpoint
@@ -12,7 +13,8 @@ from step35.callbacks.divergence import DivergenceError, DivergenceGuard
 from step35.callbacks.expert_counts import ExpertCounter
 from step35.callbacks.expert_load import ExpertLoadMonitor
 from step35.callbacks.memory import MemoryMonitor
+from step35.callbacks.progress import Step35ProgressBar
 from step35.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "MemoryMonitor",
-           "RunCheckpoint", "ThroughputMonitor"]
+           "RunCheckpoint", "Step35ProgressBar", "ThroughputMonitor"]

@@ -40,13 +40,16 @@ class Step35ProgressBar(TQDMProgressBar):
         self._tokens, self._since = 0, 0.0
         self._own_rate: float | None = None
 
+    @property
+    def train_description(self) -> str:
+        return "step"
+
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_train_start(trainer, pl_module)
         bar = self.train_progress_bar
         bar.reset(total=convert_inf(trainer.max_steps if trainer.max_steps > 0 else None))
         bar.initial = bar.n = trainer.global_step  # a resumed run goes on from its step
         bar.unit = "step"
-        bar.set_description("step")
         self._step = trainer.global_step
         self._tokens, self._since, self._own_rate = 0, self.clock(), None
 

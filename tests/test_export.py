@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from step35.checkpoint import run_tokenizer
-from step35.checkpoint.export import export_hf, resolve_checkpoint
+from step35.checkpoint.export import export_checkpoint, resolve_checkpoint
 from step35.cli import main
 from step35.data import Step35DataModule
 from step35.data.builtin import builtin_tokenizer_dir
@@ -156,8 +156,7 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
                          enable_checkpointing=False)
     trainer.fit(module, datamodule=data)
     trainer.save_checkpoint(tmp_path / "run.ckpt")
-    report = []
-    export_hf(tmp_path / "run.ckpt", tmp_path / "hf", report=report)
+    report = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "hf")
     out = tmp_path / "hf"
     for name, content in extra.items():
         assert (out / name).read_bytes() == content, name
@@ -168,7 +167,7 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
            {k: v for k, v in released.items() if k not in ("eos_token_id", "bos_token_id")}
     # The folder's tokenizer says EOS 0 and no BOS, its config [1] and 0: fixed, and said so.
     assert config["eos_token_id"] == [0] and config["bos_token_id"] is None
-    assert any(note.startswith("eos_token_id [1] -> [0]") for note in report[0].notes), report[0].notes
+    assert any(note.startswith("eos_token_id [1] -> [0]") for note in report.notes), report.notes
     trained = Step35ForCausalLM.from_pretrained(out).state_dict()
     for name, value in module.model.state_dict().items():
         assert torch.equal(trained[name], value), name

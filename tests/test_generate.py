@@ -56,8 +56,8 @@ def test_top_p_samples_the_nucleus_with_renormalised_probabilities():
     assert {next_token(logits, 1.0, 0.3, rng) for _ in range(50)} == {1}  # the top token alone reaches 0.3
 
 
-def step35(args: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+def step35(args: list[str], cache: Path) -> str:
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,9 +65,27 @@ def step35(args: list[str]) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_generate_command_prints_text_from_run_and_export(folders):
+def test_generate_command_prints_text_from_run_and_export(folders, builtin_cache):
     run, hf = folders
     args = ["--prompt", PROMPT, "--max_new_tokens", "16"]
-    from_run = step35(["generate", "--checkpoint", str(run), *args])
+    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
     assert from_run.startswith(PROMPT) and len(from_run.strip()) > len(PROMPT), from_run
-    assert step35(["generate", "--checkpoint", str(hf), *args]) == from_run
+    assert step35(["generate", "--checkpoint", str(hf), *args], builtin_cache) == from_run
+
+
+@pytest.mark.timeout(900)
+def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cache):
+    """A sharded (DCP) checkpoint of Step35Strategy: `step35 generate` reads it through the same readers
+    as `step35 export`, and the exported folder gives the same text."""
+    run = tmp_path / "run"
+    saves = '[{"class_path": "step35.callbacks.RunCheckpoint", "init_args": {"every_n_train_steps": 2}}]'
+    step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=2",
+            "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1",
+            "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+            "--data.seq_len=16", "--data.micro_batch_size=1", f"--trainer.callbacks={saves}"], builtin_cache)
+    assert (run / "checkpoints" / "step=000002.ckpt" / "meta.pt").is_file()  # a sharded folder
+    step35(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")], builtin_cache)
+    args = ["--prompt", PROMPT, "--max_new_tokens", "8", "--temperature", "0.8", "--top_p", "0.9", "--seed", "1"]
+    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
+    from_export = step35(["generate", "--checkpoint", str(tmp_path / "hf"), *args], builtin_cache)
+    assert from_run.startswith(PROMPT) and from_run == from_export

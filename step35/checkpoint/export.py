@@ -207,12 +207,18 @@ class ExportReport:
 
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
               max_shard_size: int | str = "5GB", config: Step35Config | None = None,
-              tokenizer: str | Path | None = None, source: str | Path | None = None,
-              report: list | None = None) -> Path:
+              tokenizer: str | Path | None = None, source: str | Path | None = None) -> Path:
+    """Write `out` as an HF checkpoint folder (see `export_checkpoint`); returns `out`."""
+    return export_checkpoint(checkpoint, out, dtype, max_shard_size, config, tokenizer, source).out
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                      max_shard_size: int | str = "5GB", config: Step35Config | None = None,
+                      tokenizer: str | Path | None = None, source: str | Path | None = None) -> ExportReport:
     """Write `out` as an HF checkpoint folder; router_bias stays fp32, other weights take `dtype`
-    (default: the config's torch_dtype). `tokenizer`: a tokenizer folder instead of the run's;
-    `source`: the HF folder the run started from, when it has moved. An `ExportReport` is appended
-    to `report` when given."""
+    (default: the config's torch_dtype). `config`: for checkpoints that record none; `tokenizer`: a
+    tokenizer folder instead of the run's; `source`: the HF folder the run started from, when it has
+    moved. Returns what was written and every change made to config.json."""
     trained = open_checkpoint(checkpoint, config)
     exported = Step35Config.from_dict(trained.config.to_dict())
     dtype = dtype or getattr(torch, exported.torch_dtype)
@@ -241,9 +247,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None
             yield name, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
 
     write_hf_folder(out, cast(), exported, max_shard_size, copy_files=files)
-    if report is not None:
-        report.append(ExportReport(Path(out), trained.path, tok_from, sorted(files), notes))
-    return Path(out)
+    return ExportReport(Path(out), trained.path, tok_from, sorted(files), notes)
 
 
 # ------------------------------------------------------------------------------- the subcommand
@@ -262,10 +266,8 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
         source: the HF folder the run started from, if it moved since (default: the run's model.checkpoint).
         model_config: the model config (preset, config.json or folder) for checkpoints that record none.
     """
-    report: list[ExportReport] = []
-    export_hf(checkpoint, out, getattr(torch, dtype) if dtype else None, max_shard_size,
-              load_config(model_config) if model_config else None, tokenizer, source, report)
-    done = report[0]
+    done = export_checkpoint(checkpoint, out, getattr(torch, dtype) if dtype else None, max_shard_size,
+                             load_config(model_config) if model_config else None, tokenizer, source)
     for note in done.notes:
         print(f"step35 export: {note}", file=sys.stderr)
     print(f"step35 export: wrote {done.out} from {done.checkpoint} (tokenizer: {done.tokenizer}; files besides "

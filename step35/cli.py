@@ -233,7 +233,7 @@ def main(args: list[str] | None = None) -> None:
         Step35DataModule,
         save_config_callback=Step35SaveConfig,
         save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
-        args=argv,
+        args=args,
         auto_configure_optimizers=False,
     )
 

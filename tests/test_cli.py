@@ -108,11 +108,12 @@ def test_unsupported_lightning_subcommands_are_refused_by_name(hidden, builtin_c
 
 @pytest.mark.timeout(900)
 def test_validate_and_export_run_as_listed(tmp_path, builtin_cache, tiny_run):
+    run, _ = tiny_run  # mtp_loss_weight 0 and no bias update, as saved: the resume check passes
     proc = step35(["validate", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
-                   "--trainer.limit_val_batches=1", "--data.val_batches=1", "--data.seq_len=16",
-                   "--data.micro_batch_size=1", "--trainer.logger=false"], builtin_cache)
+                   f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "--model.mtp_loss_weight=0",
+                   "--model.moe_bias_update_rate=0", "--trainer.limit_val_batches=1", "--data.val_batches=1",
+                   "--data.seq_len=16", "--data.micro_batch_size=1", "--trainer.logger=false"], builtin_cache)
     assert "val/loss" in proc.stdout, proc.stdout[-2000:]
-    run, _ = tiny_run
     proc = step35(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16",
                    "--max_shard_size", "2MB"], builtin_cache)
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and "wrote" in proc.stdout

@@ -1,4 +1,5 @@
-"""`step35 fit --config configs/tiny.yaml`: LightningCLI over the module, the data and the trainer.
+"""`step35 fit --config configs/tiny.yaml`: LightningCLI over the module, the data and the trainer;
+`step35 export|generate|plan` dispatched to their modules (`step35 --help` lists them all).
 
 Every option comes from YAML and can be overridden on the command line. A run lives in one folder,
 `--run_dir` (default `runs/<name of the config file>`), across all its attempts:
@@ -79,6 +80,10 @@ def run_dir_of(run_dir: str | None, default_root_dir: str | None, config_files: 
     return Path("runs/default")
 
 
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _logger_configs(logger) -> list:
     if isinstance(logger, (list, tuple)):
         return [entry for entry in logger if isinstance(entry, (Namespace, dict))]
@@ -119,6 +124,12 @@ def resolve_ckpt_path(value: str | None, folders: list[Path]) -> str | None:
 
 
 class Step35CLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # test and predict are left out: the module has no test_step / predict_step and the data
+        # module no test / predict loaders (generation is `step35 generate`).
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--run_dir", type=str | None, default=None,
                             help="The run folder (checkpoints/, config.yaml, logs of every attempt); "
@@ -140,18 +151,26 @@ class Step35CLI(LightningCLI):
 
         from step35.checkpoint.trainer_io import Step35CheckpointIO
 
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
-        plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
+        trainer = self._get(self.config_init, "trainer", default={})
+        plugins = _as_list(trainer.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
+        # Unless one is configured (or bars are off), the step/max_steps bar (step35/callbacks/progress.py).
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from step35.callbacks.progress import Step35ProgressBar
+
+        callbacks = _as_list(trainer.get("callbacks"))
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, Step35ProgressBar()])
         # Pre-emption handling and the hang watchdog belong to every run (see step35.faults);
         # listing FaultTolerance under trainer.callbacks sets its options.
         from step35.callbacks import FaultTolerance
 
-        trainer = super().instantiate_trainer(**kwargs)
-        if not any(isinstance(callback, FaultTolerance) for callback in trainer.callbacks):
-            trainer.callbacks.append(FaultTolerance())
-        return trainer
+        instance = super().instantiate_trainer(**kwargs)
+        if not any(isinstance(callback, FaultTolerance) for callback in instance.callbacks):
+            instance.callbacks.append(FaultTolerance())
+        return instance
 
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
@@ -210,11 +229,15 @@ def _strategy_class_path_to_class(config) -> None:
     trainer.strategy = Namespace(class_path=value, init_args=Namespace())
 
 
-SUBCOMMANDS = """usage: step35 {fit,validate,export,plan} ...
+SUBCOMMANDS = """usage: step35 {fit,validate,export,generate,plan} ...
 
   fit       train (LightningCLI): step35 fit --config configs/tiny.yaml
-  validate  validate a model or checkpoint (LightningCLI)
-  export    write a training checkpoint as an HF folder: step35 export --help
+  validate  the validation loss of a model or checkpoint (LightningCLI):
+            step35 validate --config configs/tiny.yaml --ckpt_path last
+  export    write a training checkpoint as an HF folder with its tokenizer:
+            step35 export --checkpoint runs/tiny --out hf_out [--dtype bfloat16]
+  generate  text from a run checkpoint or an HF folder:
+            step35 generate --checkpoint runs/tiny --prompt "The for statement"
   plan      will a training config fit on its devices, and how fast could it go:
             step35 plan --config configs/flash-196b-4k-npu.yaml [any fit option]
 
@@ -222,16 +245,16 @@ SUBCOMMANDS = """usage: step35 {fit,validate,export,plan} ...
 
 
 def main(args: list[str] | None = None) -> None:
-    """`step35 fit|validate ...` (LightningCLI), `step35 export ...`, `step35 plan ...`."""
-    import sys
-
+    """`step35 fit|validate ...` (LightningCLI), `step35 export|generate|plan ...`."""
     argv = sys.argv[1:] if args is None else list(args)
     if not argv or argv[0] in ("-h", "--help"):
         print(SUBCOMMANDS)
         return None
-    if argv and argv[0] in ("export", "plan"):
+    if argv[0] in ("export", "generate", "plan"):
         if argv[0] == "export":
             from step35.checkpoint.export import main as run
+        elif argv[0] == "generate":
+            from step35.generate import main as run
         else:
             from step35.plan.cli import run
         return run(argv[1:])

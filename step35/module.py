@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 
 from step35.callbacks.expert_counts import ExpertCounter
+from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM
@@ -165,6 +166,10 @@ class Step35LightningModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's own config.json travels with every checkpoint: `step35 export` needs no other source.
         checkpoint["step35_config"] = self.model_config.to_dict()
+        # So does the tokenizer the data was encoded with (files, not a path: caches get cleaned).
+        tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+        if getattr(tokenizer, "path", None) is not None:
+            checkpoint[run_tokenizer.RECORD_KEY] = run_tokenizer.record(tokenizer.path, tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------------------- steps
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -76,3 +76,61 @@ def test_resume_continues_exactly(tmp_path, builtin_cache):
     assert later and all(s in resumed for s in later), (sorted(full), sorted(resumed))
     for s in later:
         assert resumed[s] == pytest.approx(full[s], rel=1e-6), (s, resumed[s], full[s])
+
+
+SUBCOMMANDS = ("fit", "validate", "export", "generate", "plan")
+
+
+def test_help_lists_every_subcommand_and_each_answers(builtin_cache, capsys):
+    from step35.cli import main
+
+    listed = step35(["--help"], builtin_cache).stdout  # the installed entry point, as a user types it
+    for name in SUBCOMMANDS:
+        assert f"\n  {name} " in listed, listed
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit) as done:
+            main([name, "--help"])
+        assert done.value.code == 0, name
+        assert "--" in capsys.readouterr().out, name
+    with pytest.raises(SystemExit) as export_help:
+        main(["export", "--help"])
+    text = capsys.readouterr().out
+    assert "--max_shard_size" in text and "--max-shard-size" not in text  # underscores, as every other option
+
+
+@pytest.mark.parametrize("hidden", ["test", "predict"])
+def test_unsupported_lightning_subcommands_are_refused_by_name(hidden, builtin_cache):
+    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "step35", hidden, "--config", "configs/tiny.yaml"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"invalid choice: '{hidden}'" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(900)
+def test_validate_and_export_run_as_listed(tmp_path, builtin_cache, tiny_run):
+    run, _ = tiny_run  # mtp_loss_weight 0 and no bias update, as saved: the resume check passes
+    proc = step35(["validate", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
+                   f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "--model.mtp_loss_weight=0",
+                   "--model.moe_bias_update_rate=0", "--trainer.limit_val_batches=1", "--data.val_batches=1",
+                   "--data.seq_len=16", "--data.micro_batch_size=1", "--trainer.logger=false"], builtin_cache)
+    assert "val/loss" in proc.stdout, proc.stdout[-2000:]
+    proc = step35(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16",
+                   "--max_shard_size", "2MB"], builtin_cache)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and "wrote" in proc.stdout
+
+
+def test_cli_installs_the_step_progress_bar(builtin_cache, tmp_path):
+    from step35.callbacks import Step35ProgressBar
+    from step35.cli import Step35CLI
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    def trainer(*extra):
+        args = ["--config", "configs/tiny.yaml", f"--run_dir={tmp_path}", *extra]
+        return Step35CLI(Step35LightningModule, Step35DataModule, args=args, run=False,
+                         auto_configure_optimizers=False).trainer
+
+    assert isinstance(trainer().progress_bar_callback, Step35ProgressBar)
+    assert trainer("--trainer.enable_progress_bar=false").progress_bar_callback is None
+    chosen = trainer("--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar").progress_bar_callback
+    assert type(chosen).__name__ == "RichProgressBar"  # a configured bar is kept, not doubled

@@ -9,6 +9,7 @@
 - FaultTolerance     SIGTERM/SIGUSR1 -> checkpoint at the next step boundary -> exit 75; hang watchdog
                      (added by `step35 fit` by itself)
 - FinalValidation    validate after the last step when it is not a validation step
+- Step35ProgressBar  the training bar in optimizer steps (loss, tokens/s, memory); the CLI installs it
 """
 
 from step35.callbacks.checkpointing import RunCheckpoint
@@ -18,7 +19,8 @@ from step35.callbacks.expert_load import ExpertLoadMonitor
 from step35.callbacks.fault_tolerance import FaultTolerance
 from step35.callbacks.final_validation import FinalValidation
 from step35.callbacks.memory import MemoryMonitor
+from step35.callbacks.progress import Step35ProgressBar
 from step35.callbacks.throughput import SpeedMonitor
 
 __all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "FaultTolerance",
-           "FinalValidation", "MemoryMonitor", "RunCheckpoint", "SpeedMonitor"]
+           "FinalValidation", "MemoryMonitor", "RunCheckpoint", "SpeedMonitor", "Step35ProgressBar"]

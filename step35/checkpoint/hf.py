@@ -15,12 +15,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.integrity import write_manifest
+from step35.checkpoint.integrity import MANIFEST, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
 from step35.config import Step35Config
 
@@ -130,11 +130,12 @@ def parse_size(size: int | str) -> int:
 
 
 def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: Step35Config,
-                    max_shard_size: int | str = "5GB", copy_files: Iterable[Path] = ()) -> Path:
+                    max_shard_size: int | str = "5GB", copy_files: Mapping[str, Path | bytes] | None = None) -> Path:
     """Write an HF folder at `path` from (name, tensor) pairs, streamed: a shard is written as soon as
     it is full, so the whole state never has to be in memory. Shards model-0000k-of-0000n, the index,
-    config.json, `copy_files` (tokenizer), the manifest of weights and index, then one atomic
-    publish; a failure removes the temporary folder and leaves any previous `path` untouched."""
+    config.json, `copy_files` (relative name -> a file copied byte for byte, or the bytes: tokenizer,
+    remote code, ...), the manifest of weights and index, then one atomic publish; a failure removes
+    the temporary folder and leaves any previous `path` untouched."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -173,8 +174,16 @@ def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2))
         config.save(tmp / "config.json")
-        for file in copy_files:
-            shutil.copy(file, tmp / Path(file).name)
+        for name, source in (copy_files or {}).items():
+            target = tmp / name
+            if target.exists() or name == MANIFEST or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise CheckpointError(f"{path}: cannot write extra file {name!r} (it would replace a file of the "
+                                      "checkpoint, or leave the folder)")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(source, bytes):
+                target.write_bytes(source)
+            else:
+                shutil.copyfile(source, target)
         # config.json and tokenizer files stay editable (they are validated when read); weights are not
         write_manifest(tmp, {"kind": "hf", "total_size": total}, names=names)
         publish(tmp, path)

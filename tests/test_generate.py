@@ -1,0 +1,91 @@
+"""`step35 generate`: text from a run checkpoint and from its exported HF folder, the same tokens greedily;
+top-p sampling draws from the nucleus with the renormalised probabilities."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from step35.checkpoint.export import export_hf
+from step35.generate import load_generator, next_token
+
+ROOT = Path(__file__).parent.parent
+PROMPT = "The for statement"
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_run, tmp_path_factory):
+    run, _ = tiny_run
+    out = tmp_path_factory.mktemp("generate") / "hf"
+    export_hf(run, out)
+    return run, out
+
+
+def test_checkpoint_and_exported_folder_generate_the_same_tokens(folders, tiny_run):
+    run, hf = folders
+    from_run, from_hf = load_generator(run), load_generator(hf)
+    prompt = from_run.encode(PROMPT)
+    assert prompt == from_hf.encode(PROMPT) and prompt[0] == 0  # starts a document: EOS, the tokenizer has no BOS
+    greedy = from_run.generate_ids(prompt, max_new_tokens=12)
+    assert len(greedy) >= 1 and greedy == from_hf.generate_ids(prompt, max_new_tokens=12)
+    # Greedy is the argmax of the trained model's logits, step by step (independent recomputation).
+    _, model = tiny_run
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for token in greedy:
+            assert token == int(model(ids)[0, -1].argmax())
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    sampled = from_run.generate_ids(prompt, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
+    assert sampled == from_hf.generate_ids(prompt, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
+
+
+def test_top_p_samples_the_nucleus_with_renormalised_probabilities():
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    logits = probs.log()
+    rng = torch.Generator().manual_seed(0)
+    # top_p=0.8: 0.4 + 0.3 = 0.7 < 0.8, so the nucleus is {1, 3, 4} (0.85); 0 and 2 never come.
+    draws = torch.tensor([next_token(logits, 1.0, 0.8, rng) for _ in range(4000)])
+    counts = torch.bincount(draws, minlength=5).float() / len(draws)
+    assert counts[0] == 0 and counts[2] == 0
+    expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15]) / 0.85
+    assert torch.allclose(counts, expected, atol=0.03), counts  # 4000 draws: std <= 0.008
+    assert next_token(logits, 0.0, 0.5, rng) == 1  # greedy
+    assert {next_token(logits, 1.0, 0.3, rng) for _ in range(50)} == {1}  # the top token alone reaches 0.3
+
+
+def step35(args: list[str], cache: Path) -> str:
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_generate_command_prints_text_from_run_and_export(folders, builtin_cache):
+    run, hf = folders
+    args = ["--prompt", PROMPT, "--max_new_tokens", "16"]
+    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
+    assert from_run.startswith(PROMPT) and len(from_run.strip()) > len(PROMPT), from_run
+    assert step35(["generate", "--checkpoint", str(hf), *args], builtin_cache) == from_run
+
+
+@pytest.mark.timeout(900)
+def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cache):
+    """A sharded (DCP) checkpoint of Step35Strategy: `step35 generate` reads it through the same readers
+    as `step35 export`, and the exported folder gives the same text."""
+    run = tmp_path / "run"
+    saves = '[{"class_path": "step35.callbacks.RunCheckpoint", "init_args": {"every_n_train_steps": 2}}]'
+    step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=2",
+            "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1",
+            "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+            "--data.seq_len=16", "--data.micro_batch_size=1", f"--trainer.callbacks={saves}"], builtin_cache)
+    assert (run / "checkpoints" / "step=000002.ckpt" / "meta.pt").is_file()  # a sharded folder
+    step35(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")], builtin_cache)
+    args = ["--prompt", PROMPT, "--max_new_tokens", "8", "--temperature", "0.8", "--top_p", "0.9", "--seed", "1"]
+    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
+    from_export = step35(["generate", "--checkpoint", str(tmp_path / "hf"), *args], builtin_cache)
+    assert from_run.startswith(PROMPT) and from_run == from_export

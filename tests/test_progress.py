@@ -1,0 +1,33 @@
+"""The step progress bar after a resume: step/max_steps from the resumed step on, loss, tokens/s and
+memory; no epoch counter, no logger version."""
+
+import lightning.pytorch as pl
+
+from step35.callbacks import Step35ProgressBar
+from step35.checkpoint.export import resolve_checkpoint
+from step35.checkpoint.trainer_io import Step35CheckpointIO
+from step35.data import Step35DataModule
+from step35.loggers import CSVLogger
+from step35.module import Step35LightningModule
+
+
+def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, builtin_cache, tmp_path, capsys):
+    run, _ = tiny_run  # 3 steps, saved at step 3
+    bar = Step35ProgressBar()
+    module = Step35LightningModule(config="tiny", lr=1e-2, warmup_steps=1)
+    data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=CSVLogger(tmp_path), callbacks=[bar],
+                         enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+                         default_root_dir=tmp_path, plugins=[Step35CheckpointIO()])
+    trainer.fit(module, datamodule=data, ckpt_path=str(resolve_checkpoint(run)))
+    shown = bar.train_progress_bar
+    assert shown.initial == 3 and shown.n == 5 and shown.total == 5  # from the resumed step to max_steps
+    rendered = str(shown)
+    assert rendered.startswith("step: ") and "5/5" in rendered, rendered
+    for item in ("loss=", "tok/s=", "mem="):
+        assert item in rendered, rendered
+    assert "v_num" not in rendered and "Epoch" not in capsys.readouterr().out
+    metrics = bar.get_metrics(trainer, module)
+    assert set(metrics) == {"loss", "tok/s", "mem"}  # no monitors configured: the bar's own rate and memory
+    assert abs(float(metrics["loss"]) - trainer.progress_bar_metrics["train/loss"]) <= 5e-4  # printed with 3 decimals
+    assert float(metrics["tok/s"].replace(",", "")) > 0 and float(metrics["mem"].split()[0]) > 0

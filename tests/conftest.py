@@ -37,3 +37,21 @@ def tiny_run(tmp_path_factory, builtin_cache):
                          plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=3)])
     trainer.fit(module, datamodule=data)
     return run, module.model
+
+
+# Set by in-process runs of Lightning's distributed strategies (e.g. MASTER_PORT, picked once per
+# process): left in os.environ they would be inherited by every later subprocess test, which would
+# then all try to listen on that one port.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_variables_leak():
+    before = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

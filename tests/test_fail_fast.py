@@ -109,7 +109,7 @@ def fit_args(run: Path, *extra: str, ranks: int = 2) -> list[str]:
                 "--trainer.devices=2"] if ranks == 2 else []
     return ["fit", "--config", "configs/tiny.yaml", *strategy, "--trainer.val_check_interval=1000",
             "--trainer.log_every_n_steps=1", "--data.seq_len=32", "--data.micro_batch_size=2",
-            "--model.decay_steps=10",  # the schedule must not depend on max_steps (runs differ in it)
+            "--model.decay_steps=40",  # the schedule must not depend on max_steps (runs differ in it)
             f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}",
             "--trainer.logger.init_args.flush_logs_every_n_steps=1", *extra]
 

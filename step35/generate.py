@@ -162,18 +162,9 @@ def generate(checkpoint: str, prompt: str, max_new_tokens: int = 64, temperature
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from step35.function_cli import run_function
 
-    parser = ArgumentParser(prog="step35 generate", description=generate.__doc__.split("\n\n")[0],
-                            default_env=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of these options")
-    parser.add_function_arguments(generate, as_group=False)
-    args = parser.parse_args(argv)
-    args.pop("config", None)
-    try:
-        generate(**args.as_dict())
-    except CheckpointError as e:
-        raise SystemExit(f"step35 generate: {e}") from None
+    run_function(generate, "step35 generate", argv)
 
 
 if __name__ == "__main__":

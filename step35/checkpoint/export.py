@@ -275,18 +275,9 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from step35.function_cli import run_function
 
-    parser = ArgumentParser(prog="step35 export", description=export.__doc__.split("\n\n")[0],
-                            env_prefix="STEP35_EXPORT", default_env=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of these options")
-    parser.add_function_arguments(export, as_group=False)
-    args = parser.parse_args(argv)
-    args.pop("config", None)
-    try:
-        export(**args.as_dict())
-    except CheckpointError as e:
-        raise SystemExit(f"step35 export: {e}") from None
+    run_function(export, "step35 export", argv)
 
 
 if __name__ == "__main__":

@@ -85,9 +85,7 @@ def _as_list(value) -> list:
 
 
 def _logger_configs(logger) -> list:
-    if isinstance(logger, (list, tuple)):
-        return [entry for entry in logger if isinstance(entry, (Namespace, dict))]
-    return [logger] if isinstance(logger, (Namespace, dict)) else []
+    return [entry for entry in _as_list(logger) if isinstance(entry, (Namespace, dict))]
 
 
 def checkpoint_folders(trainer) -> list[Path]:
@@ -145,37 +143,36 @@ class Step35CLI(LightningCLI):
         return self.config.get(self.subcommand, self.config) if self.subcommand else self.config
 
     def instantiate_trainer(self, **kwargs):
-        # Checkpoints are data: unless a CheckpointIO is configured, single-file checkpoints go through
-        # step35's (atomic, manifest, weights_only with an allowlist, NaN check). Step35Strategy uses the same code.
         from lightning.fabric.plugins import CheckpointIO
+        from lightning.pytorch.callbacks import ProgressBar
 
+        from step35.callbacks import FaultTolerance
+        from step35.callbacks.progress import Step35ProgressBar
         from step35.checkpoint.trainer_io import Step35CheckpointIO
 
         trainer = self._get(self.config_init, "trainer", default={})
+        # Checkpoints are data: unless a CheckpointIO is configured, single-file checkpoints go through
+        # step35's (atomic, manifest, weights_only with an allowlist, NaN check). Step35Strategy uses the same code.
         plugins = _as_list(trainer.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
-        # Unless one is configured (or bars are off), the step/max_steps bar (step35/callbacks/progress.py).
-        from lightning.pytorch.callbacks import ProgressBar
-
-        from step35.callbacks.progress import Step35ProgressBar
-
         callbacks = _as_list(trainer.get("callbacks"))
+        added = []
+        # Unless one is configured (or bars are off), the step/max_steps bar (step35/callbacks/progress.py).
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs.setdefault("callbacks", [*callbacks, Step35ProgressBar()])
+            added.append(Step35ProgressBar())
         # Pre-emption handling and the hang watchdog belong to every run (see step35.faults);
         # listing FaultTolerance under trainer.callbacks sets its options.
-        from step35.callbacks import FaultTolerance
-
-        instance = super().instantiate_trainer(**kwargs)
-        if not any(isinstance(callback, FaultTolerance) for callback in instance.callbacks):
-            instance.callbacks.append(FaultTolerance())
-        return instance
+        if not any(isinstance(c, FaultTolerance) for c in callbacks):
+            added.append(FaultTolerance())
+        if added:
+            kwargs.setdefault("callbacks", [*callbacks, *added])
+        return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
-        # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
         _strategy_class_path_to_class(config)
+        # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
         if config.get("data") is not None and not config.data.get("tokenizer") and config.model.get("checkpoint"):
             config.data.tokenizer = config.model.checkpoint
         if config.get("trainer") is None:

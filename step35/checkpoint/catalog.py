@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, is_complete, manifest_info, manifest_path
-from step35.checkpoint.publish import interrupted_publish, leftover_of, leftovers, partial_path, publish, restore
+from step35.checkpoint.publish import (interrupted_publish, leftover_of, leftovers, partial_path, publish, remove_path,
+                                       restore)
+from step35.checkpoint.trainer_io import remove
 
 LAST = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -102,16 +103,6 @@ def point_last(folder: str | Path, target: str | Path) -> Path | None:
     return last
 
 
-def _remove(path: Path) -> None:
-    # The manifest goes first: a kill half-way leaves an incomplete checkpoint (never picked),
-    # not a complete-looking one with files missing.
-    manifest_path(path).unlink(missing_ok=True)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
 def clean_leftovers(folder: str | Path) -> list[str]:
     """Tidy what killed saves left in `folder` and say what was done, one line per entry:
     a checkpoint that an interrupted folder swap had moved aside (its final name missing) is
@@ -125,16 +116,9 @@ def clean_leftovers(folder: str | Path) -> list[str]:
             restore(final)
             done.append(f"restored {final} (an interrupted save had moved it aside to {path.name})")
         elif path.exists() or path.is_symlink():
-            _remove_leftover(path)
+            remove_path(path)
             done.append(f"removed {path} (left by a save of {name} that was killed)")
     return done
-
-
-def _remove_leftover(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def prune(folder: str | Path, keep: int, protect: list[str | Path] = ()) -> list[Path]:
@@ -148,6 +132,6 @@ def prune(folder: str | Path, keep: int, protect: list[str | Path] = ()) -> list
     for checkpoint in found[:-keep]:
         if checkpoint.path.resolve() in protected:
             continue
-        _remove(checkpoint.path)
+        remove(checkpoint.path)
         removed.append(checkpoint.path)
     return removed

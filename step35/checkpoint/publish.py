@@ -51,7 +51,8 @@ def _old_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a file, a symlink (not what it points to) or a folder, whichever `path` is."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -128,13 +129,13 @@ def publish(tmp: str | Path, final: str | Path) -> None:
 def _swap(tmp: Path, final: Path) -> None:
     if _exchange(tmp, final):  # tmp now holds the previous checkpoint
         _fsync_dir(final.parent)
-        _remove(tmp)
+        remove_path(tmp)
     else:
         old = _old_path(final)
         os.rename(final, old)
         os.rename(tmp, final)  # a kill before this line: `restore(final)` renames `old` back
         _fsync_dir(final.parent)
-        _remove(old)
+        remove_path(old)
 
 
 def _fsync_file(path: Path) -> None:

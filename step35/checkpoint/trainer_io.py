@@ -15,7 +15,6 @@ installs it); Step35Strategy calls the same functions.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,8 +22,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, verify_for_load, write_manifest
-from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
+from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, verify_for_load, write_manifest
+from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
 from step35.checkpoint.safe_load import check_finite, load_torch, safe_reader
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded folder
@@ -51,13 +50,13 @@ def save_file(checkpoint: dict, path: str | Path) -> None:
 
 
 def remove(path: str | Path) -> None:
-    """Delete a checkpoint (file or folder) and its sibling manifest."""
+    """Delete a checkpoint (file or folder) and its own manifest. The manifest goes first: a kill
+    half-way leaves an incomplete checkpoint (never picked), not a complete-looking one with files
+    missing. A symlink (such as last.ckpt) goes alone: its target's manifest is not touched."""
     path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-    path.with_name(path.name + FILE_MANIFEST_SUFFIX).unlink(missing_ok=True)
+    folder = path.is_dir() and not path.is_symlink()
+    (path / MANIFEST if folder else path.with_name(path.name + FILE_MANIFEST_SUFFIX)).unlink(missing_ok=True)
+    remove_path(path)
 
 
 def check_loadable(path: str | Path) -> Path:

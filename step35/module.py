@@ -254,7 +254,7 @@ class Step35LightningModule(pl.LightningModule):
 
 
 def _check_options(**values: Any) -> None:
-    """Refuse optimisation options that cannot mean anything, naming the option (`model.lr=-1: must be > 0`)."""
+    """Refuse optimisation options that cannot mean anything, naming the option (`model.lr=-1: must be >= 0`)."""
     rules = {
         "lr": (lambda v: v >= 0, ">= 0"),  # 0 is allowed: the weights stay, e.g. to study the router alone
         "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),

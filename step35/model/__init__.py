@@ -2,6 +2,7 @@
 
 from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from step35.model.transformer import DecoderLayer, LossOutput, MTPLayer, Step35ForCausalLM, Step35Model
+from step35.model.builder import build_model
 
 __all__ = ["DecoderLayer", "IGNORE_INDEX", "LossOutput", "MTPLayer", "Step35ForCausalLM", "Step35Model",
-           "chunked_cross_entropy"]
+           "build_model", "chunked_cross_entropy"]

@@ -1,0 +1,21 @@
+"""The one place a Step-3.5 model is constructed (training, planning, resume checks, generation).
+
+Every caller gets the same module tree for the same (config, MTP depth), so a change to how the
+model is built (adapters, a dtype rule) is made here once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from step35.config import Step35Config
+from step35.model.transformer import Step35ForCausalLM
+
+
+def build_model(config: Step35Config, num_mtp_layers: int | None = None, *,
+                device: torch.device | str = "meta") -> Step35ForCausalLM:
+    """Step35ForCausalLM for `config` with `num_mtp_layers` MTP layers (None: all of the config's),
+    its tensors created on `device` ("meta" by default: no memory, shapes only; fill it with
+    step35.checkpoint.materialize)."""
+    with torch.device(device):
+        return Step35ForCausalLM(config, num_mtp_layers)

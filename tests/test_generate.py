@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint.export import export_hf
-from step35.generate import load_generator, next_token
+from step35.checkpoint.export import export_checkpoint
+from step35.commands.generate import load_generator, next_token
 
 ROOT = Path(__file__).parent.parent
 PROMPT = "The for statement"
@@ -20,7 +20,7 @@ PROMPT = "The for statement"
 def folders(tiny_run, tmp_path_factory):
     run, _ = tiny_run
     out = tmp_path_factory.mktemp("generate") / "hf"
-    export_hf(run, out)
+    export_checkpoint(run, out)
     return run, out
 
 

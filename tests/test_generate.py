@@ -26,7 +26,11 @@ def folders(tiny_run, tmp_path_factory):
 
 def test_checkpoint_and_exported_folder_generate_the_same_tokens(folders, tiny_run):
     run, hf = folders
-    from_run, from_hf = load_generator(run), load_generator(hf)
+    said = []
+    from_run, from_hf = load_generator(run, say=said.append), load_generator(hf)
+    ckpt = run / "checkpoints" / "step=000003.ckpt"  # where the model and tokenizer came from, said once
+    assert len(said) == 1 and said[0].startswith(f"model: {ckpt}; tokenizer: the run's tokenizer ("), said
+    assert said[0].endswith(f"saved in {ckpt})"), said
     prompt = from_run.encode(PROMPT)
     assert prompt == from_hf.encode(PROMPT) and prompt[0] == 0  # starts a document: EOS, the tokenizer has no BOS
     greedy = from_run.generate_ids(prompt, max_new_tokens=12)

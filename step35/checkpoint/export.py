@@ -59,6 +59,17 @@ def remote_code_modules(auto_maps: Iterable[object]) -> list[str]:
     return list(dict.fromkeys(modules))
 
 
+def _auto_map(tokenizer_config: Path | bytes | None) -> object:
+    """The auto_map of a tokenizer_config.json (its bytes or the file), or None."""
+    if tokenizer_config is None:
+        return None
+    try:
+        content = json.loads(tokenizer_config if isinstance(tokenizer_config, bytes) else tokenizer_config.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # unreadable: it names no remote code to take along
+    return content.get("auto_map") if isinstance(content, dict) else None
+
+
 def _remote_code(folder: Path, modules: list[str]) -> tuple[dict[str, Path], list[str]]:
     """{name.py: file} of `modules` and what they import relatively, at the top of `folder`; the
     modules that are not there."""
@@ -195,12 +206,3 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     write_hf_folder(out, cast(), exported, max_shard_size, copy_files=files)
     return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)
 
-
-def _auto_map(tokenizer_config: Path | bytes | None) -> object:
-    if tokenizer_config is None:
-        return None
-    try:
-        content = json.loads(tokenizer_config if isinstance(tokenizer_config, bytes) else tokenizer_config.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None  # special_ids has read it already and names the file when it is broken
-    return content.get("auto_map") if isinstance(content, dict) else None

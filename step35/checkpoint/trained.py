@@ -7,7 +7,8 @@ checked for NaN/Inf.
 
 Paths written inside a checkpoint (its hyper-parameters name the HF folder the run started from,
 the model config, the tokenizer folder) are data from another machine: they are read only for
-files of a known kind, never walked, and every use of one is reported in `TrainedCheckpoint.notes`.
+files of a known kind, never walked, and every use of one is reported: in `TrainedCheckpoint.notes`
+(the model config) or in the origin `tokenizer_files` returns.
 """
 
 from __future__ import annotations

@@ -304,3 +304,11 @@ def test_libraries_import_no_command():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             offenders += [f"{file.relative_to(package)}: {n}" for n in names if n.startswith(forbidden)]
     assert not offenders
+
+
+def test_remote_code_is_what_auto_map_names_in_this_repository():
+    from step35.checkpoint.export import remote_code_modules
+
+    config = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    tokenizer = {"AutoTokenizer": ["tokenization_x.XTokenizer", None], "AutoProcessor": "other/repo--proc_x.P"}
+    assert remote_code_modules([config, tokenizer, None]) == ["configuration_x", "modeling_x", "tokenization_x"]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from step35.checkpoint import CheckpointError
-from step35.checkpoint.export import export_hf
+from step35.checkpoint.export import export_checkpoint
 from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
 from step35.checkpoint.trainer_io import Step35CheckpointIO, load_file
@@ -242,7 +242,7 @@ def test_nan_weights_refused_by_resume_and_export(kind, checkpoints, builtin_cac
         resume_in_process(path, kind == "sharded", builtin_cache)
     assert name.removeprefix("model.") in str(err.value), str(err.value)
     with pytest.raises(CheckpointError, match="holds (NaN|Inf)") as err:
-        export_hf(path, tmp_path / "hf")
+        export_checkpoint(path, tmp_path / "hf")
     assert name.removeprefix("model.") in str(err.value) and not (tmp_path / "hf").exists()
 
 
@@ -251,7 +251,7 @@ def test_damaged_sharded_checkpoint_refused_by_export(checkpoints, tmp_path):
     shutil.copytree(checkpoints["sharded"], path)
     flip_byte(path / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
-        export_hf(path, tmp_path / "hf")
+        export_checkpoint(path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial*"))
 
 

@@ -61,10 +61,10 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from step35.checkpoint.export import export_hf
+    from step35.checkpoint.export import export_checkpoint
     from step35.model import Step35ForCausalLM
 
-    export_hf(step4[0], tmp_path / "hf", max_shard_size="2MB")
+    export_checkpoint(step4[0], tmp_path / "hf", max_shard_size="2MB")
     dcp_to_torch_save(step4[0], tmp_path / "consolidated.pt")
     consolidated = torch.load(tmp_path / "consolidated.pt", weights_only=False)["state_dict"]
     exported = Step35ForCausalLM.from_pretrained(tmp_path / "hf").state_dict()

@@ -11,7 +11,7 @@ from step35.data.tokenizer import TextTokenizer
 
 
 def fresh_packing_state() -> dict[str, Any]:
-    return {"cursor": Cursor().to_list(), "skip": 0, "done": False, "skipped": 0}
+    return {"cursor": Cursor().to_list(), "piece": 0, "skip": 0, "done": False, "skipped": 0}
 
 
 class PackedSource:
@@ -19,8 +19,11 @@ class PackedSource:
 
     Windows do not overlap and documents run across window borders. A window is complete when it is handed
     out, so no tokens are ever carried in the state: after each window, `state` holds the cursor of the
-    document the next window starts in and how many of its tokens are used up (`skip`). A resume re-reads and
-    re-tokenizes that one document, which keeps the state a few integers even for a book-sized document.
+    document the next window starts in, the character where its piece starts (`piece`: a long document is
+    tokenized in pieces, see tokenizer.py) and how many of that piece's tokens are used up (`skip`). A resume
+    re-reads that one document and re-tokenizes from that piece on, which keeps the state a few integers and
+    the memory a piece's worth even for a book-sized document. (A state without `piece`, saved before pieces
+    existed, reads as piece 0 with `skip` counted from the document's start: the same position.)
     A finite stream (`endless=False`) drops its last, partial window and sets `done`.
     """
 
@@ -50,26 +53,40 @@ class PackedSource:
             return
         eos = self.tokenizer.eos_token_id
         partial: list[int] = []  # the start of the next window, always shorter than a window
-        skip = state["skip"]
+        piece, skip = state.get("piece", 0), state["skip"]
         documents = self.source.documents(Cursor(*state["cursor"]), self.shard, self.num_shards, self.bad, self.endless)
         for start, after, text in documents:
-            ids = self.tokenizer.encode(text)
-            ids.append(eos)
-            used, skip = skip, 0
-            while len(partial) + len(ids) - used >= self.window:
-                take = self.window - len(partial)
-                window = partial + ids[used : used + take]
-                used += take
-                partial = []
-                if used < len(ids):
-                    state["cursor"], state["skip"] = start.to_list(), used
-                else:
-                    state["cursor"], state["skip"] = after.to_list(), 0
-                state["skipped"] = self.bad.count
-                yield window
-            partial.extend(ids[used:])
+            for at, ids, last in self._pieces(text, piece):
+                if last:
+                    ids.append(eos)
+                if skip >= len(ids) and not last:  # resuming past this piece (a state saved before pieces existed)
+                    skip -= len(ids)
+                    continue
+                used, skip = skip, 0
+                while len(partial) + len(ids) - used >= self.window:
+                    take = self.window - len(partial)
+                    window = partial + ids[used : used + take]
+                    used += take
+                    partial = []
+                    if used < len(ids) or not last:  # the next window starts in this piece, or right after it
+                        state["cursor"], state["piece"], state["skip"] = start.to_list(), at, used
+                    else:
+                        state["cursor"], state["piece"], state["skip"] = after.to_list(), 0, 0
+                    state["skipped"] = self.bad.count
+                    yield window
+                partial.extend(ids[used:])
+            piece = 0
         state["skipped"] = self.bad.count
         state["done"] = True
+
+    def _pieces(self, text: str, start: int) -> Iterator[tuple[int, list[int], bool]]:
+        """(piece start, its ids, whether it is the document's last piece) from character `start` on."""
+        pieces = self.tokenizer.pieces(text, start)
+        current = next(pieces)
+        for following in pieces:
+            yield (*current, False)
+            current = following
+        yield (*current, True)
 
 
 def document_positions(input_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

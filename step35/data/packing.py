@@ -1,17 +1,22 @@
 """Packing one source's documents into fixed windows of tokens, resumable at every window."""
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from step35.data.bad_records import BadRecords
+from step35.data.resume import DataChangedError, DataChangedWarning
 from step35.data.sources import Cursor
 from step35.data.tokenizer import TextTokenizer
 
 
-def fresh_packing_state() -> dict[str, Any]:
-    return {"cursor": Cursor().to_list(), "piece": 0, "skip": 0, "done": False, "skipped": 0}
+def fresh_packing_state(skipped: int = 0) -> dict[str, Any]:
+    """The start of a source's stream. `parts` and `stamp` say which data the cursor points into (the source's
+    digest, the stamp of the cursor's file); they are set with the first window and checked on resume."""
+    return {"cursor": Cursor().to_list(), "piece": 0, "skip": 0, "done": False, "skipped": skipped,
+            "parts": None, "stamp": None}  # fmt: skip
 
 
 class PackedSource:
@@ -45,12 +50,50 @@ class PackedSource:
         self.num_shards = num_shards
         self.endless = endless
         self.state = state  # updated in place before every window leaves, read by the stream's state_dict()
+        self.strict = strict
         self.bad = BadRecords(source.name, strict, count=state["skipped"])
+        self._stamped: tuple[Any, Any] = (None, None)  # ((epoch, file), stamp) of the last cursor's file
+
+    def check_data(self) -> None:
+        """Restart this source's stream, with a warning (or refuse, when strict), if the saved position belongs
+        to other data: the source's file list changed, or the file the cursor points into (a line deleted
+        before the cursor would otherwise send the resume into the middle of another document)."""
+        state = self.state
+        if state.get("parts") is None:  # a fresh stream, or a state saved before data checks existed
+            return
+        cursor = Cursor(*state["cursor"])
+        if state["parts"] != self.source.digest():
+            problem = f"its list of files changed ({len(self.source.parts)} files now)"
+        elif state.get("stamp") != self.source.stamp(cursor):
+            problem = f"{self.source.part_name(cursor)} changed (size or content; stamp {state.get('stamp')} then)"
+        else:
+            return
+        if self.strict:
+            raise DataChangedError(
+                f"source {self.source.name!r}: cannot resume the data stream: {problem} since the position was"
+                " saved (strict=True; with data.strict=false the source's stream restarts from its beginning instead)"
+            )
+        warnings.warn(
+            f"source {self.source.name!r}: {problem} since the data position was saved; this source's stream"
+            " restarts from its beginning (data.strict=true refuses instead)",
+            DataChangedWarning,
+            stacklevel=2,
+        )
+        state.update(fresh_packing_state(skipped=state["skipped"]))
+
+    def _mark(self, cursor: Cursor) -> None:
+        """Record which data `cursor` points into, for `check_data` on resume (one stat and read per file)."""
+        where = (cursor.epoch, cursor.file)
+        if self._stamped[0] != where:
+            self._stamped = (where, self.source.stamp(cursor))
+        self.state["parts"], self.state["stamp"] = self._digest, self._stamped[1]
 
     def windows(self) -> Iterator[list[int]]:
         state = self.state
         if state["done"]:
             return
+        self.check_data()
+        self._digest = self.source.digest()
         eos = self.tokenizer.eos_token_id
         partial: list[int] = []  # the start of the next window, always shorter than a window
         piece, skip = state.get("piece", 0), state["skip"]
@@ -70,8 +113,10 @@ class PackedSource:
                     partial = []
                     if used < len(ids) or not last:  # the next window starts in this piece, or right after it
                         state["cursor"], state["piece"], state["skip"] = start.to_list(), at, used
+                        self._mark(start)
                     else:
                         state["cursor"], state["piece"], state["skip"] = after.to_list(), 0, 0
+                        self._mark(after)
                     state["skipped"] = self.bad.count
                     yield window
                 partial.extend(ids[used:])

@@ -37,6 +37,14 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+class DataChangedWarning(UserWarning):
+    """A saved stream position belongs to data that has changed since; that source's stream restarts."""
+
+
+class DataChangedError(ValueError):
+    """Raised instead of `DataChangedWarning` when the DataModule runs with ``strict=True``."""
+
+
 STATE_FORMAT = "step35.token_windows/1"  # marks our state inside a StatefulDataLoader's state dict
 CHECKPOINT_FORMAT = "step35.datamodule/1"
 

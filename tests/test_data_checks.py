@@ -78,7 +78,7 @@ def test_a_changed_file_list_restarts_and_a_copied_corpus_resumes(tmp_path, tok)
 def test_records_without_the_text_field_fail_within_the_first_records(tmp_path, tok):
     rows = [{"content": text, "id": i} for i, text in enumerate(docs(0, 500))]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    expected = rf"none of the first {FIELD_CHECK_RECORDS} records has the text field 'text'.*'content', 'id'.*did you mean 'content'"
+    expected = rf"none of the first {FIELD_CHECK_RECORDS} records read has the text field 'text'.*'content', 'id'.*did you mean 'content'"
 
     # The stream stops after FIELD_CHECK_RECORDS records, not after an epoch of 500 skipped records.
     stream = TokenWindows([FileSource("c", [tmp_path / "c.jsonl"])], tok, seq_len=5)
@@ -93,6 +93,11 @@ def test_records_without_the_text_field_fail_within_the_first_records(tmp_path, 
     # Strict mode names the field on the first record.
     with pytest.raises(ValueError, match="no 'text' field .*did you mean 'content'"):
         windows(TokenWindows([FileSource("c", [tmp_path / "c.jsonl"])], tok, seq_len=5, strict=True), 1)
+
+    # A source smaller than that: the end of its first epoch says it, not the advice about ranks x workers.
+    (tmp_path / "small.jsonl").write_text(json.dumps({"txt": "d1"}) + "\n" + "{oops\n" * 4)
+    with warnings.catch_warnings(record=True), pytest.raises(ValueError, match=r"first 1 records read .*'txt'"):
+        windows(TokenWindows([FileSource("small", [tmp_path / "small.jsonl"])], tok, seq_len=5), 1)
 
     # A few bad records among good ones are still skipped, not a wrong field.
     (tmp_path / "mixed.jsonl").write_text('{"body": "x"}\n' * 5 + "".join(json.dumps({"text": t}) + "\n" for t in docs(0, 50)))

@@ -52,6 +52,7 @@ class PackedSource:
         self.state = state  # updated in place before every window leaves, read by the stream's state_dict()
         self.strict = strict
         self.bad = BadRecords(source.name, strict, count=state["skipped"])
+        self._digest = source.digest()
         self._stamped: tuple[Any, Any] = (None, None)  # ((epoch, file), stamp) of the last cursor's file
 
     def check_data(self) -> None:
@@ -93,7 +94,6 @@ class PackedSource:
         if state["done"]:
             return
         self.check_data()
-        self._digest = self.source.digest()
         eos = self.tokenizer.eos_token_id
         partial: list[int] = []  # the start of the next window, always shorter than a window
         piece, skip = state.get("piece", 0), state["skip"]

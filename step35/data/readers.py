@@ -56,7 +56,7 @@ def did_you_mean(field: str, fields: list[str]) -> str:
 
 def missing_field_message(source: str, field: str, records: int, fields: list[str]) -> str:
     return (
-        f"source {source!r}: none of the first {records} records has the text field {field!r};"
+        f"source {source!r}: none of the first {records} records read has the text field {field!r};"
         f" their fields: {fields[:20]}{did_you_mean(field, fields) or '; set text_field'}"
     )
 

@@ -154,10 +154,11 @@ class Source:
         self, start: Cursor, shard: int, num_shards: int, bad: BadRecords, endless: bool
     ) -> Iterator[Document]:
         """The documents of `shard`, kept by the holdout, from the record at `start` on, epoch after epoch
-        when `endless`; bad records are reported to `bad` and skipped."""
+        when `endless`; bad records are reported to `bad` and skipped. A stream from the start whose first
+        `FIELD_CHECK_RECORDS` records all lack the text field raises (a wrong `text_field`, not bad records)."""
         cursor = start
         missing: set[str] = set()  # fields of the records lacking the text field, while no document was found
-        missed = 0
+        missed, field = 0, ""
         while True:
             whole_epoch = cursor == Cursor(epoch=cursor.epoch)
             found = held_out = 0
@@ -168,9 +169,9 @@ class Source:
                 try:
                     text = record.text()
                 except MissingField as error:
-                    missed, missing = missed + 1, missing | set(error.fields)
+                    missed, missing, field = missed + 1, missing | set(error.fields), error.field
                     if missed >= FIELD_CHECK_RECORDS and found == 0 and start == Cursor():
-                        raise ValueError(missing_field_message(self.name, error.field, missed, sorted(missing)))
+                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing)))
                     bad(record.where(), str(error))
                     continue
                 except BadRecord as error:
@@ -181,6 +182,8 @@ class Source:
                 found += 1
                 yield here, after, text
             if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
+                if missed:  # fewer records than FIELD_CHECK_RECORDS, and the usable ones lack the field
+                    raise ValueError(missing_field_message(self.name, field, missed, sorted(missing)))
                 raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count, held_out))
             if not endless:
                 return

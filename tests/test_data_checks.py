@@ -59,6 +59,35 @@ def test_a_line_deleted_before_the_cursor_restarts_the_source_and_says_so(tmp_pa
         resumed([a], tok, state, 1, strict=True)
 
 
+@pytest.mark.timeout(120)
+def test_the_datamodule_checkpoint_carries_the_check_through_a_worker(tmp_path, tok):
+    """The whole chain: the DataModule's checkpoint entry (saved, loaded weights-only), a DataLoader worker."""
+    import torch
+
+    a = write_jsonl(tmp_path / "a.jsonl", docs(0, 40))
+    options = dict(files=str(a), tokenizer=str(tok.path), seq_len=5, micro_batch_size=2, val_fraction=0)
+    saved = {}
+    for workers in (0, 1):  # a position saved by each layout
+        dm = Step35DataModule(num_workers=workers, **options)
+        drawn = [b["input_ids"] for _, b in zip(range(4), dm.train_dataloader())]
+        torch.save(dm.state_dict(), tmp_path / "data.pt")
+        dm.teardown()
+        saved[workers] = torch.load(tmp_path / "data.pt", weights_only=True)
+
+    write_jsonl(a, docs(0, 2) + docs(3, 37))  # a line deleted before the cursor (document 8)
+    strict = Step35DataModule(num_workers=1, strict=True, **options)
+    strict.load_state_dict(saved[1])
+    with pytest.raises(DataChangedError, match=r"a\.jsonl changed \(\d+ bytes then, \d+ now\)"):
+        next(iter(strict.train_dataloader()))
+    strict.teardown()
+
+    lenient = Step35DataModule(num_workers=0, **options)
+    lenient.load_state_dict(saved[0])
+    with pytest.warns(DataChangedWarning, match="restarts from its beginning"):
+        first = next(iter(lenient.train_dataloader()))["input_ids"]
+    assert torch.equal(first, drawn[0])  # documents 0 and 1, as at the very start
+
+
 def test_a_changed_file_list_restarts_and_a_copied_corpus_resumes(tmp_path, tok):
     a = write_jsonl(tmp_path / "a.jsonl", docs(0, 20))
     b = write_jsonl(tmp_path / "b.jsonl", docs(20, 20))
@@ -78,7 +107,10 @@ def test_a_changed_file_list_restarts_and_a_copied_corpus_resumes(tmp_path, tok)
 def test_records_without_the_text_field_fail_within_the_first_records(tmp_path, tok):
     rows = [{"content": text, "id": i} for i, text in enumerate(docs(0, 500))]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    expected = rf"none of the first {FIELD_CHECK_RECORDS} records read has the text field 'text'.*'content', 'id'.*did you mean 'content'"
+    expected = (
+        rf"none of the first {FIELD_CHECK_RECORDS} records read has the text field 'text'"
+        r".*'content', 'id'.*did you mean 'content'"
+    )
 
     # The stream stops after FIELD_CHECK_RECORDS records, not after an epoch of 500 skipped records.
     stream = TokenWindows([FileSource("c", [tmp_path / "c.jsonl"])], tok, seq_len=5)
@@ -100,7 +132,8 @@ def test_records_without_the_text_field_fail_within_the_first_records(tmp_path, 
         windows(TokenWindows([FileSource("small", [tmp_path / "small.jsonl"])], tok, seq_len=5), 1)
 
     # A few bad records among good ones are still skipped, not a wrong field.
-    (tmp_path / "mixed.jsonl").write_text('{"body": "x"}\n' * 5 + "".join(json.dumps({"text": t}) + "\n" for t in docs(0, 50)))
+    good = "".join(json.dumps({"text": t}) + "\n" for t in docs(0, 50))
+    (tmp_path / "mixed.jsonl").write_text('{"body": "x"}\n' * 5 + good)
     Step35DataModule(files=str(tmp_path / "mixed.jsonl"), tokenizer=str(tok.path), seq_len=5).setup()
 
 
@@ -113,7 +146,8 @@ def test_the_default_holdout_taking_the_only_document_is_said(tmp_path, tok):
     book = tmp_path / held_out_name(0.01)
     book.write_text("\n".join(docs(0, 40)))
     dm = Step35DataModule(files=str(book), tokenizer=str(tok.path), seq_len=5)  # txt_mode: file, val_fraction unset
-    with pytest.raises(ValueError, match=rf"holdout \(val_fraction=0.01\) takes its only document, .*{book.name}.*val_fraction: 0"):
+    expected = rf"holdout \(val_fraction=0.01\) takes its only document, .*{book.name}.*val_fraction: 0"
+    with pytest.raises(ValueError, match=expected):
         dm.setup()
     # The ways out the message names work.
     Step35DataModule(files=str(book), tokenizer=str(tok.path), seq_len=5, val_fraction=0).setup()

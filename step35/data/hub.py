@@ -104,5 +104,6 @@ class HubSource(Source):
         if first is None:
             raise ValueError(f"hub dataset {self.name} is empty")
         if self.text_field not in first:
-            hint = did_you_mean(self.text_field, sorted(first)) or "; set text_field"
-            raise ValueError(f"hub dataset {self.name} has no field {self.text_field!r} (fields: {sorted(first)}){hint}")
+            fields = sorted(first)
+            hint = did_you_mean(self.text_field, fields) or "; set text_field"
+            raise ValueError(f"hub dataset {self.name} has no field {self.text_field!r} (fields: {fields}){hint}")

@@ -63,10 +63,13 @@ class PackedSource:
         if state.get("parts") is None:  # a fresh stream, or a state saved before data checks existed
             return
         cursor = Cursor(*state["cursor"])
+        then, now = state.get("stamp"), None
         if state["parts"] != self.source.digest():
             problem = f"its list of files changed ({len(self.source.parts)} files now)"
-        elif state.get("stamp") != self.source.stamp(cursor):
-            problem = f"{self.source.part_name(cursor)} changed (size or content; stamp {state.get('stamp')} then)"
+        elif then != (now := self.source.stamp(cursor)):
+            sizes = then and now and then[0] != now[0]
+            how = f"{then[0]} bytes then, {now[0]} now" if sizes else "its content, at the same size"
+            problem = f"{self.source.part_name(cursor)} changed ({how})"
         else:
             return
         if self.strict:

@@ -30,6 +30,7 @@ import torch
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.export import align_special_ids, is_hf_folder, open_checkpoint
+from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 
@@ -90,7 +91,7 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
 
     path = Path(checkpoint)
     if is_hf_folder(path):
-        model = Step35ForCausalLM.from_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
+        model = load_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
         files = run_tokenizer.folder_files(tokenizer or path)
         config, run_eos = model.config, None
     else:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.export import export_checkpoint
 from step35.checkpoint.trained import resolve_checkpoint
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.data import Step35DataModule
 from step35.data.builtin import builtin_tokenizer_dir
@@ -44,7 +45,7 @@ def test_run_folder_resolves_to_its_newest_checkpoint(tiny_run):
 def test_export_round_trip_fp32(tiny_run, exported):
     _, model = tiny_run
     assert len(list(exported.glob("model-*.safetensors"))) > 1  # 1MB shards
-    loaded = Step35ForCausalLM.from_pretrained(exported)
+    loaded = load_pretrained(exported)
     reference = model.state_dict()
     assert loaded.state_dict().keys() == reference.keys()
     for name, value in loaded.state_dict().items():
@@ -108,7 +109,7 @@ def test_export_to_bf16_keeps_router_bias_fp32(tiny_run, tmp_path):
     run, model = tiny_run
     main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "hf"),
           "--dtype", "bfloat16"])
-    loaded = Step35ForCausalLM.from_pretrained(tmp_path / "hf")
+    loaded = load_pretrained(tmp_path / "hf")
     assert loaded.config.torch_dtype == "bfloat16"
     assert loaded.lm_head.weight.dtype == torch.bfloat16
     assert loaded.model.layers[1].moe.router_bias.dtype == torch.float32
@@ -130,7 +131,7 @@ def release_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
     auto_map names. Returns the files an export copies."""
     model = Step35ForCausalLM(Step35LightningModule(config="tiny").model_config)
     model.init_weights(1)
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     extra = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
                                                                "special_tokens_map.json")}
     extra.update({
@@ -175,7 +176,7 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     # The folder's tokenizer says EOS 0 and no BOS, its config [1] and 0: fixed, and said so.
     assert config["eos_token_id"] == [0] and config["bos_token_id"] is None
     assert any(note.startswith("eos_token_id [1] -> [0]") for note in report.notes), report.notes
-    trained = Step35ForCausalLM.from_pretrained(out).state_dict()
+    trained = load_pretrained(out).state_dict()
     for name, value in module.model.state_dict().items():
         assert torch.equal(trained[name], value), name
     # The source folder moved: the error names it and the option that points at its new place.

@@ -6,6 +6,7 @@ import torch
 
 from step35.checkpoint import CheckpointError
 from step35.checkpoint.materialize import materialize
+from step35.checkpoint.pretrained import save_pretrained
 from step35.config import PRESETS, Step35Config, preset
 from step35.model import Step35ForCausalLM
 from step35.model.init import init_tensor
@@ -36,7 +37,7 @@ def test_init_statistics():
 def test_checkpoint_not_matching_the_config_is_refused_before_allocation(tmp_path):
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(0)
-    model.save_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "hf")
     raw = PRESETS["tiny"]()
     raw["moe_intermediate_size"] = 96  # the config the run asks for differs from the checkpoint's
     with torch.device("meta"):

@@ -33,6 +33,7 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.export import align_special_ids
 from step35.checkpoint.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
 from step35.commands.function_cli import run_function
+from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM, build_model
 
@@ -95,7 +96,7 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
     say = say or (lambda line: None)
     path = Path(checkpoint)
     if is_hf_folder(path):
-        model = Step35ForCausalLM.from_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
+        model = load_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
         files = run_tokenizer.folder_files(tokenizer or path)
         config, run_eos = model.config, None
         say(f"model: {path}; tokenizer: {tokenizer or path}")

@@ -24,7 +24,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, verify_for_load, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
-from step35.checkpoint.safe_load import check_finite, load_torch, safe_reader
+from step35.checkpoint.safe_load import check_bytes_items, check_finite, load_torch, safe_reader
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded folder
 
@@ -91,13 +91,16 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict:
 
 
 def load_meta(folder: str | Path) -> dict:
-    """Lightning's `meta.pt` of a sharded folder (no tensors of the model), read safely."""
+    """Lightning's `meta.pt` of a sharded folder (no tensors of the model), read safely; the
+    folder's non-tensor DCP items (optimizer param_groups) are checked too, so every reader of a
+    sharded folder (resume, export, generate) refuses a crafted one before loading anything else."""
     meta = Path(folder) / META_FILE
     if not meta.is_file():
         raise CheckpointError(f"{meta}: missing; {folder} is not a Lightning sharded checkpoint")
     checkpoint = load_torch(meta)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{meta}: holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    check_bytes_items(folder)
     return checkpoint
 
 
@@ -111,6 +114,10 @@ def dcp_load(state: dict, folder: Path) -> None:
     except (KeyboardInterrupt, SystemExit, CheckpointError):
         raise
     except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
+        for failure in (getattr(e, "failures", None) or {}).values():  # our own refusal, raised inside DCP
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(cause)) from None
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else type(e).__name__)
         raise CheckpointError(f"{folder}: DCP load failed ({detail[:300]})") from None

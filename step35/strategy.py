@@ -157,13 +157,15 @@ class Step35Strategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the manifest (checksums split over the ranks), read with no unpickling of code, and
-        refuse NaN/Inf weights; every rank raises the same one-line error naming the file or tensor."""
+        refuse NaN/Inf weights; every rank raises the same one-line error naming the file or tensor.
+        A sharded folder is read by DCP (any world size); a single file (full state, e.g. from a
+        one-process run) is spread over this run's ranks, each keeping its slice."""
         from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
         from step35.checkpoint.errors import raise_together
         from step35.checkpoint.integrity import verify_on_all_ranks
         from step35.checkpoint.safe_load import lightning_types, load_torch
-        from step35.checkpoint.trainer_io import check_loadable, finite_modules, load_sharded
+        from step35.checkpoint.trainer_io import check_loadable, finite_modules, load_full_optimizers, load_sharded
 
         path = Path(self.broadcast(str(checkpoint_path)))
         raise_together(lambda: check_loadable(path))
@@ -174,10 +176,11 @@ class Step35Strategy(ModelParallelStrategy):
             meta = raise_together(lambda: load_sharded(path, self.model, self.optimizers, strict))
         else:
             raise_together(lambda: load_torch(path, mmap=True))  # refuses a crafted file before Lightning reads it
-            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
-            with lightning_types():  # Lightning's loader, with weights_only=True and our allowlist
-                meta = _load_checkpoint(path, state, strict=strict, optimizer_states_from_list=True,
-                                        weights_only=True)
+            with lightning_types():  # Lightning's model loader, with weights_only=True and our allowlist
+                meta = _load_checkpoint(path, {"state_dict": self.model}, strict=strict, weights_only=True)
+            # The optimizers ourselves: Lightning re-keys a full optimizer state by module order,
+            # wrong for one saved by a one-process run (optimizer order, grouped by weight decay).
+            load_full_optimizers(meta, path, self.model, self.optimizers, strict)
         raise_together(lambda: finite_modules(self.model, self.optimizers, path))
         return meta
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.errors import CheckpointError, raise_together
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, verify_for_load, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
 from step35.checkpoint.safe_load import check_bytes_items, check_finite, load_torch, safe_reader
@@ -141,6 +141,68 @@ def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, 
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return meta
+
+
+# Names that wrappers insert in named_parameters() but not in state-dict keys (activation
+# checkpointing, torch.compile); the full state dicts of checkpoints use the bare names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _bare_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path: Path, index: int = 0) -> dict:
+    """A full (unsharded) optimizer state saved with integer parameter ids, re-keyed by parameter
+    name for `set_optimizer_state_dict`.
+
+    The ids differ by writer: a one-process run numbers the parameters in optimizer order (group
+    by group), Lightning's ModelParallelStrategy full save numbers them in module order. Both keep
+    each group's parameters in optimizer order, so the j-th id of group g is the j-th parameter of
+    group g of `optimizer` (built by the same configure_optimizers); a different grouping is refused."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
+        raise CheckpointError(f"{path}: optimizer {index} state is not a torch optimizer state dict")
+    saved_sizes = [len(g.get("params", ())) for g in groups]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise CheckpointError(f"{path}: optimizer {index} was saved with parameter groups of sizes {saved_sizes}, "
+                              f"this model's optimizer has {sizes}; the checkpoint belongs to another model or "
+                              f"optimizer setup")
+    names = {id(p): _bare_name(n) for n, p in module.named_parameters()}
+    key = {old: names[id(param)] for saved_group, group in zip(groups, optimizer.param_groups)
+           for old, param in zip(saved_group["params"], group["params"])}
+    if all(isinstance(k, str) for k in saved["state"]):  # already by name
+        return saved
+    missing = [k for k in saved["state"] if k not in key]
+    if missing:
+        raise CheckpointError(f"{path}: optimizer {index} has state for parameter ids {missing[:5]} that no "
+                              f"parameter group lists")
+    return {"state": {key[k]: v for k, v in saved["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in groups]}
+
+
+def load_full_optimizers(checkpoint: dict, path: Path, module: torch.nn.Module, optimizers: list,
+                         strict: bool = True) -> None:
+    """Fill sharded `optimizers` (DTensor parameters of `module`, any world size) from a single-file
+    checkpoint's full `optimizer_states`: each rank keeps its slice of the full tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not optimizers:  # validate / test / predict: the weights alone
+        return
+
+    def named_states() -> list[dict]:
+        saved = checkpoint.get("optimizer_states") or []
+        if len(saved) != len(optimizers):
+            raise CheckpointError(f"{path}: holds {len(saved)} optimizer states, this run has {len(optimizers)} "
+                                  f"optimizers")
+        return [named_optimizer_state(s, module, o, path, i) for i, (s, o) in enumerate(zip(saved, optimizers))]
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    for optimizer, named in zip(optimizers, raise_together(named_states)):
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)
 
 
 def finite_modules(module: torch.nn.Module, optimizers: list, path: Path) -> None:

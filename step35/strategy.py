@@ -130,10 +130,12 @@ class Step35Strategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write into a temporary sibling, hash (each rank its own shards), manifest last, then publish:
-        a kill at any moment leaves the previous checkpoint or the new one, never a mix."""
+        a kill at any moment leaves the previous checkpoint or the new one, never a mix. A failed
+        sharded save (a full disk: OSError ENOSPC naming the path) fails on every rank together, and
+        its partial folder is removed at once."""
         from step35.checkpoint.integrity import hash_files, write_manifest
-        from step35.checkpoint.publish import partial_path, publish
-        from step35.checkpoint.trainer_io import manifest_extra, rank_files, save_file
+        from step35.checkpoint.publish import partial_path, publish, remove_path
+        from step35.checkpoint.trainer_io import disk_full, manifest_extra, no_space, rank_files, save_file
 
         path = Path(self.broadcast(str(filepath)))
         if not self._save_distributed_checkpoint:  # full state dicts, gathered on rank 0 by Lightning
@@ -146,12 +148,28 @@ class Step35Strategy(ModelParallelStrategy):
         if self.global_rank == 0:
             tmp.mkdir(parents=True)
         self.barrier()
-        super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
-        entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
+        entries, failure = {}, None
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
+            entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: B036 (DCP's CheckpointException); meta.pt fails on rank 0 alone
+            full = disk_full(e, path.parent)
+            line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            failure = (full, f"{path}: sharded save failed on rank {self.global_rank} ({line.strip()[:300]})")
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, entries)
+        dist.all_gather_object(gathered, (entries, failure))
+        failures = [f for _, f in gathered if f is not None]
+        if failures:
+            if self.global_rank == 0:
+                remove_path(tmp)
+            self.barrier()
+            if any(full for full, _ in failures):
+                raise no_space(path)
+            raise RuntimeError(failures[0][1])
         if self.global_rank == 0:
-            write_manifest(tmp, extra, {k: v for part in gathered for k, v in part.items()})
+            write_manifest(tmp, extra, {k: v for part, _ in gathered for k, v in part.items()})
             publish(tmp, path)
         self.barrier()
 

@@ -14,6 +14,7 @@ installs it); Step35Strategy calls the same functions.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -35,18 +36,56 @@ def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
             "epoch": checkpoint.get("epoch"), "world_size": world_size}
 
 
+def disk_full(error: BaseException, folder: Path) -> bool:
+    """Whether a failed save failed because the filesystem of `folder` is full: an OSError
+    ENOSPC/EDQUOT (also inside DCP's CheckpointException text), or torch.save's own "[enforce fail
+    ...] unexpected pos" (its C++ writer drops the errno) while that filesystem has no room left."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return True
+    if "unexpected pos" in text:
+        try:
+            stat = os.statvfs(folder)
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize < 4 << 20
+    return False
+
+
+def no_space(path: Path) -> OSError:
+    """The one-line error for a save that filled its filesystem (its partial files already removed)."""
+    return OSError(errno.ENOSPC, f"{path}: no space left on device (ENOSPC) while saving this checkpoint; "
+                                 f"the partial save was removed, the previous checkpoint (if any) is intact")
+
+
 def save_file(checkpoint: dict, path: str | Path) -> None:
-    """torch.save into a temporary sibling, manifest, then publish under `path`."""
+    """torch.save into a temporary sibling, manifest, then publish under `path`. A full disk raises
+    OSError(ENOSPC) naming `path`; what the failed save wrote is removed before it propagates."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(path)
     try:
-        torch.save(checkpoint, tmp)
+        with open(tmp, "wb") as f:  # a file object: a full disk raises ENOSPC, not "unexpected pos"
+            torch.save(checkpoint, f)
         write_manifest(tmp, manifest_extra(checkpoint, "file"))
         publish(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e, path.parent):
+            raise
+        raise no_space(path) from None  # (after `finally` has removed the partial file)
     finally:  # only left when the save failed: remove what it wrote
-        for leftover in (tmp, tmp.with_name(tmp.name + FILE_MANIFEST_SUFFIX)):
-            leftover.unlink(missing_ok=True)
+        remove_leftovers(tmp)
+
+
+def remove_leftovers(tmp: Path) -> None:
+    """Delete a failed single-file save: the partial file and its manifest."""
+    for leftover in (tmp, tmp.with_name(tmp.name + FILE_MANIFEST_SUFFIX)):
+        leftover.unlink(missing_ok=True)
 
 
 def remove(path: str | Path) -> None:

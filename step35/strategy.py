@@ -148,26 +148,28 @@ class Step35Strategy(ModelParallelStrategy):
         if self.global_rank == 0:
             tmp.mkdir(parents=True)
         self.barrier()
-        entries, failure = {}, None
+        entries, failure, error = {}, None, None
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
             entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: B036 (DCP's CheckpointException); meta.pt fails on rank 0 alone
-            full = disk_full(e, path.parent)
-            line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            failure = (full, f"{path}: sharded save failed on rank {self.global_rank} ({line.strip()[:300]})")
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+            detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0])  # DCP: the last error line
+            error = e
+            failure = (disk_full(e, path.parent), f"{path}: sharded save failed on rank {self.global_rank} "
+                                                  f"({detail[:300]})")
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (entries, failure))
+        dist.all_gather_object(gathered, (entries, failure))  # every rank learns of a failure on any rank
         failures = [f for _, f in gathered if f is not None]
         if failures:
             if self.global_rank == 0:
-                remove_path(tmp)
+                remove_path(tmp)  # now, not at the next start
             self.barrier()
             if any(full for full, _ in failures):
-                raise no_space(path)
-            raise RuntimeError(failures[0][1])
+                raise no_space(path) from error
+            raise RuntimeError(failures[0][1]) from error
         if self.global_rank == 0:
             write_manifest(tmp, extra, {k: v for part, _ in gathered for k, v in part.items()})
             publish(tmp, path)

@@ -105,3 +105,29 @@ def test_writer_raising_enospc_is_named_and_cleaned_up(sharded, tmp_path, builti
         fit(tmp_path, builtin_cache, max_steps=1, sharded=sharded)
     assert err.value.errno == errno.ENOSPC and str(tmp_path / "ckpt") in str(err.value)
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_cache):
+    """2 ranks (torchrun, the real CLI) saving onto a full tmpfs: both ranks stop with the ENOSPC
+    line naming the checkpoint, no rank is left waiting, and the partial folder is already gone."""
+    from step35.checkpoint.publish import leftovers
+    from tests.test_checkpoint_safety import SHARDED, run_args, step35
+
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(checkpoints)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()[:200]}")
+    try:
+        args = [*SHARDED[:1], "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2", "--trainer.max_steps=1"]
+        result = step35(run_args("fit", run, False, *args), builtin_cache, timeout=400, nproc=2)
+        assert result.returncode != 0
+        for rank in (0, 1):
+            assert any(f"[rank {rank}]" in ln and "no space left on device (ENOSPC)" in ln and str(checkpoints) in ln
+                       for ln in result.stderr.splitlines()), result.stderr[-3000:]
+        assert leftovers(checkpoints) == [] and not [p for p in checkpoints.iterdir() if p.is_dir()]
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=True)

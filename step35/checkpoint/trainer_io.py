@@ -210,11 +210,11 @@ def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path:
         raise CheckpointError(f"{path}: optimizer {index} was saved with parameter groups of sizes {saved_sizes}, "
                               f"this model's optimizer has {sizes}; the checkpoint belongs to another model or "
                               f"optimizer setup")
+    if all(isinstance(k, str) for k in saved["state"]):  # already by name
+        return saved
     names = {id(p): _bare_name(n) for n, p in module.named_parameters()}
     key = {old: names[id(param)] for saved_group, group in zip(groups, optimizer.param_groups)
            for old, param in zip(saved_group["params"], group["params"])}
-    if all(isinstance(k, str) for k in saved["state"]):  # already by name
-        return saved
     missing = [k for k in saved["state"] if k not in key]
     if missing:
         raise CheckpointError(f"{path}: optimizer {index} has state for parameter ids {missing[:5]} that no "

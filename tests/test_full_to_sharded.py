@@ -6,8 +6,6 @@ not in module order."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +13,12 @@ import torch
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.safe_load import load_torch
 from tests.test_checkpoint_safety import run_args, step35
+
+
+def settings(group: dict) -> dict:
+    """A parameter group's settings (lr, betas, ...) without its parameter list; betas come back
+    from the sharded optimizer as a list."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
 
 
 @pytest.mark.multiprocess
@@ -40,11 +44,11 @@ def test_one_process_file_checkpoint_resumes_on_two_ranks_exactly(tmp_path, buil
     # the one-process optimizer numbers its parameters group by group; the j-th of group g is the
     # j-th name torch lists for group g of the sharded optimizer
     optim = saved["optimizer_states"][0]
-    assert [len(g["params"]) for g in optim["param_groups"]] == [len(g["params"]) for g in restored["optim"]["param_groups"]]
+    sizes = [len(g["params"]) for g in optim["param_groups"]]
+    assert sizes == [len(g["params"]) for g in restored["optim"]["param_groups"]]
     compared = 0
     for group, named in zip(optim["param_groups"], restored["optim"]["param_groups"]):
-        settings = lambda g: {k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}  # noqa: E731
-        assert settings(group) == settings(named)  # (betas come back as a list)
+        assert settings(group) == settings(named)
         for pid, name in zip(group["params"], named["params"]):
             for key, value in optim["state"][pid].items():
                 assert torch.equal(value, restored["optim"]["state"][name][key]), (name, key)

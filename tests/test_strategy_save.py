@@ -122,7 +122,8 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()[:200]}")
     try:
-        args = [*SHARDED[:1], "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2", "--trainer.max_steps=1"]
+        args = [*SHARDED[:1], "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2",
+                "--trainer.max_steps=1"]
         result = step35(run_args("fit", run, False, *args), builtin_cache, timeout=400, nproc=2)
         assert result.returncode != 0
         for rank in (0, 1):

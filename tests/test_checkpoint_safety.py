@@ -1,10 +1,12 @@
 """Checkpoints are data, not code, and damage is named, not loaded.
 
-- Crafted pickles (a DCP `.metadata`, a sharded folder's `meta.pt`, a single-file `.ckpt`) whose
-  payload would create a marker file are refused by `step35 fit --ckpt_path`, `step35 validate` and
-  `step35 export` (the real CLI, in a subprocess), naming the file; the marker never appears. The
-  crafted files carry a freshly written manifest, as an attacker would leave them, so it is the
-  unpickling policy that stops them, not the checksums.
+- Crafted pickles (a DCP `.metadata`, a sharded folder's `meta.pt`, a single-file `.ckpt`, a
+  non-tensor item of a `.distcp` shard that a clean `.metadata` points at) whose payload would create
+  a marker file are refused by `step35 fit --ckpt_path`, `step35 validate` and `step35 export` (and
+  `step35 generate` for the shard item), the real CLI in a subprocess, naming the file; the marker
+  never appears. The crafted files carry a freshly written manifest, as an attacker would leave
+  them, so it is the unpickling policy that stops them, not the checksums.
+- A `.metadata` entry pointing outside the folder (`../x.distcp`, an absolute path) is refused by name.
 - Flipped byte, truncated file, deleted file, NaN weights in a sharded folder, a `.ckpt` and an HF
   folder: refused at load (resume, export, from_pretrained) with the file or tensor named.
 - 2 ranks: a damaged shard fails the resume on every rank, quickly.
@@ -12,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import pickle
 import shutil
@@ -95,7 +99,14 @@ def craft(kind: str, checkpoints: dict[str, Path], where: Path, marker: Path) ->
         return path, path
     path = where / "evil_sharded.ckpt"
     shutil.copytree(checkpoints["sharded"], path)
-    if kind == "metadata":  # DCP's real metadata, with the payload riding along in a field
+    if kind == "bytes":  # a clean .metadata whose lr item points at a pickle appended to a shard
+        bad = path / "__0_0.distcp"
+        payload = io.BytesIO()
+        torch.save(Payload(marker, "system"), payload)
+        repoint(path, bad.name, bad.stat().st_size, len(payload.getvalue()), lambda key: key.endswith(".lr"))
+        with open(bad, "ab") as f:
+            f.write(payload.getvalue())
+    elif kind == "metadata":  # DCP's real metadata, with the payload riding along in a field
         metadata = read_dcp_metadata(path)
         metadata.planner_data = {"note": Payload(marker, "system")}
         with open(path / ".metadata", "wb") as f:
@@ -110,29 +121,53 @@ def craft(kind: str, checkpoints: dict[str, Path], where: Path, marker: Path) ->
     return path, bad
 
 
+def repoint(folder: Path, relative_path: str, offset: int, length: int, which) -> str:
+    """Rewrite `folder/.metadata` (a clean pickle of DCP's own classes) so that the first non-tensor
+    item whose key passes `which` is read from `relative_path` at `offset`; returns its key."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = read_dcp_metadata(folder)
+    index = next(i for i in metadata.storage_data if which(i.fqn)
+                 and isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path=relative_path,
+                                                       offset=offset, length=length)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return index.fqn
+
+
 def test_payloads_are_live(checkpoints, tmp_path):
     """The crafted files really run their payload when unpickled the old way (so the refusals below mean something)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    for kind in ("metadata", "meta.pt", "ckpt"):
+    for kind in ("metadata", "meta.pt", "ckpt", "bytes"):
         marker = tmp_path / f"marker-{kind}"
         (tmp_path / kind).mkdir()
         path, bad = craft(kind, checkpoints, tmp_path / kind, marker)
-        if kind == "metadata":
+        if kind == "bytes":  # what the resume did before: DCP's default planner reads the optimizer's param_groups
+            key = next(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.endswith(".lr"))
+            with pytest.warns(UserWarning):  # (no process group: "assuming the intent is to load in a single process")
+                dcp.load({key: 0.0}, storage_reader=FileSystemReader(path))
+        elif kind == "metadata":
             FileSystemReader(path).read_metadata()  # what Lightning's resume and the old export did
         else:
             torch.load(bad, weights_only=False)  # what the old export did
         assert marker.exists(), kind
 
 
-@pytest.mark.parametrize("command", ["fit", "validate", "export"])
-@pytest.mark.parametrize("kind", ["metadata", "meta.pt", "ckpt"])
+@pytest.mark.parametrize("kind,command", [(kind, command) for kind in ("metadata", "meta.pt", "ckpt")
+                                          for command in ("fit", "validate", "export")]
+                         + [("bytes", command) for command in ("fit", "validate", "export", "generate")])
 def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoints, builtin_cache, tmp_path):
     (tmp_path / "in").mkdir()
     marker = tmp_path / "marker"
     path, bad = craft(kind, checkpoints, tmp_path / "in", marker)
     if command == "export":
         result = step35(["export", "--checkpoint", str(path), "--out", str(tmp_path / "hf")], builtin_cache)
+    elif command == "generate":
+        result = step35(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max_new_tokens", "2"],
+                        builtin_cache)
     else:
         extra = ["--trainer.max_steps=3"] if command == "fit" else []
         result = step35(run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}", *extra),
@@ -142,6 +177,41 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoin
     line = error_line(result.stderr, f"{bad}: refused to unpickle")
     assert len(line) < 500, line
     assert not (tmp_path / "hf").exists()
+
+
+def test_bytes_item_refused_by_the_loader_itself(checkpoints, tmp_path):
+    """The guard is in the reader DCP calls, not only in the early check: a crafted shard item loaded
+    straight through `dcp_load` is refused naming the shard, and the marker never appears."""
+    from step35.checkpoint.trainer_io import dcp_load
+
+    marker = tmp_path / "marker"
+    path, bad = craft("bytes", checkpoints, tmp_path, marker)
+    key = next(k for k in read_dcp_metadata(path).state_dict_metadata if k.endswith(".lr"))
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=f"{bad}: refused to unpickle"):
+        dcp_load({key: 0.0}, path)
+    assert not marker.exists()
+    clean = next(k for k in read_dcp_metadata(checkpoints["sharded"]).state_dict_metadata if k.endswith(".lr"))
+    state = {clean: None}
+    with pytest.warns(UserWarning):
+        dcp_load(state, checkpoints["sharded"])  # an untouched item still loads, with its value
+    assert isinstance(state[clean], float) and state[clean] > 0, state
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "absolute"])
+def test_metadata_pointing_outside_the_folder_is_refused(where, checkpoints, builtin_cache, tmp_path):
+    path = tmp_path / "evil.ckpt"
+    shutil.copytree(checkpoints["sharded"], path)
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(path / "__0_0.distcp", outside)  # a readable file is there: only the path check can stop it
+    target = str(outside) if where == "absolute" else where
+    key = repoint(path, target, 0, 16, lambda key: True)
+    write_manifest(path)
+    with pytest.raises(CheckpointError) as err:
+        read_dcp_metadata(path)
+    message = str(err.value)
+    assert f"{path / '.metadata'}: entry {key} points at {target!r}, outside the checkpoint folder" in message
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        resume_in_process(path, True, builtin_cache)
 
 
 # --------------------------------------------------------------------------------- damaged files

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import step35.callbacks.expert_counts as expert_counts
+import step35.balancing as balancing
 from step35.callbacks import ExpertLoadMonitor
 from step35.callbacks.expert_load import load_stats
 from step35.config import preset
@@ -55,13 +55,13 @@ class CVPerStep(pl.Callback):
 def count_all_reduces(monkeypatch):
     """Shapes of the tensors the expert counter all-reduces (a no-op in one process, but counted)."""
     calls = []
-    original = expert_counts.all_reduce_
+    original = balancing.all_reduce_
 
     def counting(tensor, op="sum"):
         calls.append(tuple(tensor.shape))
         return original(tensor, op)
 
-    monkeypatch.setattr(expert_counts, "all_reduce_", counting)
+    monkeypatch.setattr(balancing, "all_reduce_", counting)
     return calls
 
 

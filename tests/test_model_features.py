@@ -218,7 +218,7 @@ def test_rotate_half_partial_rope(rotary_dim):
 # =================================================================================== attention
 @pytest.mark.parametrize("seq,window", [(1, 1), (7, 1), (7, 3), (20, 5), (20, 20), (20, 64), (600, 512)])
 def test_sliding_window_mask_bruteforce(seq, window):
-    mask = kernels.sliding_window_mask(seq, window)
+    mask = kernels.causal_mask(seq, window)
     brute = [[(i - window < j <= i) for j in range(seq)] for i in range(seq)]
     assert mask.dtype == torch.bool and mask.tolist() == brute
     # Row i sees min(i + 1, window) keys, itself included.
@@ -226,7 +226,7 @@ def test_sliding_window_mask_bruteforce(seq, window):
 
 
 def test_release_window_is_512_keys_including_query():
-    mask = kernels.sliding_window_mask(700, 512)
+    mask = kernels.causal_mask(700, 512)
     i = 650
     assert mask[i, i] and mask[i, i - 511] and not mask[i, i - 512] and not mask[i, i + 1]
 

@@ -15,7 +15,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
 
 from step35.module import Step35LightningModule
-from step35.parallel import ParallelConfigError, ParallelDims
+from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
 from tests.helpers import run_process_group
 
@@ -97,8 +97,12 @@ def test_parallel_dims_errors_name_both_values():
         ParallelDims(world_size=8, expert_parallel_size=5, num_experts=288)
     with pytest.raises(ParallelConfigError, match="replicate_size=3 must divide the world size 8"):
         ParallelDims(world_size=8, replicate_size=3)
+    with pytest.raises(ParallelConfigError, match=r"must divide num_experts=24 .*world size 16: \[1, 2, 4, 8\]"):
+        ParallelDims(world_size=16, expert_parallel_size=16, num_experts=24)
+    assert valid_ep_sizes(192, 288) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    assert valid_ep_sizes(8) == [1, 2, 4, 8] and valid_ep_sizes(6, 4) == [1, 2]
     dims = ParallelDims(world_size=192, expert_parallel_size=96, num_experts=288)
-    assert (dims.efsdp, dims.experts_per_rank, dims.shard_size) == (2, 3, 192)
+    assert (dims.efsdp, dims.shard_size) == (2, 192)
 
 
 def test_npu_without_torch_npu_is_a_clear_error():

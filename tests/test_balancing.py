@@ -102,11 +102,9 @@ def test_rate_zero_without_monitor_runs_no_collective(count_all_reduces):
 def test_bias_update_needs_a_router_bias(tmp_path):
     import json
 
-    from step35.config import PRESETS
+    from tests.helpers import tiny_config_dict
 
-    raw = PRESETS["tiny"]()
-    raw["use_moe_router_bias"] = False
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict(use_moe_router_bias=False)))
     with pytest.raises(ValueError, match="moe_bias_update_rate=0.01 needs a router bias"):
         Step35LightningModule(config=str(tmp_path / "config.json"), moe_bias_update_rate=0.01)
 

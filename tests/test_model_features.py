@@ -24,7 +24,7 @@ from step35.model.moe import MoE
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
-from tests.helpers import randomize_, tiny_config, tiny_model
+from tests.helpers import hand_inv_freq, randomize_, tiny_config, tiny_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 vs float64 reference
 
@@ -34,26 +34,6 @@ def hand_rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
     """Spec 2.2, float64: x * rsqrt(mean(x^2) + eps) * (1 + w) over the last dim."""
     x = x.double()
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
-
-
-def hand_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> list[float]:
-    """Spec 2.4 step 3 and 2.5 (llama3), one pair at a time in Python floats."""
-    inv = [theta ** (-2.0 * j / rotary_dim) for j in range(rotary_dim // 2)]
-    if scaling is None:
-        return inv
-    F_, L = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
-    a, b = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    out = []
-    for f in inv:
-        lam = 2 * math.pi / f
-        if lam < L / b:
-            out.append(f)
-        elif lam > L / a:
-            out.append(f / F_)
-        else:
-            s = (L / lam - a) / (b - a)
-            out.append((1 - s) * f / F_ + s * f)
-    return out
 
 
 def hand_cos_sin(seq: int, inv: list[float]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from step35.balancing import ExpertCounter, update_router_bias
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
-from step35.model import Step35ForCausalLM
+from step35.model import Step35ForCausalLM, build_model
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.resume import SavedRun, apply_optimizer_settings, check_resume, read_saved_run
 from step35.schedule import WarmupCosineLR
@@ -136,8 +136,7 @@ class Step35LightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        with torch.device("meta"):
-            model = Step35ForCausalLM(self.model_config, self.hparams.num_mtp_layers)
+        model = build_model(self.model_config, self.hparams.num_mtp_layers)
         strategy = self.trainer.strategy
         if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
             strategy.parallelize_model(model)
@@ -184,9 +183,9 @@ class Step35LightningModule(pl.LightningModule):
         tokens = batch["input_ids"]  # [B, S + 1]
         weight = self.hparams.mtp_loss_weight if self.training else 0.0
         aux_coef = self.hparams.moe_aux_loss_coef if self.training else 0.0
-        return self.model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
-                          loss_chunk_size=self.hparams.loss_chunk_size,
-                          position_ids=batch.get("position_ids")), tokens[:, 1:].numel()  # data.document_masking
+        return self.model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
+                               loss_chunk_size=self.hparams.loss_chunk_size,
+                               position_ids=batch.get("position_ids")), tokens[:, 1:].numel()  # data.document_masking
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out, n_tokens = self._loss(batch)

@@ -170,7 +170,7 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
         lambda m, args: per_layer.append(sequence_balance_loss(*m.route(args[0].reshape(-1, args[0].shape[-1]))[:2],
                                                                args[0].shape[0]).detach()))
         for _, moe in moe_layers(model)]
-    out = model(inputs, labels, moe_aux_loss_coef=coef)
+    out = model.loss(inputs, labels, moe_aux_loss_coef=coef)
     for h in handles:
         h.remove()
     assert len(per_layer) == 4
@@ -178,7 +178,7 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
     assert out.loss.item() == pytest.approx(out.lm_loss.item() + out.aux_loss.item(), rel=1e-6)
     assert out.aux_loss.item() > coef  # the uneven router is penalised (1 = balanced)
     # coef 0: not computed; the logits API is unchanged
-    assert model(inputs, labels).aux_loss is None
+    assert model.loss(inputs, labels).aux_loss is None
     assert model(inputs).shape == (3, 16, 1024)
     # Gradients of the aux loss alone reach every router, identical with activation checkpointing.
     grads = {}
@@ -187,7 +187,7 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
             for layer in m.model.layers:
                 apply_activation_checkpointing(layer, "full")
         m.zero_grad()
-        aux = m(inputs, labels, moe_aux_loss_coef=coef).aux_loss
+        aux = m.loss(inputs, labels, moe_aux_loss_coef=coef).aux_loss
         aux.backward()
         grads[name] = (aux.detach(), [moe.gate.weight.grad.clone() for _, moe in moe_layers(m)])
     (a_plain, g_plain), (a_ckpt, g_ckpt) = grads["plain"], grads["checkpointed"]

@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from step35.checkpoint import CheckpointError
-from step35.checkpoint.export import export_hf
+from step35.checkpoint.export import export_checkpoint
 from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
 from step35.checkpoint.trainer_io import Step35CheckpointIO, load_file
 from step35.data import Step35DataModule
-from step35.model import Step35ForCausalLM
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
 from tests.helpers import run_process_group, tiny_model
@@ -242,7 +242,7 @@ def test_nan_weights_refused_by_resume_and_export(kind, checkpoints, builtin_cac
         resume_in_process(path, kind == "sharded", builtin_cache)
     assert name.removeprefix("model.") in str(err.value), str(err.value)
     with pytest.raises(CheckpointError, match="holds (NaN|Inf)") as err:
-        export_hf(path, tmp_path / "hf")
+        export_checkpoint(path, tmp_path / "hf")
     assert name.removeprefix("model.") in str(err.value) and not (tmp_path / "hf").exists()
 
 
@@ -251,7 +251,7 @@ def test_damaged_sharded_checkpoint_refused_by_export(checkpoints, tmp_path):
     shutil.copytree(checkpoints["sharded"], path)
     flip_byte(path / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
-        export_hf(path, tmp_path / "hf")
+        export_checkpoint(path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial*"))
 
 
@@ -278,7 +278,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(checkpoints, tmp_path)
 @pytest.fixture
 def hf_folder(tmp_path) -> Path:
     path = tmp_path / "hf"
-    tiny_model(seed=3).save_pretrained(path, max_shard_size=1_000_000)
+    save_pretrained(tiny_model(seed=3), path, max_shard_size=1_000_000)
     return path
 
 
@@ -286,16 +286,16 @@ def test_hf_flipped_byte_refused_naming_the_shard(hf_folder):
     shard = sorted(hf_folder.glob("model-*.safetensors"))[2]
     flip_byte(shard)
     with pytest.raises(CheckpointError, match=f"{shard.name}: checksum mismatch"):
-        Step35ForCausalLM.from_pretrained(hf_folder)
+        load_pretrained(hf_folder)
 
 
 def test_hf_nan_weight_refused_naming_the_tensor(tmp_path):
     model = tiny_model(seed=3)
     with torch.no_grad():
         model.model.layers[2].moe.down_proj.weight[1, 3, 5] = float("nan")
-    model.save_pretrained(tmp_path / "hf", max_shard_size=1_000_000)
+    save_pretrained(model, tmp_path / "hf", max_shard_size=1_000_000)
     with pytest.raises(CheckpointError, match="model.layers.2.moe.down_proj.weight holds NaN"):
-        Step35ForCausalLM.from_pretrained(tmp_path / "hf")
+        load_pretrained(tmp_path / "hf")
 
 
 def test_hf_config_json_stays_editable(hf_folder):
@@ -304,7 +304,7 @@ def test_hf_config_json_stays_editable(hf_folder):
         [p.name for p in hf_folder.glob("*.safetensors")] + ["model.safetensors.index.json"])
     text = (hf_folder / "config.json").read_text()
     (hf_folder / "config.json").write_text(text.replace("{", "{\n  ", 1))
-    Step35ForCausalLM.from_pretrained(hf_folder)
+    load_pretrained(hf_folder)
 
 
 # ------------------------------------------------------------------------------------- 2 ranks

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from step35.checkpoint.pretrained import save_pretrained
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 from tests.helpers import run_process_group, tiny_config
@@ -28,7 +29,7 @@ def wide_tiny() -> Step35Config:
 def test_each_rank_reads_only_its_slices(tmp_path):
     model = Step35ForCausalLM(wide_tiny())
     model.init_weights(seed=5)
-    model.save_pretrained(tmp_path / "hf", max_shard_size="40MB")
+    save_pretrained(model, tmp_path / "hf", max_shard_size="40MB")
     sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
     total = sum(sizes.values())
     replicated = sum(v for n, v in sizes.items() if n.endswith("router_bias"))  # buffers: a copy per rank

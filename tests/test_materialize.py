@@ -6,6 +6,7 @@ import torch
 
 from step35.checkpoint import CheckpointError
 from step35.checkpoint.materialize import materialize
+from step35.checkpoint.pretrained import save_pretrained
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.model.init import init_tensor
@@ -37,7 +38,7 @@ def test_init_statistics():
 def test_checkpoint_not_matching_the_config_is_refused_before_allocation(tmp_path):
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(0)
-    model.save_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "hf")
     with torch.device("meta"):  # the config the run asks for differs from the checkpoint's
         target = Step35ForCausalLM(tiny_config(moe_intermediate_size=96))
     with pytest.raises(CheckpointError, match=r"model.layers.1.moe.gate_proj.weight .*shape \[8, 64, 128\].*\[8, 96, 128\]"):

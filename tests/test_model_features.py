@@ -561,7 +561,7 @@ def test_mtp_weight_zero_is_lm_loss_and_skips_mtp():
     labels = _labels(ids, masked=(3, 4))
     calls = []
     hook = model.model.mtp_layers[0].register_forward_hook(lambda *a: calls.append(1))
-    out = model(ids, labels, mtp_loss_weight=0.0, loss_chunk_size=7)
+    out = model.loss(ids, labels, mtp_loss_weight=0.0, loss_chunk_size=7)
     hook.remove()
     assert calls == [] and out.mtp_losses == []
     assert torch.equal(out.loss, out.lm_loss)
@@ -591,7 +591,7 @@ def test_mtp_loss_matches_hand_computation(two_layers):
     captured = {}
     last_main = model.model.layers[cfg.num_hidden_layers - 1]
     hook = last_main.register_forward_hook(lambda m, a, out: captured.setdefault("h", out.detach()))
-    out = model(ids, labels, mtp_loss_weight=weight, loss_chunk_size=5)
+    out = model.loss(ids, labels, mtp_loss_weight=weight, loss_chunk_size=5)
     hook.remove()
     assert len(out.mtp_losses) == len(model.model.mtp_layers) == (2 if two_layers else 1)
 
@@ -628,7 +628,7 @@ def test_mtp_gradients_reach_mtp_params_and_embeddings():
     grads = {}
     for weight in (0.0, 0.5):
         model = tiny_model(seed=18)
-        model(ids, labels, mtp_loss_weight=weight).loss.backward()
+        model.loss(ids, labels, mtp_loss_weight=weight).loss.backward()
         grads[weight] = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
     mtp_prefix = f"model.layers.{tiny_config().num_hidden_layers}."
     mtp_names = [n for n in grads[0.5] if n.startswith(mtp_prefix)]
@@ -653,13 +653,13 @@ def test_bf16_keeps_router_bias_fp32_and_trains():
             assert b.dtype == torch.float32 and torch.equal(b, biases[n]), n
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(19))
-    out = model(ids, _labels(ids), mtp_loss_weight=0.5)
+    out = model.loss(ids, _labels(ids), mtp_loss_weight=0.5)
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     out.loss.backward()
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), n
     # bf16 loss close to the fp32 model's (tolerance 2e-2 absolute on a loss of ~7: bf16 weights/activations).
-    ref = tiny_model(seed=19)(ids, _labels(ids), mtp_loss_weight=0.5)
+    ref = tiny_model(seed=19).loss(ids, _labels(ids), mtp_loss_weight=0.5)
     assert abs(out.loss.item() - ref.loss.item()) < 2e-2 * max(1.0, ref.loss.item())
     # Back to fp32: the bias is still the same fp32 values.
     model = model.float()

@@ -68,7 +68,7 @@ def measure_activations(config: Step35Config, batch: int, seq: int, mode: str, d
 
     created = _CreatedStorages()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
-        out = model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=mtp_loss_weight)
+        out = model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=mtp_loss_weight)
     kept = sum(n for ref, n in created.created.items() if not ref.expired() and ref not in owned)
     out.loss.backward()  # the counted graph is a complete training graph
     return sum(packed.values()), kept

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
 
+from step35.checkpoint.pretrained import load_pretrained
 from step35.module import Step35LightningModule
 from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
@@ -68,13 +69,12 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from step35.checkpoint.export import export_hf
-    from step35.model import Step35ForCausalLM
+    from step35.checkpoint.export import export_checkpoint
 
-    export_hf(step4[0], tmp_path / "hf", max_shard_size="2MB")
+    export_checkpoint(step4[0], tmp_path / "hf", max_shard_size="2MB")
     dcp_to_torch_save(step4[0], tmp_path / "consolidated.pt")
     consolidated = torch.load(tmp_path / "consolidated.pt", weights_only=False)["state_dict"]
-    exported = Step35ForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    exported = load_pretrained(tmp_path / "hf").state_dict()
     assert len(exported) == len([k for k in consolidated if k.startswith("model.")]) > 0
     for name, value in exported.items():
         assert torch.equal(value, consolidated["model." + name]), name

@@ -29,7 +29,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def folder_files(folder: str | Path) -> dict[str, bytes]:
-    """The tokenizer files of `folder`, by name; a folder without tokenizer.json is refused."""
+    """The TOKENIZER_FILES at the top of `folder`, looked up by name (the folder may be named by a
+    checkpoint from elsewhere: nothing else of it is read); a folder without tokenizer.json is refused."""
     folder = Path(folder).expanduser()
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{folder}: no tokenizer.json there (expected a Hugging Face tokenizer folder)")
@@ -44,12 +45,12 @@ def record(folder: str | Path, eos_token_id: int) -> dict[str, Any]:
 
 def read_record(value: Any, where: str | Path) -> dict[str, Any]:
     """A checkpoint's record, checked for shape (it came from a file)."""
-    ok = (isinstance(value, dict) and isinstance(value.get("files"), dict)
+    ok = (isinstance(value, dict) and isinstance(value.get("files"), dict) and isinstance(value.get("source"), str)
           and all(isinstance(k, str) and isinstance(v, bytes) for k, v in value["files"].items())
           and "tokenizer.json" in value["files"] and isinstance(value.get("eos_token_id"), int))
     if not ok:
-        raise CheckpointError(f"{where}: {RECORD_KEY} is malformed (expected files with tokenizer.json and an "
-                              "eos_token_id); pass the tokenizer folder explicitly")
+        raise CheckpointError(f"{where}: {RECORD_KEY} is malformed (expected files with tokenizer.json, an "
+                              "eos_token_id and its source folder); pass the tokenizer folder explicitly")
     unknown = sorted(set(value["files"]) - set(TOKENIZER_FILES))
     if unknown:
         raise CheckpointError(f"{where}: {RECORD_KEY} holds files that are no tokenizer files: {unknown}")

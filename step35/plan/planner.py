@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from step35.model import build_model
 from step35.parallel import ParallelDims
 from step35.plan.activations import ActivationEstimate, Shape, model_activations
 from step35.plan.devices import Device
@@ -55,11 +56,7 @@ def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGr
                                    reshard_after_forward=s.reshard_after_forward, train_mtp=s.train_mtp)
         close_world()
     else:
-        from step35.model import Step35ForCausalLM
-
-        with torch.device("meta"):
-            model = Step35ForCausalLM(cfg, s.num_mtp_layers)
-        model.to(s.stored_dtype)
+        model = build_model(cfg, s.num_mtp_layers, dtype=s.stored_dtype)
         if not s.train_mtp:
             for layer in model.model.mtp_layers:
                 layer.requires_grad_(False)

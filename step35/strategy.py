@@ -97,7 +97,7 @@ class Step35Strategy(ModelParallelStrategy):
         """Check the parallel sizes, start the process group, build the meshes. The sizes are checked
         before the process group exists: a bad size must fail on every rank at once, never leave some
         ranks waiting in a collective. That is why the strategy asks the module for its expert count
-        (`num_routed_experts`, see below) here rather than being told later: no hook of the module runs
+        (`num_routed_experts` above) here rather than being told later: no hook of the module runs
         before this one. The dense mesh is this strategy's `device_mesh`; the module's `device_mesh`
         stays None (nothing in Lightning reads it, and step35's module shards through
         `parallelize_model`, which gets both meshes)."""

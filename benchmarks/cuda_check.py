@@ -43,7 +43,7 @@ def check_kernels(report: dict) -> None:
     k = torch.randn(2, 4, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     out = kernels.attention(q, k, v, window=512, scale=128 ** -0.5)  # FlexAttention on CUDA
-    mask = kernels.sliding_window_mask(2048, 512, "cuda")
+    mask = kernels.causal_mask(2048, 512, "cuda")
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128 ** -0.5, enable_gqa=True)
     go = torch.randn_like(out)
     a = torch.autograd.grad(out, (q, k, v), go)

@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from step35.callbacks.expert_counts import ExpertCounter
+from step35.balancing import ExpertCounter, update_router_bias
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
@@ -107,6 +107,11 @@ class Step35LightningModule(pl.LightningModule):
         self.expert_counter: ExpertCounter | None = None
 
     # ------------------------------------------------------------------------------- building
+    def num_routed_experts(self) -> int | None:
+        """Routed experts per MoE layer (None without MoE layers). Step35Strategy asks this in its
+        setup_environment, before any other hook runs, to check expert_parallel_size."""
+        return self.model_config.moe_num_experts if self.model_config.use_moe else None
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
@@ -276,17 +281,6 @@ def _check_options(**values: Any) -> None:
         if not good:
             shown = list(value) if isinstance(value, tuple) else value
             raise ValueError(f"model.{name}={shown}: must be {requirement}")
-
-
-@torch.no_grad()
-def update_router_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean load - load_e) for each layer,
-    from global counts [L, E]. On the device, no host sync; identical on every rank (the biases are
-    plain replicated buffers and the counts are already summed over ranks)."""
-    load = counts.float()
-    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)  # [L, E]; 0 where a load equals the mean
-    for moe, delta in zip(layers, step):
-        moe.router_bias.add_(delta.to(moe.router_bias.device))
 
 
 def _foreach_ok(params: list[torch.Tensor]) -> bool:

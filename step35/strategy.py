@@ -28,6 +28,15 @@ def default_backend(device: torch.device) -> str:
     return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
 
 
+def num_routed_experts(module) -> int | None:
+    """The routed experts per MoE layer of the module's model, asked through the one call the strategy
+    makes on its module: `module.num_routed_experts()` (step35's LightningModule has it). A module
+    without that method (or whose model has no MoE layer, None) is not checked against
+    expert_parallel_size beyond the world size."""
+    ask = getattr(module, "num_routed_experts", None)
+    return ask() if callable(ask) else None
+
+
 class Step35Strategy(ModelParallelStrategy):
     def __init__(
         self,
@@ -85,18 +94,21 @@ class Step35Strategy(ModelParallelStrategy):
         return self._process_group_backend or default_backend(self.root_device)
 
     def setup_environment(self) -> None:
-        # Validate the sizes before the process group exists: a bad size must fail on every rank at
-        # once, never leave some ranks waiting in a collective.
+        """Check the parallel sizes, start the process group, build the meshes. The sizes are checked
+        before the process group exists: a bad size must fail on every rank at once, never leave some
+        ranks waiting in a collective. That is why the strategy asks the module for its expert count
+        (`num_routed_experts` above) here rather than being told later: no hook of the module runs
+        before this one. The dense mesh is this strategy's `device_mesh`; the module's `device_mesh`
+        stays None (nothing in Lightning reads it, and step35's module shards through
+        `parallelize_model`, which gets both meshes)."""
         world = self.num_nodes * self.num_processes
-        config = getattr(self.lightning_module, "model_config", None)
         dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
-                            num_experts=config.moe_num_experts if config is not None and config.use_moe else None)
+                            num_experts=num_routed_experts(self.lightning_module))
         self._init_process_group_of_restart()
         self._setup_distributed()  # (Lightning's init is skipped when the group exists)
         assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
         self.meshes = dims.build(self.root_device.type)
-        self._device_mesh = self.meshes.dense
-        self.lightning_module._device_mesh = self._device_mesh
+        self._device_mesh = self.meshes.dense  # the strategy's own (ModelParallelStrategy.device_mesh)
 
     def _init_process_group_of_restart(self) -> None:
         """After a torchrun restart (--max-restarts), init the process group on a store prefixed by

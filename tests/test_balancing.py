@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import step35.callbacks.expert_counts as expert_counts
+import step35.balancing as balancing
 from step35.callbacks import ExpertLoadMonitor
 from step35.callbacks.expert_load import load_stats
 from step35.config import preset
@@ -55,13 +55,13 @@ class CVPerStep(pl.Callback):
 def count_all_reduces(monkeypatch):
     """Shapes of the tensors the expert counter all-reduces (a no-op in one process, but counted)."""
     calls = []
-    original = expert_counts.all_reduce_
+    original = balancing.all_reduce_
 
     def counting(tensor, op="sum"):
         calls.append(tuple(tensor.shape))
         return original(tensor, op)
 
-    monkeypatch.setattr(expert_counts, "all_reduce_", counting)
+    monkeypatch.setattr(balancing, "all_reduce_", counting)
     return calls
 
 
@@ -102,11 +102,9 @@ def test_rate_zero_without_monitor_runs_no_collective(count_all_reduces):
 def test_bias_update_needs_a_router_bias(tmp_path):
     import json
 
-    from step35.config import PRESETS
+    from tests.helpers import tiny_config_dict
 
-    raw = PRESETS["tiny"]()
-    raw["use_moe_router_bias"] = False
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict(use_moe_router_bias=False)))
     with pytest.raises(ValueError, match="moe_bias_update_rate=0.01 needs a router bias"):
         Step35LightningModule(config=str(tmp_path / "config.json"), moe_bias_update_rate=0.01)
 

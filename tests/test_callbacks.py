@@ -12,7 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from step35.callbacks import ExpertCounter, ExpertLoadMonitor, MemoryMonitor, SpeedMonitor
+from step35.balancing import ExpertCounter
+from step35.callbacks import ExpertLoadMonitor, MemoryMonitor, SpeedMonitor
 from step35.callbacks.expert_load import load_stats
 from step35.callbacks.memory import device_memory_stats
 from step35.callbacks.throughput import peak_tflops_for

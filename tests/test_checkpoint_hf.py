@@ -19,7 +19,7 @@ from step35.checkpoint.hf import INDEX_FILE, CheckpointError
 from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.model import Step35ForCausalLM
 
-from tests.helpers import tiny_config_dict, tiny_model
+from tests.helpers import flash_config_dict, tiny_config_dict, tiny_model
 
 SHARD = 1_000_000  # bytes: the ~7.8 MB fp32 tiny model becomes ~9 shards
 MTP_PREFIX = "model.layers.5."  # tiny: 5 main layers, MTP layer 5
@@ -141,9 +141,9 @@ def test_config_json_written_back(saved, tmp_path):
 def test_release_config_survives_save(tmp_path):
     # config.json of the release (docs/architecture.md §1) round-trips through a checkpoint save unchanged
     # apart from torch_dtype; built on meta, nothing allocated: only the config path is exercised.
-    from step35.config import PRESETS, Step35Config
+    from step35.config import Step35Config
 
-    raw = PRESETS["flash-196b"]()
+    raw = flash_config_dict()
     cfg = Step35Config.from_dict(raw)
     cfg.save(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == raw

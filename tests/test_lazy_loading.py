@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from step35.checkpoint.pretrained import save_pretrained
-from step35.config import PRESETS, Step35Config
+from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
-from tests.helpers import run_process_group
+from tests.helpers import run_process_group, tiny_config
 
 ROOT = Path(__file__).parent.parent
 WORLD = 4
@@ -20,10 +20,8 @@ WORLD = 4
 
 def wide_tiny() -> Step35Config:
     """The tiny layout with wider experts, so the checkpoint (~190 MB) dwarfs interpreter noise."""
-    raw = PRESETS["tiny"]()
-    raw.update({"hidden_size": 256, "moe_num_experts": 16, "moe_intermediate_size": 1024, "share_expert_dim": 256,
-                "intermediate_size": 512})
-    return Step35Config.from_dict(raw)
+    return tiny_config(hidden_size=256, moe_num_experts=16, moe_intermediate_size=1024, share_expert_dim=256,
+                       intermediate_size=512)
 
 
 @pytest.mark.multiprocess

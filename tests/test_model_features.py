@@ -24,7 +24,7 @@ from step35.model.moe import MoE
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
-from tests.helpers import randomize_, tiny_config, tiny_model
+from tests.helpers import hand_inv_freq, randomize_, tiny_config, tiny_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 vs float64 reference
 
@@ -34,26 +34,6 @@ def hand_rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
     """Spec 2.2, float64: x * rsqrt(mean(x^2) + eps) * (1 + w) over the last dim."""
     x = x.double()
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
-
-
-def hand_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> list[float]:
-    """Spec 2.4 step 3 and 2.5 (llama3), one pair at a time in Python floats."""
-    inv = [theta ** (-2.0 * j / rotary_dim) for j in range(rotary_dim // 2)]
-    if scaling is None:
-        return inv
-    F_, L = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
-    a, b = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    out = []
-    for f in inv:
-        lam = 2 * math.pi / f
-        if lam < L / b:
-            out.append(f)
-        elif lam > L / a:
-            out.append(f / F_)
-        else:
-            s = (L / lam - a) / (b - a)
-            out.append((1 - s) * f / F_ + s * f)
-    return out
 
 
 def hand_cos_sin(seq: int, inv: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +198,7 @@ def test_rotate_half_partial_rope(rotary_dim):
 # =================================================================================== attention
 @pytest.mark.parametrize("seq,window", [(1, 1), (7, 1), (7, 3), (20, 5), (20, 20), (20, 64), (600, 512)])
 def test_sliding_window_mask_bruteforce(seq, window):
-    mask = kernels.sliding_window_mask(seq, window)
+    mask = kernels.causal_mask(seq, window)
     brute = [[(i - window < j <= i) for j in range(seq)] for i in range(seq)]
     assert mask.dtype == torch.bool and mask.tolist() == brute
     # Row i sees min(i + 1, window) keys, itself included.
@@ -226,7 +206,7 @@ def test_sliding_window_mask_bruteforce(seq, window):
 
 
 def test_release_window_is_512_keys_including_query():
-    mask = kernels.sliding_window_mask(700, 512)
+    mask = kernels.causal_mask(700, 512)
     i = 650
     assert mask[i, i] and mask[i, i - 511] and not mask[i, i - 512] and not mask[i, i + 1]
 

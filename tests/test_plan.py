@@ -238,6 +238,10 @@ def test_invalid_expert_parallel_size_is_refused_with_valid_sizes(capsys):
                             "--trainer.strategy.expert_parallel_size", "64")
     assert code == 2
     assert "expert_parallel_size=64 is invalid" in err and "Valid sizes: 1, 2, 4, 8, 16, 32" in err
+    # 0 is refused the same way (it used to divide by zero in the check).
+    code, _, err = run_plan(capsys, "plan", "--config", "configs/flash-196b-4k-gpu.yaml", "--no-suggestions",
+                            "--trainer.strategy.expert_parallel_size", "0")
+    assert code == 2 and "expert_parallel_size=0 is invalid" in err, err[-2000:]
 
 
 def test_step35_help_lists_plan_and_export():

@@ -20,7 +20,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 PIECE_CHARS = 1 << 18  # a piece holds 256 to 512 Ki characters: 40 to 80 MB of tokenizer memory (~160 B/char)
 _CUT = re.compile(r"(?<=\S) (?=\S)")  # a single space between two non-spaces: a new pre-token starts there
@@ -116,7 +116,8 @@ class TextTokenizer:
 
 
 def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
-    """The EOS id by the rule documented in `TextTokenizer.from_folder`."""
+    """The EOS id of a tokenizer folder by the rule of `eos_token_id_from`; an error naming the folder
+    when none of its files names one."""
 
     def read(name: str) -> dict:
         file = folder / name
@@ -126,6 +127,25 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
             content = json.load(f)
         return content if isinstance(content, dict) else {}
 
+    found = eos_token_id_from(read, tokenizer, folder)
+    if found is None:
+        raise ValueError(
+            f"tokenizer {str(folder)!r}: cannot tell the EOS token (no eos_token in tokenizer_config.json or"
+            " special_tokens_map.json, no eos_token_id in config.json or generation_config.json); pass eos_token_id"
+        )
+    return found
+
+
+def eos_token_id_from(read: Callable[[str], dict], tokenizer: Any, where: str | Path) -> Optional[int]:
+    """step35's one rule for a tokenizer's end-of-text id (the data stream's document separator, the id
+    `step35 export` and `step35 generate` take as the tokenizer's EOS), first found wins:
+      1. tokenizer_config.json "eos_token" (a string or {"content": ...}) looked up in the vocabulary;
+      2. config.json, then generation_config.json, "eos_token_id" (the first entry if it is a list);
+      3. special_tokens_map.json "eos_token", looked up.
+    `read(name)` returns a file's JSON object ({} when the file is absent); `tokenizer` is a
+    tokenizers.Tokenizer. None when no file names one; a ValueError naming the file when a named
+    token is not in the vocabulary."""
+
     def token_id(token: Any, source: str) -> Optional[int]:
         if isinstance(token, dict):
             token = token.get("content")
@@ -133,7 +153,7 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
             return None
         token_id = tokenizer.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{folder / source}: eos_token {token!r} is not in the tokenizer's vocabulary")
+            raise ValueError(f"{Path(where) / source}: eos_token {token!r} is not in the tokenizer's vocabulary")
         return token_id
 
     found = token_id(read("tokenizer_config.json").get("eos_token"), "tokenizer_config.json")
@@ -145,13 +165,7 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
             value = value[0]
         if isinstance(value, int):
             return value
-    found = token_id(read("special_tokens_map.json").get("eos_token"), "special_tokens_map.json")
-    if found is not None:
-        return found
-    raise ValueError(
-        f"tokenizer {str(folder)!r}: cannot tell the EOS token (no eos_token in tokenizer_config.json or"
-        " special_tokens_map.json, no eos_token_id in config.json or generation_config.json); pass eos_token_id"
-    )
+    return token_id(read("special_tokens_map.json").get("eos_token"), "special_tokens_map.json")
 
 
 def cut_after(text: str, start: int, piece_chars: int) -> int:

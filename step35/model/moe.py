@@ -3,7 +3,7 @@ weights from unbiased scores renormalised and scaled, routed SwiGLU experts stac
 and computed through one grouped GEMM per projection.
 
 Router statistics: `tokens_per_expert` counts routed rows per expert in training forwards (read
-and reset by step35/callbacks/expert_counts.py); `sequence_balance_loss` is the optional auxiliary
+and reset by step35/balancing.py); `sequence_balance_loss` is the optional auxiliary
 loss, collected through a `RouterAuxLosses` passed down the layers.
 
 The shared expert is a sibling module of the layer (`share_expert.*`), not part of this one; the

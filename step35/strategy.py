@@ -85,6 +85,9 @@ class Step35Strategy(ModelParallelStrategy):
         return self._process_group_backend or default_backend(self.root_device)
 
     def setup_environment(self) -> None:
+        # A rank whose launcher dies ends itself (faults.watch_launcher), from here on: the process
+        # group init below can wait for peers, and the model build and checkpoint load take long.
+        faults.watch_launcher()  # (the rank is known after _setup_distributed)
         # Validate the sizes before the process group exists: a bad size must fail on every rank at
         # once, never leave some ranks waiting in a collective.
         world = self.num_nodes * self.num_processes
@@ -93,6 +96,7 @@ class Step35Strategy(ModelParallelStrategy):
                             num_experts=config.moe_num_experts if config is not None and config.use_moe else None)
         self._init_process_group_of_restart()
         self._setup_distributed()  # (Lightning's init is skipped when the group exists)
+        faults.watch_launcher(self.global_rank)
         assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
         self.meshes = dims.build(self.root_device.type)
         self._device_mesh = self.meshes.dense
@@ -198,13 +202,16 @@ class Step35Strategy(ModelParallelStrategy):
             return
         self._failed = True
         faults.mark_failure()
-        faults.report_failure(exception, self.global_rank)
+        if not faults.was_reported(exception):  # (FaultTolerance.on_exception, called first, may have)
+            faults.report_failure(exception, self.global_rank)
         faults.abort_process_groups()
 
     def teardown(self) -> None:
         # On success only: a barrier before the process group goes (without it gloo ranks can abort
         # at exit, "terminate called without an active exception", after all work succeeded). After a
         # failure the other ranks are elsewhere (or gone): a barrier would wait for them forever.
+        if not self._failed:
+            faults.stop_watching_launcher()  # a launcher that is rank 0 (Lightning's) may now end first
         if not self._failed and dist.is_available() and dist.is_initialized():
             dist.barrier()
         super().teardown()

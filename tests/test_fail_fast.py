@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from step35.faults import EXIT_PREEMPTED, EXIT_STALLED
+from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
 
 ROOT = Path(__file__).parent.parent
 
@@ -339,6 +339,78 @@ def test_watchdog_names_the_phase_and_exits_76(tmp_path):
     assert proc.returncode == EXIT_STALLED and time.monotonic() - started < 15
     assert "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
     assert "time.sleep(30)" in proc.stderr or "<string>" in proc.stderr  # the stacks follow
+    assert "another rank" not in proc.stderr and "peer" not in proc.stderr  # one process: no peer to blame
+
+
+def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
+    code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=1, world_size=2)\n"
+            "w.start()\ntime.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == EXIT_STALLED
+    assert "Waiting there means another rank stopped responding or died" in proc.stderr, proc.stderr
+
+
+def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_one_process(tmp_path):
+    # Steps of 2 s: after a SIGTERM, a phase may last 3 x 2 = 6 s (the option says 1 s) before the
+    # watchdog gives up; a one-process run has no peer to blame.
+    code = ("import os, signal, time\nfrom step35 import faults\n"
+            "s = faults.StopSignals()\ns.install()\n"
+            "w = faults.Watchdog(60, rank=0, signals=s, signal_grace_s=1.0)\n"
+            "w.record_step(0.5)\nw.record_step(2.0)\nw.record_step(1.0)\n"
+            "faults.set_phase('backward', step=4)\nw.start()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\nstart = time.monotonic()\n"
+            "while time.monotonic() - start < 30:\n    time.sleep(0.5)\n"
+            "    print(f'alive {time.monotonic() - start:.1f}', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == EXIT_STALLED, proc.stderr
+    alive = [float(line.split()[1]) for line in proc.stdout.splitlines()]
+    assert 5.0 <= max(alive) < 9.0, alive  # not ended after the option's 1 s: after the derived 6 s
+    assert re.search(r"'backward \(step 4\)' has made no progress for \d+ s since \(signal grace 6 s: 3 x the slowest "
+                     r"of the last 3 steps \(2\.0 s\)\): this rank cannot reach the step boundary, no checkpoint", proc.stderr), proc.stderr
+    assert "peer" not in proc.stderr and "another rank" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------- a dead launcher
+SUPERVISOR = """
+import ctypes, os, signal, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
+rank = "import time; from step35 import faults; print(faults.watch_launcher(), flush=True); time.sleep(60)"
+launcher = "import subprocess, sys, time; print(subprocess.Popen([sys.executable, '-c', %r]).pid, flush=True); time.sleep(120)" % rank
+proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+pid, watched = int(proc.stdout.readline()), proc.stdout.readline().strip()
+os.kill(proc.pid, signal.SIGKILL)
+proc.wait()
+start = time.monotonic()
+while time.monotonic() - start < 5:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print(f"watched={watched} exit={os.waitstatus_to_exitcode(status)} after={time.monotonic() - start:.1f}")
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print(f"watched={watched} alive")
+"""
+
+
+@pytest.mark.parametrize("launcher_env", [{"TORCHELASTIC_RUN_ID": "test"}, {"LOCAL_RANK": "1"}, {}],
+                         ids=["torchrun", "lightning", "shell"])
+def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shell_does_not(launcher_env):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", SUPERVISOR], capture_output=True, text=True, timeout=90,
+                          env={**env, "PYTHONPATH": str(ROOT), **launcher_env})
+    assert proc.returncode == 0, proc.stderr
+    if not launcher_env:  # started from a shell: its parent's death is no reason to stop
+        assert proc.stdout.strip() == "watched=False alive", proc.stdout + proc.stderr
+        return
+    match = re.fullmatch(r"watched=True exit=(\d+) after=([\d.]+)", proc.stdout.strip())
+    assert match and int(match.group(1)) == EXIT_ORPHANED, proc.stdout + proc.stderr
+    assert float(match.group(2)) < 2.0  # the watch polls every 0.5 s
+    assert re.search(rf"\[rank 0\] step35: the launcher \(pid \d+\) is gone \(this rank's parent is now pid \d+\) "
+                     rf"while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", proc.stderr), proc.stderr
 
 
 # ----------------------------------------------------------------------------------- restarts

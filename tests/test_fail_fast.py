@@ -85,6 +85,13 @@ class Job:
             raise AssertionError(f"still running after {timeout} s:\n{self.output()[-6000:]}") from None
 
 
+def ended(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_for(condition, timeout: float, job: Job, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -270,12 +277,102 @@ def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, bu
     ckpt = preempt_checkpoint(tmp_path / "run")
     step = preempt_step(ckpt)
     assert ckpt.is_file() and f"stopped by SIGUSR1 after step {step}" in out
+    assert max(losses(tmp_path / "run")) == step - 1  # the stopped step's row (0-based) is in the CSV
     # It resumes: the next run starts at that step.
     with Job([sys.executable, "-m", "step35", *fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}",
                                                         f"--ckpt_path={ckpt}", ranks=1)],
              tmp_path / "resumed.txt", builtin_cache) as job:
         assert job.wait(timeout=200) == 0, job.output()[-4000:]
     assert sorted(losses(tmp_path / "resumed")) == [step, step + 1]
+
+
+def slow_backward(*args: str) -> list[str]:
+    return ["--trainer.callbacks+=tests.dist.slow_steps.SlowBackward", *(f"--trainer.callbacks.{a}" for a in args)]
+
+
+def signal_grace(seconds: float) -> list[str]:
+    return ["--trainer.callbacks+=step35.callbacks.FaultTolerance", f"--trainer.callbacks.signal_grace_s={seconds}"]
+
+
+def backward_started(job: Job, step: int) -> bool:
+    return f"slow backward of step {step}\n" in job.output()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_and_exits_75(tmp_path, builtin_cache):
+    # Every backward takes over 3 s, the signal_grace_s option is 2 s: the grace derived from the
+    # step time (3 x the slowest recent step) lets the stopped step finish (before: exit 76 after
+    # 2 s of 'backward', no checkpoint, and "a peer" blamed in a one-process run).
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1),
+           *slow_backward("sleep_s=3"), *signal_grace(2)]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: backward_started(job, 3), 200, job, "the backward of step 3")  # 2 steps timed
+        job.proc.send_signal(signal.SIGTERM)  # in the middle of the 3 s backward
+        rc = job.wait(timeout=120)
+        out = job.output()
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    ckpt = preempt_checkpoint(tmp_path / "run")
+    assert preempt_step(ckpt) == 3 and "stopped by SIGTERM after step 3" in out, out[-4000:]
+    assert max(losses(tmp_path / "run")) == 2  # the stopped step's metrics row (0-based step 2) is in the CSV
+    assert "watchdog" not in out and "peer" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_blaming_no_peer(tmp_path, builtin_cache):
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1),
+           *slow_backward("sleep_s=1", "stuck_at=4"), *signal_grace(1)]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: backward_started(job, 4), 200, job, "the backward of step 4")
+        sent = time.monotonic()
+        job.proc.send_signal(signal.SIGTERM)
+        rc = job.wait(timeout=120)
+        ended_in = time.monotonic() - sent
+        out = job.output()
+    assert rc == EXIT_STALLED, out[-4000:]
+    match = re.search(r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago, and 'backward \(step 4\)' has made no "
+                      r"progress for \d+ s since \(signal grace (\d+) s: 3 x the slowest of the last 3 steps \([\d.]+ s\)\): "
+                      r"this rank cannot reach the step boundary, no checkpoint", out)
+    assert match, out[-4000:]
+    assert int(match.group(1)) >= 3 and ended_in < int(match.group(1)) + 10, (match.group(0), ended_in)
+    assert "peer" not in out and "another rank" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tmp_path, builtin_cache):
+    # FaultTolerance runs after every other callback (Lightning puts Checkpoint callbacks last): its
+    # phases are set by PhaseMarks, first in the list (before: reported as 'data: next batch').
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=5", ranks=1),
+           "--trainer.callbacks+=tests.dist.slow_steps.RaiseAtBatchStart", "--trainer.callbacks.at_step=2"]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        rc = job.wait(timeout=200)
+        out = job.output()
+    assert rc == 1, out[-4000:]
+    head = ("[rank 0] step35: run failed during 'batch start hooks (step 2)': RuntimeError: "
+            "injected failure at the start of step 2")
+    assert out.count(head) == 2, out[-4000:]  # before and after the traceback, printed once
+    assert "[rank 0] Traceback (most recent call last)" in out
+
+
+# ----------------------------------------------------------------------------------- a dead launcher (torchrun)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path, builtin_cache):
+    # An OOM kill of the launcher, `kill -9`, a supervisor: before, the ranks (in their own sessions,
+    # re-parented) trained on, writing checkpoints beside the restarted job.
+    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
+        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        os.killpg(job.proc.pid, signal.SIGKILL)  # torchrun leads its process group; the ranks are not in it
+        killed = time.monotonic()
+        job.proc.wait(timeout=30)
+        while time.monotonic() - killed < 30 and not all(map(ended, workers)):
+            time.sleep(0.1)
+        gone_in = time.monotonic() - killed
+        out = job.output()
+    assert gone_in < 10, f"{gone_in:.0f} s\n{out[-4000:]}"
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] step35: the launcher \(pid {job.proc.pid}\) is gone \(this rank's parent is "
+                         rf"now pid \d+\) while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", out), out[-4000:]
 
 
 # ----------------------------------------------------------------------------------- a rank that stops responding

@@ -14,8 +14,9 @@ in the Lightning loop. The mechanics live in `step35.faults`; this file decides 
   step-boundary agreement, checkpoint save, data, validation; the expert all-to-all marks its own)
   and ends a rank that has made no progress for the timeout, naming the phase. Timeout: the
   strategy's `timeout_minutes` (Step35Strategy, default 10), else this callback's. Each step's
-  duration (data to the end of the optimizer step, without validation and checkpoint saves) is
-  given to the watchdog, which derives the signal grace from it.
+  duration (data to the end of the optimizer step, without validation and checkpoint saves; not
+  the first step of a start, which carries compile and warm-up) is given to the watchdog, which
+  derives the signal grace from it.
 - Phases are set by a small callback put first in the trainer's list (`PhaseMarks`), so a phase is
   entered before any other callback's hook for it runs (an error raised there is reported in the
   right phase); this callback runs last (after every ModelCheckpoint), at the step boundary.
@@ -126,7 +127,8 @@ class FaultTolerance(Checkpoint):
             signals: signals that stop the run at the next step boundary with a checkpoint and exit
                 code 75.
             signal_grace_s: after a stop signal, a phase (other than a checkpoint save) that lasts
-                longer than this and than 3 x the slowest of the last 20 steps means the rank cannot
+                longer than this and than 3 x the slowest of the last 20 steps (the first step of a
+                start not counted) means the rank cannot
                 reach the step boundary (blocked in a collective whose peer failed or stopped): the
                 watchdog ends it (exit code 76), not the launcher's SIGKILL.
             watchdog: False switches the watchdog off.
@@ -147,6 +149,7 @@ class FaultTolerance(Checkpoint):
         self._step_ends = StepEnds()
         self._marks = PhaseMarks()
         self._step_started = 0.0  # when the current step's work began (data included)
+        self._timed = False  # whether this step's time counts for the signal grace
 
     # ------------------------------------------------------------------------------- life cycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -202,7 +205,7 @@ class FaultTolerance(Checkpoint):
     # (the others are set by PhaseMarks, first in the list; these run after every other callback)
     def on_train_start(self, trainer, pl_module) -> None:
         self._step_ends.reset(trainer)
-        self._step_started = time.monotonic()
+        self._step_started, self._timed = time.monotonic(), False
         faults.set_phase("data: first batch", step=trainer.global_step + 1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -224,8 +227,9 @@ class FaultTolerance(Checkpoint):
             faults.set_phase("data: next micro-batch")
             return
         step = trainer.global_step
-        if self.watchdog is not None:
+        if self.watchdog is not None and self._timed:  # (the first step of a start: compile and warm-up)
             self.watchdog.record_step(self._marks.batch_end_at - self._step_started)
+        self._timed = True
         faults.set_phase("step boundary: stop-signal agreement", step=step)
         local = self.stop_signals is not None and self.stop_signals.requested
         flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)

@@ -128,9 +128,9 @@ class FaultTolerance(Checkpoint):
                 code 75.
             signal_grace_s: after a stop signal, a phase (other than a checkpoint save) that lasts
                 longer than this and than 3 x the slowest of the last 20 steps (the first step of a
-                start not counted) means the rank cannot
-                reach the step boundary (blocked in a collective whose peer failed or stopped): the
-                watchdog ends it (exit code 76), not the launcher's SIGKILL.
+                start not counted) means the rank cannot reach the step boundary (blocked in a
+                collective whose peer failed or stopped): the watchdog ends it (exit code 76), not
+                the launcher's SIGKILL.
             watchdog: False switches the watchdog off.
         """
         self.timeout_minutes = timeout_minutes
@@ -195,7 +195,9 @@ class FaultTolerance(Checkpoint):
             faults.set_phase("exit after the pre-emption checkpoint")
             return
         faults.mark_failure()
-        if not faults.was_reported(exception):  # a run without Step35Strategy (which reports otherwise)
+        # Printed with rank and phase at once (Step35Strategy.on_exception, called next, then skips
+        # it; without Step35Strategy nothing else would). Not Ctrl-C: Lightning says it was that.
+        if isinstance(exception, Exception) and not faults.was_reported(exception):
             faults.report_failure(exception, trainer.global_rank)
         if self.stop_signals is not None:  # after a failure, SIGTERM (torchrun ending the job) ends at once
             self.stop_signals.restore()

@@ -19,6 +19,7 @@ process group's life).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import faulthandler
 import os
@@ -186,6 +187,16 @@ class StopSignals:
         write_stderr(f"[rank {self.rank}] step35: received {signal.Signals(signum).name} during '{current_phase()}'; "
                      + ("stopping at the next step boundary after writing a checkpoint\n" if first
                         else "already stopping\n"))
+
+
+def ignore_at_exit(signals: tuple[int, ...]) -> None:
+    """Ignores `signals` from the start of the interpreter's exit (atexit) on. A Python handler does
+    not cover the whole exit: finalization resets it to the default action, while SIG_IGN stays."""
+    def ignore() -> None:
+        for signum in signals:
+            signal.signal(signum, signal.SIG_IGN)
+
+    atexit.register(ignore)
 
 
 # ----------------------------------------------------------------------------------- watchdog

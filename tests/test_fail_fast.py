@@ -469,6 +469,21 @@ def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_o
     assert "peer" not in proc.stderr and "another rank" not in proc.stderr
 
 
+@pytest.mark.parametrize("ignored", [True, False])
+def test_a_sigterm_late_in_the_exit_after_a_preemption_does_not_change_the_exit_code(ignored):
+    # torchrun SIGTERMs the other ranks as soon as one has exited with 75; one still finalizing then
+    # died of it (-15): Python resets its handlers during finalization, SIG_IGN stays.
+    code = ("import builtins, os, signal, time\nfrom step35 import faults\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            f"if {ignored}: faults.ignore_at_exit((signal.SIGTERM,))\n"
+            "class Late:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(0.2)\n"
+            "builtins._late = Late()  # dropped late in the interpreter's finalization\n"
+            f"raise SystemExit({EXIT_PREEMPTED})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == (EXIT_PREEMPTED if ignored else -signal.SIGTERM), (proc.returncode, proc.stderr)
+
+
 # ----------------------------------------------------------------------------------- a dead launcher
 SUPERVISOR = """
 import ctypes, os, signal, subprocess, sys, time

@@ -191,8 +191,12 @@ class FaultTolerance(Checkpoint):
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if isinstance(exception, faults.Preempted):
             # The handlers stay: torchrun sends SIGTERM to the other ranks as soon as one has exited
-            # with 75, and a rank that is itself leaving with 75 must not be killed by it.
+            # with 75, and a rank that is itself leaving with 75 must not be killed by it. Python
+            # resets its handlers to the default (death) while the interpreter finalizes, so from
+            # the exit on these signals are ignored (seen: a rank that had saved ended by SIGTERM, -15).
             faults.set_phase("exit after the pre-emption checkpoint")
+            if self.stop_signals is not None:
+                faults.ignore_at_exit(self.stop_signals.signals)
             return
         faults.mark_failure()
         # Printed with rank and phase at once (Step35Strategy.on_exception, called next, then skips

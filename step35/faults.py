@@ -362,6 +362,13 @@ def watch_launcher(rank: int | None = None) -> bool:
     return _LAUNCHER_WATCH is not None
 
 
+def check_launcher() -> None:
+    """Ends the process as `LauncherWatch` does if the launcher is gone; call it first on a failure, so
+    that a rank whose peer ended for that reason (a closed connection) names the cause, not the symptom."""
+    if _LAUNCHER_WATCH is not None:
+        _LAUNCHER_WATCH._check()
+
+
 def stop_watching_launcher() -> None:
     """On success, before the final barrier: a launcher may then end before this rank does (Lightning's
     launcher is rank 0 itself), which is no failure."""

@@ -201,6 +201,7 @@ class Step35Strategy(ModelParallelStrategy):
         if isinstance(exception, faults.Preempted):
             return
         self._failed = True
+        faults.check_launcher()  # a dead launcher (exit 77) is the cause of a peer's closed connection
         faults.mark_failure()
         if not faults.was_reported(exception):  # (FaultTolerance.on_exception, called first, may have)
             faults.report_failure(exception, self.global_rank)

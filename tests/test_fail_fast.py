@@ -369,6 +369,7 @@ def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path,
             time.sleep(0.1)
         gone_in = time.monotonic() - killed
         out = job.output()
+    print(f"ranks gone {gone_in:.1f} s after the SIGKILL of torchrun")
     assert gone_in < 10, f"{gone_in:.0f} s\n{out[-4000:]}"
     for rank in (0, 1):
         assert re.search(rf"\[rank {rank}\] step35: the launcher \(pid {job.proc.pid}\) is gone \(this rank's parent is "

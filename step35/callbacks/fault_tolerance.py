@@ -198,6 +198,7 @@ class FaultTolerance(Checkpoint):
             if self.stop_signals is not None:
                 faults.ignore_at_exit(self.stop_signals.signals)
             return
+        faults.check_launcher()  # a dead launcher (exit 77) is the cause of a peer's closed connection
         faults.mark_failure()
         # Printed with rank and phase at once (Step35Strategy.on_exception, called next, then skips
         # it; without Step35Strategy nothing else would). Not Ctrl-C: Lightning says it was that.

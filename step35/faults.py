@@ -20,7 +20,6 @@ process group's life).
 from __future__ import annotations
 
 import atexit
-import collections
 import faulthandler
 import os
 import signal
@@ -227,7 +226,7 @@ class Watchdog:
         self.signals = signals
         self.signal_grace_s = float(signal_grace_s)
         self.world_size = world_size
-        self._steps: collections.deque[float] = collections.deque(maxlen=self.RECENT_STEPS)
+        self._steps: tuple[float, ...] = ()  # replaced, never mutated: the watchdog thread reads it
         self._signal_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,18 +247,19 @@ class Watchdog:
 
     def record_step(self, seconds: float) -> None:
         """The duration of one finished optimizer step (called by the main thread)."""
-        self._steps.append(float(seconds))
+        self._steps = (*self._steps[-(self.RECENT_STEPS - 1):], float(seconds))
 
     def grace_s(self) -> float:
         """How long one phase may last after a stop signal: several times the slowest recent step, at
         least the `signal_grace_s` option (the only bound before the first step has finished)."""
-        slowest = max(self._steps, default=0.0)
-        return max(self.signal_grace_s, self.GRACE_STEPS * slowest)
+        return max(self.signal_grace_s, self.GRACE_STEPS * max(self._steps, default=0.0))
 
-    def _grace_text(self, grace: float) -> str:
+    def _grace_text(self) -> str:
+        steps = self._steps
+        grace = max(self.signal_grace_s, self.GRACE_STEPS * max(steps, default=0.0))
         if grace > self.signal_grace_s:
-            return (f"signal grace {grace:.0f} s: {self.GRACE_STEPS:g} x the slowest of the last {len(self._steps)} "
-                    f"steps ({max(self._steps):.1f} s)")
+            return (f"signal grace {grace:.0f} s: {self.GRACE_STEPS:g} x the slowest of the last {len(steps)} "
+                    f"steps ({max(steps):.1f} s)")
         return f"signal grace {grace:.0f} s"
 
     def _run(self) -> None:
@@ -276,7 +276,7 @@ class Watchdog:
                     handled = "" if signals.received is not None else ", the main thread never handled it"
                     why = " (a peer failed or stopped?)" if self.world_size > 1 else ""
                     self._fire(f"a stop signal arrived {now - self._signal_at:.0f} s ago{handled}, and '{current_phase()}' "
-                               f"has made no progress for {stuck:.0f} s since ({self._grace_text(grace)}): "
+                               f"has made no progress for {stuck:.0f} s since ({self._grace_text()}): "
                                f"this rank cannot reach the step boundary{why}, no checkpoint")
             idle = now - _PHASE.since
             if idle > self.timeout_s:

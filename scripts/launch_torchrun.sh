@@ -15,7 +15,8 @@
 # torchrun of every node restarts its ranks together (node ranks are assigned at each rendezvous).
 # Stop a job by signalling torchrun (this script's process): it forwards the signal to every rank, which
 # stop at the next step boundary with a checkpoint. Signalling only the ranks counts as their failure
-# and torchrun restarts them (while MAX_RESTARTS lasts).
+# and torchrun restarts them (while MAX_RESTARTS lasts). If torchrun itself is SIGKILLed (OOM killer,
+# kill -9), its ranks notice within a second and exit (77, no checkpoint): rerun this script to resume.
 set -euo pipefail
 CONFIG=${1:?usage: $0 CONFIG [overrides...]}
 shift

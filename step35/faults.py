@@ -2,7 +2,8 @@
 (`step35.callbacks.fault_tolerance` wires them into the training loop, `step35.strategy` into the
 process group's life).
 
-- Exit codes the launchers and schedulers can act on (`EXIT_PREEMPTED`, `EXIT_STALLED`).
+- Exit codes the launchers and schedulers can act on (`EXIT_PREEMPTED`, `EXIT_STALLED`,
+  `EXIT_ORPHANED`).
 - `StopSignals`: SIGTERM / SIGUSR1 only set a flag. The decision to stop is taken at a step
   boundary, agreed by all ranks with one tiny all_reduce, never inside a signal handler (a
   collective started from a handler meets other ranks inside a different collective and hangs).
@@ -10,12 +11,15 @@ process group's life).
   a thread ends the process, naming the phase and the rank, when nothing has progressed for the
   timeout. It is the one bound that holds whatever the backend (a SIGSTOPped peer, a collective on
   a device-mesh subgroup that has torch's default 30-minute timeout, a stuck data loader).
+- `watch_launcher`: a rank started by a launcher (torchrun) ends within a second when the launcher
+  dies (SIGKILL, an OOM kill), instead of training on beside the restarted job.
 - `report_failure` / `abort_process_groups`: an exception is printed with its rank at once, and
   the process groups are aborted instead of waited on, so no rank enters another collective.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -35,6 +39,10 @@ EXIT_PREEMPTED = 75
 with `--ckpt_path auto` to continue)."""
 EXIT_STALLED = 76
 """The watchdog ended the process: nothing progressed for the timeout (no checkpoint written)."""
+
+EXIT_ORPHANED = 77
+"""The launcher that started this rank (torchrun) died without ending it; the rank ended itself, no
+checkpoint. Whoever restarts the launcher restarts the ranks from their last checkpoint."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """SIGTERM: scancel, `timeout`, torchrun's shutdown, Kubernetes. SIGUSR1: SLURM's `--signal` warning."""
@@ -180,20 +188,36 @@ class StopSignals:
                         else "already stopping\n"))
 
 
+def ignore_at_exit(signals: tuple[int, ...]) -> None:
+    """Ignores `signals` from the start of the interpreter's exit (atexit) on. A Python handler does
+    not cover the whole exit: finalization resets it to the default action, while SIG_IGN stays."""
+    def ignore() -> None:
+        for signum in signals:
+            signal.signal(signum, signal.SIG_IGN)
+
+    atexit.register(ignore)
+
+
 # ----------------------------------------------------------------------------------- watchdog
 class Watchdog:
     """A daemon thread that ends the process (printing the rank, the phase and every thread's stack,
     exit code `EXIT_STALLED`, no cleanup: a process stuck in a collective cannot clean up) when
     - the recorded phase has not changed for `timeout_s`, or
-    - a stop signal reached the process and, since, one phase has lasted `signal_grace_s` (a
+    - a stop signal reached the process and, since, one phase has lasted the signal grace (a
       checkpoint save excepted): the rank cannot reach the step boundary, typically blocked in a
       collective whose peer failed or was stopped; without this, a rank that has handled the signal
       (or is blocked in native code and cannot) waits for the launcher's SIGKILL.
-    The launcher (torchrun) then ends the other ranks and, with restarts configured, starts the job
-    again from its last checkpoint."""
+    The signal grace is `GRACE_STEPS` times the slowest of the last `RECENT_STEPS` steps given to
+    `record_step`, never below `signal_grace_s`: a stop signal must not end a rank that is only in
+    a slow step. With `world_size` > 1 the messages point at the peers; in a one-process run there
+    are none. The launcher (torchrun) then ends the other ranks and, with restarts configured,
+    starts the job again from its last checkpoint."""
+
+    GRACE_STEPS = 3.0
+    RECENT_STEPS = 20
 
     def __init__(self, timeout_s: float, rank: int, hint: str = "", signals: StopSignals | None = None,
-                 signal_grace_s: float = 20.0):
+                 signal_grace_s: float = 20.0, world_size: int = 1):
         if timeout_s <= 0 or signal_grace_s <= 0:
             raise ValueError(f"watchdog timeout and signal grace must be > 0 seconds, got {timeout_s}, {signal_grace_s}")
         self.timeout_s = float(timeout_s)
@@ -201,6 +225,8 @@ class Watchdog:
         self.hint = hint
         self.signals = signals
         self.signal_grace_s = float(signal_grace_s)
+        self.world_size = world_size
+        self._steps: tuple[float, ...] = ()  # replaced, never mutated: the watchdog thread reads it
         self._signal_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -219,6 +245,23 @@ class Watchdog:
             self._thread.join(timeout=5)
         self._thread = None
 
+    def record_step(self, seconds: float) -> None:
+        """The duration of one finished optimizer step (called by the main thread)."""
+        self._steps = (*self._steps[-(self.RECENT_STEPS - 1):], float(seconds))
+
+    def grace_s(self) -> float:
+        """How long one phase may last after a stop signal: several times the slowest recent step, at
+        least the `signal_grace_s` option (the only bound before the first step has finished)."""
+        return max(self.signal_grace_s, self.GRACE_STEPS * max(self._steps, default=0.0))
+
+    def _grace_text(self) -> str:
+        steps = self._steps
+        grace = max(self.signal_grace_s, self.GRACE_STEPS * max(steps, default=0.0))
+        if grace > self.signal_grace_s:
+            return (f"signal grace {grace:.0f} s: {self.GRACE_STEPS:g} x the slowest of the last {len(steps)} "
+                    f"steps ({max(steps):.1f} s)")
+        return f"signal grace {grace:.0f} s"
+
     def _run(self) -> None:
         poll = min(1.0, max(0.1, self.timeout_s / 20))
         while not self._stop.wait(poll):
@@ -228,16 +271,19 @@ class Watchdog:
                 self._signal_at = now
             if self._signal_at is not None and not _PHASE.patient:
                 stuck = now - max(_PHASE.since, self._signal_at)
-                if stuck > self.signal_grace_s:
+                grace = self.grace_s()
+                if stuck > grace:
                     handled = "" if signals.received is not None else ", the main thread never handled it"
+                    why = " (a peer failed or stopped?)" if self.world_size > 1 else ""
                     self._fire(f"a stop signal arrived {now - self._signal_at:.0f} s ago{handled}, and '{current_phase()}' "
-                               f"has made no progress for {stuck:.0f} s since (signal grace {self.signal_grace_s:.0f} s): "
-                               "this rank cannot reach the step boundary (a peer failed or stopped?), no checkpoint")
+                               f"has made no progress for {stuck:.0f} s since ({self._grace_text()}): "
+                               f"this rank cannot reach the step boundary{why}, no checkpoint")
             idle = now - _PHASE.since
             if idle > self.timeout_s:
+                cause = ("another rank stopped responding or died, or this phase is slower than the timeout"
+                         if self.world_size > 1 else "this phase is stuck (data, I/O, a deadlock) or slower than the timeout")
                 self._fire(f"no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s) while in "
-                           f"'{current_phase()}'. Waiting there means another rank stopped responding or died, "
-                           f"or this phase is slower than the timeout{self.hint}")
+                           f"'{current_phase()}'. Waiting there means {cause}{self.hint}")
 
     def _fire(self, reason: str) -> None:
         write_stderr(f"\n[rank {self.rank}] step35 watchdog: {reason}. Ending this process with exit code "
@@ -247,6 +293,89 @@ class Watchdog:
         except (OSError, ValueError, RuntimeError):
             pass
         os._exit(EXIT_STALLED)
+
+
+# ----------------------------------------------------------------------------------- the launcher
+_PARENT_AT_START = os.getppid()  # at import, before any model build: the launcher if there is one
+
+
+def started_by_launcher() -> bool:
+    """True in a rank that torchrun (TORCHELASTIC_RUN_ID) or Lightning's own launcher (LOCAL_RANK in
+    the environment of the ranks it starts) started as its child. A process started from a shell is
+    not: when the shell goes, the terminal's SIGHUP ends it, or it was detached on purpose (nohup,
+    tmux) to keep going. SLURM's srun ends the tasks of a step itself."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+class LauncherWatch:
+    """A daemon thread that ends the process with `EXIT_ORPHANED` within `poll_s` of its launcher's
+    death: the parent process id then changes (the orphan is re-parented to init or a subreaper).
+
+    Without it, ranks whose torchrun was SIGKILLed (an OOM kill of the launcher, `kill -9`, a
+    supervisor) train on, re-parented, writing checkpoints beside the restarted job. Polling
+    `os.getppid()` was chosen over Linux's `prctl(PR_SET_PDEATHSIG)`: that signal fires when the
+    *thread* that forked the rank ends (not the launcher process), is Linux-only, and a signal can
+    only say why in a Python handler, which runs in the main thread between bytecodes (not while
+    it waits in a collective). One getppid() per `poll_s` costs nothing."""
+
+    def __init__(self, rank: int, parent: int | None = None, poll_s: float = 0.5):
+        self.rank = rank
+        self.parent = _PARENT_AT_START if parent is None else parent
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step35-launcher-watch", daemon=True)
+
+    def start(self) -> "LauncherWatch":
+        self._check()  # the launcher may already be gone
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._check()
+
+    def _check(self) -> None:
+        now = os.getppid()
+        if now == self.parent or self._stop.is_set():
+            return
+        write_stderr(f"[rank {self.rank}] step35: the launcher (pid {self.parent}) is gone (this rank's parent is "
+                     f"now pid {now}) while in '{current_phase()}': ending this rank with exit code {EXIT_ORPHANED}, "
+                     "no checkpoint, so that it does not run beside a restarted job\n")
+        os._exit(EXIT_ORPHANED)
+
+
+_LAUNCHER_WATCH: LauncherWatch | None = None
+
+
+def watch_launcher(rank: int | None = None) -> bool:
+    """Starts the one `LauncherWatch` of this process when a launcher started it (`started_by_launcher`);
+    a later call only updates the rank its message names (None: the environment's RANK, which
+    Lightning's launcher does not set). Returns whether the launcher is watched."""
+    global _LAUNCHER_WATCH
+    if _LAUNCHER_WATCH is None and started_by_launcher():
+        _LAUNCHER_WATCH = LauncherWatch(int(os.environ.get("RANK", "0")) if rank is None else rank).start()
+    elif _LAUNCHER_WATCH is not None and rank is not None:
+        _LAUNCHER_WATCH.rank = rank
+    return _LAUNCHER_WATCH is not None
+
+
+def check_launcher() -> None:
+    """Ends the process as `LauncherWatch` does if the launcher is gone; call it first on a failure, so
+    that a rank whose peer ended for that reason (a closed connection) names the cause, not the symptom."""
+    if _LAUNCHER_WATCH is not None:
+        _LAUNCHER_WATCH._check()
+
+
+def stop_watching_launcher() -> None:
+    """On success, before the final barrier: a launcher may then end before this rank does (Lightning's
+    launcher is rank 0 itself), which is no failure."""
+    global _LAUNCHER_WATCH
+    if _LAUNCHER_WATCH is not None:
+        _LAUNCHER_WATCH.stop()
+        _LAUNCHER_WATCH = None
 
 
 # ----------------------------------------------------------------------------------- failures

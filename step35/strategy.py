@@ -101,11 +101,15 @@ class Step35Strategy(ModelParallelStrategy):
         before this one. The dense mesh is this strategy's `device_mesh`; the module's `device_mesh`
         stays None (nothing in Lightning reads it, and step35's module shards through
         `parallelize_model`, which gets both meshes)."""
+        # A rank whose launcher dies ends itself (faults.watch_launcher), from here on: the process
+        # group init below can wait for peers, and the model build and checkpoint load take long.
+        faults.watch_launcher()  # (the rank is known after _setup_distributed)
         world = self.num_nodes * self.num_processes
         dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
                             num_experts=num_routed_experts(self.lightning_module))
         self._init_process_group_of_restart()
         self._setup_distributed()  # (Lightning's init is skipped when the group exists)
+        faults.watch_launcher(self.global_rank)
         assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
         self.meshes = dims.build(self.root_device.type)
         self._device_mesh = self.meshes.dense  # the strategy's own (ModelParallelStrategy.device_mesh)
@@ -232,14 +236,18 @@ class Step35Strategy(ModelParallelStrategy):
         if isinstance(exception, faults.Preempted):
             return
         self._failed = True
+        faults.check_launcher()  # a dead launcher (exit 77) is the cause of a peer's closed connection
         faults.mark_failure()
-        faults.report_failure(exception, self.global_rank)
+        if not faults.was_reported(exception):  # (FaultTolerance.on_exception, called first, may have)
+            faults.report_failure(exception, self.global_rank)
         faults.abort_process_groups()
 
     def teardown(self) -> None:
         # On success only: a barrier before the process group goes (without it gloo ranks can abort
         # at exit, "terminate called without an active exception", after all work succeeded). After a
         # failure the other ranks are elsewhere (or gone): a barrier would wait for them forever.
+        if not self._failed:
+            faults.stop_watching_launcher()  # a launcher that is rank 0 (Lightning's) may now end first
         if not self._failed and dist.is_available() and dist.is_initialized():
             dist.barrier()
         super().teardown()

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from step35.faults import EXIT_PREEMPTED, EXIT_STALLED
+from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
 
 ROOT = Path(__file__).parent.parent
 
@@ -83,6 +83,13 @@ class Job:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"still running after {timeout} s:\n{self.output()[-6000:]}") from None
+
+
+def ended(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def wait_for(condition, timeout: float, job: Job, what: str):
@@ -270,12 +277,103 @@ def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, bu
     ckpt = preempt_checkpoint(tmp_path / "run")
     step = preempt_step(ckpt)
     assert ckpt.is_file() and f"stopped by SIGUSR1 after step {step}" in out
+    assert max(losses(tmp_path / "run")) == step - 1  # the stopped step's row (0-based) is in the CSV
     # It resumes: the next run starts at that step.
     with Job([sys.executable, "-m", "step35", *fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}",
                                                         f"--ckpt_path={ckpt}", ranks=1)],
              tmp_path / "resumed.txt", builtin_cache) as job:
         assert job.wait(timeout=200) == 0, job.output()[-4000:]
     assert sorted(losses(tmp_path / "resumed")) == [step, step + 1]
+
+
+def slow_backward(*args: str) -> list[str]:
+    return ["--trainer.callbacks+=tests.dist.slow_steps.SlowBackward", *(f"--trainer.callbacks.{a}" for a in args)]
+
+
+def signal_grace(seconds: float) -> list[str]:
+    return ["--trainer.callbacks+=step35.callbacks.FaultTolerance", f"--trainer.callbacks.signal_grace_s={seconds}"]
+
+
+def backward_started(job: Job, step: int) -> bool:
+    return f"slow backward of step {step}\n" in job.output()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_and_exits_75(tmp_path, builtin_cache):
+    # Every backward takes over 3 s, the signal_grace_s option is 2 s: the grace derived from the
+    # step time (3 x the slowest recent step) lets the stopped step finish (before: exit 76 after
+    # 2 s of 'backward', no checkpoint, and "a peer" blamed in a one-process run).
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1),
+           *slow_backward("sleep_s=3"), *signal_grace(2)]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: backward_started(job, 3), 200, job, "the backward of step 3")  # step 2 timed (1: warm-up)
+        job.proc.send_signal(signal.SIGTERM)  # in the middle of the 3 s backward
+        rc = job.wait(timeout=120)
+        out = job.output()
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    ckpt = preempt_checkpoint(tmp_path / "run")
+    assert preempt_step(ckpt) == 3 and "stopped by SIGTERM after step 3" in out, out[-4000:]
+    assert max(losses(tmp_path / "run")) == 2  # the stopped step's metrics row (0-based step 2) is in the CSV
+    assert "watchdog" not in out and "peer" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_blaming_no_peer(tmp_path, builtin_cache):
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1),
+           *slow_backward("sleep_s=1", "stuck_at=4"), *signal_grace(1)]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: backward_started(job, 4), 200, job, "the backward of step 4")
+        sent = time.monotonic()
+        job.proc.send_signal(signal.SIGTERM)
+        rc = job.wait(timeout=120)
+        ended_in = time.monotonic() - sent
+        out = job.output()
+    assert rc == EXIT_STALLED, out[-4000:]
+    match = re.search(r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago, and 'backward \(step 4\)' has made no "
+                      r"progress for \d+ s since \(signal grace (\d+) s: 3 x the slowest of the last 2 steps \([\d.]+ s\)\): "
+                      r"this rank cannot reach the step boundary, no checkpoint", out)
+    assert match, out[-4000:]
+    assert int(match.group(1)) >= 3 and ended_in < int(match.group(1)) + 10, (match.group(0), ended_in)
+    assert "peer" not in out and "another rank" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tmp_path, builtin_cache):
+    # FaultTolerance runs after every other callback (Lightning puts Checkpoint callbacks last): its
+    # phases are set by PhaseMarks, first in the list (before: reported as 'data: next batch').
+    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=5", ranks=1),
+           "--trainer.callbacks+=tests.dist.slow_steps.RaiseAtBatchStart", "--trainer.callbacks.at_step=2"]
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        rc = job.wait(timeout=200)
+        out = job.output()
+    assert rc == 1, out[-4000:]
+    head = ("[rank 0] step35: run failed during 'batch start hooks (step 2)': RuntimeError: "
+            "injected failure at the start of step 2")
+    assert out.count(head) == 2, out[-4000:]  # before and after the traceback, printed once
+    assert "[rank 0] Traceback (most recent call last)" in out
+
+
+# ----------------------------------------------------------------------------------- a dead launcher (torchrun)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path, builtin_cache):
+    # An OOM kill of the launcher, `kill -9`, a supervisor: before, the ranks (in their own sessions,
+    # re-parented) trained on, writing checkpoints beside the restarted job.
+    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
+        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        os.killpg(job.proc.pid, signal.SIGKILL)  # torchrun leads its process group; the ranks are not in it
+        killed = time.monotonic()
+        job.proc.wait(timeout=30)
+        while time.monotonic() - killed < 30 and not all(map(ended, workers)):
+            time.sleep(0.1)
+        gone_in = time.monotonic() - killed
+        out = job.output()
+    print(f"ranks gone {gone_in:.1f} s after the SIGKILL of torchrun")
+    assert gone_in < 10, f"{gone_in:.0f} s\n{out[-4000:]}"
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] step35: the launcher \(pid {job.proc.pid}\) is gone \(this rank's parent is "
+                         rf"now pid \d+\) while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", out), out[-4000:]
 
 
 # ----------------------------------------------------------------------------------- a rank that stops responding
@@ -339,6 +437,93 @@ def test_watchdog_names_the_phase_and_exits_76(tmp_path):
     assert proc.returncode == EXIT_STALLED and time.monotonic() - started < 15
     assert "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
     assert "time.sleep(30)" in proc.stderr or "<string>" in proc.stderr  # the stacks follow
+    assert "another rank" not in proc.stderr and "peer" not in proc.stderr  # one process: no peer to blame
+
+
+def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
+    code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=1, world_size=2)\n"
+            "w.start()\ntime.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == EXIT_STALLED
+    assert "Waiting there means another rank stopped responding or died" in proc.stderr, proc.stderr
+
+
+def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_one_process(tmp_path):
+    # Steps of 2 s: after a SIGTERM, a phase may last 3 x 2 = 6 s (the option says 1 s) before the
+    # watchdog gives up; a one-process run has no peer to blame.
+    code = ("import os, signal, time\nfrom step35 import faults\n"
+            "s = faults.StopSignals()\ns.install()\n"
+            "w = faults.Watchdog(60, rank=0, signals=s, signal_grace_s=1.0)\n"
+            "w.record_step(0.5)\nw.record_step(2.0)\nw.record_step(1.0)\n"
+            "faults.set_phase('backward', step=4)\nw.start()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\nstart = time.monotonic()\n"
+            "while time.monotonic() - start < 30:\n    time.sleep(0.5)\n"
+            "    print(f'alive {time.monotonic() - start:.1f}', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == EXIT_STALLED, proc.stderr
+    alive = [float(line.split()[1]) for line in proc.stdout.splitlines()]
+    assert 5.0 <= max(alive) < 9.0, alive  # not ended after the option's 1 s: after the derived 6 s
+    assert re.search(r"'backward \(step 4\)' has made no progress for \d+ s since \(signal grace 6 s: 3 x the slowest "
+                     r"of the last 3 steps \(2\.0 s\)\): this rank cannot reach the step boundary, no checkpoint", proc.stderr), proc.stderr
+    assert "peer" not in proc.stderr and "another rank" not in proc.stderr
+
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_a_sigterm_late_in_the_exit_after_a_preemption_does_not_change_the_exit_code(ignored):
+    # torchrun SIGTERMs the other ranks as soon as one has exited with 75; one still finalizing then
+    # died of it (-15): Python resets its handlers during finalization, SIG_IGN stays.
+    code = ("import builtins, os, signal, time\nfrom step35 import faults\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            f"if {ignored}: faults.ignore_at_exit((signal.SIGTERM,))\n"
+            "class Late:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(0.2)\n"
+            "builtins._late = Late()  # dropped late in the interpreter's finalization\n"
+            f"raise SystemExit({EXIT_PREEMPTED})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == (EXIT_PREEMPTED if ignored else -signal.SIGTERM), (proc.returncode, proc.stderr)
+
+
+# ----------------------------------------------------------------------------------- a dead launcher
+SUPERVISOR = """
+import ctypes, os, signal, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
+rank = "import time; from step35 import faults; print(faults.watch_launcher(), flush=True); time.sleep(60)"
+launcher = "import subprocess, sys, time; print(subprocess.Popen([sys.executable, '-c', %r]).pid, flush=True); time.sleep(120)" % rank
+proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+pid, watched = int(proc.stdout.readline()), proc.stdout.readline().strip()
+os.kill(proc.pid, signal.SIGKILL)
+proc.wait()
+start = time.monotonic()
+while time.monotonic() - start < 5:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print(f"watched={watched} exit={os.waitstatus_to_exitcode(status)} after={time.monotonic() - start:.1f}")
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print(f"watched={watched} alive")
+"""
+
+
+@pytest.mark.parametrize("launcher_env", [{"TORCHELASTIC_RUN_ID": "test"}, {"LOCAL_RANK": "1"}, {}],
+                         ids=["torchrun", "lightning", "shell"])
+def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shell_does_not(launcher_env):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", SUPERVISOR], capture_output=True, text=True, timeout=90,
+                          env={**env, "PYTHONPATH": str(ROOT), **launcher_env})
+    assert proc.returncode == 0, proc.stderr
+    if not launcher_env:  # started from a shell: its parent's death is no reason to stop
+        assert proc.stdout.strip() == "watched=False alive", proc.stdout + proc.stderr
+        return
+    match = re.fullmatch(r"watched=True exit=(\d+) after=([\d.]+)", proc.stdout.strip())
+    assert match and int(match.group(1)) == EXIT_ORPHANED, proc.stdout + proc.stderr
+    assert float(match.group(2)) < 2.0  # the watch polls every 0.5 s
+    assert re.search(rf"\[rank 0\] step35: the launcher \(pid \d+\) is gone \(this rank's parent is now pid \d+\) "
+                     rf"while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", proc.stderr), proc.stderr
 
 
 # ----------------------------------------------------------------------------------- restarts

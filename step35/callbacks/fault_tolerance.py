@@ -13,7 +13,17 @@ in the Lightning loop. The mechanics live in `step35.faults`; this file decides 
 - The watchdog (`faults.Watchdog`) follows the loop's phases (forward, backward, optimizer step,
   step-boundary agreement, checkpoint save, data, validation; the expert all-to-all marks its own)
   and ends a rank that has made no progress for the timeout, naming the phase. Timeout: the
-  strategy's `timeout_minutes` (Step35Strategy, default 10), else this callback's.
+  strategy's `timeout_minutes` (Step35Strategy, default 10), else this callback's. Each step's
+  duration (data to the end of the optimizer step, without validation and checkpoint saves; not
+  the first step of a start, which carries compile and warm-up) is given to the watchdog, which
+  derives the signal grace from it.
+- Phases are set by a small callback put first in the trainer's list (`PhaseMarks`), so a phase is
+  entered before any other callback's hook for it runs (an error raised there is reported in the
+  right phase); this callback runs last (after every ModelCheckpoint), at the step boundary.
+- A failure is printed with its rank and phase (`faults.report_failure`) by whichever of this
+  callback and Step35Strategy sees it first; the launcher of a rank started by one is watched
+  (`faults.watch_launcher`).
+- Before the pre-emption exit, the loggers get the stopped step's metrics and are flushed.
 
 `step35 fit` adds this callback by itself; list it under trainer.callbacks to set its options.
 It subclasses `Checkpoint` so Lightning runs it after every ModelCheckpoint at the end of a step.
@@ -23,10 +33,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from step35 import faults
 from step35.callbacks.reporting import StepEnds, all_reduce_
@@ -56,6 +67,54 @@ def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
     return str(dirpath) if dirpath else os.path.join(trainer.default_root_dir, "checkpoints")
 
 
+def _log_stopped_step(trainer: "pl.Trainer") -> None:
+    """Hands the metrics of the step being stopped after to the loggers and flushes them: Lightning
+    logs a step's metrics only after every on_train_batch_end hook has returned, and the pre-emption
+    exit raises from one. `should_stop` makes Lightning log it whatever log_every_n_steps says (as
+    for the last step of any run). Uses Lightning 2.6's private `Trainer._logger_connector`."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if not callable(getattr(connector, "update_train_step_metrics", None)):
+        import lightning
+
+        faults.write_stderr(f"step35: lightning {lightning.__version__} has no Trainer._logger_connector."
+                            "update_train_step_metrics; the stopped step's metrics are not logged "
+                            "(update _log_stopped_step in step35/callbacks/fault_tolerance.py)\n")
+        return
+    trainer.should_stop = True
+    connector.update_train_step_metrics()
+    for logger in trainer.loggers:
+        logger.save()
+
+
+class PhaseMarks(Callback):
+    """Sets the phase at the start of the training loop's hooks. Put first in the trainer's callbacks by
+    FaultTolerance (which Lightning runs last, as a Checkpoint): a phase is entered before the other
+    callbacks' hooks for it, which then run, and fail, inside it. Also marks where each step's work
+    ends (before the ModelCheckpoint saves) for the step time."""
+
+    def __init__(self) -> None:
+        self.batch_end_at = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        faults.set_phase("batch start hooks", step=trainer.global_step + 1)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        faults.set_phase("backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        faults.set_phase("optimizer step (grad norm, clipping, update)")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batch_end_at = time.monotonic()
+        faults.set_phase("batch end hooks (metrics, checkpoints)")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        faults.set_phase("validation")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        faults.set_phase("validation")
+
+
 class FaultTolerance(Checkpoint):
     def __init__(self, timeout_minutes: float | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
                  signal_grace_s: float = 20.0, watchdog: bool = True):
@@ -67,9 +126,11 @@ class FaultTolerance(Checkpoint):
                 the first step, a checkpoint save or load).
             signals: signals that stop the run at the next step boundary with a checkpoint and exit
                 code 75.
-            signal_grace_s: after a stop signal, a phase (other than a checkpoint save) that lasts this
-                long means the rank cannot reach the step boundary (blocked in a collective whose peer
-                failed or stopped): the watchdog ends it (exit code 76), not the launcher's SIGKILL.
+            signal_grace_s: after a stop signal, a phase (other than a checkpoint save) that lasts
+                longer than this and than 3 x the slowest of the last 20 steps (the first step of a
+                start not counted) means the rank cannot reach the step boundary (blocked in a
+                collective whose peer failed or stopped): the watchdog ends it (exit code 76), not
+                the launcher's SIGKILL.
             watchdog: False switches the watchdog off.
         """
         self.timeout_minutes = timeout_minutes
@@ -86,6 +147,9 @@ class FaultTolerance(Checkpoint):
         self.watchdog: faults.Watchdog | None = None
         self.preempt_path: str | None = None
         self._step_ends = StepEnds()
+        self._marks = PhaseMarks()
+        self._step_started = 0.0  # when the current step's work began (data included)
+        self._timed = False  # whether this step's time counts for the signal grace
 
     # ------------------------------------------------------------------------------- life cycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -93,6 +157,9 @@ class FaultTolerance(Checkpoint):
         if stage != "fit":
             return
         rank = trainer.global_rank
+        faults.watch_launcher(rank)
+        # A new list (Lightning iterates the old one for this very hook): PhaseMarks first.
+        trainer.callbacks = [self._marks, *[c for c in trainer.callbacks if c is not self._marks]]
         self.stop_signals = faults.StopSignals(self.signals, rank=rank)
         self.stop_signals.install()
         if self.watchdog_enabled:
@@ -102,7 +169,7 @@ class FaultTolerance(Checkpoint):
             if minutes is None:
                 minutes = DEFAULT_TIMEOUT_MINUTES
             self.watchdog = faults.Watchdog(minutes * 60, rank, signals=self.stop_signals,
-                                            signal_grace_s=self.signal_grace_s,
+                                            signal_grace_s=self.signal_grace_s, world_size=trainer.world_size,
                                             hint=f" (raise {option} if it is slow, not stuck)")
             faults.set_phase("setup: model build, checkpoint load", patient=True)
             self.watchdog.start()
@@ -110,6 +177,7 @@ class FaultTolerance(Checkpoint):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         # The success path only (Lightning calls no teardown hook after an exception): after a failure
         # the watchdog keeps watching the way out.
+        faults.stop_watching_launcher()
         self._close()
 
     def _close(self) -> None:
@@ -123,35 +191,35 @@ class FaultTolerance(Checkpoint):
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if isinstance(exception, faults.Preempted):
             # The handlers stay: torchrun sends SIGTERM to the other ranks as soon as one has exited
-            # with 75, and a rank that is itself leaving with 75 must not be killed by it.
+            # with 75, and a rank that is itself leaving with 75 must not be killed by it. Python
+            # resets its handlers to the default (death) while the interpreter finalizes, so from
+            # the exit on these signals are ignored (seen: a rank that had saved ended by SIGTERM, -15).
             faults.set_phase("exit after the pre-emption checkpoint")
+            if self.stop_signals is not None:
+                faults.ignore_at_exit(self.stop_signals.signals)
             return
+        faults.check_launcher()  # a dead launcher (exit 77) is the cause of a peer's closed connection
         faults.mark_failure()
+        # Printed with rank and phase at once (Step35Strategy.on_exception, called next, then skips
+        # it; without Step35Strategy nothing else would). Not Ctrl-C: Lightning says it was that.
+        if isinstance(exception, Exception) and not faults.was_reported(exception):
+            faults.report_failure(exception, trainer.global_rank)
         if self.stop_signals is not None:  # after a failure, SIGTERM (torchrun ending the job) ends at once
             self.stop_signals.restore()
             self.stop_signals = None
 
     # ------------------------------------------------------------------------------- phases
+    # (the others are set by PhaseMarks, first in the list; these run after every other callback)
     def on_train_start(self, trainer, pl_module) -> None:
         self._step_ends.reset(trainer)
+        self._step_started, self._timed = time.monotonic(), False
         faults.set_phase("data: first batch", step=trainer.global_step + 1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         faults.set_phase("forward", step=trainer.global_step + 1)
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
-        faults.set_phase("backward")
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        faults.set_phase("optimizer step (grad norm, clipping, update)")
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        faults.set_phase("validation")
-
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        faults.set_phase("validation")
-
     def on_validation_end(self, trainer, pl_module) -> None:
+        self._step_started = time.monotonic()  # validation is no part of the next step's time
         faults.set_phase("data: next batch")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
@@ -166,16 +234,22 @@ class FaultTolerance(Checkpoint):
             faults.set_phase("data: next micro-batch")
             return
         step = trainer.global_step
+        if self.watchdog is not None and self._timed:  # (the first step of a start: compile and warm-up)
+            self.watchdog.record_step(self._marks.batch_end_at - self._step_started)
+        self._timed = True
         faults.set_phase("step boundary: stop-signal agreement", step=step)
         local = self.stop_signals is not None and self.stop_signals.requested
         flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
         if all_reduce_(flag, "max").item() > 0:
             self._stop(trainer, step, local)
+        self._step_started = time.monotonic()
         faults.set_phase("data: next batch", step=step + 1)
 
     def _stop(self, trainer: "pl.Trainer", step: int, local: bool) -> None:
         path = os.path.join(preempt_checkpoint_dir(trainer), f"step={step:06d}-preempt.ckpt")
         cause = self.stop_signals.name() if local else "a stop signal on another rank"
+        faults.set_phase("pre-emption: logging the step's metrics", step=step)
+        _log_stopped_step(trainer)
         faults.set_phase("pre-emption checkpoint save", step=step, patient=True)
         trainer.save_checkpoint(path)
         self.preempt_path = path

@@ -36,6 +36,23 @@ _JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_A
 _HELD: dict[Path, "RunLock"] = {}  # this process's locks (a second flock from the same process would fail)
 
 
+def _close_in_child() -> None:
+    # A forked child (a DataLoader worker) shares the lock's open file description: while it lived on,
+    # a holder killed with SIGKILL would keep the folder locked. Its copies are closed at once, so the
+    # lock lives exactly as long as its holder (closing a copy does not drop the parent's flock).
+    for lock in _HELD.values():
+        if lock.fd is not None:
+            try:
+                os.close(lock.fd)
+            except OSError:
+                pass
+            lock.fd = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class RunFolderBusy(RuntimeError):
     """Another live job owns the run folder."""
 
@@ -72,7 +89,7 @@ class RunLock:
         lock left by a job that died was taken over (else None)."""
         self.folder.root.mkdir(parents=True, exist_ok=True)
         path = self.folder.lock_file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

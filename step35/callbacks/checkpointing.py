@@ -22,6 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from step35 import lightning_private
 from step35.checkpoint import catalog
 from step35.checkpoint.integrity import is_complete, remove_manifest, write_manifest
 from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load
@@ -117,14 +118,14 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if not self.save_on_train_end or self._should_skip_saving_checkpoint(trainer):
+        if not self.save_on_train_end:
             return
         newest = catalog.newest_complete([self.dirpath])
         if newest is not None and newest.global_step == trainer.global_step:
             return  # this step is saved already (e.g. by a pre-emption save)
-        self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        lightning_private.save_now(self, trainer)
 
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:  # Lightning-private: lightning_private.py
         path = Path(filepath)
         if trainer.is_global_zero and path.is_file():
             remove_manifest(path)  # an earlier save of this name: its manifest must not vouch for the new bytes

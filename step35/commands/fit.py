@@ -98,6 +98,9 @@ def _did_you_mean(words: list[str], parser) -> str:
 
 
 class Step35CLI(LightningCLI):
+    """LightningCLI for fit and validate: whole option names only, `--run_dir`, and the run resolved
+    (lock, checkpoint, resume rule) between building the module and building the Trainer."""
+
     def __init__(self, *args, parser_class=Step35ArgumentParser, **kwargs):
         super().__init__(*args, parser_class=parser_class, **kwargs)
 

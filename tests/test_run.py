@@ -234,3 +234,28 @@ def test_an_absurd_lr_is_warned_about_a_sane_one_is_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         Step35LightningModule(lr=3e-3)
+
+
+def test_a_trainer_built_without_the_cli_takes_the_lock_in_runcheckpoint(tmp_path, builtin_cache):
+    from step35.callbacks import RunCheckpoint
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    def fit(folder: Path) -> None:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, default_root_dir=folder,
+                             callbacks=[RunCheckpoint(every_n_train_steps=2)])
+        trainer.fit(Step35LightningModule(config="tiny", warmup_steps=1),
+                    datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)))
+
+    busy = RunFolder(tmp_path / "busy")
+    holder, _ = hold(busy.root)
+    try:
+        with pytest.raises(RunFolderBusy, match=f"pid {holder.pid}"):
+            fit(busy.root)
+    finally:
+        kill9(holder)
+    free = RunFolder(tmp_path / "free")
+    fit(free.root)
+    assert (free.checkpoints / "last.ckpt").exists()
+    assert not lock.held(free) and lock.read_holder(free.lock_file) is None  # released with the run

@@ -71,6 +71,7 @@ class RunCheckpoint(ModelCheckpoint):
         self.keep_last = keep_last
         self.save_on_train_end = save_on_train_end
         self._resumed_from: Path | None = None
+        self._own_lock: RunFolder | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         run = RunFolder(trainer.default_root_dir)
@@ -82,7 +83,8 @@ class RunCheckpoint(ModelCheckpoint):
         refusal = None
         if trainer.is_global_zero:
             try:
-                note = lock.acquire(run)  # a no-op under the CLI, which took it before the Trainer
+                self._own_lock = None if lock.held(run) else run  # under the CLI it is held already
+                note = lock.acquire(run)
                 if note:
                     say(note)
                 self._tidy(checkpoint_to_load(trainer))
@@ -93,6 +95,20 @@ class RunCheckpoint(ModelCheckpoint):
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:
             raise RunFolderBusy(refusal)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._release()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self._release()
+
+    def _release(self) -> None:
+        # A lock this callback took (a Trainer built without the CLI) ends with the run, not the process.
+        if self._own_lock is not None:
+            lock.release(self._own_lock)
+            self._own_lock = None
 
     def _tidy(self, resuming: Path | None) -> None:
         folder = Path(self.dirpath)

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from step35.config import PRESETS, Step35Config, load_config
-from step35.model import DecoderLayer, Step35ForCausalLM
+from step35.model import DecoderLayer, Step35ForCausalLM, build_model
 from step35.model.moe import MoE
 from step35.parallel.parallelize import apply_activation_checkpointing
 
@@ -153,9 +153,9 @@ def count_saved(forward, tracker: _PartTracker, model: nn.Module):
 
 def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: int = 0,
             dtype: torch.dtype = torch.float32) -> dict:
-    """One training forward (model(input_ids, labels)) on CPU; returns the JSON row."""
+    """One training forward (model.loss(input_ids, labels)) on CPU; returns the JSON row."""
     torch.manual_seed(seed)
-    model = Step35ForCausalLM(config, num_mtp_layers=0)
+    model = build_model(config, num_mtp_layers=0, device="cpu")
     model.init_weights(seed)
     model.to(dtype)
     model.train()
@@ -166,7 +166,7 @@ def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: 
     tracker.instrument(model)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    saved, retained, out = count_saved(lambda: model(input_ids, labels).loss, tracker, model)
+    saved, retained, out = count_saved(lambda: model.loss(input_ids, labels).loss, tracker, model)
     n = batch * seq
 
     def per_part(entries) -> dict:

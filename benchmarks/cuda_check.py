@@ -19,7 +19,7 @@ import torch
 from step35 import kernels
 from step35.config import PRESETS, Step35Config, preset
 from step35.flops import training_flops_per_token
-from step35.model import Step35ForCausalLM
+from step35.model import build_model
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
@@ -43,7 +43,7 @@ def check_kernels(report: dict) -> None:
     k = torch.randn(2, 4, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     out = kernels.attention(q, k, v, window=512, scale=128 ** -0.5)  # FlexAttention on CUDA
-    mask = kernels.sliding_window_mask(2048, 512, "cuda")
+    mask = kernels.causal_mask(2048, 512, "cuda")
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128 ** -0.5, enable_gqa=True)
     go = torch.randn_like(out)
     a = torch.autograd.grad(out, (q, k, v), go)
@@ -63,7 +63,7 @@ def check_kernels(report: dict) -> None:
 
 
 def check_tiny(report: dict) -> None:
-    model = Step35ForCausalLM(preset("tiny"))
+    model = build_model(preset("tiny"), device="cpu")
     model.init_weights(0)
     ids = torch.randint(0, 1024, (2, 256))
     with torch.no_grad():
@@ -84,7 +84,7 @@ def bench_wide(report: dict) -> None:
                 "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 24,
                                             "num_attention_groups": 4, "head_dim": 128}})
     config = Step35Config.from_dict(raw)
-    model = Step35ForCausalLM(config)
+    model = build_model(config, device="cpu")
     model.init_weights(0)
     model.to("cuda", torch.bfloat16)
     tokens = torch.randint(0, config.vocab_size, (2, 4097), device="cuda")
@@ -92,7 +92,7 @@ def bench_wide(report: dict) -> None:
     for step in range(8):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+        model.loss(tokens[:, :-1], tokens[:, 1:]).loss.backward()
         torch.cuda.synchronize()
         if step >= 3:
             times.append(time.perf_counter() - start)

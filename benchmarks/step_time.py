@@ -14,7 +14,7 @@ import torch
 
 from step35.config import load_config
 from step35.flops import training_flops_per_token
-from step35.model import Step35ForCausalLM
+from step35.model import build_model
 
 
 def sync(device: str) -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
     config = load_config(args.config)
-    model = Step35ForCausalLM(config, num_mtp_layers=config.num_nextn_predict_layers if args.mtp else 0)
+    model = build_model(config, config.num_nextn_predict_layers if args.mtp else 0, device="cpu")
     model.init_weights(0)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=args.device)
@@ -41,7 +41,7 @@ def main() -> None:
     for step in range(args.steps + 2):
         sync(args.device)
         start = time.perf_counter()
-        out = model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=args.mtp)
+        out = model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=args.mtp)
         out.loss.backward()
         sync(args.device)
         if step >= 2:  # two warm-up steps

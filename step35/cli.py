@@ -28,9 +28,9 @@ def main(args: list[str] | None = None) -> None:
         return None
     if argv[0] in ("export", "generate", "plan"):
         if argv[0] == "export":
-            from step35.checkpoint.export import main as run
+            from step35.commands.export import main as run
         elif argv[0] == "generate":
-            from step35.generate import main as run
+            from step35.commands.generate import main as run
         else:
             from step35.plan.cli import run
         return run(argv[1:])

@@ -51,49 +51,56 @@ class LayerSpec:
 class Step35Config:
     """Hyper-parameters of Step-3.5-Flash, named exactly as in the released config.json."""
 
-    hidden_size: int = 4096
-    intermediate_size: int = 11264
-    num_hidden_layers: int = 45
-    max_seq_len: int = 262144
-    max_position_embeddings: int = 262144
-    vocab_size: int = 128896
-    torch_dtype: str = "bfloat16"
-    use_qk_norm: bool = True
+    hidden_size: int = 4096  # H, the residual stream width
+    intermediate_size: int = 11264  # width of the dense MLP (the dense main layers and the MTP layers)
+    num_hidden_layers: int = 45  # main decoder layers; the MTP layers come on top of these
+    max_seq_len: int = 262144  # longest context as the release states it; not read by step35 (kept for the file)
+    max_position_embeddings: int = 262144  # longest context; a longer data.seq_len is refused
+    vocab_size: int = 128896  # V, rows of the embedding and of every output head
+    torch_dtype: str = "bfloat16"  # dtype of the stored weights, a torch attribute name (some files spell it `dtype`)
+    use_qk_norm: bool = True  # RMSNorm over each q and k head before RoPE
+    # comma-separated ids of the MoE layers; None: placed by moe_layer_offset / moe_every_n_layer
     moe_layers_enum: str | None = None
-    num_attention_heads: int = 64
-    num_attention_groups: int = 8
-    head_dim: int = 128
-    use_moe: bool = True
-    moe_num_experts: int = 288
-    moe_top_k: int = 8
-    moe_intermediate_size: int = 1280
-    share_expert_dim: int = 1280
-    moe_layer_offset: int = 0
-    moe_every_n_layer: int = 1
-    norm_expert_weight: bool = True
-    moe_router_activation: str = "sigmoid"
-    moe_router_scaling_factor: float = 3.0
-    att_impl_type: str = "GQA"
-    tie_word_embeddings: bool = False
-    rope_theta: list[float] | float = 10000.0
+    num_attention_heads: int = 64  # query heads (full-attention layers; see attention_other_setting)
+    num_attention_groups: int = 8  # KV heads (GQA groups)
+    head_dim: int = 128  # d, width of one attention head
+    use_moe: bool = True  # False: no MoE layer at all (every layer dense)
+    moe_num_experts: int = 288  # E, routed experts per MoE layer
+    moe_top_k: int = 8  # K, routed experts per token
+    moe_intermediate_size: int = 1280  # width of one routed expert
+    share_expert_dim: int = 1280  # width of the shared expert (alias `share_expert_dims`)
+    moe_layer_offset: int = 0  # first MoE layer, used only without moe_layers_enum
+    moe_every_n_layer: int = 1  # MoE layer spacing, used only without moe_layers_enum
+    norm_expert_weight: bool = True  # renormalise the K routing weights to sum to one
+    moe_router_activation: str = "sigmoid"  # router score function; only "sigmoid" is implemented
+    moe_router_scaling_factor: float = 3.0  # factor on the (renormalised) routing weights
+    att_impl_type: str = "GQA"  # attention kind; only "GQA" is implemented
+    tie_word_embeddings: bool = False  # share the embedding matrix with lm_head
+    rope_theta: list[float] | float = 10000.0  # RoPE base, one per global layer id or one for all
+    # llama3 frequency scaling (factor, original length, low/high factors); None: off
     rope_scaling: dict[str, Any] | None = None
+    # layer kinds rope_scaling applies to
     yarn_only_types: list[str] = field(default_factory=lambda: ["full_attention"])
-    use_head_wise_attn_gate: bool = True
-    sliding_window: int = 512
-    use_moe_router_bias: bool = True
-    need_fp32_gate: bool = True
-    sink: bool = False
-    layer_types: list[str] = field(default_factory=list)
+    use_head_wise_attn_gate: bool = True  # sigmoid gate per head on the attention output (g_proj)
+    sliding_window: int = 512  # keys a sliding-layer query sees, itself included
+    use_moe_router_bias: bool = True  # routers carry a bias used only to choose experts, not to weight them
+    need_fp32_gate: bool = True  # router matmul in fp32
+    sink: bool = False  # attention sinks; not implemented (must stay False)
+    layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention" per global layer id
+    # per global layer id, whether it rotates; empty: every layer does
     use_rope_layers: list[bool] = field(default_factory=list)
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = 0  # MTP layers in the checkpoint (global ids after the main layers)
+    # share of each head that RoPE rotates, per global layer id; empty: all
     partial_rotary_factors: list[float] = field(default_factory=list)
-    eos_token_id: list[int] | int | None = None
-    bos_token_id: int | None = None
+    eos_token_id: list[int] | int | None = None  # end-of-sequence id(s)
+    bos_token_id: int | None = None  # beginning-of-sequence id
+    # heads, groups and head_dim of the layer kind its attention_type names
     attention_other_setting: dict[str, Any] | None = None
-    swiglu_limits: list[float] = field(default_factory=list)
+    swiglu_limits: list[float] = field(default_factory=list)  # routed-expert SwiGLU clamp per global layer id (0: off)
+    # shared-expert and dense-MLP clamp per global layer id (0: off)
     swiglu_limits_shared: list[float] = field(default_factory=list)
-    zero_centered: bool = True
-    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
+    zero_centered: bool = True  # RMSNorms scale by (1 + w) instead of w
+    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS  # epsilon of every RMSNorm (not in the released file)
     # Keys of the source file that are not fields (architectures, auto_map, model_type, ...),
     # kept so that `to_dict` writes back exactly what was read.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -144,11 +144,6 @@ def causal_mask(seq: int, window: int | None, device: torch.device | str = "cpu"
     return (j <= i) & (j > i - window) if window is not None else j <= i
 
 
-def sliding_window_mask(seq: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[S, S] boolean, True where query i may read key j: i - window < j <= i."""
-    return causal_mask(seq, window, device)
-
-
 class _MaskedAttentionCPU(torch.autograd.Function):
     """SDPA with an explicit mask that is rebuilt in backward instead of kept: the [S, S] float
     mask SDPA makes from a boolean one would otherwise stay alive per layer (4 MB at 1K tokens,

@@ -13,11 +13,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from step35.callbacks.expert_counts import ExpertCounter
+from step35.balancing import ExpertCounter, update_router_bias
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
-from step35.model import Step35ForCausalLM
+from step35.model import Step35ForCausalLM, build_model
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, apply_optimizer_settings, check_resume, checkpoint_to_load
 from step35.schedule import WarmupCosineLR
@@ -111,6 +111,11 @@ class Step35LightningModule(pl.LightningModule):
         self.expert_counter: ExpertCounter | None = None
 
     # ------------------------------------------------------------------------------- building
+    def num_routed_experts(self) -> int | None:
+        """Routed experts per MoE layer (None without MoE layers). Step35Strategy asks this in its
+        setup_environment, before any other hook runs, to check expert_parallel_size."""
+        return self.model_config.moe_num_experts if self.model_config.use_moe else None
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
@@ -133,8 +138,7 @@ class Step35LightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        with torch.device("meta"):
-            model = Step35ForCausalLM(self.model_config, self.hparams.num_mtp_layers)
+        model = build_model(self.model_config, self.hparams.num_mtp_layers)
         strategy = self.trainer.strategy
         if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
             strategy.parallelize_model(model)
@@ -183,9 +187,9 @@ class Step35LightningModule(pl.LightningModule):
         tokens = batch["input_ids"]  # [B, S + 1]
         weight = self.hparams.mtp_loss_weight if self.training else 0.0
         aux_coef = self.hparams.moe_aux_loss_coef if self.training else 0.0
-        return self.model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
-                          loss_chunk_size=self.hparams.loss_chunk_size,
-                          position_ids=batch.get("position_ids")), tokens[:, 1:].numel()  # data.document_masking
+        return self.model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
+                               loss_chunk_size=self.hparams.loss_chunk_size,
+                               position_ids=batch.get("position_ids")), tokens[:, 1:].numel()  # data.document_masking
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out, n_tokens = self._loss(batch)
@@ -292,17 +296,6 @@ def _check_options(**values: Any) -> None:
                       f"whatever the gradient's size, and Step-3.5's weights start with std 0.02, so a step would "
                       f"change each weight by more than its own size and training diverges (pretraining uses about "
                       f"1e-5 to 1e-2; a slip such as 1e6 for 1e-6?)", stacklevel=3)
-
-
-@torch.no_grad()
-def update_router_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean load - load_e) for each layer,
-    from global counts [L, E]. On the device, no host sync; identical on every rank (the biases are
-    plain replicated buffers and the counts are already summed over ranks)."""
-    load = counts.float()
-    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)  # [L, E]; 0 where a load equals the mean
-    for moe, delta in zip(layers, step):
-        moe.router_bias.add_(delta.to(moe.router_bias.device))
 
 
 def _foreach_ok(params: list[torch.Tensor]) -> bool:

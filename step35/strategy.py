@@ -28,6 +28,15 @@ def default_backend(device: torch.device) -> str:
     return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
 
 
+def num_routed_experts(module) -> int | None:
+    """The routed experts per MoE layer of the module's model, asked through the one call the strategy
+    makes on its module: `module.num_routed_experts()` (step35's LightningModule has it). A module
+    without that method (or whose model has no MoE layer, None) is not checked against
+    expert_parallel_size beyond the world size."""
+    ask = getattr(module, "num_routed_experts", None)
+    return ask() if callable(ask) else None
+
+
 class Step35Strategy(ModelParallelStrategy):
     def __init__(
         self,
@@ -85,18 +94,21 @@ class Step35Strategy(ModelParallelStrategy):
         return self._process_group_backend or default_backend(self.root_device)
 
     def setup_environment(self) -> None:
-        # Validate the sizes before the process group exists: a bad size must fail on every rank at
-        # once, never leave some ranks waiting in a collective.
+        """Check the parallel sizes, start the process group, build the meshes. The sizes are checked
+        before the process group exists: a bad size must fail on every rank at once, never leave some
+        ranks waiting in a collective. That is why the strategy asks the module for its expert count
+        (`num_routed_experts` above) here rather than being told later: no hook of the module runs
+        before this one. The dense mesh is this strategy's `device_mesh`; the module's `device_mesh`
+        stays None (nothing in Lightning reads it, and step35's module shards through
+        `parallelize_model`, which gets both meshes)."""
         world = self.num_nodes * self.num_processes
-        config = getattr(self.lightning_module, "model_config", None)
         dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
-                            num_experts=config.moe_num_experts if config is not None and config.use_moe else None)
+                            num_experts=num_routed_experts(self.lightning_module))
         self._init_process_group_of_restart()
         self._setup_distributed()  # (Lightning's init is skipped when the group exists)
         assert dims.world_size == self.world_size, (dims.world_size, self.world_size)
         self.meshes = dims.build(self.root_device.type)
-        self._device_mesh = self.meshes.dense
-        self.lightning_module._device_mesh = self._device_mesh
+        self._device_mesh = self.meshes.dense  # the strategy's own (ModelParallelStrategy.device_mesh)
 
     def _init_process_group_of_restart(self) -> None:
         """After a torchrun restart (--max-restarts), init the process group on a store prefixed by
@@ -130,10 +142,12 @@ class Step35Strategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write into a temporary sibling, hash (each rank its own shards), manifest last, then publish:
-        a kill at any moment leaves the previous checkpoint or the new one, never a mix."""
+        a kill at any moment leaves the previous checkpoint or the new one, never a mix. A failed
+        sharded save (a full disk: OSError ENOSPC naming the path) fails on every rank together, and
+        its partial folder is removed at once."""
         from step35.checkpoint.integrity import hash_files, write_manifest
-        from step35.checkpoint.publish import partial_path, publish
-        from step35.checkpoint.trainer_io import manifest_extra, rank_files, save_file
+        from step35.checkpoint.publish import partial_path, publish, remove_path
+        from step35.checkpoint.trainer_io import disk_full, manifest_extra, no_space, rank_files, save_file
 
         path = Path(self.broadcast(str(filepath)))
         if not self._save_distributed_checkpoint:  # full state dicts, gathered on rank 0 by Lightning
@@ -146,24 +160,44 @@ class Step35Strategy(ModelParallelStrategy):
         if self.global_rank == 0:
             tmp.mkdir(parents=True)
         self.barrier()
-        super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
-        entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
+        entries, failure, error = {}, None, None
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
+            entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: B036 (DCP's CheckpointException); meta.pt fails on rank 0 alone
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+            detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0])  # DCP: the last error line
+            error = e
+            failure = (disk_full(e, path.parent), f"{path}: sharded save failed on rank {self.global_rank} "
+                                                  f"({detail[:300]})")
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, entries)
+        dist.all_gather_object(gathered, (entries, failure))  # every rank learns of a failure on any rank
+        failures = [f for _, f in gathered if f is not None]
+        if failures:
+            if self.global_rank == 0:
+                remove_path(tmp)  # now, not at the next start
+            self.barrier()
+            if any(full for full, _ in failures):
+                raise no_space(path) from error
+            raise RuntimeError(failures[0][1]) from error
         if self.global_rank == 0:
-            write_manifest(tmp, extra, {k: v for part in gathered for k, v in part.items()})
+            write_manifest(tmp, extra, {k: v for part, _ in gathered for k, v in part.items()})
             publish(tmp, path)
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the manifest (checksums split over the ranks), read with no unpickling of code, and
-        refuse NaN/Inf weights; every rank raises the same one-line error naming the file or tensor."""
+        refuse NaN/Inf weights; every rank raises the same one-line error naming the file or tensor.
+        A sharded folder is read by DCP (any world size); a single file (full state, e.g. from a
+        one-process run) is spread over this run's ranks, each keeping its slice."""
         from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
         from step35.checkpoint.errors import raise_together
         from step35.checkpoint.integrity import verify_on_all_ranks
         from step35.checkpoint.safe_load import lightning_types, load_torch
-        from step35.checkpoint.trainer_io import check_loadable, finite_modules, load_sharded
+        from step35.checkpoint.trainer_io import check_loadable, finite_modules, load_full_optimizers, load_sharded
 
         path = Path(self.broadcast(str(checkpoint_path)))
         raise_together(lambda: check_loadable(path))
@@ -174,10 +208,11 @@ class Step35Strategy(ModelParallelStrategy):
             meta = raise_together(lambda: load_sharded(path, self.model, self.optimizers, strict))
         else:
             raise_together(lambda: load_torch(path, mmap=True))  # refuses a crafted file before Lightning reads it
-            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
-            with lightning_types():  # Lightning's loader, with weights_only=True and our allowlist
-                meta = _load_checkpoint(path, state, strict=strict, optimizer_states_from_list=True,
-                                        weights_only=True)
+            with lightning_types():  # Lightning's model loader, with weights_only=True and our allowlist
+                meta = _load_checkpoint(path, {"state_dict": self.model}, strict=strict, weights_only=True)
+            # The optimizers ourselves: Lightning re-keys a full optimizer state by module order,
+            # wrong for one saved by a one-process run (optimizer order, grouped by weight decay).
+            load_full_optimizers(meta, path, self.model, self.optimizers, strict)
         raise_together(lambda: finite_modules(self.model, self.optimizers, path))
         return meta
 

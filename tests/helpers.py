@@ -1,9 +1,12 @@
-"""Shared tiny-model builders for the step35 tests (no reference math here: each test file writes
-its own independent computation from docs/architecture.md)."""
+"""Shared tiny-model builders for the step35 tests: the one tiny config dict every test starts from,
+and the one hand computation of RoPE inverse frequencies with llama3 scaling (docs/architecture.md
+§2.4-2.5), which the model tests and the reference forward share. Other reference math stays in the
+test that needs it, written from docs/architecture.md."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -24,6 +27,27 @@ def tiny_config(**overrides) -> Step35Config:
 
 def flash_config_dict() -> dict:
     return PRESETS["flash-196b"]()
+
+
+def hand_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> list[float]:
+    """Inverse frequency of each rotary pair, theta^(-2j/r) (docs/architecture.md §2.4 step 3), then
+    llama3 scaling (§2.5) when `scaling` is given; one pair at a time in Python floats (float64)."""
+    inv = [theta ** (-2.0 * j / rotary_dim) for j in range(rotary_dim // 2)]
+    if scaling is None:
+        return inv
+    factor, l_orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    out = []
+    for f in inv:
+        wavelength = 2 * math.pi / f
+        if wavelength < l_orig / high:  # high frequencies: unchanged
+            out.append(f)
+        elif wavelength > l_orig / low:  # low frequencies: divided by the factor
+            out.append(f / factor)
+        else:  # in between: interpolated
+            s = (l_orig / wavelength - low) / (high - low)
+            out.append((1 - s) * f / factor + s * f)
+    return out
 
 
 @torch.no_grad()

@@ -338,83 +338,24 @@ def hf_grads_to_ours(
 
 
 def tiny_config_dict() -> dict:
-    """A tiny config in the released config.json layout in which every feature bites at S ~ 24.
+    """The tests' tiny config (tests/helpers.py: 5 main layers, full, sliding, sliding, sliding, full;
+    layer 0 dense, 1-4 MoE; 1 MTP layer; per-layer lists indexed by global layer id), narrowed so that
+    every feature bites at S ~ 24 with random weights: an 8-key window; head_dim 16, so the full
+    layers rotate 4 pairs, which llama3 scaling (L_orig 1024, low 1, high 8) puts in all three
+    regimes (pair 0 unchanged, wavelength 6.3 < 128; pair 1 interpolated, wavelength 297, multiplier
+    ~0.674; pairs 2-3 halved, wavelength > 1024); clamps small enough to clip."""
+    from tests.helpers import tiny_config_dict as base
 
-    5 main layers (full, sliding, sliding, sliding, full; layer 0 dense, 1-4 MoE) + 1 MTP layer
-    (sliding, dense); per-layer lists have 6 = 5 + 1 entries, indexed by global layer id.
-    llama3 scaling with L_orig = 1024, low 1, high 8 puts the 4 rotary pairs of the full layers
-    (head_dim 16 x 0.5 -> 8 dims) in all three regimes: pair 0 unchanged (wavelength 6.3 < 128),
-    pair 1 interpolated (wavelength 297, multiplier ~0.674), pairs 2-3 halved (wavelength > 1024).
-    """
-    layer_types = [
-        "full_attention",
-        "sliding_attention",
-        "sliding_attention",
-        "sliding_attention",
-        "full_attention",
-        "sliding_attention",  # MTP layer 5
-    ]
-    full = [t == "full_attention" for t in layer_types]
-    return {
-        "architectures": ["Step3p5ForCausalLM"],
-        "model_type": "step3p5",
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 5,
-        "max_seq_len": 4096,
-        "max_position_embeddings": 4096,
-        "vocab_size": 128,
-        "torch_dtype": "bfloat16",
-        "use_qk_norm": True,
-        "moe_layers_enum": "1,2,3,4",
-        "num_attention_heads": 4,
-        "num_attention_groups": 2,
-        "head_dim": 16,
-        "use_moe": True,
-        "moe_num_experts": 8,
-        "moe_top_k": 2,
-        "moe_intermediate_size": 32,
-        "share_expert_dim": 32,
-        "moe_layer_offset": 0,
-        "moe_every_n_layer": 1,
-        "norm_expert_weight": True,
-        "moe_router_activation": "sigmoid",
-        "moe_router_scaling_factor": 3.0,
-        "att_impl_type": "GQA",
-        "tie_word_embeddings": False,
-        "rope_theta": [5e6 if f else 1e4 for f in full],
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 2.0,
-            "original_max_position_embeddings": 1024,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 8.0,
-        },
-        "yarn_only_types": ["full_attention"],
-        "use_head_wise_attn_gate": True,
-        "sliding_window": 8,
-        "use_moe_router_bias": True,
-        "need_fp32_gate": True,
-        "sink": False,
-        "layer_types": layer_types,
-        "use_rope_layers": [],
-        "num_nextn_predict_layers": 1,
-        "partial_rotary_factors": [0.5 if f else 1.0 for f in full],
-        "eos_token_id": [1, 2],
-        "bos_token_id": 0,
-        "attention_other_setting": {
-            "attention_type": "sliding_attention",
-            "num_attention_heads": 6,
-            "num_attention_groups": 2,
-            "head_dim": 16,
-            "true_head_dim": 16,
-        },
+    return base(
+        hidden_size=64, intermediate_size=96, vocab_size=128, torch_dtype="bfloat16", head_dim=16,
+        moe_intermediate_size=32, share_expert_dim=32, sliding_window=8, eos_token_id=[1, 2],
+        attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 6,
+                                 "num_attention_groups": 2, "head_dim": 16, "true_head_dim": 16},
         # routed clamp on layers 3, 4; shared clamp on layer 4 (and the dense layer 0 via the
         # shared list), small enough to clamp with the random weights below
-        "swiglu_limits": [0.0, 0.0, 0.0, 1.0, 0.5, 0.0],
-        "swiglu_limits_shared": [0.7, 0.0, 0.0, 0.0, 0.5, 0.0],
-        "zero_centered": True,
-    }
+        swiglu_limits=[0.0, 0.0, 0.0, 1.0, 0.5, 0.0],
+        swiglu_limits_shared=[0.7, 0.0, 0.0, 0.0, 0.5, 0.0],
+    )
 
 
 def _layer_shapes(config_dict: dict, i: int, mtp: bool) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from tests.helpers import hand_inv_freq
+
 __all__ = ["reference_logits", "rope_inv_freq"]
 
 
@@ -51,26 +53,11 @@ def rope_inv_freq(config: dict, layer: int) -> list[float]:
     head_dim = _head_shape(config, layer)[2]
     r = int(head_dim * _per_layer(config.get("partial_rotary_factors", 1.0), layer))
     theta = float(_per_layer(config.get("rope_theta", 10000.0), layer))
-    inv = [theta ** (-2.0 * j / r) for j in range(r // 2)]
     scaling = config.get("rope_scaling")
     if scaling and layer_type in config.get("yarn_only_types", ["full_attention"]):
         assert scaling.get("rope_type", scaling.get("type")) == "llama3"
-        factor = float(scaling["factor"])
-        l_orig = float(scaling["original_max_position_embeddings"])
-        alpha = float(scaling["low_freq_factor"])
-        beta = float(scaling["high_freq_factor"])
-        scaled = []
-        for f in inv:
-            wavelength = 2.0 * math.pi / f
-            if wavelength < l_orig / beta:
-                scaled.append(f)
-            elif wavelength > l_orig / alpha:
-                scaled.append(f / factor)
-            else:
-                s = (l_orig / wavelength - alpha) / (beta - alpha)
-                scaled.append((1.0 - s) * f / factor + s * f)
-        inv = scaled
-    return inv
+        return hand_inv_freq(r, theta, scaling)
+    return hand_inv_freq(r, theta, None)
 
 
 def _head_shape(config: dict, layer: int) -> tuple[int, int, int]:

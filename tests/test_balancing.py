@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import step35.callbacks.expert_counts as expert_counts
+import step35.balancing as balancing
 from step35.callbacks import ExpertLoadMonitor
 from step35.callbacks.expert_load import load_stats
 from step35.config import preset
@@ -55,13 +55,13 @@ class CVPerStep(pl.Callback):
 def count_all_reduces(monkeypatch):
     """Shapes of the tensors the expert counter all-reduces (a no-op in one process, but counted)."""
     calls = []
-    original = expert_counts.all_reduce_
+    original = balancing.all_reduce_
 
     def counting(tensor, op="sum"):
         calls.append(tuple(tensor.shape))
         return original(tensor, op)
 
-    monkeypatch.setattr(expert_counts, "all_reduce_", counting)
+    monkeypatch.setattr(balancing, "all_reduce_", counting)
     return calls
 
 
@@ -102,11 +102,9 @@ def test_rate_zero_without_monitor_runs_no_collective(count_all_reduces):
 def test_bias_update_needs_a_router_bias(tmp_path):
     import json
 
-    from step35.config import PRESETS
+    from tests.helpers import tiny_config_dict
 
-    raw = PRESETS["tiny"]()
-    raw["use_moe_router_bias"] = False
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict(use_moe_router_bias=False)))
     with pytest.raises(ValueError, match="moe_bias_update_rate=0.01 needs a router bias"):
         Step35LightningModule(config=str(tmp_path / "config.json"), moe_bias_update_rate=0.01)
 
@@ -172,7 +170,7 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
         lambda m, args: per_layer.append(sequence_balance_loss(*m.route(args[0].reshape(-1, args[0].shape[-1]))[:2],
                                                                args[0].shape[0]).detach()))
         for _, moe in moe_layers(model)]
-    out = model(inputs, labels, moe_aux_loss_coef=coef)
+    out = model.loss(inputs, labels, moe_aux_loss_coef=coef)
     for h in handles:
         h.remove()
     assert len(per_layer) == 4
@@ -180,7 +178,7 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
     assert out.loss.item() == pytest.approx(out.lm_loss.item() + out.aux_loss.item(), rel=1e-6)
     assert out.aux_loss.item() > coef  # the uneven router is penalised (1 = balanced)
     # coef 0: not computed; the logits API is unchanged
-    assert model(inputs, labels).aux_loss is None
+    assert model.loss(inputs, labels).aux_loss is None
     assert model(inputs).shape == (3, 16, 1024)
     # Gradients of the aux loss alone reach every router, identical with activation checkpointing.
     grads = {}
@@ -189,7 +187,7 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
             for layer in m.model.layers:
                 apply_activation_checkpointing(layer, "full")
         m.zero_grad()
-        aux = m(inputs, labels, moe_aux_loss_coef=coef).aux_loss
+        aux = m.loss(inputs, labels, moe_aux_loss_coef=coef).aux_loss
         aux.backward()
         grads[name] = (aux.detach(), [moe.gate.weight.grad.clone() for _, moe in moe_layers(m)])
     (a_plain, g_plain), (a_ckpt, g_ckpt) = grads["plain"], grads["checkpointed"]

@@ -12,7 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from step35.callbacks import ExpertCounter, ExpertLoadMonitor, MemoryMonitor, SpeedMonitor
+from step35.balancing import ExpertCounter
+from step35.callbacks import ExpertLoadMonitor, MemoryMonitor, SpeedMonitor
 from step35.callbacks.expert_load import load_stats
 from step35.callbacks.memory import device_memory_stats
 from step35.callbacks.throughput import peak_tflops_for
@@ -140,10 +141,10 @@ def test_expert_counter_windows_and_dropped_steps():
     counter = ExpertCounter(model)
     x = torch.randint(0, 1024, (2, 9))
     for keep in (True, False, True):
-        model(x[:, :-1], x[:, 1:])  # training mode: counted
+        model.loss(x[:, :-1], x[:, 1:])  # training mode: counted
         counter.end_step(keep=keep)
     model.eval()
-    model(x[:, :-1], x[:, 1:])  # eval: not counted
+    model.loss(x[:, :-1], x[:, 1:])  # eval: not counted
     window = counter.pop_window()
     assert window.sum(1).tolist() == [2 * 2 * 8 * TOP_K] * 4  # two kept steps
     assert counter.pop_window().sum() == 0  # a new, empty window

@@ -16,9 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from step35.checkpoint.hf import INDEX_FILE, CheckpointError
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.model import Step35ForCausalLM
 
-from tests.helpers import tiny_config_dict, tiny_model
+from tests.helpers import flash_config_dict, tiny_config_dict, tiny_model
 
 SHARD = 1_000_000  # bytes: the ~7.8 MB fp32 tiny model becomes ~9 shards
 MTP_PREFIX = "model.layers.5."  # tiny: 5 main layers, MTP layer 5
@@ -59,7 +60,7 @@ def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module):
 def saved(tmp_path) -> tuple[Step35ForCausalLM, Path]:
     model = tiny_model(seed=0)
     path = tmp_path / "ckpt"
-    model.save_pretrained(path, max_shard_size=SHARD)
+    save_pretrained(model, path, max_shard_size=SHARD)
     return model, path
 
 
@@ -85,7 +86,7 @@ def test_round_trip_fp32_sharded(saved):
         names = [n_ for n_ in files if index["weight_map"][n_] == shard]
         assert size <= SHARD or len(names) == 1
 
-    loaded = Step35ForCausalLM.from_pretrained(path)
+    loaded = load_pretrained(path)
     _assert_same_state(model, loaded)
     ids = torch.randint(0, 1024, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -95,18 +96,18 @@ def test_round_trip_fp32_sharded(saved):
 def test_round_trip_bf16_router_bias_fp32(tmp_path):
     model = tiny_model(seed=1).to(torch.bfloat16)
     path = tmp_path / "bf16"
-    model.save_pretrained(path, max_shard_size=SHARD // 2)
+    save_pretrained(model, path, max_shard_size=SHARD // 2)
     dtypes = _file_dtypes(path)
     assert len(dtypes) == len(model.state_dict())
     for name, dtype in dtypes.items():
         assert dtype == ("F32" if name.endswith("router_bias") else "BF16"), name
     assert sum(1 for n in dtypes if n.endswith("router_bias")) == 4
     assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    loaded = Step35ForCausalLM.from_pretrained(path)
+    loaded = load_pretrained(path)
     _assert_same_state(model, loaded)
     assert loaded.model.layers[1].moe.router_bias.dtype == torch.float32
     # Loading a bf16 checkpoint as fp32: exact (bf16 -> fp32 is lossless).
-    as32 = Step35ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    as32 = load_pretrained(path, dtype=torch.float32)
     for name, t in as32.state_dict().items():
         assert t.dtype == torch.float32 and torch.equal(t, model.state_dict()[name].float()), name
 
@@ -119,7 +120,7 @@ def test_config_json_written_back(saved, tmp_path):
     assert written["torch_dtype"] == "float32"
     # Saved from a bf16 model: torch_dtype updated, nothing else changes; the source config untouched.
     path16 = tmp_path / "bf16"
-    model.to(torch.bfloat16).save_pretrained(path16)
+    save_pretrained(model.to(torch.bfloat16), path16)
     written16 = json.loads((path16 / "config.json").read_text())
     assert written16 == {**want, "torch_dtype": "bfloat16"} and list(written16) == list(want)
     assert model.config.torch_dtype == "float32"
@@ -127,22 +128,22 @@ def test_config_json_written_back(saved, tmp_path):
     raw = tiny_config_dict()
     raw = {("dtype" if k == "torch_dtype" else k): ("bfloat16" if k == "torch_dtype" else v) for k, v in raw.items()}
     (path16 / "config.json").write_text(json.dumps(raw))
-    loaded = Step35ForCausalLM.from_pretrained(path16)
+    loaded = load_pretrained(path16)
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16  # "dtype": "bfloat16" read...
     path_alias = tmp_path / "alias"
-    loaded.float().save_pretrained(path_alias)
+    save_pretrained(loaded.float(), path_alias)
     again = json.loads((path_alias / "config.json").read_text())
     assert again["dtype"] == "float32" and "torch_dtype" not in again and list(again) == list(raw)
-    again32 = Step35ForCausalLM.from_pretrained(path_alias)  # ...and its fp32 re-save loads as fp32
+    again32 = load_pretrained(path_alias)  # ...and its fp32 re-save loads as fp32
     assert again32.model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_release_config_survives_save(tmp_path):
     # config.json of the release (docs/architecture.md §1) round-trips through a checkpoint save unchanged
     # apart from torch_dtype; built on meta, nothing allocated: only the config path is exercised.
-    from step35.config import PRESETS, Step35Config
+    from step35.config import Step35Config
 
-    raw = PRESETS["flash-196b"]()
+    raw = flash_config_dict()
     cfg = Step35Config.from_dict(raw)
     cfg.save(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == raw
@@ -154,12 +155,12 @@ def test_single_file_checkpoint(tmp_path):
     path.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors")
     model.config.save(path)
-    _assert_same_state(model, Step35ForCausalLM.from_pretrained(path))
+    _assert_same_state(model, load_pretrained(path))
 
 
 def test_without_mtp_ignores_exactly_the_mtp_tensors(saved):
     model, path = saved
-    loaded = Step35ForCausalLM.from_pretrained(path, num_mtp_layers=0)
+    loaded = load_pretrained(path, num_mtp_layers=0)
     assert loaded.num_mtp_layers == 0 and len(loaded.model.layers) == 5
     file_names = set(_file_tensors(path))
     mtp_names = {n for n in file_names if n.startswith(MTP_PREFIX)}
@@ -174,7 +175,7 @@ def test_without_mtp_ignores_exactly_the_mtp_tensors(saved):
     # A non-MTP extra tensor is still an error without MTP.
     _add_tensor(path, "model.layers.2.mlp.extra.weight", torch.zeros(3))
     with pytest.raises(CheckpointError, match=re.escape("model.layers.2.mlp.extra.weight")):
-        Step35ForCausalLM.from_pretrained(path, num_mtp_layers=0)
+        load_pretrained(path, num_mtp_layers=0)
 
 
 def test_nothing_left_uninitialised(saved, monkeypatch):
@@ -190,7 +191,7 @@ def test_nothing_left_uninitialised(saved, monkeypatch):
         return out
 
     monkeypatch.setattr(torch, "empty_like", garbage_empty_like)
-    loaded = Step35ForCausalLM.from_pretrained(path)
+    loaded = load_pretrained(path)
     monkeypatch.setattr(torch, "empty_like", real)
     files = _file_tensors(path)
     state = loaded.state_dict()
@@ -227,14 +228,14 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", failing_save_file)
     with pytest.raises(RuntimeError, match="killed"):
-        other.save_pretrained(path, max_shard_size=SHARD)
+        save_pretrained(other, path, max_shard_size=SHARD)
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     assert len(calls) == 2
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
-    _assert_same_state(model, Step35ForCausalLM.from_pretrained(path))
+    _assert_same_state(model, load_pretrained(path))
     # A later complete save replaces it.
-    other.save_pretrained(path, max_shard_size=SHARD)
-    _assert_same_state(other, Step35ForCausalLM.from_pretrained(path))
+    save_pretrained(other, path, max_shard_size=SHARD)
+    _assert_same_state(other, load_pretrained(path))
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".ckpt.old")]
 
 
@@ -433,7 +434,7 @@ BAD = [_missing_tensor, _missing_from_index_only, _unexpected_tensor, _unexpecte
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bf16") / "ckpt"
-    tiny_model(seed=6).to(torch.bfloat16).save_pretrained(path, max_shard_size=SHARD // 2)
+    save_pretrained(tiny_model(seed=6).to(torch.bfloat16), path, max_shard_size=SHARD // 2)
     return path
 
 
@@ -443,10 +444,10 @@ def test_bad_checkpoint_raises_naming_the_problem(corrupt, bf16_checkpoint, tmp_
 
     path = tmp_path / "bad"
     shutil.copytree(bf16_checkpoint, path)
-    Step35ForCausalLM.from_pretrained(path)  # the copy itself is fine
+    load_pretrained(path)  # the copy itself is fine
     expected = corrupt(path)
     with pytest.raises(CheckpointError) as err:
-        Step35ForCausalLM.from_pretrained(path)
+        load_pretrained(path)
     for text in expected:
         assert text in str(err.value), (text, str(err.value))
 
@@ -458,7 +459,7 @@ def test_save_killed_between_the_two_renames_points_at_the_intact_copy(tmp_path)
 
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(0)
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(model, tmp_path / "ckpt")
     (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-1234")  # the state a kill at that instant leaves
     with pytest.raises(CheckpointError, match=r"intact at .*\.ckpt\.old-1234"):
-        Step35ForCausalLM.from_pretrained(tmp_path / "ckpt")
+        load_pretrained(tmp_path / "ckpt")

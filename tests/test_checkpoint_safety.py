@@ -1,10 +1,12 @@
 """Checkpoints are data, not code, and damage is named, not loaded.
 
-- Crafted pickles (a DCP `.metadata`, a sharded folder's `meta.pt`, a single-file `.ckpt`) whose
-  payload would create a marker file are refused by `step35 fit --ckpt_path`, `step35 validate` and
-  `step35 export` (the real CLI, in a subprocess), naming the file; the marker never appears. The
-  crafted files carry a freshly written manifest, as an attacker would leave them, so it is the
-  unpickling policy that stops them, not the checksums.
+- Crafted pickles (a DCP `.metadata`, a sharded folder's `meta.pt`, a single-file `.ckpt`, a
+  non-tensor item of a `.distcp` shard that a clean `.metadata` points at) whose payload would create
+  a marker file are refused by `step35 fit --ckpt_path`, `step35 validate` and `step35 export` (and
+  `step35 generate` for the shard item), the real CLI in a subprocess, naming the file; the marker
+  never appears. The crafted files carry a freshly written manifest, as an attacker would leave
+  them, so it is the unpickling policy that stops them, not the checksums.
+- A `.metadata` entry pointing outside the folder (`../x.distcp`, an absolute path) is refused by name.
 - Flipped byte, truncated file, deleted file, NaN weights in a sharded folder, a `.ckpt` and an HF
   folder: refused at load (resume, export, from_pretrained) with the file or tensor named.
 - 2 ranks: a damaged shard fails the resume on every rank, quickly.
@@ -12,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import pickle
 import shutil
@@ -24,12 +28,12 @@ import pytest
 import torch
 
 from step35.checkpoint import CheckpointError
-from step35.checkpoint.export import export_hf
+from step35.checkpoint.export import export_checkpoint
 from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
 from step35.checkpoint.trainer_io import Step35CheckpointIO, load_file
 from step35.data import Step35DataModule
-from step35.model import Step35ForCausalLM
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
 from tests.helpers import run_process_group, tiny_model
@@ -95,7 +99,14 @@ def craft(kind: str, checkpoints: dict[str, Path], where: Path, marker: Path) ->
         return path, path
     path = where / "evil_sharded.ckpt"
     shutil.copytree(checkpoints["sharded"], path)
-    if kind == "metadata":  # DCP's real metadata, with the payload riding along in a field
+    if kind == "bytes":  # a clean .metadata whose lr item points at a pickle appended to a shard
+        bad = path / "__0_0.distcp"
+        payload = io.BytesIO()
+        torch.save(Payload(marker, "system"), payload)
+        repoint(path, bad.name, bad.stat().st_size, len(payload.getvalue()), lambda key: key.endswith(".lr"))
+        with open(bad, "ab") as f:
+            f.write(payload.getvalue())
+    elif kind == "metadata":  # DCP's real metadata, with the payload riding along in a field
         metadata = read_dcp_metadata(path)
         metadata.planner_data = {"note": Payload(marker, "system")}
         with open(path / ".metadata", "wb") as f:
@@ -110,29 +121,53 @@ def craft(kind: str, checkpoints: dict[str, Path], where: Path, marker: Path) ->
     return path, bad
 
 
+def repoint(folder: Path, relative_path: str, offset: int, length: int, which) -> str:
+    """Rewrite `folder/.metadata` (a clean pickle of DCP's own classes) so that the first non-tensor
+    item whose key passes `which` is read from `relative_path` at `offset`; returns its key."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = read_dcp_metadata(folder)
+    index = next(i for i in metadata.storage_data if which(i.fqn)
+                 and isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path=relative_path,
+                                                       offset=offset, length=length)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return index.fqn
+
+
 def test_payloads_are_live(checkpoints, tmp_path):
     """The crafted files really run their payload when unpickled the old way (so the refusals below mean something)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    for kind in ("metadata", "meta.pt", "ckpt"):
+    for kind in ("metadata", "meta.pt", "ckpt", "bytes"):
         marker = tmp_path / f"marker-{kind}"
         (tmp_path / kind).mkdir()
         path, bad = craft(kind, checkpoints, tmp_path / kind, marker)
-        if kind == "metadata":
+        if kind == "bytes":  # what the resume did before: DCP's default planner reads the optimizer's param_groups
+            key = next(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.endswith(".lr"))
+            with pytest.warns(UserWarning):  # (no process group: "assuming the intent is to load in a single process")
+                dcp.load({key: 0.0}, storage_reader=FileSystemReader(path))
+        elif kind == "metadata":
             FileSystemReader(path).read_metadata()  # what Lightning's resume and the old export did
         else:
             torch.load(bad, weights_only=False)  # what the old export did
         assert marker.exists(), kind
 
 
-@pytest.mark.parametrize("command", ["fit", "validate", "export"])
-@pytest.mark.parametrize("kind", ["metadata", "meta.pt", "ckpt"])
+@pytest.mark.parametrize("kind,command", [(kind, command) for kind in ("metadata", "meta.pt", "ckpt")
+                                          for command in ("fit", "validate", "export")]
+                         + [("bytes", command) for command in ("fit", "validate", "export", "generate")])
 def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoints, builtin_cache, tmp_path):
     (tmp_path / "in").mkdir()
     marker = tmp_path / "marker"
     path, bad = craft(kind, checkpoints, tmp_path / "in", marker)
     if command == "export":
         result = step35(["export", "--checkpoint", str(path), "--out", str(tmp_path / "hf")], builtin_cache)
+    elif command == "generate":
+        result = step35(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max_new_tokens", "2"],
+                        builtin_cache)
     else:
         extra = ["--trainer.max_steps=3"] if command == "fit" else []
         result = step35(run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}", *extra),
@@ -142,6 +177,41 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoin
     line = error_line(result.stderr, f"{bad}: refused to unpickle")
     assert len(line) < 500, line
     assert not (tmp_path / "hf").exists()
+
+
+def test_bytes_item_refused_by_the_loader_itself(checkpoints, tmp_path):
+    """The guard is in the reader DCP calls, not only in the early check: a crafted shard item loaded
+    straight through `dcp_load` is refused naming the shard, and the marker never appears."""
+    from step35.checkpoint.trainer_io import dcp_load
+
+    marker = tmp_path / "marker"
+    path, bad = craft("bytes", checkpoints, tmp_path, marker)
+    key = next(k for k in read_dcp_metadata(path).state_dict_metadata if k.endswith(".lr"))
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=f"{bad}: refused to unpickle"):
+        dcp_load({key: 0.0}, path)
+    assert not marker.exists()
+    clean = next(k for k in read_dcp_metadata(checkpoints["sharded"]).state_dict_metadata if k.endswith(".lr"))
+    state = {clean: None}
+    with pytest.warns(UserWarning):
+        dcp_load(state, checkpoints["sharded"])  # an untouched item still loads, with its value
+    assert isinstance(state[clean], float) and state[clean] > 0, state
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "absolute"])
+def test_metadata_pointing_outside_the_folder_is_refused(where, checkpoints, builtin_cache, tmp_path):
+    path = tmp_path / "evil.ckpt"
+    shutil.copytree(checkpoints["sharded"], path)
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(path / "__0_0.distcp", outside)  # a readable file is there: only the path check can stop it
+    target = str(outside) if where == "absolute" else where
+    key = repoint(path, target, 0, 16, lambda key: True)
+    write_manifest(path)
+    with pytest.raises(CheckpointError) as err:
+        read_dcp_metadata(path)
+    message = str(err.value)
+    assert f"{path / '.metadata'}: entry {key} points at {target!r}, outside the checkpoint folder" in message
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        resume_in_process(path, True, builtin_cache)
 
 
 # --------------------------------------------------------------------------------- damaged files
@@ -242,7 +312,7 @@ def test_nan_weights_refused_by_resume_and_export(kind, checkpoints, builtin_cac
         resume_in_process(path, kind == "sharded", builtin_cache)
     assert name.removeprefix("model.") in str(err.value), str(err.value)
     with pytest.raises(CheckpointError, match="holds (NaN|Inf)") as err:
-        export_hf(path, tmp_path / "hf")
+        export_checkpoint(path, tmp_path / "hf")
     assert name.removeprefix("model.") in str(err.value) and not (tmp_path / "hf").exists()
 
 
@@ -251,7 +321,7 @@ def test_damaged_sharded_checkpoint_refused_by_export(checkpoints, tmp_path):
     shutil.copytree(checkpoints["sharded"], path)
     flip_byte(path / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
-        export_hf(path, tmp_path / "hf")
+        export_checkpoint(path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial*"))
 
 
@@ -278,7 +348,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(checkpoints, tmp_path)
 @pytest.fixture
 def hf_folder(tmp_path) -> Path:
     path = tmp_path / "hf"
-    tiny_model(seed=3).save_pretrained(path, max_shard_size=1_000_000)
+    save_pretrained(tiny_model(seed=3), path, max_shard_size=1_000_000)
     return path
 
 
@@ -286,16 +356,16 @@ def test_hf_flipped_byte_refused_naming_the_shard(hf_folder):
     shard = sorted(hf_folder.glob("model-*.safetensors"))[2]
     flip_byte(shard)
     with pytest.raises(CheckpointError, match=f"{shard.name}: checksum mismatch"):
-        Step35ForCausalLM.from_pretrained(hf_folder)
+        load_pretrained(hf_folder)
 
 
 def test_hf_nan_weight_refused_naming_the_tensor(tmp_path):
     model = tiny_model(seed=3)
     with torch.no_grad():
         model.model.layers[2].moe.down_proj.weight[1, 3, 5] = float("nan")
-    model.save_pretrained(tmp_path / "hf", max_shard_size=1_000_000)
+    save_pretrained(model, tmp_path / "hf", max_shard_size=1_000_000)
     with pytest.raises(CheckpointError, match="model.layers.2.moe.down_proj.weight holds NaN"):
-        Step35ForCausalLM.from_pretrained(tmp_path / "hf")
+        load_pretrained(tmp_path / "hf")
 
 
 def test_hf_config_json_stays_editable(hf_folder):
@@ -304,7 +374,7 @@ def test_hf_config_json_stays_editable(hf_folder):
         [p.name for p in hf_folder.glob("*.safetensors")] + ["model.safetensors.index.json"])
     text = (hf_folder / "config.json").read_text()
     (hf_folder / "config.json").write_text(text.replace("{", "{\n  ", 1))
-    Step35ForCausalLM.from_pretrained(hf_folder)
+    load_pretrained(hf_folder)
 
 
 # ------------------------------------------------------------------------------------- 2 ranks

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from step35.checkpoint.pretrained import save_pretrained
 from step35.config import preset
 from step35.parallel import ParallelDims
 
@@ -48,7 +49,7 @@ def test_checkpoint_tokenizer_is_used_when_data_names_none(tmp_path, builtin_cac
 
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(0)
-    model.save_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "hf")
     for f in builtin_tokenizer_dir(cache_dir=builtin_cache).iterdir():
         shutil.copy(f, tmp_path / "hf" / f.name)  # a checkpoint folder ships its tokenizer files
     cli = Step35CLI(Step35LightningModule, Step35DataModule, run=False, save_config_callback=None,

@@ -88,7 +88,7 @@ def test_packed_window_equals_each_document_alone(mtp):
 
     def grads(ids, labels, position_ids):
         model.zero_grad(set_to_none=True)
-        out = model(ids, labels, position_ids=position_ids, mtp_loss_weight=weight)
+        out = model.loss(ids, labels, position_ids=position_ids, mtp_loss_weight=weight)
         (out.lm_loss * out.num_tokens).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -138,7 +138,7 @@ def test_datamodule_delivers_positions_and_module_uses_them(tmp_path, builtin_ca
             p = 0 if token == eos else p + 1
         assert row_pos == expected
     with torch.no_grad():
-        direct = module.model(tokens[:, :-1], tokens[:, 1:], position_ids=positions).loss
-        plain = module.model(tokens[:, :-1], tokens[:, 1:]).loss
+        direct = module.model.loss(tokens[:, :-1], tokens[:, 1:], position_ids=positions).loss
+        plain = module.model.loss(tokens[:, :-1], tokens[:, 1:]).loss
     assert record.losses[0] == pytest.approx(direct.item(), rel=1e-6)
     assert abs(direct.item() - plain.item()) > 1e-4  # positions and masking changed the loss

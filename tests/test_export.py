@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from step35.checkpoint import run_tokenizer
-from step35.checkpoint.export import export_checkpoint, resolve_checkpoint
+from step35.checkpoint.export import export_checkpoint
+from step35.checkpoint.trained import resolve_checkpoint
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.data import Step35DataModule
 from step35.data.builtin import builtin_tokenizer_dir
@@ -43,7 +45,7 @@ def test_run_folder_resolves_to_its_newest_checkpoint(tiny_run):
 def test_export_round_trip_fp32(tiny_run, exported):
     _, model = tiny_run
     assert len(list(exported.glob("model-*.safetensors"))) > 1  # 1MB shards
-    loaded = Step35ForCausalLM.from_pretrained(exported)
+    loaded = load_pretrained(exported)
     reference = model.state_dict()
     assert loaded.state_dict().keys() == reference.keys()
     for name, value in loaded.state_dict().items():
@@ -107,7 +109,7 @@ def test_export_to_bf16_keeps_router_bias_fp32(tiny_run, tmp_path):
     run, model = tiny_run
     main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "hf"),
           "--dtype", "bfloat16"])
-    loaded = Step35ForCausalLM.from_pretrained(tmp_path / "hf")
+    loaded = load_pretrained(tmp_path / "hf")
     assert loaded.config.torch_dtype == "bfloat16"
     assert loaded.lm_head.weight.dtype == torch.bfloat16
     assert loaded.model.layers[1].moe.router_bias.dtype == torch.float32
@@ -123,26 +125,31 @@ def test_checkpoint_carries_the_model_config(tiny_run):
 
 
 def release_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
-    """A start checkpoint as a release ships it: weights + config.json with auto_map, remote code,
-    tokenizer, generation config, chat template, licence, readme, a docs subfolder. Returns the extra files."""
+    """A start checkpoint as a release ships it: weights + config.json with auto_map, remote code (the
+    modeling file imports a helper module relatively), tokenizer, generation config, chat template,
+    licence, readme, and things an export leaves behind: a docs subfolder, a hidden file, a script no
+    auto_map names. Returns the files an export copies."""
     model = Step35ForCausalLM(Step35LightningModule(config="tiny").model_config)
     model.init_weights(1)
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     extra = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
                                                                "special_tokens_map.json")}
     extra.update({
         "configuration_step3p5.py": b"# remote code: the config class\nclass Step3p5Config: ...\n",
-        "modeling_step3p5.py": b"# remote code: the model class\nclass Step3p5ForCausalLM: ...\n",
+        "modeling_step3p5.py": b"# remote code: the model class\nfrom .moe_utils_step3p5 import route\n"
+                               b"class Step3p5ForCausalLM: ...\n",
+        "moe_utils_step3p5.py": b"def route(): ...\n",
         "generation_config.json": b'{"bos_token_id": 0, "eos_token_id": [0], "do_sample": true}\n',
         "chat_template.jinja": b"{% for m in messages %}{{ m.content }}{% endfor %}",
         "LICENSE": b"Apache License 2.0 \xc2\xa9 someone\n",
         "README.md": b"---\nlicense: apache-2.0\n---\n# a model\n",
-        "docs/figure.svg": b"<svg xmlns='http://www.w3.org/2000/svg'/>\x00\xff",
     })
     for name, content in extra.items():
-        (path / name).parent.mkdir(exist_ok=True)
         (path / name).write_bytes(content)
-    (path / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # hidden: not copied
+    (path / "docs").mkdir()
+    (path / "docs" / "figure.svg").write_bytes(b"<svg xmlns='http://www.w3.org/2000/svg'/>\x00\xff")
+    (path / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (path / "convert_weights.py").write_text("# a script of the release, not code the model loads\n")
     return extra
 
 
@@ -160,7 +167,8 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     out = tmp_path / "hf"
     for name, content in extra.items():
         assert (out / name).read_bytes() == content, name
-    assert not (out / ".gitattributes").exists()
+    assert sorted(report.copied) == sorted(extra)  # nothing else: docs/, .gitattributes, convert_weights.py stay
+    assert not {"docs", ".gitattributes", "convert_weights.py"} & {p.name for p in out.iterdir()}
     config, released = (json.loads((p / "config.json").read_text()) for p in (out, source))
     assert config["auto_map"] == released["auto_map"] and config["architectures"] == released["architectures"]
     assert {k: v for k, v in config.items() if k not in ("eos_token_id", "bos_token_id")} == \
@@ -168,7 +176,7 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     # The folder's tokenizer says EOS 0 and no BOS, its config [1] and 0: fixed, and said so.
     assert config["eos_token_id"] == [0] and config["bos_token_id"] is None
     assert any(note.startswith("eos_token_id [1] -> [0]") for note in report.notes), report.notes
-    trained = Step35ForCausalLM.from_pretrained(out).state_dict()
+    trained = load_pretrained(out).state_dict()
     for name, value in module.model.state_dict().items():
         assert torch.equal(trained[name], value), name
     # The source folder moved: the error names it and the option that points at its new place.
@@ -178,3 +186,130 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     main(["export", "--checkpoint", str(tmp_path / "run.ckpt"), "--out", str(tmp_path / "hf2"),
           "--source", str(tmp_path / "moved")])
     assert (tmp_path / "hf2" / "modeling_step3p5.py").read_bytes() == extra["modeling_step3p5.py"]
+
+
+# ------------------------------------------------------------------------------- paths inside a checkpoint
+def planted_checkpoint(tiny_run, path: Path, drop: tuple[str, ...] = (), **hparams) -> Path:
+    """tiny_run's checkpoint with its hyper-parameters saying what a checkpoint from elsewhere may say
+    (and without the `drop` keys): a plain .ckpt with no manifest, as an older step35 wrote."""
+    run, _ = tiny_run
+    meta = torch.load(resolve_checkpoint(run), map_location="cpu", weights_only=False)
+    meta["hyper_parameters"] = {**meta["hyper_parameters"], **hparams}
+    for key in drop:
+        meta.pop(key)
+    torch.save(meta, path)
+    return path
+
+
+def home_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
+    """An HF folder (config.json, tokenizer, readme, remote code) that also holds what must never be
+    published: a key, cloud credentials, a subfolder. Returns the files an export may take from it."""
+    from step35.config import preset
+
+    public = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                                "special_tokens_map.json")}
+    public.update({"README.md": b"# my model\n", "LICENSE": b"MIT\n",
+                   "generation_config.json": b'{"eos_token_id": 0}\n',
+                   "configuration_step3p5.py": b"class Step3p5Config: ...\n",
+                   "modeling_step3p5.py": b"class Step3p5ForCausalLM: ...\n"})
+    private = {"id_rsa": b"-----BEGIN OPENSSH PRIVATE KEY-----\n", ".aws/credentials": b"[default]\naws_secret=x\n",
+               "projects/README.md": b"# another project\n", "notes.txt": b"passwords\n"}
+    for name, content in {**public, **private}.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(content)
+    preset("tiny").save(path / "config.json")
+    return public
+
+
+def copied_lines(stdout: str) -> dict[str, str]:
+    """`step35 export: copied NAME from ORIGIN` lines, as {NAME: ORIGIN}."""
+    lines = [line.removeprefix("step35 export: copied ") for line in stdout.splitlines() if " copied " in line]
+    return dict(line.split(" from ", 1) for line in lines)
+
+
+def written_files(out: Path) -> set[str]:
+    """Every file of an HF folder but its weights, index, config.json and manifest, recursively."""
+    return {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
+        "config.json", "model.safetensors.index.json", "step35.manifest.json"} - {
+        p.name for p in out.glob("model-*.safetensors")}
+
+
+def test_export_copies_only_known_file_kinds_of_the_folder_a_checkpoint_names(tiny_run, tmp_path, builtin_cache,
+                                                                               capsys):
+    home = tmp_path / "home"
+    public = home_like_folder(home, builtin_tokenizer_dir(cache_dir=builtin_cache))
+    ckpt = planted_checkpoint(tiny_run, tmp_path / "planted.ckpt", checkpoint=str(home))
+    main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")])
+    out = tmp_path / "hf"
+    assert written_files(out) == set(public)  # no id_rsa, .aws/, projects/, notes.txt
+    for name, content in public.items():
+        assert (out / name).read_bytes() == content, name
+    said = capsys.readouterr()
+    copied = copied_lines(said.out)
+    assert sorted(copied) == sorted(public)  # one line per file written besides the weights
+    assert copied["README.md"] == str(home / "README.md")
+    assert copied["modeling_step3p5.py"] == str(home / "modeling_step3p5.py")  # named by auto_map
+    assert f"files besides the weights taken from {home}, the HF folder the run started from" in said.err
+    assert f"left out of {home}: .aws, id_rsa, notes.txt, projects (only known HF file kinds" in said.err
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoConfig"] == \
+           "configuration_step3p5.Step3p5Config"
+
+
+def test_source_option_wins_over_the_folder_the_checkpoint_names(tiny_run, tmp_path, builtin_cache, capsys):
+    builtin = builtin_tokenizer_dir(cache_dir=builtin_cache)
+    home, release = tmp_path / "home", tmp_path / "release"
+    home_like_folder(home, builtin)
+    public = home_like_folder(release, builtin)
+    (release / "README.md").write_bytes(b"# the release's own card\n")
+    ckpt = planted_checkpoint(tiny_run, tmp_path / "planted.ckpt", checkpoint=str(home))
+    main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--source", str(release)])
+    assert (tmp_path / "hf" / "README.md").read_bytes() == b"# the release's own card\n"
+    copied = copied_lines(capsys.readouterr().out)
+    assert sorted(copied) == sorted(public)
+    assert not [origin for origin in copied.values() if str(home) in origin], copied
+
+
+def test_an_old_checkpoint_names_its_config_and_tokenizer_folders_known_files_only(tiny_run, tmp_path,
+                                                                                  builtin_cache, capsys):
+    """Without a saved model config or tokenizer, export reads the ones the hyper-parameters name:
+    only a config.json (any other file is refused) and the tokenizer files, each said aloud."""
+    home = tmp_path / "home"
+    public = home_like_folder(home, builtin_tokenizer_dir(cache_dir=builtin_cache))
+    old = ("step35_config", run_tokenizer.RECORD_KEY)
+    ckpt = planted_checkpoint(tiny_run, tmp_path / "key.ckpt", drop=old, checkpoint=None, config=str(home / "id_rsa"))
+    with pytest.raises(SystemExit, match=r"names '.*id_rsa' as its model config, .* pass --model_config"):
+        main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "no")])
+    assert not (tmp_path / "no").exists()
+    ckpt = planted_checkpoint(tiny_run, tmp_path / "old.ckpt", drop=old, checkpoint=str(home))
+    main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")])
+    assert written_files(tmp_path / "hf") == set(public)
+    said = capsys.readouterr()
+    assert f"model config read from {home} (named in {ckpt}, which records no model config)" in said.err
+    assert f"(tokenizer: {home} (named in {ckpt}, which records no tokenizer files))" in said.out
+
+
+def test_libraries_import_no_command():
+    """Commands sit on top: nothing outside step35/commands (but the dispatcher, cli.py) imports them,
+    and the checkpoint library imports no command module at all (cli.py included)."""
+    import ast
+
+    package = Path(__file__).parent.parent / "step35"
+    commands = ("step35.commands", "step35.cli", "step35.function_cli", "step35.generate", "step35.plan")
+    offenders = []
+    for file in package.rglob("*.py"):
+        if file.is_relative_to(package / "commands") or file.name in ("cli.py", "__main__.py"):
+            continue
+        forbidden = commands if file.is_relative_to(package / "checkpoint") else commands[:1]
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{file.relative_to(package)}: {n}" for n in names if n.startswith(forbidden)]
+    assert not offenders
+
+
+def test_remote_code_is_what_auto_map_names_in_this_repository():
+    from step35.checkpoint.export import remote_code_modules
+
+    config = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    tokenizer = {"AutoTokenizer": ["tokenization_x.XTokenizer", None], "AutoProcessor": "other/repo--proc_x.P"}
+    assert remote_code_modules([config, tokenizer, None]) == ["configuration_x", "modeling_x", "tokenization_x"]

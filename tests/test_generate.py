@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint.export import export_hf
-from step35.generate import load_generator, next_token
+from step35.checkpoint.export import export_checkpoint
+from step35.commands.generate import load_generator, next_token
 
 ROOT = Path(__file__).parent.parent
 PROMPT = "The for statement"
@@ -20,13 +20,17 @@ PROMPT = "The for statement"
 def folders(tiny_run, tmp_path_factory):
     run, _ = tiny_run
     out = tmp_path_factory.mktemp("generate") / "hf"
-    export_hf(run, out)
+    export_checkpoint(run, out)
     return run, out
 
 
 def test_checkpoint_and_exported_folder_generate_the_same_tokens(folders, tiny_run):
     run, hf = folders
-    from_run, from_hf = load_generator(run), load_generator(hf)
+    said = []
+    from_run, from_hf = load_generator(run, say=said.append), load_generator(hf)
+    ckpt = run / "checkpoints" / "step=000003.ckpt"  # where the model and tokenizer came from, said once
+    assert len(said) == 1 and said[0].startswith(f"model: {ckpt}; tokenizer: the run's tokenizer ("), said
+    assert said[0].endswith(f"saved in {ckpt})"), said
     prompt = from_run.encode(PROMPT)
     assert prompt == from_hf.encode(PROMPT) and prompt[0] == 0  # starts a document: EOS, the tokenizer has no BOS
     greedy = from_run.generate_ids(prompt, max_new_tokens=12)

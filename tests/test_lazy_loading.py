@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.config import PRESETS, Step35Config
+from step35.checkpoint.pretrained import save_pretrained
+from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
-from tests.helpers import run_process_group
+from tests.helpers import run_process_group, tiny_config
 
 ROOT = Path(__file__).parent.parent
 WORLD = 4
@@ -19,10 +20,8 @@ WORLD = 4
 
 def wide_tiny() -> Step35Config:
     """The tiny layout with wider experts, so the checkpoint (~190 MB) dwarfs interpreter noise."""
-    raw = PRESETS["tiny"]()
-    raw.update({"hidden_size": 256, "moe_num_experts": 16, "moe_intermediate_size": 1024, "share_expert_dim": 256,
-                "intermediate_size": 512})
-    return Step35Config.from_dict(raw)
+    return tiny_config(hidden_size=256, moe_num_experts=16, moe_intermediate_size=1024, share_expert_dim=256,
+                       intermediate_size=512)
 
 
 @pytest.mark.multiprocess
@@ -30,7 +29,7 @@ def wide_tiny() -> Step35Config:
 def test_each_rank_reads_only_its_slices(tmp_path):
     model = Step35ForCausalLM(wide_tiny())
     model.init_weights(seed=5)
-    model.save_pretrained(tmp_path / "hf", max_shard_size="40MB")
+    save_pretrained(model, tmp_path / "hf", max_shard_size="40MB")
     sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
     total = sum(sizes.values())
     replicated = sum(v for n, v in sizes.items() if n.endswith("router_bias"))  # buffers: a copy per rank

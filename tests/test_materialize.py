@@ -6,9 +6,11 @@ import torch
 
 from step35.checkpoint import CheckpointError
 from step35.checkpoint.materialize import materialize
-from step35.config import PRESETS, Step35Config, preset
+from step35.checkpoint.pretrained import save_pretrained
+from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.model.init import init_tensor
+from tests.helpers import tiny_config
 
 
 @pytest.mark.parametrize("name,shape,index", [
@@ -36,11 +38,9 @@ def test_init_statistics():
 def test_checkpoint_not_matching_the_config_is_refused_before_allocation(tmp_path):
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(0)
-    model.save_pretrained(tmp_path / "hf")
-    raw = PRESETS["tiny"]()
-    raw["moe_intermediate_size"] = 96  # the config the run asks for differs from the checkpoint's
-    with torch.device("meta"):
-        target = Step35ForCausalLM(Step35Config.from_dict(raw))
+    save_pretrained(model, tmp_path / "hf")
+    with torch.device("meta"):  # the config the run asks for differs from the checkpoint's
+        target = Step35ForCausalLM(tiny_config(moe_intermediate_size=96))
     with pytest.raises(CheckpointError, match=r"model.layers.1.moe.gate_proj.weight .*shape \[8, 64, 128\].*\[8, 96, 128\]"):
         materialize(target, "cpu", checkpoint=tmp_path / "hf")
     assert all(t.is_meta for t in target.state_dict().values())  # nothing was allocated

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from step35.config import preset
-from step35.model import Step35ForCausalLM
+from step35.model import Step35ForCausalLM, build_model
 
 # Spec section 4.
 TOTAL_WITH_MTP = 199_384_301_376
@@ -100,9 +100,8 @@ def _rss() -> int:
 @pytest.fixture(scope="module")
 def meta_models():
     rss0 = _rss()
-    with torch.device("meta"):
-        full = Step35ForCausalLM(preset("flash-196b"))
-        no_mtp = Step35ForCausalLM(preset("flash-196b"), num_mtp_layers=0)
+    full = build_model(preset("flash-196b"))  # meta by default
+    no_mtp = build_model(preset("flash-196b"), num_mtp_layers=0)
     return full, no_mtp, _rss() - rss0
 
 
@@ -146,6 +145,14 @@ def test_checkpoint_dtypes(meta_models):
     # Spec section 3: 398,768,626,944 bytes = bf16 everywhere + fp32 router bias.
     nbytes = sum(t.numel() * (4 if dtypes[n] == torch.float32 else 2) for n, t in full.state_dict().items())
     assert nbytes == 398_768_626_944
+
+
+def test_build_model_in_the_stored_dtype():
+    # build_model(dtype=) casts every weight but keeps the router bias fp32: the checkpoint's dtypes.
+    model = build_model(preset("flash-196b"), dtype=torch.bfloat16)
+    got = {name: t.dtype for name, t in model.state_dict().items()}
+    assert got == model.checkpoint_dtypes()
+    assert {t.device.type for t in model.state_dict().values()} == {"meta"}
 
 
 def test_nothing_allocated(meta_models):

@@ -24,7 +24,7 @@ from step35.model.moe import MoE
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
-from tests.helpers import randomize_, tiny_config, tiny_model
+from tests.helpers import hand_inv_freq, randomize_, tiny_config, tiny_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 vs float64 reference
 
@@ -34,26 +34,6 @@ def hand_rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
     """Spec 2.2, float64: x * rsqrt(mean(x^2) + eps) * (1 + w) over the last dim."""
     x = x.double()
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
-
-
-def hand_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> list[float]:
-    """Spec 2.4 step 3 and 2.5 (llama3), one pair at a time in Python floats."""
-    inv = [theta ** (-2.0 * j / rotary_dim) for j in range(rotary_dim // 2)]
-    if scaling is None:
-        return inv
-    F_, L = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
-    a, b = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    out = []
-    for f in inv:
-        lam = 2 * math.pi / f
-        if lam < L / b:
-            out.append(f)
-        elif lam > L / a:
-            out.append(f / F_)
-        else:
-            s = (L / lam - a) / (b - a)
-            out.append((1 - s) * f / F_ + s * f)
-    return out
 
 
 def hand_cos_sin(seq: int, inv: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +198,7 @@ def test_rotate_half_partial_rope(rotary_dim):
 # =================================================================================== attention
 @pytest.mark.parametrize("seq,window", [(1, 1), (7, 1), (7, 3), (20, 5), (20, 20), (20, 64), (600, 512)])
 def test_sliding_window_mask_bruteforce(seq, window):
-    mask = kernels.sliding_window_mask(seq, window)
+    mask = kernels.causal_mask(seq, window)
     brute = [[(i - window < j <= i) for j in range(seq)] for i in range(seq)]
     assert mask.dtype == torch.bool and mask.tolist() == brute
     # Row i sees min(i + 1, window) keys, itself included.
@@ -226,7 +206,7 @@ def test_sliding_window_mask_bruteforce(seq, window):
 
 
 def test_release_window_is_512_keys_including_query():
-    mask = kernels.sliding_window_mask(700, 512)
+    mask = kernels.causal_mask(700, 512)
     i = 650
     assert mask[i, i] and mask[i, i - 511] and not mask[i, i - 512] and not mask[i, i + 1]
 
@@ -581,7 +561,7 @@ def test_mtp_weight_zero_is_lm_loss_and_skips_mtp():
     labels = _labels(ids, masked=(3, 4))
     calls = []
     hook = model.model.mtp_layers[0].register_forward_hook(lambda *a: calls.append(1))
-    out = model(ids, labels, mtp_loss_weight=0.0, loss_chunk_size=7)
+    out = model.loss(ids, labels, mtp_loss_weight=0.0, loss_chunk_size=7)
     hook.remove()
     assert calls == [] and out.mtp_losses == []
     assert torch.equal(out.loss, out.lm_loss)
@@ -611,7 +591,7 @@ def test_mtp_loss_matches_hand_computation(two_layers):
     captured = {}
     last_main = model.model.layers[cfg.num_hidden_layers - 1]
     hook = last_main.register_forward_hook(lambda m, a, out: captured.setdefault("h", out.detach()))
-    out = model(ids, labels, mtp_loss_weight=weight, loss_chunk_size=5)
+    out = model.loss(ids, labels, mtp_loss_weight=weight, loss_chunk_size=5)
     hook.remove()
     assert len(out.mtp_losses) == len(model.model.mtp_layers) == (2 if two_layers else 1)
 
@@ -648,7 +628,7 @@ def test_mtp_gradients_reach_mtp_params_and_embeddings():
     grads = {}
     for weight in (0.0, 0.5):
         model = tiny_model(seed=18)
-        model(ids, labels, mtp_loss_weight=weight).loss.backward()
+        model.loss(ids, labels, mtp_loss_weight=weight).loss.backward()
         grads[weight] = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
     mtp_prefix = f"model.layers.{tiny_config().num_hidden_layers}."
     mtp_names = [n for n in grads[0.5] if n.startswith(mtp_prefix)]
@@ -673,13 +653,13 @@ def test_bf16_keeps_router_bias_fp32_and_trains():
             assert b.dtype == torch.float32 and torch.equal(b, biases[n]), n
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(19))
-    out = model(ids, _labels(ids), mtp_loss_weight=0.5)
+    out = model.loss(ids, _labels(ids), mtp_loss_weight=0.5)
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     out.loss.backward()
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), n
     # bf16 loss close to the fp32 model's (tolerance 2e-2 absolute on a loss of ~7: bf16 weights/activations).
-    ref = tiny_model(seed=19)(ids, _labels(ids), mtp_loss_weight=0.5)
+    ref = tiny_model(seed=19).loss(ids, _labels(ids), mtp_loss_weight=0.5)
     assert abs(out.loss.item() - ref.loss.item()) < 2e-2 * max(1.0, ref.loss.item())
     # Back to fp32: the bias is still the same fp32 values.
     model = model.float()

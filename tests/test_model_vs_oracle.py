@@ -56,6 +56,6 @@ def test_gradients_match_transformers_oracle(case):
 
 def test_loss_path_equals_plain_cross_entropy(case):
     cfg, sd, ids, model = case
-    out = model(ids[:, :-1], ids[:, 1:], loss_chunk_size=5)
+    out = model.loss(ids[:, :-1], ids[:, 1:], loss_chunk_size=5)
     plain = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
     torch.testing.assert_close(out.loss, plain, atol=1e-5, rtol=0)

@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.config import preset
 from step35.data import Step35DataModule
 from step35.model import Step35ForCausalLM
@@ -34,7 +35,7 @@ def hf_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "tiny"
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(seed=123)
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     return path
 
 
@@ -49,7 +50,7 @@ def test_training_starts_from_hf_checkpoint(hf_checkpoint, builtin_cache):
     direct_data.setup("fit")
     batch = next(iter(direct_data.train_dataloader()))
     tokens = batch["input_ids"]
-    loaded = Step35ForCausalLM.from_pretrained(hf_checkpoint)
+    loaded = load_pretrained(hf_checkpoint)
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(loaded(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     assert record.losses[0] == pytest.approx(expected.item(), rel=1e-5)

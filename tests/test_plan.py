@@ -68,7 +68,7 @@ def measure_activations(config: Step35Config, batch: int, seq: int, mode: str, d
 
     created = _CreatedStorages()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
-        out = model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=mtp_loss_weight)
+        out = model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=mtp_loss_weight)
     kept = sum(n for ref, n in created.created.items() if not ref.expired() and ref not in owned)
     out.loss.backward()  # the counted graph is a complete training graph
     return sum(packed.values()), kept
@@ -238,6 +238,10 @@ def test_invalid_expert_parallel_size_is_refused_with_valid_sizes(capsys):
                             "--trainer.strategy.expert_parallel_size", "64")
     assert code == 2
     assert "expert_parallel_size=64 is invalid" in err and "Valid sizes: 1, 2, 4, 8, 16, 32" in err
+    # 0 is refused the same way (it used to divide by zero in the check).
+    code, _, err = run_plan(capsys, "plan", "--config", "configs/flash-196b-4k-gpu.yaml", "--no-suggestions",
+                            "--trainer.strategy.expert_parallel_size", "0")
+    assert code == 2 and "expert_parallel_size=0 is invalid" in err, err[-2000:]
 
 
 def test_step35_help_lists_plan_and_export():

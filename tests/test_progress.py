@@ -4,7 +4,7 @@ memory; no epoch counter, no logger version."""
 import lightning.pytorch as pl
 
 from step35.callbacks import Step35ProgressBar
-from step35.checkpoint.export import resolve_checkpoint
+from step35.checkpoint.trained import resolve_checkpoint
 from step35.checkpoint.trainer_io import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.loggers import CSVLogger

@@ -7,9 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
 
-from step35.parallel import ParallelConfigError, ParallelDims
+from step35.checkpoint.pretrained import load_pretrained
+from step35.module import Step35LightningModule
+from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
+from step35.strategy import Step35Strategy, num_routed_experts
 from tests.helpers import run_process_group
 
 ROOT = Path(__file__).parent.parent
@@ -61,13 +69,12 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from step35.checkpoint.export import export_hf
-    from step35.model import Step35ForCausalLM
+    from step35.checkpoint.export import export_checkpoint
 
-    export_hf(step4[0], tmp_path / "hf", max_shard_size="2MB")
+    export_checkpoint(step4[0], tmp_path / "hf", max_shard_size="2MB")
     dcp_to_torch_save(step4[0], tmp_path / "consolidated.pt")
     consolidated = torch.load(tmp_path / "consolidated.pt", weights_only=False)["state_dict"]
-    exported = Step35ForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    exported = load_pretrained(tmp_path / "hf").state_dict()
     assert len(exported) == len([k for k in consolidated if k.startswith("model.")]) > 0
     for name, value in exported.items():
         assert torch.equal(value, consolidated["model." + name]), name
@@ -90,8 +97,12 @@ def test_parallel_dims_errors_name_both_values():
         ParallelDims(world_size=8, expert_parallel_size=5, num_experts=288)
     with pytest.raises(ParallelConfigError, match="replicate_size=3 must divide the world size 8"):
         ParallelDims(world_size=8, replicate_size=3)
+    with pytest.raises(ParallelConfigError, match=r"must divide num_experts=24 .*world size 16: \[1, 2, 4, 8\]"):
+        ParallelDims(world_size=16, expert_parallel_size=16, num_experts=24)
+    assert valid_ep_sizes(192, 288) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    assert valid_ep_sizes(8) == [1, 2, 4, 8] and valid_ep_sizes(6, 4) == [1, 2]
     dims = ParallelDims(world_size=192, expert_parallel_size=96, num_experts=288)
-    assert (dims.efsdp, dims.experts_per_rank, dims.shard_size) == (2, 3, 192)
+    assert (dims.efsdp, dims.shard_size) == (2, 192)
 
 
 def test_npu_without_torch_npu_is_a_clear_error():
@@ -101,3 +112,48 @@ def test_npu_without_torch_npu_is_a_clear_error():
 
     with pytest.raises(NPUUnavailableError, match="torch_npu"):
         pl.Trainer(accelerator="npu", devices=1, logger=False)
+
+
+
+class ThreeExperts(pl.LightningModule):
+    """Not step35's module: only the declared call, and no model_config to read."""
+
+    def num_routed_experts(self) -> int:
+        return 3
+
+
+def _strategy(module, world: int, **kwargs) -> Step35Strategy:
+    strategy = Step35Strategy(**kwargs)
+    strategy.parallel_devices = [torch.device("cpu")] * world
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.accelerator = CPUAccelerator()
+    strategy.connect(module)
+    return strategy
+
+
+@pytest.mark.timeout(120)
+def test_strategy_asks_the_module_for_its_experts_before_any_process_group():
+    # Two simulated ranks, ep=2, a module with 3 experts: refused in setup_environment through the
+    # module's num_routed_experts(), before a process group is started (unchecked, this test would
+    # hang in the process group's start, waiting for a second rank).
+    strategy = _strategy(ThreeExperts(), world=2, expert_parallel_size=2)
+    with pytest.raises(ParallelConfigError, match="expert_parallel_size=2 must divide num_experts=3"):
+        strategy.setup_environment()
+    assert not dist.is_initialized()
+    module = Step35LightningModule(config="tiny", config_overrides={"moe_num_experts": 3})
+    assert num_routed_experts(module) == 3 and num_routed_experts(torch.nn.Linear(1, 1)) is None
+    assert Step35LightningModule(config="tiny", config_overrides={"use_moe": False}).num_routed_experts() is None
+
+
+def test_strategy_keeps_its_meshes_to_itself():
+    # One process, world 1 (LightningEnvironment picks a free port; conftest drops it afterwards): the
+    # strategy's device_mesh is its dense mesh; the module's stays unset.
+    module = Step35LightningModule(config="tiny")
+    strategy = _strategy(module, world=1)
+    try:
+        strategy.setup_environment()
+        assert strategy.device_mesh is strategy.meshes.dense and strategy.meshes.dense.size() == 1
+        assert module.device_mesh is None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

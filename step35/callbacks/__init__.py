@@ -14,7 +14,6 @@
 
 from step35.callbacks.checkpointing import RunCheckpoint
 from step35.callbacks.divergence import DivergenceError, DivergenceGuard
-from step35.callbacks.expert_counts import ExpertCounter
 from step35.callbacks.expert_load import ExpertLoadMonitor
 from step35.callbacks.fault_tolerance import FaultTolerance
 from step35.callbacks.final_validation import FinalValidation
@@ -22,5 +21,5 @@ from step35.callbacks.memory import MemoryMonitor
 from step35.callbacks.progress import Step35ProgressBar
 from step35.callbacks.throughput import SpeedMonitor
 
-__all__ = ["DivergenceError", "DivergenceGuard", "ExpertCounter", "ExpertLoadMonitor", "FaultTolerance",
+__all__ = ["DivergenceError", "DivergenceGuard", "ExpertLoadMonitor", "FaultTolerance",
            "FinalValidation", "MemoryMonitor", "RunCheckpoint", "SpeedMonitor", "Step35ProgressBar"]

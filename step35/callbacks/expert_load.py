@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from step35.callbacks.expert_counts import ExpertCounter
+from step35.balancing import ExpertCounter
 from step35.callbacks.reporting import StepEnds, every, log_metrics, metric_step
 
 

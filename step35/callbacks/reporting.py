@@ -1,5 +1,6 @@
-"""What step35's callbacks share: noticing the end of an optimizer step, one collective helper, and
-writing metrics to every attached logger at Lightning's own step index.
+"""What step35's callbacks share: noticing the end of an optimizer step, the world-wide all_reduce
+(defined in step35/parallel/collectives.py, named here for the callbacks), and writing metrics to every
+attached logger at Lightning's own step index.
 
 Metrics go to the loggers directly (as Lightning's LearningRateMonitor does) so that each callback
 keeps its own interval, independent of trainer.log_every_n_steps; `log_metrics` is rank-zero only
@@ -8,22 +9,11 @@ because the loggers are. Collectives (`all_reduce_`) run on every rank, never un
 
 from __future__ import annotations
 
-from typing import Literal
-
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 
+from step35.parallel.collectives import all_reduce_, distributed
 
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def all_reduce_(tensor: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
-    """In-place all_reduce over the world (a no-op in a single process). Every rank must call it."""
-    if distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return tensor
+__all__ = ["StepEnds", "all_reduce_", "distributed", "every", "log_metrics", "metric_step"]
 
 
 def metric_step(trainer: "pl.Trainer") -> int:

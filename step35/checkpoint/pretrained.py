@@ -1,7 +1,7 @@
-"""A model <-> an HF checkpoint folder: `Step35ForCausalLM.from_pretrained` / `save_pretrained` call these.
+"""A model <-> an HF checkpoint folder: `load_pretrained(path) -> model`, `save_pretrained(model, path)`.
 
-Imports go one way: model <- materialize (fills a model) <- pretrained; the model reaches this
-module only through a local import inside its two thin classmethods.
+Imports go one way: model <- materialize (fills a model) <- pretrained. The model package knows
+nothing of checkpoints; loading and saving a folder live here, next to the other checkpoint formats.
 """
 
 from __future__ import annotations
@@ -15,26 +15,32 @@ from step35.checkpoint.hf import write_hf_folder
 from step35.checkpoint.materialize import checkpoint_state, materialize
 from step35.checkpoint.publish import check_not_interrupted
 from step35.config import ConfigError, Step35Config
+from step35.model import Step35ForCausalLM, build_model
 
 
-def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    num_mtp_layers: int | None = None):
-    """Build `cls(config)` on meta, check the checkpoint against it, then materialise and fill it."""
+def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                    num_mtp_layers: int | None = None) -> Step35ForCausalLM:
+    """The model saved in the HF folder `path`, on `device`, in `dtype` (None: the folder's
+    torch_dtype), with `num_mtp_layers` MTP layers (None: all of the config's; fewer ignores the
+    folder's extra MTP tensors).
+
+    Built on meta from the folder's config.json, checked against the folder's tensors (names,
+    shapes, dtypes: CheckpointError naming the file or tensor), then materialised and filled."""
     path = Path(path)
     check_not_interrupted(path)
     try:
         config = Step35Config.from_json(path)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    with torch.device("meta"):
-        model = cls(config, num_mtp_layers)
-    model.to(dtype or getattr(torch, config.torch_dtype))  # router_bias stays fp32 (MoE._apply)
+    model = build_model(config, num_mtp_layers, dtype=dtype or getattr(torch, config.torch_dtype))
     materialize(model, device, checkpoint=path)
     return model
 
 
-def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_size: int | str = "5GB") -> None:
-    """config.json, model-0000k-of-0000n.safetensors shards, the index and the manifest, atomically."""
+def save_pretrained(model: Step35ForCausalLM, path: str | Path, max_shard_size: int | str = "5GB") -> None:
+    """Write `model` as the HF folder `path`: config.json (torch_dtype set to the weights' dtype),
+    model-0000k-of-0000n.safetensors shards of at most `max_shard_size`, the index and the manifest,
+    published atomically. A model holding weights of several dtypes is refused (cast it first)."""
     state = checkpoint_state(model)
     weight_dtypes = {t.dtype for n, t in state.items() if not n.endswith("router_bias")}
     if len(weight_dtypes) != 1:

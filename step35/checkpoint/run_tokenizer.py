@@ -6,8 +6,9 @@ checkpoint copied to another machine, so the module stores the folder's tokenize
 (a few MB at most) under `checkpoint["step35_tokenizer"]`, with the EOS id the data stream put
 between documents. `step35 export` writes them next to the weights; `step35 generate` encodes with them.
 
-Special ids are read the way `transformers.AutoTokenizer` reads them: the token strings of
-tokenizer_config.json (else special_tokens_map.json) looked up in tokenizer.json's vocabulary.
+The EOS id is read by the data stream's own rule (step35/data/tokenizer.py); bos and pad ids the way
+`transformers.AutoTokenizer` reads them: the token strings of tokenizer_config.json (else
+special_tokens_map.json) looked up in tokenizer.json's vocabulary.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ RECORD_KEY = "step35_tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
-SPECIAL = ("bos", "eos", "pad")
 
 
 def folder_files(folder: str | Path) -> dict[str, bytes]:
-    """The tokenizer files of `folder`, by name; a folder without tokenizer.json is refused."""
+    """The TOKENIZER_FILES at the top of `folder`, looked up by name (the folder may be named by a
+    checkpoint from elsewhere: nothing else of it is read); a folder without tokenizer.json is refused."""
     folder = Path(folder).expanduser()
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{folder}: no tokenizer.json there (expected a Hugging Face tokenizer folder)")
@@ -44,12 +45,12 @@ def record(folder: str | Path, eos_token_id: int) -> dict[str, Any]:
 
 def read_record(value: Any, where: str | Path) -> dict[str, Any]:
     """A checkpoint's record, checked for shape (it came from a file)."""
-    ok = (isinstance(value, dict) and isinstance(value.get("files"), dict)
+    ok = (isinstance(value, dict) and isinstance(value.get("files"), dict) and isinstance(value.get("source"), str)
           and all(isinstance(k, str) and isinstance(v, bytes) for k, v in value["files"].items())
           and "tokenizer.json" in value["files"] and isinstance(value.get("eos_token_id"), int))
     if not ok:
-        raise CheckpointError(f"{where}: {RECORD_KEY} is malformed (expected files with tokenizer.json and an "
-                              "eos_token_id); pass the tokenizer folder explicitly")
+        raise CheckpointError(f"{where}: {RECORD_KEY} is malformed (expected files with tokenizer.json, an "
+                              "eos_token_id and its source folder); pass the tokenizer folder explicitly")
     unknown = sorted(set(value["files"]) - set(TOKENIZER_FILES))
     if unknown:
         raise CheckpointError(f"{where}: {RECORD_KEY} holds files that are no tokenizer files: {unknown}")
@@ -64,9 +65,13 @@ class SpecialIds:
 
 
 def special_ids(files: dict[str, bytes], where: str | Path = "tokenizer") -> SpecialIds:
-    """bos/eos/pad ids as AutoTokenizer reports them: tokenizer_config.json's token strings (else
-    special_tokens_map.json's) looked up in the vocabulary; None where neither names the token."""
+    """bos/eos/pad ids of a tokenizer's files. EOS by step35's one rule (`step35.data.tokenizer.
+    eos_token_id_from`, the one the data stream separates documents with); bos and pad as AutoTokenizer
+    reports them: tokenizer_config.json's token strings (else special_tokens_map.json's) looked up in
+    the vocabulary. None where no file names the token."""
     from tokenizers import Tokenizer
+
+    from step35.data.tokenizer import eos_token_id_from
 
     tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
 
@@ -79,9 +84,14 @@ def special_ids(files: dict[str, bytes], where: str | Path = "tokenizer") -> Spe
             raise CheckpointError(f"{where}/{name}: not valid JSON ({e})") from None
         return content if isinstance(content, dict) else {}
 
+    try:
+        found = {"eos": eos_token_id_from(read, tokenizer, where)}
+    except CheckpointError:
+        raise
+    except ValueError as e:  # a named token outside the vocabulary
+        raise CheckpointError(str(e)) from None
     config, special_map = read("tokenizer_config.json"), read("special_tokens_map.json")
-    found = {}
-    for kind in SPECIAL:
+    for kind in ("bos", "pad"):
         token = config.get(f"{kind}_token", special_map.get(f"{kind}_token"))
         if isinstance(token, dict):
             token = token.get("content")

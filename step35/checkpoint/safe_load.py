@@ -1,7 +1,7 @@
 """The unpickling policy for every checkpoint step35 reads: checkpoints are data, never code.
 
 - Lightning checkpoints (a single `.ckpt`, the `meta.pt` of a sharded folder) are read with
-  `torch.load(weights_only=True)` plus an explicit allowlist (`CHECKPOINT_TYPES`) of the few
+  `torch.load(weights_only=True)` plus an explicit allowlist (`checkpoint_types()`) of the few
   non-primitive types their dicts can hold. Saved by step35 they hold only dicts, lists, tuples,
   numbers, strings, tensors and OrderedDicts (checked on real checkpoints); the allowlist adds the
   types a user's hyper-parameters may carry (paths, Lightning's AttributeDict).
@@ -9,13 +9,22 @@
   `pickle.load`. `safe_reader(folder)` reads it with `restricted_unpickle`, which admits only the
   classes of DCP's metadata (the set found by saving real sharded checkpoints: the dataclasses of
   `torch.distributed.checkpoint.metadata`, `filesystem._StorageInfo`, torch.Size, dtypes, layouts,
-  paths). The tensor data files are read by DCP itself with `weights_only=True` already.
+  paths), and refuses any entry whose `relative_path` leaves the folder (absolute, `..`, a symlink
+  out).
+- The `.distcp` data files hold two kinds of items. Tensors: DCP reads them with
+  `torch.load(weights_only=True)` itself. Non-tensor (BYTES) items, such as the optimizer's
+  `param_groups` values (lr, betas, eps, ...): DCP's default planner would read them with
+  `torch.load(weights_only=False)`, i.e. run any pickle. `safe_reader`'s `read_data` reads every
+  such item first with `torch.load(weights_only=True)` and the allowlist above, and hands the
+  planner only a fresh serialization of the checked value. `check_bytes_items(folder)` runs the same
+  check over all of a folder's BYTES items without loading anything else (a readable early refusal
+  for every reader of a sharded folder, export and generate included).
 - safetensors (HF folders) holds no code at all.
 
 Anything else makes the load stop before a single object is built: a CheckpointError names the file
 and the refused global. The private torch names used here (`_StorageInfo`, `_MEM_FORMAT_ENCODING`,
-`torch.serialization._get_layout`, `FileSystemReader._get_metadata_path`) live only in this module;
-when torch moves one, the error says so and points here.
+`torch.serialization._get_layout`, `FileSystemReader._get_metadata_path`, `FileSystemReader.storage_data`)
+live only in this module; when torch moves one, the error says so and points here.
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ def refusal(path: Path, error: BaseException) -> CheckpointError:
                            f"from it was run. If a legitimate checkpoint needs a new type, allow it in {_HERE}")
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
 def load_torch(path: str | Path, mmap: bool = False, map_location: Any = "cpu") -> Any:
     """`torch.load` of a Lightning checkpoint file with weights_only=True and the step35 allowlist;
     unreadable or refused files raise a one-line CheckpointError naming the file."""
@@ -70,9 +83,26 @@ def load_torch(path: str | Path, mmap: bool = False, map_location: Any = "cpu") 
     except pickle.UnpicklingError as e:
         raise refusal(path, e) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:  # truncated zip, bad record, ...
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: unreadable checkpoint file, truncated or not written by torch.save "
-                              f"({type(e).__name__}: {first})") from None
+                              f"({type(e).__name__}: {_first_line(e)})") from None
+
+
+def load_bytes_item(value: io.BytesIO, source: str | Path, key: str) -> io.BytesIO:
+    """A DCP BYTES item (`value`, read from the data file `source`) checked by
+    `torch.load(weights_only=True)` with the allowlist, returned as a fresh `torch.save` of the
+    checked value: whatever unpickles the result afterwards (DCP's planner, with weights_only=False)
+    only rebuilds data this loader has already built without running code."""
+    try:
+        with torch.serialization.safe_globals(checkpoint_types()):
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise refusal(Path(source), e) from None
+    except Exception as e:  # truncated or garbled item
+        raise CheckpointError(f"{source}: unreadable item {key} ({type(e).__name__}: {_first_line(e)})") from None
+    clean = io.BytesIO()
+    torch.save(obj, clean)
+    clean.seek(0)
+    return clean
 
 
 @contextmanager
@@ -130,6 +160,20 @@ def restricted_unpickle(file: io.BufferedIOBase | Any, source: str | Path) -> An
         raise CheckpointError(f"{source}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def check_inside(metadata: Any, folder: Path, source: Path) -> None:
+    """Every data file `.metadata` points at lies inside `folder`: no absolute path, no `..`, no
+    symlink out (DCP itself would open whatever path an entry names)."""
+    root = folder.resolve()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        rel = getattr(info, "relative_path", None)
+        name = getattr(index, "fqn", index)
+        if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{source}: entry {name} points at {rel!r}, outside the checkpoint folder; refused")
+        if not (root / rel).resolve().is_relative_to(root):
+            raise CheckpointError(f"{source}: entry {name} points at {rel!r}, which resolves outside the "
+                                  f"checkpoint folder; refused")
+
+
 def read_dcp_metadata(folder: str | Path):
     """The `Metadata` of the DCP folder `folder`, read through the restricted unpickler."""
     return safe_reader(folder).read_metadata()
@@ -159,13 +203,62 @@ def safe_reader(folder: str | Path):
                                           f"checkpoint)") from None
                 with stream as f:
                     metadata = restricted_unpickle(f, path)
+                check_inside(metadata, Path(self.path), path)
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
                 metadata.storage_meta.load_id = self.load_id
                 return metadata
 
+            def read_data(self, plan: Any, planner: Any) -> Any:
+                return super().read_data(plan, _SafeBytesPlanner(planner, self))
+
         _reader_class = SafeFileSystemReader
     return _reader_class(folder)
+
+
+class _SafeBytesPlanner:
+    """Stands in for DCP's load planner inside `SafeFileSystemReader.read_data`: BYTES items go
+    through `load_bytes_item` before the planner sees them; everything else is the planner's."""
+
+    def __init__(self, planner: Any, reader: Any):
+        self._planner, self._reader = planner, reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            relative = self._reader.storage_data[read_item.storage_index].relative_path
+        except (AttributeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"torch {torch.__version__} changed FileSystemReader.storage_data ({e}); "
+                                  f"update {_HERE}") from None
+        source = Path(self._reader.path) / relative
+        self._planner.load_bytes(read_item, load_bytes_item(value, source, read_item.dest_index.fqn))
+
+
+class _CheckOnly:
+    """A planner for `check_bytes_items`: the checked values are dropped."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        pass
+
+
+def check_bytes_items(folder: str | Path) -> int:
+    """Read every non-tensor (BYTES) item of the DCP folder `folder` through the restricted loader,
+    without loading any tensor and without collectives; returns how many there were. A pickle that
+    asks for code raises a CheckpointError naming the data file."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    reader = safe_reader(folder)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    byte_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
+                      storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+             for index in (metadata.storage_data or {}) if getattr(index, "fqn", None) in byte_keys]
+    reader.read_data(LoadPlan(items), _CheckOnly()).wait()
+    return len(items)
 
 
 # --- loaded values ---------------------------------------------------------------------------------

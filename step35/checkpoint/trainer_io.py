@@ -14,6 +14,7 @@ installs it); Step35Strategy calls the same functions.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -21,10 +22,10 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.errors import CheckpointError, raise_together
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, verify_for_load, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
-from step35.checkpoint.safe_load import check_finite, load_torch, safe_reader
+from step35.checkpoint.safe_load import check_bytes_items, check_finite, load_torch, safe_reader
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded folder
 
@@ -35,18 +36,56 @@ def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
             "epoch": checkpoint.get("epoch"), "world_size": world_size}
 
 
+def disk_full(error: BaseException, folder: Path) -> bool:
+    """Whether a failed save failed because the filesystem of `folder` is full: an OSError
+    ENOSPC/EDQUOT (also inside DCP's CheckpointException text), or torch.save's own "[enforce fail
+    ...] unexpected pos" (its C++ writer drops the errno) while that filesystem has no room left."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return True
+    if "unexpected pos" in text:
+        try:
+            stat = os.statvfs(folder)
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize < 4 << 20
+    return False
+
+
+def no_space(path: Path) -> OSError:
+    """The one-line error for a save that filled its filesystem (its partial files already removed)."""
+    return OSError(errno.ENOSPC, f"{path}: no space left on device (ENOSPC) while saving this checkpoint; "
+                                 f"the partial save was removed, the previous checkpoint (if any) is intact")
+
+
 def save_file(checkpoint: dict, path: str | Path) -> None:
-    """torch.save into a temporary sibling, manifest, then publish under `path`."""
+    """torch.save into a temporary sibling, manifest, then publish under `path`. A full disk raises
+    OSError(ENOSPC) naming `path`; what the failed save wrote is removed before it propagates."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(path)
     try:
-        torch.save(checkpoint, tmp)
+        with open(tmp, "wb") as f:  # a file object: a full disk raises ENOSPC, not "unexpected pos"
+            torch.save(checkpoint, f)
         write_manifest(tmp, manifest_extra(checkpoint, "file"))
         publish(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e, path.parent):
+            raise
+        raise no_space(path) from None  # (after `finally` has removed the partial file)
     finally:  # only left when the save failed: remove what it wrote
-        for leftover in (tmp, tmp.with_name(tmp.name + FILE_MANIFEST_SUFFIX)):
-            leftover.unlink(missing_ok=True)
+        remove_leftovers(tmp)
+
+
+def remove_leftovers(tmp: Path) -> None:
+    """Delete a failed single-file save: the partial file and its manifest."""
+    for leftover in (tmp, tmp.with_name(tmp.name + FILE_MANIFEST_SUFFIX)):
+        leftover.unlink(missing_ok=True)
 
 
 def remove(path: str | Path) -> None:
@@ -91,13 +130,16 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict:
 
 
 def load_meta(folder: str | Path) -> dict:
-    """Lightning's `meta.pt` of a sharded folder (no tensors of the model), read safely."""
+    """Lightning's `meta.pt` of a sharded folder (no tensors of the model), read safely; the
+    folder's non-tensor DCP items (optimizer param_groups) are checked too, so every reader of a
+    sharded folder (resume, export, generate) refuses a crafted one before loading anything else."""
     meta = Path(folder) / META_FILE
     if not meta.is_file():
         raise CheckpointError(f"{meta}: missing; {folder} is not a Lightning sharded checkpoint")
     checkpoint = load_torch(meta)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{meta}: holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    check_bytes_items(folder)
     return checkpoint
 
 
@@ -111,6 +153,10 @@ def dcp_load(state: dict, folder: Path) -> None:
     except (KeyboardInterrupt, SystemExit, CheckpointError):
         raise
     except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
+        for failure in (getattr(e, "failures", None) or {}).values():  # our own refusal, raised inside DCP
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(cause)) from None
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else type(e).__name__)
         raise CheckpointError(f"{folder}: DCP load failed ({detail[:300]})") from None
@@ -134,6 +180,68 @@ def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, 
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return meta
+
+
+# Names that wrappers insert in named_parameters() but not in state-dict keys (activation
+# checkpointing, torch.compile); the full state dicts of checkpoints use the bare names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _bare_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path: Path, index: int = 0) -> dict:
+    """A full (unsharded) optimizer state saved with integer parameter ids, re-keyed by parameter
+    name for `set_optimizer_state_dict`.
+
+    The ids differ by writer: a one-process run numbers the parameters in optimizer order (group
+    by group), Lightning's ModelParallelStrategy full save numbers them in module order. Both keep
+    each group's parameters in optimizer order, so the j-th id of group g is the j-th parameter of
+    group g of `optimizer` (built by the same configure_optimizers); a different grouping is refused."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
+        raise CheckpointError(f"{path}: optimizer {index} state is not a torch optimizer state dict")
+    saved_sizes = [len(g.get("params", ())) for g in groups]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise CheckpointError(f"{path}: optimizer {index} was saved with parameter groups of sizes {saved_sizes}, "
+                              f"this model's optimizer has {sizes}; the checkpoint belongs to another model or "
+                              f"optimizer setup")
+    if all(isinstance(k, str) for k in saved["state"]):  # already by name
+        return saved
+    names = {id(p): _bare_name(n) for n, p in module.named_parameters()}
+    key = {old: names[id(param)] for saved_group, group in zip(groups, optimizer.param_groups)
+           for old, param in zip(saved_group["params"], group["params"])}
+    missing = [k for k in saved["state"] if k not in key]
+    if missing:
+        raise CheckpointError(f"{path}: optimizer {index} has state for parameter ids {missing[:5]} that no "
+                              f"parameter group lists")
+    return {"state": {key[k]: v for k, v in saved["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in groups]}
+
+
+def load_full_optimizers(checkpoint: dict, path: Path, module: torch.nn.Module, optimizers: list,
+                         strict: bool = True) -> None:
+    """Fill sharded `optimizers` (DTensor parameters of `module`, any world size) from a single-file
+    checkpoint's full `optimizer_states`: each rank keeps its slice of the full tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not optimizers:  # validate / test / predict: the weights alone
+        return
+
+    def named_states() -> list[dict]:
+        saved = checkpoint.get("optimizer_states") or []
+        if len(saved) != len(optimizers):
+            raise CheckpointError(f"{path}: holds {len(saved)} optimizer states, this run has {len(optimizers)} "
+                                  f"optimizers")
+        return [named_optimizer_state(s, module, o, path, i) for i, (s, o) in enumerate(zip(saved, optimizers))]
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    for optimizer, named in zip(optimizers, raise_together(named_states)):
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)
 
 
 def finite_modules(module: torch.nn.Module, optimizers: list, path: Path) -> None:

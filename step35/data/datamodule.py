@@ -60,7 +60,9 @@ class Step35DataModule(pl.LightningDataModule):
             with a warning, when that holds less than one window), 0 with `val_files` or `val_batches=0`.
             0: no validation.
         val_batches: Validation batches per rank at each validation (0: no validation).
-        strict: Raise on a bad record (naming file and line) instead of skipping, counting and warning.
+        strict: Raise on a bad record (naming file and line) instead of skipping, counting and warning; and
+            refuse to resume when a source's data changed since the checkpoint, instead of restarting that
+            source's stream with a warning.
         seed: Seed of the file order per epoch and of the source mixing.
         cache_dir: Folder for the built-in corpus and tokenizer; None: $STEP35_CACHE or ~/.cache/step35.
         builtin_vocab_size: Vocabulary size of the built-in tokenizer.

@@ -10,7 +10,15 @@ import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from step35.data.readers import READABLE_SUFFIXES, TxtMode, reader_for
+from step35.data.readers import (
+    FIELD_CHECK_RECORDS,
+    READABLE_SUFFIXES,
+    BadRecord,
+    MissingField,
+    TxtMode,
+    missing_field_message,
+    reader_for,
+)
 
 SAVED_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
 
@@ -73,12 +81,34 @@ def expand_files(patterns: Sequence[str], split: str = "train") -> list[Path]:
 
 def check_files(name: str, files: Sequence[Path], text_field: str, txt_mode: TxtMode = "file") -> None:
     """Errors that make a source useless, found before training starts: all files empty, a columnar file
-    without the text column (or with a non-string one)."""
+    without the text column (or with a non-string one), json records without the text field."""
     if all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"source {name!r}: every matched file is empty ({', '.join(map(str, files[:5]))}...)")
     for f in files:
         if f.suffix.lower() in (".parquet", ".arrow"):
             reader_for(f, text_field, txt_mode).check()
+    check_text_field(name, [f for f in files if f.suffix.lower() in (".jsonl", ".json")], text_field)
+
+
+def check_text_field(name: str, files: Sequence[Path], text_field: str) -> None:
+    """Raise, naming the fields found and the closest one, when the first `FIELD_CHECK_RECORDS` json records
+    (or all of them, if fewer) lack `text_field`: a wrong field name, which would otherwise surface only
+    after a whole epoch of skipped records. Records that are bad for other reasons are passed over."""
+    missed, fields = 0, set()
+    for f in files:
+        for record in reader_for(f, text_field).records():
+            try:
+                record.text()
+            except MissingField as error:
+                missed, fields = missed + 1, fields | set(error.fields)
+                if missed >= FIELD_CHECK_RECORDS:
+                    raise ValueError(missing_field_message(name, text_field, missed, sorted(fields))) from None
+            except BadRecord:
+                continue
+            else:
+                return
+    if missed:
+        raise ValueError(missing_field_message(name, text_field, missed, sorted(fields)))
 
 
 def _folder_files(folder: Path, split: str) -> Iterator[Path]:

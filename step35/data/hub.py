@@ -11,7 +11,7 @@ keeps its round-robin share of the records. A resume re-streams the current file
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from step35.data.readers import Reader, Record, checked_text
+from step35.data.readers import Reader, Record, checked_text, did_you_mean
 from step35.data.sources import Holdout, Source
 
 BATCH_ROWS = 256  # records per `IterableDataset.iter` batch
@@ -49,6 +49,9 @@ class HubPart(Reader):
 
     def open(self) -> Reader:
         return self
+
+    def stamp(self) -> None:
+        return None  # reading a stream's part to fingerprint it would cost a download; its index is in `key`
 
     def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
         dataset = self.stream.open()
@@ -101,4 +104,6 @@ class HubSource(Source):
         if first is None:
             raise ValueError(f"hub dataset {self.name} is empty")
         if self.text_field not in first:
-            raise ValueError(f"hub dataset {self.name} has no field {self.text_field!r} (fields: {sorted(first)})")
+            fields = sorted(first)
+            hint = did_you_mean(self.text_field, fields) or "; set text_field"
+            raise ValueError(f"hub dataset {self.name} has no field {self.text_field!r} (fields: {fields}){hint}")

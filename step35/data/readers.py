@@ -28,6 +28,39 @@ class BadRecord(Exception):
     """A record that cannot be trained on; the message says why (the reader's `where` says where)."""
 
 
+class MissingField(BadRecord):
+    """A record without the text field; `fields` are the fields it has."""
+
+    def __init__(self, field: str, fields: list[str]) -> None:
+        super().__init__(f"no {field!r} field (fields: {fields[:10]}){did_you_mean(field, fields)}")
+        self.field = field
+        self.fields = fields
+
+
+# A source whose first this many records all lack the text field is a wrong `text_field`, not bad records.
+FIELD_CHECK_RECORDS = 100
+
+
+def did_you_mean(field: str, fields: list[str]) -> str:
+    """"; did you mean 'x'? (set text_field)" for the closest of `fields` to `field`, or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(field, fields, n=1, cutoff=0.5) or difflib.get_close_matches(
+        field.lower(), [f.lower() for f in fields], n=1, cutoff=0.5
+    )
+    if not close:
+        return ""
+    match = next(f for f in fields if f == close[0] or f.lower() == close[0])
+    return f"; did you mean {match!r}? (set text_field)"
+
+
+def missing_field_message(source: str, field: str, records: int, fields: list[str]) -> str:
+    return (
+        f"source {source!r}: none of the first {records} records read has the text field {field!r};"
+        f" their fields: {fields[:20]}{did_you_mean(field, fields) or '; set text_field'}"
+    )
+
+
 @dataclass(frozen=True)
 class Record:
     """One record of one file: its index in the file, its byte span (for formats that seek) and its raw content."""
@@ -192,7 +225,8 @@ class _ColumnarReader(Reader):
 
         schema = self._schema()
         if self.text_field not in schema.names:
-            raise ValueError(f"{self.path}: no column {self.text_field!r} (columns: {schema.names}); set text_field")
+            hint = did_you_mean(self.text_field, schema.names) or "; set text_field"
+            raise ValueError(f"{self.path}: no column {self.text_field!r} (columns: {schema.names}){hint}")
         kind = schema.field(self.text_field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
             raise ValueError(f"{self.path}: column {self.text_field!r} holds {kind}, not strings; set text_field")
@@ -299,7 +333,7 @@ def _field_text(value: Any, field: str) -> Optional[str]:
     if not isinstance(value, dict):
         raise BadRecord(f"not a JSON object but {type(value).__name__}")
     if field not in value:
-        raise BadRecord(f"no {field!r} field (fields: {sorted(value)[:10]})")
+        raise MissingField(field, sorted(value))
     return checked_text(value[field], field)
 
 

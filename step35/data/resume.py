@@ -3,8 +3,11 @@ goes into a checkpoint and comes back out. Everything the exact resume needs liv
 
 * `Cursor`: the position of one record in one source's stream (a few ints).
 * The stream state (`STATE_FORMAT`): per shard (rank x worker) the window count and, per source, a cursor,
-  a token skip and a bad-record count; `TokenWindows` (stream.py) keeps it, `PackedSource` (packing.py)
-  advances it before every window leaves. torchdata's StatefulDataLoader collects it per worker.
+  the piece of a long document and a token skip, a bad-record count, and which data the cursor points into
+  (a digest of the source's file list, a stamp of the cursor's file); `TokenWindows` (stream.py) keeps it,
+  `PackedSource` (packing.py) advances it before every window leaves and checks the data on resume
+  (`DataChangedWarning`, or `DataChangedError` when strict). torchdata's StatefulDataLoader collects it per
+  worker.
 * `TrainBatches`: the endless loader as Lightning sees it, hiding the loader state from Lightning.
 * `TrainStreamResume`: the loader states of all ranks in one checkpoint entry, and each rank's own back.
 
@@ -36,6 +39,14 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+class DataChangedWarning(UserWarning):
+    """A saved stream position belongs to data that has changed since; that source's stream restarts."""
+
+
+class DataChangedError(ValueError):
+    """Raised instead of `DataChangedWarning` when the DataModule runs with ``strict=True``."""
+
 
 STATE_FORMAT = "step35.token_windows/1"  # marks our state inside a StatefulDataLoader's state dict
 CHECKPOINT_FORMAT = "step35.datamodule/1"

@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Literal, Optional, Protocol
 
 from step35.data.bad_records import BadRecords
-from step35.data.readers import BadRecord, Reader, Record, TxtMode, reader_for
+from step35.data.readers import (
+    FIELD_CHECK_RECORDS,
+    BadRecord,
+    MissingField,
+    Reader,
+    Record,
+    TxtMode,
+    missing_field_message,
+    reader_for,
+)
 from step35.data.resume import Cursor
 
 __all__ = ["Cursor", "FileSource", "Holdout", "Source", "parts_suffice"]
@@ -56,6 +65,13 @@ class Part(Protocol):
 
     def open(self) -> Reader: ...
 
+    def stamp(self) -> Optional[list]:
+        """A cheap fingerprint of the part's content, or None where there is none to take (a stream's part)."""
+        ...
+
+
+STAMP_BYTES = 1 << 16  # a file's stamp hashes this many bytes at each end, with its size
+
 
 class FilePart:
     def __init__(self, path: str | Path, text_field: str, txt_mode: TxtMode) -> None:
@@ -69,6 +85,17 @@ class FilePart:
         if self._reader is None:
             self._reader = reader_for(self.path, self.text_field, self.txt_mode)
         return self._reader
+
+    def stamp(self) -> list:
+        """[size, hash of the first and last 64 KiB]: catches a line deleted or added anywhere (the size) and
+        most rewrites, reads 128 KiB, and survives a copy that changes modification times."""
+        with open(self.path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            head = f.read(STAMP_BYTES)
+            f.seek(max(0, size - STAMP_BYTES))
+            tail = f.read(STAMP_BYTES)
+        return [size, hashlib.blake2b(head + tail, digest_size=8).hexdigest()]
 
 
 def parts_suffice(num_parts: int, num_shards: int) -> bool:
@@ -94,12 +121,31 @@ class Source:
         self.seed = seed
         self.holdout = holdout
         self.split_by_part = split_by_part  # when parts_suffice; else round-robin over records
+        self._order: tuple[int, list[Part]] = (-1, [])  # the last epoch's part order
 
     def epoch_parts(self, epoch: int) -> list[Part]:
-        order = list(self.parts)
-        if self.shuffle:
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)  # str seeds hash with sha512: same in every process
-        return order
+        if self._order[0] != epoch:
+            order = list(self.parts)
+            if self.shuffle:
+                random.Random(f"{self.seed}-{epoch}").shuffle(order)  # str seeds hash with sha512: same everywhere
+            self._order = (epoch, order)
+        return list(self._order[1])
+
+    def digest(self) -> str:
+        """A hash of the source's part list (file names, in the order given): a saved position is only
+        meaningful for the same list, since the epoch's part order and the cursor's file index derive from it."""
+        keys = "\n".join(part.key for part in self.parts)
+        return hashlib.blake2b(keys.encode("utf-8"), digest_size=8).hexdigest()
+
+    def stamp(self, cursor: Cursor) -> Optional[list]:
+        """The stamp of the part `cursor` points into (None past the last part)."""
+        parts = self.epoch_parts(cursor.epoch)
+        return parts[cursor.file].stamp() if cursor.file < len(parts) else None
+
+    def part_name(self, cursor: Cursor) -> str:
+        parts = self.epoch_parts(cursor.epoch)
+        part = parts[cursor.file] if cursor.file < len(parts) else None
+        return str(getattr(part, "path", None) or getattr(part, "key", f"part {cursor.file}"))
 
     def by_part(self, num_shards: int) -> bool:
         return self.split_by_part and parts_suffice(len(self.parts), num_shards)
@@ -108,16 +154,26 @@ class Source:
         self, start: Cursor, shard: int, num_shards: int, bad: BadRecords, endless: bool
     ) -> Iterator[Document]:
         """The documents of `shard`, kept by the holdout, from the record at `start` on, epoch after epoch
-        when `endless`; bad records are reported to `bad` and skipped."""
+        when `endless`; bad records are reported to `bad` and skipped. A stream from the start whose first
+        `FIELD_CHECK_RECORDS` records all lack the text field raises (a wrong `text_field`, not bad records)."""
         cursor = start
+        missing: set[str] = set()  # fields of the records lacking the text field, while no document was found
+        missed, field = 0, ""
         while True:
             whole_epoch = cursor == Cursor(epoch=cursor.epoch)
-            found = 0
+            found = held_out = 0
             for here, after, key, record in self._owned_records(cursor, shard, num_shards):
                 if self.holdout is not None and not self.holdout.keeps(key):
+                    held_out += 1
                     continue
                 try:
                     text = record.text()
+                except MissingField as error:
+                    missed, missing, field = missed + 1, missing | set(error.fields), error.field
+                    if missed >= FIELD_CHECK_RECORDS and found == 0 and start == Cursor():
+                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing)))
+                    bad(record.where(), str(error))
+                    continue
                 except BadRecord as error:
                     bad(record.where(), str(error))
                     continue
@@ -126,7 +182,9 @@ class Source:
                 found += 1
                 yield here, after, text
             if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
-                raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count))
+                if missed:  # fewer records than FIELD_CHECK_RECORDS, and the usable ones lack the field
+                    raise ValueError(missing_field_message(self.name, field, missed, sorted(missing)))
+                raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count, held_out))
             if not endless:
                 return
             cursor = Cursor(epoch=cursor.epoch + 1)
@@ -169,9 +227,10 @@ class FileSource(Source):
         return [part.path for part in self.epoch_parts(epoch)]  # type: ignore[attr-defined]
 
 
-def empty_epoch_message(name: str, shard: int, num_shards: int, skipped: int) -> str:
+def empty_epoch_message(name: str, shard: int, num_shards: int, skipped: int, held_out: int = 0) -> str:
+    held = f", {held_out} held out for validation" if held_out else ""
     return (
         f"source {name!r}: shard {shard} of {num_shards} found no usable document in a whole epoch"
-        f" ({skipped} bad records skipped so far). Training on it would spin forever: fix the data, or use fewer"
-        " ranks x workers than the source has documents"
+        f" ({skipped} bad records skipped so far{held}). Training on it would spin forever: fix the data, or use"
+        " fewer ranks x workers than the source has documents"
     )

@@ -113,4 +113,21 @@ def open_source(
     else:
         files = expand_files(spec.patterns, spec.split)
     check_files(name, files, field, mode)
+    check_holdout_leaves_documents(name, files, mode, holdout)
     return FileSource(name, files, field, mode, shuffle, seed, holdout)
+
+
+def check_holdout_leaves_documents(name: str, files: list[Path], txt_mode: TxtMode, holdout: Optional[Holdout]) -> None:
+    """Raise when the validation holdout takes every document of a training source whose documents are
+    whole .txt/.md files (`txt_mode: file`): typically one file, whose only document the holdout hashes out."""
+    whole_files = txt_mode == "file" and all(f.suffix.lower() in (".txt", ".md") for f in files)
+    if holdout is None or holdout.keep != "train" or not whole_files:
+        return
+    if any(holdout.keeps(f"{f.name}:0") for f in files):  # the key FileSource's holdout hashes: file name, record 0
+        return
+    which = f"its only document, {files[0]}" if len(files) == 1 else f"all {len(files)} of its documents"
+    raise ValueError(
+        f"source {name!r}: the validation holdout (val_fraction={holdout.fraction}) takes {which} (txt_mode: file"
+        " makes each file one document), leaving nothing to train on; set data.val_fraction: 0 (and data.val_files"
+        " to validate), or txt_mode: paragraph or line to split the text into documents"
+    )

@@ -34,8 +34,9 @@ class TokenWindows(IterableDataset):
     RNG state. Every source keeps its own packing state, so a window never mixes two sources.
 
     State (`state_dict`/`load_state_dict`, as torchdata's StatefulDataLoader expects of an IterableDataset):
-    the window count and per source a cursor, a token skip and a bad-record count; a handful of integers
-    (resume.py describes the whole chain from here to a checkpoint).
+    the window count and per source a cursor, a piece and token skip, a bad-record count and a fingerprint of
+    the data the cursor points into (checked on resume); a handful of values (resume.py describes the whole
+    chain from here to a checkpoint).
     `__iter__` continues from the current state, and the state advances before every window leaves, so the
     state read right after a batch is the exact position after that batch.
     """

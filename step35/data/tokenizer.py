@@ -1,8 +1,29 @@
-"""A Hugging Face tokenizer folder loaded with the `tokenizers` library, plus the EOS id that separates documents."""
+"""A Hugging Face tokenizer folder loaded with the `tokenizers` library, plus the EOS id that separates documents.
+
+Long documents are tokenized in pieces (`TextTokenizer.pieces`): `tokenizers` holds a few hundred bytes per
+character while it encodes (a 50 MB line peaked at 9.2 GB), so a book-sized document is cut into pieces of
+about `PIECE_CHARS` characters and only one piece's tokens exist at a time.
+
+Where a piece may end: right before a single space that has a non-space on both sides (`word| next`). The
+pre-tokenizers of byte-level BPE tokenizers (GPT-2's regex, the Llama-3 / Qwen style `Split` regex followed by
+`ByteLevel`) start a new pre-token at such a space, and BPE never merges across pre-tokens, so the pieces'
+tokens, concatenated, are the whole document's tokens (tests/test_data_long_documents.py checks this on real
+text for both styles). Where they can differ: a stretch of `PIECE_CHARS` characters without such a space
+(minified code, base64, unspaced CJK text) is cut inside, and the tokens around that cut may differ; so may
+a tokenizer whose normalizer or pre-tokenizer works across spaces (a SentencePiece-style normalizer that
+prepends "▁" to the text prepends it to every piece). The first long document checks the tokenizer on a probe
+text and warns once if pieces differ there.
+"""
 
 import json
+import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+PIECE_CHARS = 1 << 18  # a piece holds 256 to 512 Ki characters: 40 to 80 MB of tokenizer memory (~160 B/char)
+_CUT = re.compile(r"(?<=\S) (?=\S)")  # a single space between two non-spaces: a new pre-token starts there
 
 
 class TextTokenizer:
@@ -12,6 +33,7 @@ class TextTokenizer:
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer; picklable, so it travels to DataLoader workers
         self.eos_token_id = eos_token_id
         self.path = path
+        self._piecewise_checked = False
         if not 0 <= eos_token_id < self.vocab_size:
             raise ValueError(f"EOS id {eos_token_id} is outside the vocabulary of {path} (size {self.vocab_size})")
 
@@ -54,12 +76,48 @@ class TextTokenizer:
         # No special tokens: a BOS or template added here would be a token the packing test cannot account for.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def pieces(self, text: str, start: int = 0, piece_chars: Optional[int] = None) -> Iterator[tuple[int, list[int]]]:
+        """(where the piece starts in `text`, its ids) for the pieces of `text` from character `start` on.
+
+        `start` must be 0 or a piece start yielded before: the cuts depend only on where a piece starts, so a
+        resume that starts at a saved piece gets the same pieces. A text of at most `2 * piece_chars` characters is one
+        piece, tokenized whole (`encode`). The module docstring says where cuts go and when tokens can differ.
+        """
+        limit = piece_chars or PIECE_CHARS
+        while True:
+            end = cut_after(text, start, limit)
+            if end < len(text) or start > 0:
+                self._check_piecewise_exact()
+            yield start, self.encode(text[start:end])
+            if end >= len(text):
+                return
+            start = end
+
+    def _check_piecewise_exact(self) -> None:
+        """Warn once if this tokenizer gives other tokens in pieces than whole on a probe text (e.g. a
+        SentencePiece-style normalizer that prepends "▁" to every piece): long documents then differ slightly."""
+        if self._piecewise_checked:
+            return
+        self._piecewise_checked = True
+        probe = "Hello world. It's 2026, aren't we? x=f(a, b)  # done\n\tA second line; numbers 12345 and émigrés."
+        whole = self.encode(probe)
+        cuts = [0, *(m.start() for m in _CUT.finditer(probe)), len(probe)]
+        pieces = [i for a, b in zip(cuts, cuts[1:]) for i in self.encode(probe[a:b])]
+        if pieces != whole:
+            warnings.warn(
+                f"tokenizer {self.path}: tokenizing at spaces gives other tokens than tokenizing whole; documents"
+                f" over {2 * PIECE_CHARS} characters are tokenized in pieces (to bound memory), so their tokens can"
+                " differ slightly at the piece borders",
+                stacklevel=3,
+            )
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
-    """The EOS id by the rule documented in `TextTokenizer.from_folder`."""
+    """The EOS id of a tokenizer folder by the rule of `eos_token_id_from`; an error naming the folder
+    when none of its files names one."""
 
     def read(name: str) -> dict:
         file = folder / name
@@ -69,6 +127,25 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
             content = json.load(f)
         return content if isinstance(content, dict) else {}
 
+    found = eos_token_id_from(read, tokenizer, folder)
+    if found is None:
+        raise ValueError(
+            f"tokenizer {str(folder)!r}: cannot tell the EOS token (no eos_token in tokenizer_config.json or"
+            " special_tokens_map.json, no eos_token_id in config.json or generation_config.json); pass eos_token_id"
+        )
+    return found
+
+
+def eos_token_id_from(read: Callable[[str], dict], tokenizer: Any, where: str | Path) -> Optional[int]:
+    """step35's one rule for a tokenizer's end-of-text id (the data stream's document separator, the id
+    `step35 export` and `step35 generate` take as the tokenizer's EOS), first found wins:
+      1. tokenizer_config.json "eos_token" (a string or {"content": ...}) looked up in the vocabulary;
+      2. config.json, then generation_config.json, "eos_token_id" (the first entry if it is a list);
+      3. special_tokens_map.json "eos_token", looked up.
+    `read(name)` returns a file's JSON object ({} when the file is absent); `tokenizer` is a
+    tokenizers.Tokenizer. None when no file names one; a ValueError naming the file when a named
+    token is not in the vocabulary."""
+
     def token_id(token: Any, source: str) -> Optional[int]:
         if isinstance(token, dict):
             token = token.get("content")
@@ -76,7 +153,7 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
             return None
         token_id = tokenizer.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{folder / source}: eos_token {token!r} is not in the tokenizer's vocabulary")
+            raise ValueError(f"{Path(where) / source}: eos_token {token!r} is not in the tokenizer's vocabulary")
         return token_id
 
     found = token_id(read("tokenizer_config.json").get("eos_token"), "tokenizer_config.json")
@@ -88,10 +165,13 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
             value = value[0]
         if isinstance(value, int):
             return value
-    found = token_id(read("special_tokens_map.json").get("eos_token"), "special_tokens_map.json")
-    if found is not None:
-        return found
-    raise ValueError(
-        f"tokenizer {str(folder)!r}: cannot tell the EOS token (no eos_token in tokenizer_config.json or"
-        " special_tokens_map.json, no eos_token_id in config.json or generation_config.json); pass eos_token_id"
-    )
+    return token_id(read("special_tokens_map.json").get("eos_token"), "special_tokens_map.json")
+
+
+def cut_after(text: str, start: int, piece_chars: int) -> int:
+    """Where the piece of `text` starting at `start` ends: the first safe cut (see the module docstring) at
+    least `piece_chars` characters on, else a hard cut `2 * piece_chars` on; `len(text)` when the rest fits."""
+    if len(text) - start <= 2 * piece_chars:
+        return len(text)
+    found = _CUT.search(text, start + piece_chars, start + 2 * piece_chars)
+    return found.start() if found is not None else start + 2 * piece_chars

@@ -1,5 +1,9 @@
 """Step-3.5 attention (docs/architecture.md §2.4): GQA with per-head q/k RMSNorm before partial RoPE, full-causal or
-a 512-key sliding window, and a head-wise sigmoid output gate before o_proj."""
+a 512-key sliding window, and a head-wise sigmoid output gate before o_proj.
+
+Shape legend: B batch, S sequence, H hidden, Hq query heads, Hkv key/value heads (Hq a multiple),
+D head dim, r rotated dims of a head (r <= D).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: kernels.DocumentMask | None = None) -> torch.Tensor:
-        # x: [B, S, hidden]; cos, sin: [S, rotary_dim] or [B, 1, S, rotary_dim] (per-document positions)
+        # x: [B, S, H]; cos, sin: [S, r] or [B, 1, S, r] (per-document positions)
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)

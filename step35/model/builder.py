@@ -1,4 +1,5 @@
-"""The one place a Step-3.5 model is constructed (training, planning, resume checks, generation).
+"""The one place a Step-3.5 model is constructed (training, planning, resume checks, generation,
+loading an HF folder, the benchmarks).
 
 Every caller gets the same module tree for the same (config, MTP depth), so a change to how the
 model is built (adapters, a dtype rule) is made here once.
@@ -13,9 +14,14 @@ from step35.model.transformer import Step35ForCausalLM
 
 
 def build_model(config: Step35Config, num_mtp_layers: int | None = None, *,
-                device: torch.device | str = "meta") -> Step35ForCausalLM:
-    """Step35ForCausalLM for `config` with `num_mtp_layers` MTP layers (None: all of the config's),
-    its tensors created on `device` ("meta" by default: no memory, shapes only; fill it with
-    step35.checkpoint.materialize)."""
+                device: torch.device | str = "meta", dtype: torch.dtype | None = None) -> Step35ForCausalLM:
+    """Step35ForCausalLM for `config` with `num_mtp_layers` MTP layers (None: all of the config's).
+
+    Its tensors are created on `device` ("meta" by default: no memory, shapes only; the checkpoint
+    package's materialize fills such a model) and cast to `dtype` (None: left in fp32). The MoE
+    router bias stays fp32 whatever `dtype` is (MoE._apply)."""
     with torch.device(device):
-        return Step35ForCausalLM(config, num_mtp_layers)
+        model = Step35ForCausalLM(config, num_mtp_layers)
+    if dtype is not None:
+        model.to(dtype)
+    return model

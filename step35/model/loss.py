@@ -2,6 +2,9 @@
 
 16K tokens x 128,896 vocab in fp32 would be 8 GB; here logits exist for `chunk_size` tokens at a
 time, in the forward and again (recomputed) in the backward.
+
+Shape legend: N tokens (B x S flattened), H hidden, V vocabulary, n <= chunk_size rows of one
+chunk; hidden [N, H], weight [V, H], labels [N], logits of one chunk [n, V] fp32.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 `clamped_swiglu` is an autograd function that keeps only its two inputs for backward and
 recomputes the activation there (a few elementwise ops), instead of the three or four
 intermediate tensors (SiLU output, clamped copies) the default autograd would keep.
+
+Shape legend: H hidden, I intermediate width (dense MLP, shared expert or one routed expert); any
+leading dims (B, S or N routed rows) pass through.
 """
 
 import torch

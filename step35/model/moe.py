@@ -3,7 +3,7 @@ weights from unbiased scores renormalised and scaled, routed SwiGLU experts stac
 and computed through one grouped GEMM per projection.
 
 Router statistics: `tokens_per_expert` counts routed rows per expert in training forwards (read
-and reset by step35/callbacks/expert_counts.py); `sequence_balance_loss` is the optional auxiliary
+and reset by step35/balancing.py); `sequence_balance_loss` is the optional auxiliary
 loss, collected through a `RouterAuxLosses` passed down the layers.
 
 The shared expert is a sibling module of the layer (`share_expert.*`), not part of this one; the
@@ -115,7 +115,7 @@ class RouterAuxLosses:
     """Collects each MoE layer's sequence-level balance loss during one forward.
 
     Passed down through the layers (not a module attribute). Deliberately a plain class, not a list
-    or dataclass: FSDP2's input casting (torch.distributed.utils._apply_to_tensors) rebuilds lists
+    or dataclass: FSDP2's input casting (its _apply_to_tensors helper) rebuilds lists
     and copies dataclasses but hands other objects through, so every layer adds to this one.
     Activation-checkpoint replays (in_backward_recompute) compute the loss again, so the recomputed
     graph matches the saved one, but do not add it a second time."""

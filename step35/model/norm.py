@@ -2,6 +2,9 @@
 
 The autograd function keeps only the input and the inverse RMS (one fp32 value per row) for
 backward; the default autograd of the same ops would keep the fp32 normalised rows as well.
+
+Shape legend: x [..., C] normalised over its last dim C (H hidden for the layer norms, D head dim
+for the q/k norms), weight [C]; the inverse RMS kept for backward is [..., 1] fp32.
 """
 
 import torch

@@ -1,5 +1,9 @@
 """Rotary position embedding: partial (first r dims of a head), rotate-half convention, with the
-llama3 frequency scaling used on Step-3.5's full-attention layers (docs/architecture.md §2.4 step 3 and §2.5)."""
+llama3 frequency scaling used on Step-3.5's full-attention layers (docs/architecture.md §2.4 step 3 and §2.5).
+
+Shape legend: B batch, S sequence, Hh heads, D head dim, r rotated dims (r <= D, even); tables
+cos/sin [S, r] (one sequence of positions) or [B, 1, S, r] (positions per row: packed documents).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """[rotary_dim / 2] fp32 inverse frequencies theta^(-2j/r), llama3-scaled when `scaling` is given."""
     # device="cpu" explicitly: the model keeps these as plain CPU tensors and is often built under
-    # `with torch.device("meta")` (from_pretrained), which would otherwise make them data-less.
+    # `with torch.device("meta")` (build_model's default), which would otherwise make them data-less.
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
     if scaling is not None:
         inv = _llama3_scale(inv, scaling)
@@ -64,7 +68,7 @@ class _Rotary(torch.autograd.Function):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first r = cos.shape[-1] dims of x [B, H, S, D]; dims r..D pass through.
+    """Rotate the first r = cos.shape[-1] dims of x [B, Hh, S, D]; dims r..D pass through.
 
     Within the rotated slice, dim i pairs with dim i + r/2 (rotate-half, not interleaved).
     cos, sin: [S, r], or [B, 1, S, r] when positions differ per sequence (document masking)."""

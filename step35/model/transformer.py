@@ -3,12 +3,17 @@
 Module and parameter names are the HF checkpoint names (docs/architecture.md §3), so `state_dict()` is a
 checkpoint: `model.layers.{i}.self_attn.q_proj.weight`, `model.layers.{i}.moe.gate_proj.weight`
 [E, out, in], `model.layers.{i}.share_expert.*`, MTP layers at `model.layers.{45+j}.*`.
+
+`Step35ForCausalLM.forward` returns logits, `Step35ForCausalLM.loss` a LossOutput (the training
+loss, chunked: the full logits never exist).
+
+Shape legend: B batch, S sequence, H hidden, V vocabulary, E experts, k MTP depth (1-based);
+input_ids, labels, position_ids [B, S]; residual stream h [B, S, H]; logits [B, S, V].
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -167,25 +172,30 @@ class Step35ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                mtp_loss_weight: float = 0.0, loss_chunk_size: int = 1024, moe_aux_loss_coef: float = 0.0,
-                position_ids: torch.Tensor | None = None):
-        """input_ids [B, S] -> logits [B, S, V]; with labels [B, S] (-100 = ignore) -> LossOutput.
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, V] of the main head (the MTP layers do not run).
 
         position_ids [B, S] (packed documents, see step35.data.packing.document_positions): positions
-        restarting at 0 where a document starts; attention then never crosses a document boundary.
+        restarting at 0 where a document starts; attention then never crosses a document boundary."""
+        h, _, _ = self._trunk(input_ids, position_ids)
+        return self.lm_head(self.model.norm(h))
 
-        The MTP layers run only when labels are given and mtp_loss_weight > 0. With labels and
-        moe_aux_loss_coef > 0 the loss includes coef x the sequence balance loss averaged over the
-        MoE layers (moe.sequence_balance_loss); 0 does not compute it."""
-        if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")
-        documents = DocumentMask(position_ids) if position_ids is not None else None
-        rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
-        router_aux = RouterAuxLosses() if labels is not None and moe_aux_loss_coef > 0 else None
-        h = self.model(input_ids, rope, router_aux=router_aux, documents=documents)
-        if labels is None:
-            return self.lm_head(self.model.norm(h))
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *, mtp_loss_weight: float = 0.0,
+             moe_aux_loss_coef: float = 0.0, loss_chunk_size: int = 1024,
+             position_ids: torch.Tensor | None = None) -> LossOutput:
+        """input_ids [B, S], labels [B, S] (-100 = no loss) -> LossOutput; the [B, S, V] logits never
+        exist at once (chunked_cross_entropy holds `loss_chunk_size` rows of them).
+
+        The MTP layers run only when mtp_loss_weight > 0. With moe_aux_loss_coef > 0 the loss adds
+        coef x the sequence balance loss averaged over the MoE layers (moe.sequence_balance_loss); 0
+        does not compute it. position_ids: as in `forward`.
+
+        A separate method, not a `forward` flag: under FSDP2 the sharding code registers it as a
+        forward method (register_fsdp_forward_method), so the root's parameters are gathered for it."""
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        router_aux = RouterAuxLosses() if moe_aux_loss_coef > 0 else None
+        h, rope, documents = self._trunk(input_ids, position_ids, router_aux)
         total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
         lm_loss = total / count.clamp(min=1)
         mtp_losses = []
@@ -197,6 +207,15 @@ class Step35ForCausalLM(nn.Module):
             aux_loss = moe_aux_loss_coef * torch.stack(router_aux.losses).mean()
             loss = loss + aux_loss
         return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count, aux_loss=aux_loss)
+
+    def _trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+               router_aux: RouterAuxLosses | None = None) -> tuple[torch.Tensor, dict, DocumentMask | None]:
+        """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask)."""
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")
+        documents = DocumentMask(position_ids) if position_ids is not None else None
+        rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
+        return self.model(input_ids, rope, router_aux=router_aux, documents=documents), rope, documents
 
     def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
                     chunk_size: int, documents: DocumentMask | None = None) -> list[torch.Tensor]:
@@ -223,19 +242,6 @@ class Step35ForCausalLM(nn.Module):
         """The dtype each tensor has in an HF checkpoint of this config (router_bias is always fp32)."""
         stored = getattr(torch, self.config.torch_dtype)
         return {name: torch.float32 if name.endswith("router_bias") else stored for name in self.state_dict()}
-
-    # -------------------------------------------------------------------------------- HF format
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                        num_mtp_layers: int | None = None) -> "Step35ForCausalLM":
-        from step35.checkpoint.pretrained import load_pretrained
-
-        return load_pretrained(cls, path, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers)
-
-    def save_pretrained(self, path: str | Path, max_shard_size: int | str = "5GB") -> None:
-        from step35.checkpoint.pretrained import save_pretrained
-
-        save_pretrained(self, path, max_shard_size=max_shard_size)
 
 
 def _shift_left(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:

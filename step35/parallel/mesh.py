@@ -17,6 +17,12 @@ class ParallelConfigError(ValueError):
     """Parallel sizes that cannot work together; raised before any collective or large allocation."""
 
 
+def valid_ep_sizes(world_size: int, num_experts: int | None = None) -> list[int]:
+    """Expert-parallel sizes that divide the world size and, when given, the number of experts, ascending."""
+    return [d for d in range(1, world_size + 1)
+            if world_size % d == 0 and (num_experts is None or num_experts % d == 0)]
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
@@ -31,9 +37,9 @@ class ParallelDims:
         if ep < 1 or ws % ep:
             raise ParallelConfigError(f"expert_parallel_size={ep} must divide the world size {ws}")
         if self.num_experts is not None and self.num_experts % ep:
-            divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0 and ws % d == 0]
             raise ParallelConfigError(f"expert_parallel_size={ep} must divide num_experts={self.num_experts} "
-                                      f"(sizes that divide both the experts and the world size {ws}: {divisors})")
+                                      f"(sizes that divide both the experts and the world size {ws}: "
+                                      f"{valid_ep_sizes(ws, self.num_experts)})")
         if rep < 1 or ws % rep:
             raise ParallelConfigError(f"replicate_size={rep} must divide the world size {ws}")
 
@@ -46,10 +52,6 @@ class ParallelDims:
     def shard_size(self) -> int:
         """Ranks that FSDP-shard the dense parameters (within one replica)."""
         return self.world_size // self.replicate_size
-
-    @property
-    def experts_per_rank(self) -> int | None:
-        return None if self.num_experts is None else self.num_experts // self.expert_parallel_size
 
     def build(self, device_type: str) -> "Meshes":
         from torch.distributed.device_mesh import init_device_mesh

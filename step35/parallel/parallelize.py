@@ -39,7 +39,7 @@ def parallelize(model: Step35ForCausalLM, meshes: Meshes, *, activation_checkpoi
 
 def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forward: bool,
                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import Shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -61,6 +61,8 @@ def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forwar
         fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     # Root: embedding, final norm, lm_head. Not resharded after forward: backward needs them at once.
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
+    # The training loss is `model.loss`, not `forward`: give it the root's gather and input casting.
+    register_fsdp_forward_method(model, "loss")
 
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:

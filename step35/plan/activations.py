@@ -188,7 +188,7 @@ def _rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int
 
 def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num_mtp_layers: int = 0,
                       aux_loss: bool = False) -> ActivationEstimate:
-    """Step35ForCausalLM.forward(input_ids, labels) with `num_mtp_layers` MTP layers computing their loss
+    """Step35ForCausalLM.loss(input_ids, labels) with `num_mtp_layers` MTP layers computing their loss
     (0 when mtp_loss_weight is 0: they are then not run), under activation checkpointing `mode`
     (none | selective | full, applied to every decoder and MTP layer as parallelize does)."""
     if mode not in ("none", "selective", "full"):

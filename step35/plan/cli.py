@@ -15,12 +15,12 @@ import argparse
 import sys
 
 from step35.config import ConfigError
-from step35.parallel import ParallelConfigError
+from step35.parallel import ParallelConfigError, valid_ep_sizes
 from step35.plan.devices import DEFAULT_FOR_ACCELERATOR, DEVICES, Device
 from step35.plan.planner import make_plan
 from step35.plan.report import as_json, text
 from step35.plan.settings import PlanInputError, read_settings
-from step35.plan.suggest import suggest, valid_ep_sizes
+from step35.plan.suggest import suggest
 
 FITS, DOES_NOT_FIT, INVALID = 0, 1, 2
 
@@ -70,9 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step35 plan: {err}", file=sys.stderr)
         return INVALID
     cfg = settings.model_config
-    if settings.sharded:
-        experts = cfg.moe_num_experts if cfg.use_moe else None
-        ep, world = settings.expert_parallel_size, settings.world_size
     device = _device(args, settings.accelerator)
 
     def evaluate(layout):
@@ -82,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if settings.sharded:
         experts = cfg.moe_num_experts if cfg.use_moe else None
         ep, world = settings.expert_parallel_size, settings.world_size
-        if (experts and experts % ep) or world % ep:
-            valid = valid_ep_sizes(experts, world)
+        valid = valid_ep_sizes(world, experts)
+        if ep not in valid:
             print(f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide the "
                   f"{experts} experts and the world size {world} ({settings.num_nodes} x {settings.devices_per_node}). "
                   f"Valid sizes: {', '.join(map(str, valid))}", file=sys.stderr)

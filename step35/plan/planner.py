@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from step35.model import build_model
 from step35.parallel import ParallelDims
 from step35.plan.activations import ActivationEstimate, Shape, model_activations
 from step35.plan.devices import Device
@@ -47,21 +48,15 @@ def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGr
            s.num_mtp_layers, s.train_mtp, rank)
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
-    ep = s.expert_parallel_size if s.sharded else 1
-    world = s.world_size if s.sharded else 1
-    dims = ParallelDims(world, ep, s.replicate_size if s.sharded else 1,
-                        num_experts=cfg.moe_num_experts if cfg.use_moe else None)
+    dims = parallel_dims(s)
+    ep = dims.expert_parallel_size
     if s.sharded:
         model = sharded_meta_model(cfg, s.num_mtp_layers, dims, rank=rank, stored_dtype=s.stored_dtype,
                                    param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype,
                                    reshard_after_forward=s.reshard_after_forward, train_mtp=s.train_mtp)
         close_world()
     else:
-        from step35.model import Step35ForCausalLM
-
-        with torch.device("meta"):
-            model = Step35ForCausalLM(cfg, s.num_mtp_layers)
-        model.to(s.stored_dtype)
+        model = build_model(cfg, s.num_mtp_layers, dtype=s.stored_dtype)
         if not s.train_mtp:
             for layer in model.model.mtp_layers:
                 layer.requires_grad_(False)
@@ -69,6 +64,16 @@ def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGr
                                             train_mtp=s.train_mtp)
     _STATE_CACHE[key] = result
     return result
+
+
+def parallel_dims(s: RunSettings) -> ParallelDims:
+    """The mesh sizes of the layout (one rank holding everything when it is not sharded); bad sizes
+    raise ParallelConfigError naming both values."""
+    cfg = s.model_config
+    if not s.sharded:
+        return ParallelDims(1)
+    return ParallelDims(s.world_size, s.expert_parallel_size, s.replicate_size,
+                        num_experts=cfg.moe_num_experts if cfg.use_moe else None)
 
 
 def activation_shape(s: RunSettings) -> Shape:
@@ -81,9 +86,7 @@ def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtim
               device_memory_gib: float | None = None) -> Plan:
     start = time.perf_counter()
     cfg = s.model_config
-    if s.sharded:
-        ParallelDims(s.world_size, s.expert_parallel_size, s.replicate_size,
-                     num_experts=cfg.moe_num_experts if cfg.use_moe else None)  # refuse bad sizes first
+    dims = parallel_dims(s)  # refuse bad sizes first
     state, groups = sharded_state(s)
     act = model_activations(cfg, activation_shape(s), mode=s.activation_checkpointing,
                             num_mtp_layers=s.num_mtp_layers if s.train_mtp else 0, aux_loss=s.aux_loss)
@@ -92,5 +95,4 @@ def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtim
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
-    efsdp = s.world_size // s.expert_parallel_size if s.sharded else 1
-    return Plan(s, device, efsdp, state, act, t, phase_list, v, speed(s, groups, device), time.perf_counter() - start)
+    return Plan(s, device, dims.efsdp, state, act, t, phase_list, v, speed(s, groups, device), time.perf_counter() - start)

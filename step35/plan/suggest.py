@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+from step35.parallel import valid_ep_sizes
 from step35.plan.settings import RunSettings
 
 AC_ORDER = ("none", "selective", "full")
 
 
-def valid_ep_sizes(num_experts: int | None, world: int) -> list[int]:
-    """Expert-parallel sizes that divide both the number of experts and the world size."""
-    if not num_experts:
-        return [1]
-    return [d for d in range(1, min(num_experts, world) + 1) if num_experts % d == 0 and world % d == 0]
+def _ep_sizes(s: RunSettings, world: int) -> list[int]:
+    """The EP sizes worth trying on `world` ranks: the valid ones, or only 1 without routed experts."""
+    cfg = s.model_config
+    return valid_ep_sizes(world, cfg.moe_num_experts) if cfg.use_moe else [1]
 
 
 def _nearest_ep(sizes: list[int], ep: int) -> list[int]:
@@ -23,8 +23,7 @@ def _nearest_ep(sizes: list[int], ep: int) -> list[int]:
 
 def candidates(s: RunSettings) -> list[tuple[int, RunSettings]]:
     """(distance, layout) on the same world: one change at a time, then pairs, nearest first."""
-    experts = s.model_config.moe_num_experts if s.model_config.use_moe else None
-    eps = _nearest_ep(valid_ep_sizes(experts, s.world_size), s.expert_parallel_size)[:5] if s.sharded else [1]
+    eps = _nearest_ep(_ep_sizes(s, s.world_size), s.expert_parallel_size)[:5] if s.sharded else [1]
     acs = AC_ORDER[AC_ORDER.index(s.activation_checkpointing):] if s.activation_checkpointing in AC_ORDER else AC_ORDER
     mbs = []
     mb = s.micro_batch_size
@@ -47,12 +46,11 @@ def candidates(s: RunSettings) -> list[tuple[int, RunSettings]]:
 
 def more_nodes(s: RunSettings, max_factor: int = 64) -> list[RunSettings]:
     """The same recipe on 2x, 4x, ... the nodes, with the valid EP size nearest to the asked one."""
-    experts = s.model_config.moe_num_experts if s.model_config.use_moe else None
     out, factor = [], 2
     while factor <= max_factor:
         nodes = s.num_nodes * factor
         world = s.devices_per_node * nodes
-        sizes = valid_ep_sizes(experts, world)
+        sizes = _ep_sizes(s, world)
         target = max(s.expert_parallel_size, 1) * factor  # keep the experts per rank where they were
         ep = min(sizes, key=lambda d: (abs(d - target), -d))
         out.append(s.with_layout(num_nodes=nodes, expert_parallel_size=ep, activation_checkpointing="full",

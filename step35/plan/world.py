@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from step35.model import Step35ForCausalLM
+from step35.model import Step35ForCausalLM, build_model
 from step35.parallel import ParallelDims, parallelize
 
 
@@ -35,9 +35,7 @@ def sharded_meta_model(config, num_mtp_layers: int, dims: ParallelDims, *, rank:
     """The model exactly as Step35LightningModule.configure_model shards it on `rank` (meta tensors):
     built in the stored dtype, parallelized, MTP layers frozen when they are not trained."""
     simulated_world(dims.world_size, rank)
-    with torch.device("meta"):
-        model = Step35ForCausalLM(config, num_mtp_layers)
-    model.to(stored_dtype)  # the router bias stays fp32 (MoE._apply)
+    model = build_model(config, num_mtp_layers, dtype=stored_dtype)  # the router bias stays fp32
     parallelize(model, dims.build("cpu"), activation_checkpointing=activation_checkpointing,
                 reshard_after_forward=reshard_after_forward, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if not train_mtp:

@@ -55,7 +55,7 @@ def main() -> None:
         for d in dispatchers:
             d.host_syncs = 0
         with CountAllToAll() as forward:
-            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:]).loss
         syncs_forward = sum(d.host_syncs for d in dispatchers)
         with CountAllToAll() as backward:
             loss.backward()

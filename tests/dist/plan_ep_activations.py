@@ -55,7 +55,7 @@ def kept_bytes(config: Step35Config, mode: str, rank: int, group) -> int:
     tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     created = CreatedStorages()
     with created:
-        out = model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=0.3)
+        out = model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=0.3)
     kept = sum(n for ref, n in created.created.items() if not ref.expired() and ref not in owned)
     out.loss.backward()
     return kept

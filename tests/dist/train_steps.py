@@ -61,7 +61,7 @@ def main() -> None:
         step_loss = torch.zeros(())
         for m in range(args.accum):
             tokens = mine[m * micro:(m + 1) * micro]
-            out = model(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=args.mtp)
+            out = model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=args.mtp)
             (out.loss / args.accum).backward()
             step_loss += out.loss.detach() / args.accum
         if distributed:

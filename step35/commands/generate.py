@@ -15,7 +15,8 @@ by the temperature and sampled from the smallest set of tokens whose probability
 The prompt is preceded by the BOS token, or by the EOS (the document separator the data stream
 puts before every document) when the tokenizer has no BOS, so the model sees the start of a document.
 Generation stops at max_new_tokens or at one of config.json's eos_token_id (the tokenizer's EOS
-for a run checkpoint, as `step35 export` would write it).
+for a run checkpoint, as `step35 export` would write it). stdout holds the text alone; where the
+model, config and tokenizer were read from goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.export import align_special_ids, is_hf_folder, open_checkpoint
+from step35.checkpoint.export import align_special_ids
+from step35.checkpoint.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
+from step35.commands.function_cli import run_function
+from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
-from step35.model import Step35ForCausalLM
+from step35.model import Step35ForCausalLM, build_model
 
 
 @dataclass
@@ -84,22 +88,28 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torc
 
 
 def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   tokenizer: str | Path | None = None) -> Generator:
-    """The main model (no MTP layers) of a run checkpoint or an HF folder, and its tokenizer."""
+                   tokenizer: str | Path | None = None, say: Callable[[str], None] | None = None) -> Generator:
+    """The main model (no MTP layers) of a run checkpoint or an HF folder, and its tokenizer. `say`
+    (a print-like callable) hears where the model, config and tokenizer were read from."""
     from tokenizers import Tokenizer
 
+    say = say or (lambda line: None)
     path = Path(checkpoint)
     if is_hf_folder(path):
-        model = Step35ForCausalLM.from_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
+        model = load_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
         files = run_tokenizer.folder_files(tokenizer or path)
         config, run_eos = model.config, None
+        say(f"model: {path}; tokenizer: {tokenizer or path}")
     else:
         trained = open_checkpoint(path)
+        for note in trained.notes:
+            say(note)
         model = _model_from(trained, dtype, device)
         if tokenizer:
-            files, run_eos = run_tokenizer.folder_files(tokenizer), None
+            files, run_eos, origin = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
         else:
-            files, run_eos, _ = trained.tokenizer_files()
+            files, run_eos, origin = trained.tokenizer_files()
+        say(f"model: {trained.path}; tokenizer: {origin}")
         config = Step35Config.from_dict(trained.config.to_dict())
     ids = run_tokenizer.special_ids(files, tokenizer or path)
     if not is_hf_folder(path):
@@ -114,10 +124,9 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
     return Generator(model.eval(), text_tokenizer, start, stop_ids)
 
 
-def _model_from(trained, dtype: torch.dtype, device: str) -> Step35ForCausalLM:
+def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> Step35ForCausalLM:
     """Build on meta, allocate on `device`, fill every tensor from the checkpoint (MTP ones skipped)."""
-    with torch.device("meta"):
-        model = Step35ForCausalLM(trained.config, num_mtp_layers=0)
+    model = build_model(trained.config, num_mtp_layers=0, device="meta")
     model.to(dtype)  # router_bias stays fp32 (MoE._apply)
     model.to_empty(device=device)
     state = model.state_dict()
@@ -156,14 +165,13 @@ def generate(checkpoint: str, prompt: str, max_new_tokens: int = 64, temperature
     """
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise SystemExit("step35 generate: need max_new_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
-    generator = load_generator(checkpoint, getattr(torch, dtype), device, tokenizer)
+    generator = load_generator(checkpoint, getattr(torch, dtype), device, tokenizer,
+                               say=lambda line: print(f"step35 generate: {line}", file=sys.stderr))
     text = generator(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     print(prompt + text, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from step35.function_cli import run_function
-
     run_function(generate, "step35 generate", argv)
 
 

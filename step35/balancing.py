@@ -1,5 +1,7 @@
-"""The one reader of the MoE layers' `tokens_per_expert` buffers, shared by the expert-load callback
-and the load balancer (LightningModule), so that neither resets counts the other still needs.
+"""Expert load balancing, core state of training: `ExpertCounter`, the one reader of the MoE layers'
+`tokens_per_expert` buffers, and `update_router_bias`, the aux-loss-free bias update. The
+LightningModule owns the counter and applies the update after each optimizer step; the expert-load
+callback only reads the same counter, so that neither resets counts the other still needs.
 
 Once per optimizer step the step's counts move out of the buffers into a window (device ops only:
 no host sync, no collective). They are summed over ranks only when global numbers are needed:
@@ -16,8 +18,8 @@ import re
 import torch
 from torch import nn
 
-from step35.callbacks.reporting import all_reduce_
 from step35.model.moe import moe_layers
+from step35.parallel.collectives import all_reduce_
 
 
 class ExpertCounter:
@@ -79,3 +81,14 @@ class ExpertCounter:
             window = torch.zeros((len(self.layers), first.numel()), dtype=first.dtype, device=first.device)
         self._window, self.window_steps = None, 0
         return window
+
+
+@torch.no_grad()
+def update_router_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean load - load_e) for each layer,
+    from global counts [L, E]. On the device, no host sync; identical on every rank (the biases are
+    plain replicated buffers and the counts are already summed over ranks)."""
+    load = counts.float()
+    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)  # [L, E]; 0 where a load equals the mean
+    for moe, delta in zip(layers, step):
+        moe.router_bias.add_(delta.to(moe.router_bias.device))

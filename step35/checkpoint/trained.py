@@ -1,0 +1,164 @@
+"""A training checkpoint opened for reading: what `step35 export` and `step35 generate` start from.
+
+A checkpoint is a `.ckpt` file, a sharded (DCP) checkpoint folder, or a run folder (its newest
+complete checkpoint). Weights are read tensor by tensor (a sharded checkpoint of the 196B model never
+has to fit in memory), verified against the manifest, unpickled only through `safe_load`, and
+checked for NaN/Inf.
+
+Paths written inside a checkpoint (its hyper-parameters name the HF folder the run started from,
+the model config, the tokenizer folder) are data from another machine: they are read only for
+files of a known kind, never walked, and every use of one is reported: in `TrainedCheckpoint.notes`
+(the model config) or in the origin `tokenizer_files` returns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from step35.checkpoint import catalog, run_tokenizer
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE
+from step35.checkpoint.integrity import verify_for_load
+from step35.checkpoint.safe_load import check_finite, safe_reader
+from step35.checkpoint.trainer_io import META_FILE, check_loadable, dcp_load, load_file, load_meta
+from step35.config import PRESETS, ConfigError, Step35Config, load_config
+
+_PREFIX = "model."  # the LightningModule's attribute holding Step35ForCausalLM
+
+
+def is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and (
+        (path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file())
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A `.ckpt` file or sharded folder as it is; a run folder (or its checkpoints/ folder): its newest
+    complete checkpoint. Anything else is refused, naming what was looked for."""
+    path = Path(path)
+    if path.is_symlink():  # last.ckpt: read (and verify) what it points at, whose manifest is beside it
+        path = path.resolve()
+    if not path.exists() or path.is_file() or (path / META_FILE).is_file() or (path / ".metadata").is_file():
+        return check_loadable(path)
+    newest = catalog.newest_complete([path / "checkpoints", path])
+    if newest is None:
+        raise CheckpointError(f"{path}: neither a checkpoint (.ckpt file, sharded folder) nor a run folder with a "
+                              f"complete checkpoint in {path / 'checkpoints'}")
+    return newest.path
+
+
+def lightning_meta(checkpoint: Path) -> dict:
+    """Verified against the manifest; the file's dict (a .ckpt, NaN-checked) or the folder's meta.pt."""
+    check_loadable(checkpoint)
+    if checkpoint.is_dir():
+        verify_for_load(checkpoint)
+        return load_meta(checkpoint)
+    return load_file(checkpoint)
+
+
+def named_config(value: object, where: Path) -> Step35Config:
+    """The model config a checkpoint's hyper-parameters name: a preset, or a config.json (a file of
+    that name, or the one inside a named folder). Any other file is refused: its content would land
+    in the exported config.json."""
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"{where}: the checkpoint records no model config; pass --model_config")
+    path = Path(value).expanduser()
+    if value not in PRESETS and not (path.is_dir() or path.name == "config.json"):
+        raise CheckpointError(f"{where}: the checkpoint names {value!r} as its model config, which is neither a "
+                              "preset, a config.json nor a folder holding one; pass --model_config")
+    try:
+        return load_config(value)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: its model config: {e}; pass --model_config") from None
+
+
+def _dcp_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = safe_reader(folder).read_metadata().state_dict_metadata
+    for key, info in entries.items():
+        if not key.startswith("state_dict." + _PREFIX) or not isinstance(info, TensorStorageMetadata):
+            continue
+        tensor = torch.empty(info.size, dtype=info.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load({key: tensor}, folder)
+        check_finite([(key, tensor)], folder)
+        yield key[len("state_dict." + _PREFIX):], tensor
+
+
+def _file_tensors(meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for key, tensor in meta["state_dict"].items():
+        if key.startswith(_PREFIX):
+            yield key[len(_PREFIX):], tensor
+
+
+@dataclass
+class TrainedCheckpoint:
+    """A training checkpoint opened for reading: its Lightning dict (no weights for a sharded one),
+    the model config, and the model's tensors by HF name, read one by one on iteration. `notes` says
+    which paths named inside the checkpoint were read (one line each)."""
+
+    path: Path
+    meta: dict
+    config: Step35Config
+    hyper_parameters: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        found = False
+        for name, tensor in (_dcp_tensors(self.path) if self.path.is_dir() else _file_tensors(self.meta)):
+            found = True
+            yield name, tensor
+        if not found:
+            raise CheckpointError(f"{self.path}: holds no model weights (keys starting with '{_PREFIX}')")
+
+    def start_folder(self) -> str | None:
+        """The HF folder the run started from (`model.checkpoint`), as the checkpoint names it."""
+        value = self.hyper_parameters.get("checkpoint")
+        return value if isinstance(value, str) and value else None
+
+    def tokenizer_files(self) -> tuple[dict[str, bytes], int | None, str]:
+        """(files, the run's EOS id or None, where they came from) of the tokenizer the run trained with."""
+        saved = self.meta.get(run_tokenizer.RECORD_KEY)
+        if saved is not None:
+            saved = run_tokenizer.read_record(saved, self.path)
+            return saved["files"], saved["eos_token_id"], f"the run's tokenizer ({saved['source']}, saved in {self.path})"
+        # Checkpoints written before the tokenizer was recorded: the folder the data module read, as the
+        # checkpoint names it (only the tokenizer files, by name), else the built-in tokenizer rebuilt in
+        # this machine's cache (the run's cache_dir is a path of the training machine: not written to).
+        data = self.meta.get("datamodule_hyper_parameters") or {}
+        eos = data.get("eos_token_id") if isinstance(data.get("eos_token_id"), int) else None
+        folder = data.get("tokenizer") or self.start_folder()
+        if isinstance(folder, str) and folder:
+            return (run_tokenizer.folder_files(folder), eos,
+                    f"{folder} (named in {self.path}, which records no tokenizer files)")
+        if isinstance(data.get("builtin_vocab_size"), int):
+            from step35.data.builtin import builtin_tokenizer_dir
+
+            folder = builtin_tokenizer_dir(data["builtin_vocab_size"])
+            return (run_tokenizer.folder_files(folder), eos,
+                    f"the built-in tokenizer rebuilt in {folder} ({self.path} records no tokenizer files)")
+        raise CheckpointError(f"{self.path}: records no tokenizer (trained without step35's data module?); "
+                              "pass --tokenizer <folder with tokenizer.json>")
+
+
+def open_checkpoint(path: str | Path, config: Step35Config | None = None) -> TrainedCheckpoint:
+    """Resolve (a run folder -> its newest checkpoint), verify and open a training checkpoint. The
+    model config is `config`, else the one saved with the checkpoint, else the one its
+    hyper-parameters name (older checkpoints; said in `notes`)."""
+    path = resolve_checkpoint(path)
+    meta = lightning_meta(path)
+    hp = dict(meta.get("hyper_parameters") or {})
+    notes = []
+    if config is None and "step35_config" in meta:
+        config = Step35Config.from_dict(meta["step35_config"])
+    elif config is None:
+        named = hp.get("checkpoint") or hp.get("config")
+        config = named_config(named, path)
+        notes.append(f"model config read from {named} (named in {path}, which records no model config)")
+    return TrainedCheckpoint(path, meta, config, hp, notes)

@@ -1,0 +1,40 @@
+"""The model package is the layer below checkpoints, parallelism and Lightning (docs/architecture.md):
+nothing in step35/model imports step35.checkpoint, torch.distributed or Lightning, and importing it
+loads none of them."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import step35.model
+
+MODEL_DIR = Path(step35.model.__file__).parent
+FORBIDDEN = ("step35.checkpoint", "step35.parallel", "step35.module", "step35.strategy", "step35.callbacks",
+             "torch.distributed", "lightning", "pytorch_lightning")
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module name an import statement in `path` names (function-local imports included)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]  # `from torch import distributed`
+    return names
+
+
+def test_model_sources_import_no_higher_layer():
+    found = [f"{path.name}: {name}" for path in sorted(MODEL_DIR.glob("*.py")) for name in _imports(path)
+             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)]
+    assert found == []
+
+
+def test_importing_the_model_loads_no_higher_layer():
+    # A fresh interpreter: this test process has long imported everything.
+    code = ("import sys, step35.model; print('\\n'.join(m for m in sys.modules if m.startswith("
+            "('step35.checkpoint', 'step35.parallel', 'step35.module', 'lightning', 'pytorch_lightning'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ""

@@ -6,8 +6,9 @@ update after each optimizer step."""
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +19,7 @@ from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM, build_model
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
-from step35.resume import SavedRun, apply_optimizer_settings, check_resume, read_saved_run
+from step35.run import SavedRun, apply_optimizer_settings, check_resume, checkpoint_to_load
 from step35.schedule import WarmupCosineLR
 
 
@@ -102,7 +103,10 @@ class Step35LightningModule(pl.LightningModule):
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
             raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
                              "model config has use_moe_router_bias=false")
-        self._resume_checked = False  # the checkpoint to resume was compared with this run's options
+        # True once the checkpoint to resume was checked against this module's options (the CLI does
+        # it before the Trainer exists); otherwise on_load_checkpoint checks what it is given.
+        self.resume_checked = False
+        self._restored = False  # a checkpoint was loaded into this module (on_load_checkpoint ran)
         # Reads the MoE layers' token counts (shared with the ExpertLoadMonitor callback); set in configure_model.
         self.expert_counter: ExpertCounter | None = None
 
@@ -121,14 +125,12 @@ class Step35LightningModule(pl.LightningModule):
                              f"(max_position_embeddings={limit} in the model config)")
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
-        if self.trainer.ckpt_path is not None:  # known here under the CLI (or `trainer.ckpt_path = ...`)
-            self._check_resume(read_saved_run(self.trainer.ckpt_path))
 
-    def _check_resume(self, saved) -> None:
-        # Before a byte is loaded: a different model shape is refused with the fields listed; options
-        # this run changes are said (step35/resume.py has the rule).
+    def _check_resume(self, saved: SavedRun) -> None:
+        # A different model shape is refused with the fields listed; options this run changes are said
+        # (step35/run/resume.py has the rule).
         notes = check_resume(saved, self.model_config, dict(self.hparams))
-        self._resume_checked = True
+        self.resume_checked = True
         if notes and self.trainer.is_global_zero:
             print(f"step35: resuming {saved.path} with these settings changed by this run's options (the "
                   f"checkpoint's are ignored): " + "; ".join(notes), flush=True)
@@ -140,7 +142,7 @@ class Step35LightningModule(pl.LightningModule):
         strategy = self.trainer.strategy
         if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
             strategy.parallelize_model(model)
-        resuming = self.trainer.ckpt_path is not None  # weights come from the Lightning checkpoint
+        resuming = checkpoint_to_load(self.trainer) is not None  # weights come from the Lightning checkpoint
         checkpoint = None if resuming else self.hparams.checkpoint
         materialize(model, strategy.root_device, checkpoint=checkpoint, seed=self.hparams.init_seed)
         if self.hparams.mtp_loss_weight == 0:
@@ -153,19 +155,21 @@ class Step35LightningModule(pl.LightningModule):
         self.expert_counter = ExpertCounter(model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
 
     def on_train_start(self) -> None:
-        if self.trainer.ckpt_path is not None:
+        if self._restored:
             # The restore brought back the checkpoint's lr, betas, eps and weight decay in the
-            # optimizer and its lr in the schedule: the run's own options win (step35/resume.py).
+            # optimizer and its lr in the schedule: the run's own options win (step35/run/resume.py).
             schedulers = self.trainer.lr_scheduler_configs
             apply_optimizer_settings(self.trainer.optimizers[0], self._group_settings(),
                                      schedulers[0].scheduler if schedulers else None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # `trainer.fit(ckpt_path=...)` makes the path known only now: for a single-file checkpoint
-        # still before the weights are loaded (a sharded one has loaded them and failed on a shape).
-        if not self._resume_checked:
-            self._check_resume(SavedRun(Path(str(self.trainer.ckpt_path)), dict(checkpoint.get("hyper_parameters") or {}),
-                                        checkpoint.get("step35_config")))
+        self._restored = True
+        # Without the CLI (`trainer.fit(ckpt_path=...)`) nobody checked the checkpoint yet: for a
+        # single-file checkpoint this is still before the weights are loaded (a sharded one has loaded
+        # them and failed on a shape).
+        if not self.resume_checked:
+            self._check_resume(SavedRun(checkpoint_to_load(self.trainer) or Path("the checkpoint"),
+                                        dict(checkpoint.get("hyper_parameters") or {}), checkpoint.get("step35_config")))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's own config.json travels with every checkpoint: `step35 export` needs no other source.
@@ -257,8 +261,13 @@ class Step35LightningModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+# Above this peak lr a warning is printed (see _check_options).
+LR_WARN_ABOVE = 0.1
+
+
 def _check_options(**values: Any) -> None:
-    """Refuse optimisation options that cannot mean anything, naming the option (`model.lr=-1: must be >= 0`)."""
+    """Refuse optimisation options that cannot mean anything, naming the option (`model.lr=-1: must be >= 0`);
+    warn about an lr above LR_WARN_ABOVE (allowed, but it diverges)."""
     rules = {
         "lr": (lambda v: v >= 0, ">= 0"),  # 0 is allowed: the weights stay, e.g. to study the router alone
         "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
@@ -281,6 +290,12 @@ def _check_options(**values: Any) -> None:
         if not good:
             shown = list(value) if isinstance(value, tuple) else value
             raise ValueError(f"model.{name}={shown}: must be {requirement}")
+    if values["lr"] > LR_WARN_ABOVE:
+        # Legal but almost surely a slip (1e6 for 1e-6): said, not refused, so an experiment can still try it.
+        warnings.warn(f"model.lr={values['lr']} is above {LR_WARN_ABOVE}: AdamW moves every weight by about lr per step "
+                      f"whatever the gradient's size, and Step-3.5's weights start with std 0.02, so a step would "
+                      f"change each weight by more than its own size and training diverges (pretraining uses about "
+                      f"1e-5 to 1e-2; a slip such as 1e6 for 1e-6?)", stacklevel=3)
 
 
 def _foreach_ok(params: list[torch.Tensor]) -> bool:

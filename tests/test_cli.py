@@ -121,7 +121,7 @@ def test_validate_and_export_run_as_listed(tmp_path, builtin_cache, tiny_run):
 
 def test_cli_installs_the_step_progress_bar(builtin_cache, tmp_path):
     from step35.callbacks import Step35ProgressBar
-    from step35.cli import Step35CLI
+    from step35.commands.fit import Step35CLI
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

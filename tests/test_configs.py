@@ -42,7 +42,7 @@ def test_production_recipe_parses_with_overrides(path):
 
 
 def test_checkpoint_tokenizer_is_used_when_data_names_none(tmp_path, builtin_cache):
-    from step35.cli import Step35CLI, main  # noqa: F401
+    from step35.commands.fit import Step35CLI  # noqa: F401
     from step35.data import Step35DataModule, builtin_tokenizer_dir
     from step35.model import Step35ForCausalLM
     from step35.module import Step35LightningModule

@@ -19,7 +19,7 @@ import torch
 from step35.checkpoint import catalog
 from step35.checkpoint.integrity import is_complete, write_manifest
 from step35.checkpoint.publish import leftover_of
-from step35.resume import apply_optimizer_settings
+from step35.run import apply_optimizer_settings
 from tests.helpers import run_process_group
 
 ROOT = Path(__file__).parent.parent

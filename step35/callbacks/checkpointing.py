@@ -6,9 +6,11 @@ Lightning's ModelCheckpoint with three changes that make unattended restarts saf
   moment without it, and a kill then leaves none);
 - the newest `keep_last` complete checkpoints are kept, older ones deleted (never the newest, never
   the one this run resumed from);
-- at start, rank 0 tidies what killed saves left in the folder (and says so), points `last.ckpt`
-  at the newest complete checkpoint (pre-emption saves are written without this callback), and
-  lists checkpoints whose save did not finish.
+- at start, rank 0 makes sure it owns the run folder (step35.run.lock: the CLI took the lock
+  already; a Trainer built without it takes it here), then tidies what killed saves left in the
+  folder (and says so: under the lock every leftover is from a writer that is gone), points
+  `last.ckpt` at the newest complete checkpoint (pre-emption saves are written without this
+  callback), and lists checkpoints whose save did not finish. A refusal reaches every rank.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from step35 import lightning_private
 from step35.checkpoint import catalog
 from step35.checkpoint.integrity import is_complete, remove_manifest, write_manifest
+from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load
+from step35.run import lock
 
 
 def say(message: str) -> None:
@@ -43,7 +48,7 @@ class RunCheckpoint(ModelCheckpoint):
     ):
         """
         Args:
-            dirpath: where checkpoints go (default: `<run_dir>/checkpoints`, i.e. trainer.default_root_dir).
+            dirpath: where checkpoints go (default: `<run_dir>/checkpoints`, run_dir = trainer.default_root_dir).
             filename: name pattern (Lightning's format: `{step}`, `{epoch}`); `.ckpt` is appended.
             every_n_train_steps: save every N optimizer steps.
             train_time_interval: save at most this often (wall clock), e.g. "00:30:00".
@@ -66,23 +71,53 @@ class RunCheckpoint(ModelCheckpoint):
         self.keep_last = keep_last
         self.save_on_train_end = save_on_train_end
         self._resumed_from: Path | None = None
+        self._own_lock: RunFolder | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        run = RunFolder(trainer.default_root_dir)
         if self.dirpath is None:
-            self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+            self.dirpath = str(run.checkpoints)
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        refusal = None
         if trainer.is_global_zero:
-            self._tidy()
-        trainer.strategy.barrier("RunCheckpoint.setup")  # nobody writes before the folder is tidy
+            try:
+                self._own_lock = None if lock.held(run) else run  # under the CLI it is held already
+                note = lock.acquire(run)
+                if note:
+                    say(note)
+                self._tidy(checkpoint_to_load(trainer))
+            except RunFolderBusy as error:
+                refusal = str(error)
+        # One collective for the outcome: nobody writes before the folder is owned and tidy, and a
+        # refusal ends every rank instead of leaving the others in a barrier.
+        refusal = trainer.strategy.broadcast(refusal, src=0)
+        if refusal:
+            raise RunFolderBusy(refusal)
 
-    def _tidy(self) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._release()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self._release()
+
+    def _release(self) -> None:
+        # A lock this callback took (a Trainer built without the CLI) ends with the run, not the process.
+        if self._own_lock is not None:
+            lock.release(self._own_lock)
+            self._own_lock = None
+
+    def _tidy(self, resuming: Path | None) -> None:
         folder = Path(self.dirpath)
         for line in catalog.clean_leftovers(folder):
             say(line)
+        resumed = resuming.resolve() if resuming is not None else None
         for path in catalog.incomplete_checkpoints(folder):
-            say(f"ignoring {path}: its save did not finish (no manifest)")
+            if path.resolve() != resumed:  # loaded on purpose (--allow_unverified_checkpoint)
+                say(f"ignoring {path}: its save did not finish (no manifest)")
         newest = catalog.newest_complete([folder])
         if newest is not None:
             catalog.point_last(folder, newest.path)
@@ -90,8 +125,8 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         # Only now is the checkpoint known whichever way it was given (trainer.fit(ckpt_path=...) too).
-        if trainer.ckpt_path:
-            self._resumed_from = Path(trainer.ckpt_path).resolve()
+        if (resumed := checkpoint_to_load(trainer)) is not None:
+            self._resumed_from = resumed.resolve()
         elif trainer.is_global_zero and (newest := catalog.newest_complete([self.dirpath])) is not None:
             say(f"{self.dirpath} already holds checkpoints up to step {newest.global_step}, but this run starts "
                 f"from scratch: its saves join them, and --ckpt_path last|auto picks the highest step "
@@ -99,14 +134,14 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if not self.save_on_train_end or self._should_skip_saving_checkpoint(trainer):
+        if not self.save_on_train_end:
             return
         newest = catalog.newest_complete([self.dirpath])
         if newest is not None and newest.global_step == trainer.global_step:
             return  # this step is saved already (e.g. by a pre-emption save)
-        self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        lightning_private.save_now(self, trainer)
 
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:  # Lightning-private: lightning_private.py
         path = Path(filepath)
         if trainer.is_global_zero and path.is_file():
             remove_manifest(path)  # an earlier save of this name: its manifest must not vouch for the new bytes

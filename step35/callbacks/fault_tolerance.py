@@ -41,6 +41,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from step35 import faults
 from step35.callbacks.reporting import StepEnds, all_reduce_
+from step35.run.layout import RunFolder, preempt_checkpoint
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
 
@@ -61,10 +62,10 @@ def _disable_lightning_signal_handlers(trainer: "pl.Trainer") -> None:
 
 def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
     """Where the pre-emption checkpoint goes: the ModelCheckpoint folder (so `--ckpt_path last|auto`
-    finds it among the others), else `<default_root_dir>/checkpoints`."""
+    finds it among the others), else the run folder's checkpoints/ (step35.run.layout)."""
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None) if callback is not None else None
-    return str(dirpath) if dirpath else os.path.join(trainer.default_root_dir, "checkpoints")
+    return str(dirpath) if dirpath else str(RunFolder(trainer.default_root_dir).checkpoints)
 
 
 def _log_stopped_step(trainer: "pl.Trainer") -> None:
@@ -246,7 +247,7 @@ class FaultTolerance(Checkpoint):
         faults.set_phase("data: next batch", step=step + 1)
 
     def _stop(self, trainer: "pl.Trainer", step: int, local: bool) -> None:
-        path = os.path.join(preempt_checkpoint_dir(trainer), f"step={step:06d}-preempt.ckpt")
+        path = str(preempt_checkpoint(preempt_checkpoint_dir(trainer), step))
         cause = self.stop_signals.name() if local else "a stop signal on another rank"
         faults.set_phase("pre-emption: logging the step's metrics", step=step)
         _log_stopped_step(trainer)

@@ -176,6 +176,24 @@ def verify_for_load(path: str | Path, hash_share: tuple[int, int] = (0, 1)) -> d
         return None
 
 
+def require_manifest(path: str | Path, allow_unverified: bool, option: str) -> bool:
+    """The no-manifest rule for a checkpoint a user names: without its manifest nothing can tell a
+    damaged file from an intact one (a flipped byte would load), so it is refused (a one-line
+    CheckpointError naming `option`, the opt-in, and the `write` tool) unless `allow_unverified`.
+    Returns whether the checkpoint has a manifest."""
+    path = Path(path)
+    if manifest_path(path).exists():
+        return True
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if not allow_unverified:
+        raise ManifestMissing(
+            f"{path}: no {manifest_path(path).name}, so its integrity cannot be checked (its save did not finish, or "
+            f"it predates manifests): refused. If you trust it, write one with `python -m step35.checkpoint.integrity "
+            f"write {path}`, or load it unchecked with {option}")
+    return False
+
+
 def verify_on_all_ranks(path: str | Path, missing_ok: bool = False) -> dict | None:
     """`verify_for_load` (or, with `missing_ok`, nothing at all when there is no manifest: an HF folder
     from elsewhere) with the checksums split over the ranks of the default process group; every

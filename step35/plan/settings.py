@@ -70,7 +70,7 @@ class RunSettings:
 
 def parse_fit_args(args: list[str]):
     """The namespace `step35 fit <args>` would run with (its `fit` section), parsed only."""
-    from step35.cli import Step35CLI
+    from step35.commands.fit import Step35CLI
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

@@ -26,7 +26,7 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.safe_load import load_torch
 from step35.checkpoint.trainer_io import check_loadable, load_meta
 from step35.config import Step35Config
-from step35.model import Step35ForCausalLM
+from step35.model import build_model
 
 # Module options a resume may change (the command line wins); each one is reported when it does.
 RUN_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "betas", "eps",
@@ -57,8 +57,7 @@ def read_saved_run(path: str | Path) -> SavedRun:
 
 
 def _shapes(config: dict, num_mtp_layers: int | None) -> dict[str, tuple]:
-    with torch.device("meta"):
-        model = Step35ForCausalLM(Step35Config.from_dict(config), num_mtp_layers)
+    model = build_model(Step35Config.from_dict(config), num_mtp_layers)  # meta: shapes only
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 

@@ -1,0 +1,283 @@
+"""`step35 fit|validate`: LightningCLI over the module, the data and the trainer.
+
+Every option comes from YAML and can be overridden on the command line (whole option names only: a
+prefix such as `--trainer.max_step` is an error, not `max_steps`). A run lives in one folder,
+`--run_dir` (default `runs/<name of the config file>`; layout in step35/run/layout.py), across all
+its attempts. Before the Trainer is built the run is resolved (step35/run/): `fit` takes the run
+folder's lock on rank 0, `--ckpt_path last|auto|<path>` becomes one checkpoint (or a fresh start),
+its saved options are checked against the run's once, and the result is handed to the Trainer.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
+from step35 import run as runs
+from step35.checkpoint.errors import CheckpointError
+from step35.module import Step35LightningModule
+from step35.run import lock
+
+
+def code_version() -> str:
+    """The git commit of the step35 checkout (with '+dirty' when it has changes), or the package version."""
+    root = Path(__file__).resolve().parent.parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        from step35 import __version__
+
+        return __version__
+
+
+class Step35SaveConfig(SaveConfigCallback):
+    """Writes config.yaml into the run folder (each attempt replaces it; every attempt's config also
+    reaches its loggers, e.g. csv/version_N/hparams.yaml) with the code version."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        folder = runs.RunFolder(trainer.default_root_dir)
+        folder.root.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, folder.root / self.config_filename, skip_none=False, overwrite=True,
+                         multifile=self.multifile)
+        config = self.config.as_dict()
+        config["code_version"] = code_version()
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _logger_configs(logger) -> list:
+    return [entry for entry in _as_list(logger) if isinstance(entry, (Namespace, dict))]
+
+
+def global_rank() -> int:
+    """This process's global rank as the launcher set it (torchrun: RANK, SLURM: SLURM_PROCID), before
+    any process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+@rank_zero_only
+def say(message: str, stream=sys.stderr) -> None:
+    print(f"step35: {message}", file=stream, flush=True)
+
+
+class Step35ArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser with a did-you-mean for an unknown option (abbreviations are off)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if message.startswith("unrecognized arguments:"):
+            parser = getattr(ex, "subcommand_parser", None) or self
+            message += _did_you_mean(message.split(":", 1)[1].split(), parser)
+        super().error(message, ex)
+
+
+def _did_you_mean(words: list[str], parser) -> str:
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    hints = []
+    for word in (w.split("=", 1)[0] for w in words if w.startswith("--")):
+        close = difflib.get_close_matches(word, known, n=3, cutoff=0.75)
+        if close:
+            hints.append(f"{word}: did you mean {' or '.join(close)}?")
+    return ("; " + "; ".join(hints)) if hints else ""
+
+
+class Step35CLI(LightningCLI):
+    """LightningCLI for fit and validate: whole option names only, `--run_dir`, and the run resolved
+    (lock, checkpoint, resume rule) between building the module and building the Trainer."""
+
+    def __init__(self, *args, parser_class=Step35ArgumentParser, **kwargs):
+        super().__init__(*args, parser_class=parser_class, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # test and predict are left out: the module has no test_step / predict_step and the data
+        # module no test / predict loaders (generation is `step35 generate`).
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+    def init_parser(self, **kwargs):
+        # argparse would take `--trainer.max_step 5` for `--trainer.max_steps`: whole names only
+        # (subcommand parsers inherit it).
+        kwargs.setdefault("allow_abbrev", False)
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--run_dir", type=str | None, default=None,
+                            help="The run folder (checkpoints/, config.yaml, logs of every attempt); "
+                                 "default: trainer.default_root_dir if set, else runs/<config file name>.")
+        parser.add_argument(runs.ALLOW_UNVERIFIED, type=bool, default=False,
+                            help="Load a --ckpt_path that has no manifest (its integrity cannot be checked); "
+                                 "without it such a checkpoint is refused.")
+
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI would replace the command line's model options by the hyper_parameters saved in
+        # a single-file checkpoint (not a sharded one). step35 resolves --ckpt_path itself (step35/run),
+        # so the value is held back from Lightning until the classes are built.
+        config = self._subcommand_config()
+        self._ckpt_arg = config.get("ckpt_path") if self.subcommand_name() else None
+        if self._ckpt_arg is not None:
+            config.ckpt_path = None
+
+    def subcommand_name(self) -> str | None:
+        return self.config.get("subcommand") if "subcommand" in self.config else None
+
+    def _subcommand_config(self):
+        name = self.subcommand_name()
+        return self.config.get(name, self.config) if name else self.config
+
+    def before_instantiate_classes(self) -> None:
+        config = self._subcommand_config()
+        if getattr(self, "_ckpt_arg", None) is not None:
+            config.ckpt_path = self._ckpt_arg  # back in the saved config.yaml
+        _strategy_class_path_to_class(config)
+        # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
+        if config.get("data") is not None and not config.data.get("tokenizer") and config.model.get("checkpoint"):
+            config.data.tokenizer = config.model.checkpoint
+        if config.get("trainer") is None:
+            return
+        folder = runs.RunFolder(runs.run_dir_of(config.get("run_dir"), config.trainer.get("default_root_dir"),
+                                                config.get("config")))
+        config.run_dir = str(folder.root)
+        config.trainer.default_root_dir = str(folder.root)
+        for logger in _logger_configs(config.trainer.get("logger")):
+            init_args = logger.get("init_args")
+            if init_args is not None and "save_dir" in init_args and not init_args.get("save_dir"):
+                init_args["save_dir"] = str(folder.logs)
+
+    def instantiate_trainer(self, **kwargs):
+        from lightning.fabric.plugins import CheckpointIO
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from step35.callbacks import FaultTolerance
+        from step35.callbacks.progress import Step35ProgressBar
+        from step35.checkpoint.trainer_io import Step35CheckpointIO
+
+        trainer = self._get(self.config_init, "trainer", default={})
+        callbacks = _as_list(trainer.get("callbacks"))
+        self.resume = self._resolve_run(callbacks) if self.subcommand in ("fit", "validate") else None
+        # Checkpoints are data: unless a CheckpointIO is configured, single-file checkpoints go through
+        # step35's (atomic, manifest, weights_only with an allowlist, NaN check). Step35Strategy uses the same code.
+        plugins = _as_list(trainer.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", [*plugins, Step35CheckpointIO()])
+        added = []
+        # Unless one is configured (or bars are off), the step/max_steps bar (step35/callbacks/progress.py).
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            added.append(Step35ProgressBar())
+        # Pre-emption handling and the hang watchdog belong to every run (see step35.faults);
+        # listing FaultTolerance under trainer.callbacks sets its options.
+        if not any(isinstance(c, FaultTolerance) for c in callbacks):
+            added.append(FaultTolerance())
+        if added:
+            kwargs.setdefault("callbacks", [*callbacks, *added])
+        return super().instantiate_trainer(**kwargs)
+
+    def _resolve_run(self, callbacks: list) -> runs.Resume | str | None:
+        """Before the Trainer exists: the run folder's lock (fit), the checkpoint to resume, and the
+        resume rule applied to the module. A refusal ends the process with one line."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        config = self._subcommand_config()
+        folder = runs.RunFolder(config.run_dir)
+        value = self._ckpt_arg
+        try:
+            if self.subcommand == "fit":
+                rank = global_rank()
+                if rank == 0:
+                    note = lock.acquire(folder)  # before anything is tidied, logged or saved
+                    if note:
+                        say(note)
+                else:
+                    lock.wait_for_rank0(folder, rank)
+            if value is None or runs.is_lightning_value(value):
+                return value  # a fresh start, or one of Lightning's own values
+            dirpaths = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+            resume = runs.resolve(value, folder.checkpoint_folders(dirpaths), config.get(runs.ALLOW_UNVERIFIED[2:]),
+                                  say=say)
+            if resume is not None:
+                notes = resume.check(self.model.model_config, dict(self.model.hparams))
+                self.model.resume_checked = True
+                if notes:
+                    say(f"resuming {resume.path} with these settings changed by this run's options (the "
+                        f"checkpoint's are ignored): " + "; ".join(notes), stream=sys.stdout)
+            return resume
+        except (runs.RunFolderBusy, runs.NoCheckpoint, runs.ResumeMismatchError, CheckpointError) as error:
+            lock.release(folder)
+            prefix = f"[rank {global_rank()}] " if global_rank() else ""
+            raise SystemExit(f"{prefix}step35: {error}") from None
+
+    def before_fit(self) -> None:
+        self._hand_over_checkpoint()
+
+    def before_validate(self) -> None:
+        self._hand_over_checkpoint()
+
+    def _hand_over_checkpoint(self) -> None:
+        kwargs = self.config_init[self.subcommand]
+        if not isinstance(self.resume, runs.Resume):
+            kwargs["ckpt_path"] = self.resume  # None, or a value Lightning resolves itself
+            return
+        # Set on the trainer rather than passed to fit: the path is then known from the setup hooks on
+        # (configure_model skips the HF weights; the checkpoint callback protects it), not only once
+        # Lightning starts loading it.
+        self.trainer.ckpt_path = str(self.resume.path)
+        kwargs["ckpt_path"] = None
+
+
+def _strategy_class_path_to_class(config) -> None:
+    """`--trainer.strategy step35.strategy.Step35Strategy` with no sub-option: the Trainer types the
+    option `str | Strategy`, so jsonargparse keeps a bare class path as a string (which Lightning then
+    takes for a registered strategy name and refuses). A dotted path naming a Strategy class is turned
+    into the class_path form jsonargparse instantiates, exactly as if a sub-option had been given."""
+    from lightning.pytorch.strategies import Strategy
+
+    trainer = config.get("trainer")
+    value = trainer.get("strategy") if trainer is not None else None
+    if not isinstance(value, str) or "." not in value:
+        return
+    module_name, _, class_name = value.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"trainer.strategy={value!r}: cannot import it ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ValueError(f"trainer.strategy={value!r} is not a lightning.pytorch.strategies.Strategy class")
+    trainer.strategy = Namespace(class_path=value, init_args=Namespace())
+
+
+def run(args: list[str] | None = None) -> None:
+    """`step35 fit|validate <args>`; the run folder's lock is released however it ends."""
+    from step35 import faults
+    from step35.data import Step35DataModule
+
+    try:
+        Step35CLI(
+            Step35LightningModule,
+            Step35DataModule,
+            save_config_callback=Step35SaveConfig,
+            save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+            args=args,
+            auto_configure_optimizers=False,
+        )
+    except Exception as error:
+        if faults.was_reported(error):  # already printed with its rank and traceback
+            raise SystemExit(faults.EXIT_FAILED) from None
+        raise
+    finally:
+        lock.release_all()

@@ -1,0 +1,261 @@
+"""A run folder has one live owner (the lock), `--ckpt_path last|auto` gets past a damaged newest
+checkpoint, a checkpoint without a manifest is loaded only on request, and `ckpt_path` is read in
+one place. Runs are real processes: `step35 fit` subprocesses, torchrun with 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from step35.checkpoint.integrity import manifest_path, write_manifest
+from step35.run import RunFolder, RunFolderBusy, lock
+from tests.helpers import run_process_group
+from tests.test_resume import config_file, fit, saved_steps, step35
+
+ROOT = Path(__file__).parent.parent
+HOLD = ("import os, sys, time\n"
+        "from step35.run import RunFolder, lock\n"
+        "lock.acquire(RunFolder(sys.argv[1]))\n"
+        "child = os.fork() if len(sys.argv) > 2 else None\n"
+        "if child == 0:\n"
+        "    time.sleep(120); os._exit(0)\n"
+        "print('held', child, flush=True)\n"
+        "time.sleep(600)\n")
+
+
+class Gate(pl.Callback):
+    """Holds the run at `at_step` until `file` exists (so a test can act while it is surely alive)."""
+
+    def __init__(self, file: str, at_step: int):
+        self.file, self.at_step = Path(file), at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            (self.file.parent / "gate.reached").touch()
+            deadline = time.monotonic() + 600
+            while not self.file.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def hold(run: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
+    """A process holding the run folder's lock (and, with `fork`, a forked child sharing it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), *(["fork"] if fork else [])], env=env,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    words = proc.stdout.readline().split()
+    assert words and words[0] == "held", words
+    return proc, (int(words[1]) if fork else None)
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def env_for(cache: Path) -> dict:
+    return {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+# ------------------------------------------------------------------------------ the lock, in process
+def test_lock_refuses_a_live_holder_and_takes_over_from_a_dead_one(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    holder, _ = hold(folder.root)
+    try:
+        with pytest.raises(RunFolderBusy, match=rf"in use by a live run \(pid {holder.pid} on host "
+                                                rf"{re.escape(socket.gethostname())}, started .*--run_dir"):
+            lock.RunLock(folder).acquire()
+    finally:
+        kill9(holder)
+    mine = lock.RunLock(folder)
+    note = mine.acquire()
+    assert note is not None and "no longer running" in note and f"pid {holder.pid} on host" in note, note
+    mine.release()
+    assert lock.read_holder(folder.lock_file) is None  # a clean end leaves no holder behind
+    again = lock.RunLock(folder)
+    assert again.acquire() is None  # nothing to take over
+    again.release()
+
+
+def test_a_forked_child_does_not_keep_a_dead_holders_lock(tmp_path):
+    """A DataLoader worker is a forked child: it must not keep the folder locked after its parent died."""
+    folder = RunFolder(tmp_path / "run")
+    holder, child = hold(folder.root, fork=True)
+    try:
+        kill9(holder)
+        os.kill(child, 0)  # the child is still alive
+        mine = lock.RunLock(folder)
+        assert "no longer running" in mine.acquire()
+        mine.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_ckpt_path_is_read_in_one_place():
+    """`trainer.ckpt_path` is set by the CLI and read through step35.run.checkpoint_to_load only."""
+    readers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "step35").rglob("*.py")
+                     if re.search(r"\.ckpt_path\b", p.read_text()))
+    assert readers == ["step35/commands/fit.py", "step35/run/__init__.py"], readers
+
+
+# ------------------------------------------------------------------------------ two jobs, one folder
+@pytest.mark.timeout(900)
+def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, builtin_cache):
+    config, run = config_file(tmp_path), tmp_path / "run"
+    ckpts = run / "checkpoints"
+    go = tmp_path / "go"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "step35", "fit", "--config", str(config), f"--run_dir={run}",
+         "--trainer.callbacks+=tests.test_run.Gate", f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=6"],
+        cwd=ROOT, env=env_for(builtin_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "gate.reached").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.2)
+        # The first run's save in progress, as the tidy-up of a second run used to delete it.
+        in_progress = ckpts / f".step=000010.ckpt.partial-{first.pid}-0123abcd"
+        in_progress.write_bytes(b"being written")
+        second = step35(["fit", "--config", str(config), f"--run_dir={run}", "--trainer.max_steps=99",
+                         "--ckpt_path=auto"], builtin_cache)
+        assert first.poll() is None  # the first run was alive all along
+        assert second.returncode != 0
+        assert f"in use by a live run (pid {first.pid} on host {socket.gethostname()}" in second.stderr, second.stderr[-3000:]
+        assert "--run_dir" in second.stderr and "Traceback" not in second.stderr
+        assert in_progress.exists() and saved_steps(ckpts) == [5]
+    finally:
+        go.touch()
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-5000:]
+    assert saved_steps(ckpts) == [5, 10] and os.readlink(ckpts / "last.ckpt") == "step=000010.ckpt"
+    assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]  # the second run logged nothing
+    assert "max_steps: 99" not in (run / "config.yaml").read_text()  # nor replaced the config
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_two_ranks_refused_together_then_take_over_a_dead_holders_lock(tmp_path, builtin_cache):
+    config, run = config_file(tmp_path), tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35", "fit",
+           "--config", str(config), f"--run_dir={run}", "--trainer.max_steps=2", "--trainer.devices=2",
+           "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2"]
+    holder, _ = hold(run)
+    try:
+        started = time.monotonic()
+        refused = run_process_group(cmd, timeout=400, cwd=ROOT, env=env_for(builtin_cache))
+        took = time.monotonic() - started
+    finally:
+        kill9(holder)
+    assert refused.returncode != 0
+    assert f"in use by a live run (pid {holder.pid}" in refused.stderr, refused.stderr[-4000:]
+    assert "[rank 1] step35: stopped before training: rank 0 did not take the lock" in refused.stderr, refused.stderr[-4000:]
+    assert not (run / "checkpoints").exists() and not (run / "csv").exists()
+    print(f"2-rank refusal took {took:.0f} s")
+
+    done = run_process_group(cmd, timeout=600, cwd=ROOT, env=env_for(builtin_cache))
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert f"took over the lock of {run} from a run that is no longer running (pid {holder.pid}" in done.stderr
+    assert saved_steps(run / "checkpoints") == [2]
+
+
+# ------------------------------------------------------------------------------ damaged and unverified checkpoints
+@pytest.mark.timeout(900)
+def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_flag(tmp_path, builtin_cache):
+    config, run = config_file(tmp_path), tmp_path / "run"
+    ckpts = run / "checkpoints"
+    fit(config, run, builtin_cache)  # saves steps 5 and 10
+    newest = ckpts / "step=000010.ckpt"
+    size = newest.stat().st_size
+    with open(newest, "r+b") as f:
+        f.truncate(size // 2)  # damaged: the manifest still vouches for the full size
+
+    resumed = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
+    assert (f"--ckpt_path auto: skipping {newest} (global step 10), it is damaged: {newest}: {size // 2} bytes, "
+            f"the manifest says {size}: truncated") in resumed.stderr, resumed.stderr[-3000:]
+    assert f"resuming from {ckpts / 'step=000005.ckpt'} (global step 5" in resumed.stderr
+    assert saved_steps(ckpts) == [5, 10, 12]  # step 10 saved again, whole
+
+    older = ckpts / "step=000005.ckpt"
+    manifest_path(older).unlink()
+    refused = step35(["fit", "--config", str(config), f"--run_dir={run}", f"--ckpt_path={older}",
+                      "--trainer.max_steps=7"], builtin_cache)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert (f"{older}: no {manifest_path(older).name}, so its integrity cannot be checked" in refused.stderr and
+            "--allow_unverified_checkpoint" in refused.stderr and
+            f"python -m step35.checkpoint.integrity write {older}" in refused.stderr), refused.stderr[-3000:]
+
+    accepted = fit(config, run, builtin_cache, f"--ckpt_path={older}", "--allow_unverified_checkpoint=true",
+                   "--trainer.max_steps=7")
+    assert f"ignoring {older}" not in accepted.stderr  # it is loaded on purpose, not "ignored"
+    assert 7 in saved_steps(ckpts)
+
+
+def test_last_refuses_when_every_checkpoint_is_damaged(tmp_path):
+    from step35.run import NoCheckpoint, resolve
+
+    path = tmp_path / "step=000005.ckpt"
+    path.write_bytes(os.urandom(64))
+    write_manifest(path, extra={"global_step": 5})
+    path.write_bytes(os.urandom(32))
+    said = []
+    for value in ("last", "auto"):  # auto must not start from scratch over a run's damaged saves
+        with pytest.raises(NoCheckpoint, match=rf"--ckpt_path {value}: no intact checkpoint in {tmp_path}: every one "
+                                               rf"is damaged \({re.escape(str(path))}: .*32 bytes, the manifest says 64"):
+            resolve(value, [tmp_path], say=said.append)
+    assert said and all("skipping" in line for line in said)
+
+
+# ------------------------------------------------------------------------------ command-line edges
+def test_an_abbreviated_option_is_refused_with_a_suggestion(tmp_path, builtin_cache):
+    proc = step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path}", "--trainer.max_step", "5"],
+                  builtin_cache)
+    assert proc.returncode != 0
+    assert "unrecognized arguments: --trainer.max_step 5" in proc.stderr, proc.stderr[-2000:]
+    assert "did you mean --trainer.max_steps" in proc.stderr
+    assert not (tmp_path / "csv").exists()
+
+
+def test_an_absurd_lr_is_warned_about_a_sane_one_is_not():
+    from step35.module import Step35LightningModule
+
+    with pytest.warns(UserWarning, match=r"model.lr=1000000.0 is above 0.1: .*1e-5 to 1e-2"):
+        Step35LightningModule(lr=1e6)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        Step35LightningModule(lr=3e-3)
+
+
+def test_a_trainer_built_without_the_cli_takes_the_lock_in_runcheckpoint(tmp_path, builtin_cache):
+    from step35.callbacks import RunCheckpoint
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    def fit(folder: Path) -> None:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, default_root_dir=folder,
+                             callbacks=[RunCheckpoint(every_n_train_steps=2)])
+        trainer.fit(Step35LightningModule(config="tiny", warmup_steps=1),
+                    datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)))
+
+    busy = RunFolder(tmp_path / "busy")
+    holder, _ = hold(busy.root)
+    try:
+        with pytest.raises(RunFolderBusy, match=f"pid {holder.pid}"):
+            fit(busy.root)
+    finally:
+        kill9(holder)
+    free = RunFolder(tmp_path / "free")
+    fit(free.root)
+    assert (free.checkpoints / "last.ckpt").exists()
+    assert not lock.held(free) and lock.read_holder(free.lock_file) is None  # released with the run

@@ -7,8 +7,14 @@ Here (used by step35/callbacks/checkpointing.py, RunCheckpoint):
 - `ModelCheckpoint._should_skip_saving_checkpoint`, `_save_topk_checkpoint`, `_monitor_candidates`:
   the save at the end of training at a step not yet saved (Lightning saves only on step/epoch/time).
 
-Elsewhere, still to move here: `Trainer._signal_connector` (callbacks/fault_tolerance.py) and
-`fit_loop.epoch_loop._batches_that_stepped` (callbacks/reporting.py).
+Used by the other callbacks (instance attributes of a Trainer: checked when first used, with the
+same kind of error):
+- `Trainer._signal_connector.register_signal_handlers`: switched off for a run (FaultTolerance), since
+  Lightning's SIGTERM handler broadcasts from rank 0 inside the handler and can deadlock multi-rank runs.
+- `Trainer._logger_connector.update_train_step_metrics`: the metrics of a step that a pre-emption
+  stops after reach the loggers (Lightning logs a step only after every on_train_batch_end returned).
+- `fit_loop.epoch_loop._batches_that_stepped`: the step index Lightning writes its own training
+  metrics at, so that callbacks' metrics share its x axis.
 (LightningCLI._parse_ckpt_path is no longer used: the CLI holds --ckpt_path back in the public
 `parse_arguments`.)
 """
@@ -40,3 +46,36 @@ def save_now(callback: ModelCheckpoint, trainer) -> bool:
         return False
     callback._save_topk_checkpoint(trainer, callback._monitor_candidates(trainer))
     return True
+
+
+def _missing(what: str, user: str) -> RuntimeError:
+    import lightning
+
+    return RuntimeError(f"lightning {lightning.__version__} has no {what}, which {user} relies on; adapt "
+                        f"step35/lightning_private.py to this Lightning")
+
+
+def disable_signal_handlers(trainer) -> None:
+    """Stop Lightning from installing its SIGTERM / SLURM-requeue handlers for this run (it installs
+    them after the callbacks' setup)."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not callable(getattr(connector, "register_signal_handlers", None)):
+        raise _missing("Trainer._signal_connector.register_signal_handlers", "step35.callbacks.FaultTolerance")
+    connector.register_signal_handlers = lambda: None  # the instance attribute hides the method
+
+
+def log_step_metrics_now(trainer) -> None:
+    """Hand the current step's metrics to the loggers now, whatever log_every_n_steps says."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if not callable(getattr(connector, "update_train_step_metrics", None)):
+        raise _missing("Trainer._logger_connector.update_train_step_metrics", "step35.callbacks.FaultTolerance")
+    trainer.should_stop = True  # Lightning logs the step that stops the run whatever the interval
+    connector.update_train_step_metrics()
+
+
+def batches_that_stepped(trainer) -> int:
+    """The step index Lightning writes its own training metrics at (0-based optimizer steps)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_batches_that_stepped"):
+        raise _missing("fit_loop.epoch_loop._batches_that_stepped", "step35.callbacks (metric steps)")
+    return loop._batches_that_stepped

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.export import export_checkpoint
-from step35.checkpoint.trained import resolve_checkpoint
+from step35.run import checkpoint_of
 from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.data import Step35DataModule
@@ -39,7 +39,7 @@ def exported_state(folder: Path) -> dict[str, torch.Tensor]:
 
 def test_run_folder_resolves_to_its_newest_checkpoint(tiny_run):
     run, _ = tiny_run
-    assert resolve_checkpoint(run).name == "step=000003.ckpt"
+    assert checkpoint_of(run).name == "step=000003.ckpt"
 
 
 def test_export_round_trip_fp32(tiny_run, exported):
@@ -99,7 +99,7 @@ def test_tokenizer_travels_inside_the_checkpoint(tiny_run, builtin_cache):
     from step35.checkpoint.trainer_io import load_file as load_ckpt
 
     run, _ = tiny_run
-    saved = load_ckpt(resolve_checkpoint(run))[run_tokenizer.RECORD_KEY]
+    saved = load_ckpt(checkpoint_of(run))[run_tokenizer.RECORD_KEY]
     builtin = builtin_tokenizer_dir(cache_dir=builtin_cache)
     assert saved["source"] == str(builtin.resolve()) and saved["eos_token_id"] == 0
     assert saved["files"]["tokenizer.json"] == (builtin / "tokenizer.json").read_bytes()
@@ -120,7 +120,7 @@ def test_checkpoint_carries_the_model_config(tiny_run):
     from step35.config import preset
 
     run, _ = tiny_run
-    meta = torch.load(resolve_checkpoint(run), map_location="cpu", weights_only=False)
+    meta = torch.load(checkpoint_of(run), map_location="cpu", weights_only=False)
     assert meta["step35_config"] == preset("tiny").to_dict()
 
 
@@ -193,7 +193,7 @@ def planted_checkpoint(tiny_run, path: Path, drop: tuple[str, ...] = (), **hpara
     """tiny_run's checkpoint with its hyper-parameters saying what a checkpoint from elsewhere may say
     (and without the `drop` keys): a plain .ckpt with no manifest, as an older step35 wrote."""
     run, _ = tiny_run
-    meta = torch.load(resolve_checkpoint(run), map_location="cpu", weights_only=False)
+    meta = torch.load(checkpoint_of(run), map_location="cpu", weights_only=False)
     meta["hyper_parameters"] = {**meta["hyper_parameters"], **hparams}
     for key in drop:
         meta.pop(key)

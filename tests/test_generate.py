@@ -11,6 +11,7 @@ import torch
 
 from step35.checkpoint.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
+from step35.run import checkpoint_of
 
 ROOT = Path(__file__).parent.parent
 PROMPT = "The for statement"
@@ -20,7 +21,7 @@ PROMPT = "The for statement"
 def folders(tiny_run, tmp_path_factory):
     run, _ = tiny_run
     out = tmp_path_factory.mktemp("generate") / "hf"
-    export_checkpoint(run, out)
+    export_checkpoint(checkpoint_of(run), out)
     return run, out
 
 

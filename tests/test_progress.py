@@ -4,7 +4,7 @@ memory; no epoch counter, no logger version."""
 import lightning.pytorch as pl
 
 from step35.callbacks import Step35ProgressBar
-from step35.checkpoint.trained import resolve_checkpoint
+from step35.run import checkpoint_of
 from step35.checkpoint.trainer_io import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.loggers import CSVLogger
@@ -19,7 +19,7 @@ def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, bu
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=CSVLogger(tmp_path), callbacks=[bar],
                          enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
                          default_root_dir=tmp_path, plugins=[Step35CheckpointIO()])
-    trainer.fit(module, datamodule=data, ckpt_path=str(resolve_checkpoint(run)))
+    trainer.fit(module, datamodule=data, ckpt_path=str(checkpoint_of(run)))
     shown = bar.train_progress_bar
     assert shown.initial == 3 and shown.n == 5 and shown.total == 5  # from the resumed step to max_steps
     rendered = str(shown)

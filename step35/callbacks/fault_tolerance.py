@@ -9,7 +9,7 @@ in the Lightning loop. The mechanics live in `step35.faults`; this file decides 
   raises `faults.Preempted`: the process exits with `faults.EXIT_PREEMPTED` (75).
 - Lightning's own SIGTERM handler is switched off: it broadcasts from rank 0 inside the handler,
   where other ranks may be inside the expert all-to-all (a deadlock), and stops only at rank 0's
-  word. `_disable_lightning_signal_handlers` is the one place that touches that private API.
+  word. `step35.lightning_private.disable_signal_handlers` is the one place that touches that private API.
 - The watchdog (`faults.Watchdog`) follows the loop's phases (forward, backward, optimizer step,
   step-boundary agreement, checkpoint save, data, validation; the expert all-to-all marks its own)
   and ends a rank that has made no progress for the timeout, naming the phase. Timeout: the
@@ -31,7 +31,6 @@ It subclasses `Checkpoint` so Lightning runs it after every ModelCheckpoint at t
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -39,25 +38,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint
 
-from step35 import faults
+from step35 import faults, lightning_private
 from step35.callbacks.reporting import StepEnds, all_reduce_
 from step35.run.layout import RunFolder, preempt_checkpoint
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
-
-
-def _disable_lightning_signal_handlers(trainer: "pl.Trainer") -> None:
-    """Stops Lightning (2.6: `Trainer._signal_connector`, private) from installing its SIGTERM /
-    SLURM-requeue handlers for this run; it installs them after the callbacks' setup."""
-    connector = getattr(trainer, "_signal_connector", None)
-    if connector is None or not callable(getattr(connector, "register_signal_handlers", None)):
-        import lightning
-
-        raise RuntimeError(
-            f"lightning {lightning.__version__} has no Trainer._signal_connector.register_signal_handlers: "
-            "step35 must switch Lightning's own SIGTERM handling off (it can deadlock multi-rank runs); "
-            "update _disable_lightning_signal_handlers in step35/callbacks/fault_tolerance.py")
-    connector.register_signal_handlers = lambda: None  # the instance attribute hides the method
 
 
 def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
@@ -71,18 +56,12 @@ def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
 def _log_stopped_step(trainer: "pl.Trainer") -> None:
     """Hands the metrics of the step being stopped after to the loggers and flushes them: Lightning
     logs a step's metrics only after every on_train_batch_end hook has returned, and the pre-emption
-    exit raises from one. `should_stop` makes Lightning log it whatever log_every_n_steps says (as
-    for the last step of any run). Uses Lightning 2.6's private `Trainer._logger_connector`."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if not callable(getattr(connector, "update_train_step_metrics", None)):
-        import lightning
-
-        faults.write_stderr(f"step35: lightning {lightning.__version__} has no Trainer._logger_connector."
-                            "update_train_step_metrics; the stopped step's metrics are not logged "
-                            "(update _log_stopped_step in step35/callbacks/fault_tolerance.py)\n")
+    exit raises from one. Losing them is said, not fatal: the checkpoint matters more."""
+    try:
+        lightning_private.log_step_metrics_now(trainer)
+    except RuntimeError as error:
+        faults.write_stderr(f"step35: the stopped step's metrics are not logged: {error}\n")
         return
-    trainer.should_stop = True
-    connector.update_train_step_metrics()
     for logger in trainer.loggers:
         logger.save()
 
@@ -154,7 +133,7 @@ class FaultTolerance(Checkpoint):
 
     # ------------------------------------------------------------------------------- life cycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        _disable_lightning_signal_handlers(trainer)
+        lightning_private.disable_signal_handlers(trainer)
         if stage != "fit":
             return
         rank = trainer.global_rank

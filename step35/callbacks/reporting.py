@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
+from step35 import lightning_private
 from step35.parallel.collectives import all_reduce_, distributed
 
 __all__ = ["StepEnds", "all_reduce_", "distributed", "every", "log_metrics", "metric_step"]
@@ -18,7 +19,7 @@ __all__ = ["StepEnds", "all_reduce_", "distributed", "every", "log_metrics", "me
 
 def metric_step(trainer: "pl.Trainer") -> int:
     """The step index Lightning writes its own training metrics at (0-based optimizer steps)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    return lightning_private.batches_that_stepped(trainer)
 
 
 def log_metrics(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:

@@ -1,7 +1,7 @@
 """A training checkpoint opened for reading: what `step35 export` and `step35 generate` start from.
 
-A checkpoint is a `.ckpt` file, a sharded (DCP) checkpoint folder, or a run folder (its newest
-complete checkpoint). Weights are read tensor by tensor (a sharded checkpoint of the 196B model never
+A checkpoint is a `.ckpt` file or a sharded (DCP) checkpoint folder (a run folder's is picked by
+`step35.run.checkpoint_of`). Weights are read tensor by tensor (a sharded checkpoint of the 196B model never
 has to fit in memory), verified against the manifest, unpickled only through `safe_load`, and
 checked for NaN/Inf.
 
@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from step35.checkpoint import catalog, run_tokenizer
+from step35.checkpoint import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE
 from step35.checkpoint.integrity import verify_for_load
@@ -37,18 +37,16 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A `.ckpt` file or sharded folder as it is; a run folder (or its checkpoints/ folder): its newest
-    complete checkpoint. Anything else is refused, naming what was looked for."""
+    """A `.ckpt` file or sharded folder as it is (`last.ckpt`: what it points at). A run folder is
+    not read here: `step35.run.checkpoint_of` picks its checkpoint (the run layer owns the folder's
+    layout and the choice of the newest intact checkpoint)."""
     path = Path(path)
     if path.is_symlink():  # last.ckpt: read (and verify) what it points at, whose manifest is beside it
         path = path.resolve()
-    if not path.exists() or path.is_file() or (path / META_FILE).is_file() or (path / ".metadata").is_file():
-        return check_loadable(path)
-    newest = catalog.newest_complete([path / "checkpoints", path])
-    if newest is None:
-        raise CheckpointError(f"{path}: neither a checkpoint (.ckpt file, sharded folder) nor a run folder with a "
-                              f"complete checkpoint in {path / 'checkpoints'}")
-    return newest.path
+    if path.is_dir() and not ((path / META_FILE).is_file() or (path / ".metadata").is_file()):
+        raise CheckpointError(f"{path}: not a checkpoint (a .ckpt file or a sharded checkpoint folder); for a run "
+                              "folder, step35 export / generate pick its newest intact checkpoint")
+    return check_loadable(path)
 
 
 def lightning_meta(checkpoint: Path) -> dict:
@@ -148,7 +146,7 @@ class TrainedCheckpoint:
 
 
 def open_checkpoint(path: str | Path, config: Step35Config | None = None) -> TrainedCheckpoint:
-    """Resolve (a run folder -> its newest checkpoint), verify and open a training checkpoint. The
+    """Verify and open a training checkpoint (a .ckpt file or a sharded folder). The
     model config is `config`, else the one saved with the checkpoint, else the one its
     hyper-parameters name (older checkpoints; said in `notes`)."""
     path = resolve_checkpoint(path)

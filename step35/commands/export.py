@@ -18,6 +18,7 @@ import torch
 from step35.checkpoint.export import export_checkpoint
 from step35.commands.function_cli import run_function
 from step35.config import load_config
+from step35.run import checkpoint_of
 
 
 def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "float16"] | None = None,
@@ -27,7 +28,8 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
     published atomically with a manifest.
 
     Args:
-        checkpoint: a .ckpt file, a sharded checkpoint folder, or a run folder (its newest complete checkpoint).
+        checkpoint: a .ckpt file, a sharded checkpoint folder, or a run folder (its newest intact checkpoint,
+            the one --ckpt_path last resumes).
         out: the HF folder to write (replaced atomically if it exists).
         dtype: dtype of the exported weights (router_bias stays float32); default: the config's torch_dtype.
         max_shard_size: largest safetensors shard, e.g. 5GB, 500MiB.
@@ -36,7 +38,8 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
             licence and auto_map remote code are copied (default: the model.checkpoint the checkpoint names).
         model_config: the model config (preset, config.json or folder) for checkpoints that record none.
     """
-    done = export_checkpoint(checkpoint, out, getattr(torch, dtype) if dtype else None, max_shard_size,
+    say = lambda line: print(f"step35 export: {line}", file=sys.stderr)  # noqa: E731
+    done = export_checkpoint(checkpoint_of(checkpoint, say), out, getattr(torch, dtype) if dtype else None, max_shard_size,
                              load_config(model_config) if model_config else None, tokenizer, source)
     for name, origin in done.copied.items():
         print(f"step35 export: copied {name} from {origin}")

@@ -3,7 +3,7 @@
     step35 generate --checkpoint runs/tiny --prompt "The for statement" [--max_new_tokens 64]
                     [--temperature 0.8 --top_p 0.95 --seed 0]
 
-`--checkpoint` is a run folder (its newest complete checkpoint), a `.ckpt` file, a sharded
+`--checkpoint` is a run folder (its newest intact checkpoint), a `.ckpt` file, a sharded
 checkpoint folder, or an HF folder (`step35 export`'s output, the release). Checkpoints are read
 through the same verified, code-free readers as `step35 export`; the text is encoded with the
 tokenizer the run trained with (recorded in the checkpoint; an HF folder's own otherwise).
@@ -35,6 +35,7 @@ from step35.checkpoint.trained import TrainedCheckpoint, is_hf_folder, open_chec
 from step35.commands.function_cli import run_function
 from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
+from step35.run import checkpoint_of
 from step35.model import Step35ForCausalLM, build_model
 
 
@@ -101,7 +102,7 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
         config, run_eos = model.config, None
         say(f"model: {path}; tokenizer: {tokenizer or path}")
     else:
-        trained = open_checkpoint(path)
+        trained = open_checkpoint(checkpoint_of(path, say))
         for note in trained.notes:
             say(note)
         model = _model_from(trained, dtype, device)

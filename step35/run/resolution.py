@@ -23,6 +23,7 @@ from typing import Callable
 from step35.checkpoint import catalog
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import require_manifest, verify
+from step35.run.layout import RunFolder
 from step35.run.resume import SavedRun, check_resume, read_saved_run
 
 ALLOW_UNVERIFIED = "--allow_unverified_checkpoint"
@@ -96,3 +97,21 @@ def resolve(value: str | None, folders: list[Path], allow_unverified: bool = Fal
                            f"--ckpt_path (or with --ckpt_path auto), or name a checkpoint file")
     say(f"--ckpt_path auto: no complete checkpoint in {where}{detail}: starting from scratch")
     return None
+
+
+def checkpoint_of(path: str | Path, say: Callable[[str], None] = print) -> Path:
+    """What `step35 export|generate --checkpoint PATH` read: for a run folder (or its checkpoints/
+    folder) the checkpoint `--ckpt_path last` would resume (the newest intact one; damaged newer ones
+    are skipped and said); any other path as it is (a `.ckpt` file, a sharded checkpoint folder,
+    `last.ckpt`), for the checkpoint readers to check."""
+    path = Path(path)
+    is_checkpoint = (path.is_file() or path.is_symlink() or (path / "meta.pt").is_file()
+                     or (path / ".metadata").is_file())
+    if is_checkpoint or not path.is_dir():
+        return path
+    run = RunFolder(path)
+    folders = run.checkpoint_folders([path])
+    if not any(catalog.complete_checkpoints(f) or catalog.incomplete_checkpoints(f) for f in folders):
+        raise CheckpointError(f"{path}: neither a checkpoint (.ckpt file, sharded folder) nor a run folder with a "
+                              f"checkpoint in {run.checkpoints}")
+    return resolve("last", folders, say=say).path

@@ -107,6 +107,12 @@ def wait_for(condition, timeout: float, job: Job, what: str):
     raise AssertionError(f"no {what} after {timeout} s:\n{job.output()[-6000:]}")
 
 
+def two_ranks_after_two_steps(job: Job, run: Path) -> list:
+    """The two rank processes of a torchrun job, once its run has logged 2 steps."""
+    wait_for(lambda: logged_steps(run) >= 2, 240, job, "2 steps")
+    return wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+
+
 def torchrun(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35", *args]
 
@@ -246,8 +252,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_exit_code_75
     # A signal that reaches only some ranks (scancel / SLURM deliver to every task, but not at the
     # same instant): the step-boundary all_reduce makes every rank stop after the same step.
     with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
-        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
-        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        workers = two_ranks_after_two_steps(job, tmp_path / "run")
         sent = time.monotonic()
         workers[1].send_signal(signal.SIGTERM)
         job.wait(timeout=120)
@@ -360,8 +365,7 @@ def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path,
     # An OOM kill of the launcher, `kill -9`, a supervisor: before, the ranks (in their own sessions,
     # re-parented) trained on, writing checkpoints beside the restarted job.
     with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
-        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
-        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        workers = two_ranks_after_two_steps(job, tmp_path / "run")
         os.killpg(job.proc.pid, signal.SIGKILL)  # torchrun leads its process group; the ranks are not in it
         killed = time.monotonic()
         job.proc.wait(timeout=30)
@@ -383,8 +387,7 @@ def test_a_sigstopped_rank_ends_the_job_within_the_timeout_naming_the_phase(tmp_
     timeout_s = 18  # timeout_minutes 0.3
     with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", "--trainer.strategy.timeout_minutes=0.3")),
              tmp_path / "log.txt", builtin_cache) as job:
-        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
-        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        workers = two_ranks_after_two_steps(job, tmp_path / "run")
         stopped = time.monotonic()
         workers[1].send_signal(signal.SIGSTOP)
         # rank 0 notices by itself within the timeout (plus the watchdog's poll)...
@@ -412,8 +415,7 @@ def test_sigterm_to_a_rank_blocked_by_a_stopped_peer_ends_it_after_the_signal_gr
     grace = ["--trainer.callbacks+=step35.callbacks.FaultTolerance", "--trainer.callbacks.signal_grace_s=3"]
     with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", *grace)), tmp_path / "log.txt",
              builtin_cache) as job:
-        wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 240, job, "2 steps")
-        workers = wait_for(lambda: len(job.workers()) == 2 and job.workers(), 30, job, "two ranks")
+        workers = two_ranks_after_two_steps(job, tmp_path / "run")
         workers[1].send_signal(signal.SIGSTOP)
         time.sleep(2)  # rank 0 reaches the next collective with rank 1
         sent = time.monotonic()

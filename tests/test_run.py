@@ -259,3 +259,29 @@ def test_a_trainer_built_without_the_cli_takes_the_lock_in_runcheckpoint(tmp_pat
     fit(free.root)
     assert (free.checkpoints / "last.ckpt").exists()
     assert not lock.held(free) and lock.read_holder(free.lock_file) is None  # released with the run
+
+
+def test_export_and_generate_read_a_run_folders_newest_intact_checkpoint(tmp_path):
+    # `step35 export|generate --checkpoint <run folder>` choose as `--ckpt_path last` does: a truncated
+    # newest checkpoint is skipped, and said; a folder without checkpoints is refused by name.
+    import torch
+
+    from step35.checkpoint.errors import CheckpointError
+    from step35.run import checkpoint_of
+
+    run = RunFolder(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    for step in (1, 2):
+        path = run.checkpoints / f"step={step:06d}.ckpt"
+        torch.save({"hyper_parameters": {"lr": 1e-3}, "global_step": step}, path)
+        write_manifest(path, extra={"global_step": step})
+    assert checkpoint_of(run.root) == run.checkpoints / "step=000002.ckpt"
+    newest = run.checkpoints / "step=000002.ckpt"
+    newest.write_bytes(newest.read_bytes()[:100])  # a save cut short after its manifest was written
+    said = []
+    assert checkpoint_of(run.root, said.append) == run.checkpoints / "step=000001.ckpt"
+    assert len(said) == 1 and "step=000002.ckpt" in said[0] and "skipped a damaged checkpoint" in said[0], said
+    assert checkpoint_of(newest) == newest  # a checkpoint named by path is read as it is (its loader verifies it)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint .* nor a run folder"):
+        checkpoint_of(tmp_path / "empty")

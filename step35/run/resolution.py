@@ -114,4 +114,7 @@ def checkpoint_of(path: str | Path, say: Callable[[str], None] = print) -> Path:
     if not any(catalog.complete_checkpoints(f) or catalog.incomplete_checkpoints(f) for f in folders):
         raise CheckpointError(f"{path}: neither a checkpoint (.ckpt file, sharded folder) nor a run folder with a "
                               f"checkpoint in {run.checkpoints}")
-    return resolve("last", folders, say=say).path
+    chosen = resolve("last", folders, say=lambda line: None)  # the command says which one it read
+    for reason in chosen.skipped:
+        say(f"{path}: skipped a damaged checkpoint, {reason}")
+    return chosen.path

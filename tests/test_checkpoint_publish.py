@@ -10,7 +10,7 @@ import pytest
 
 from step35.checkpoint import publish as pub
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.integrity import (ManifestMissing, is_complete, manifest_info, manifest_path, verify,
+from step35.checkpoint.integrity import (ManifestMissing, damage_record, is_complete, manifest_info, manifest_path, verify,
                                          verify_for_load, write_manifest)
 
 
@@ -133,8 +133,12 @@ def test_verify_names_missing_truncated_and_damaged_files(tmp_path):
     final = tmp_path / "ckpt"
     pub.publish(folder_checkpoint(final, "0123456789", 1), final)
     (final / "sub" / "meta").write_text("01234567890123456789"[::-1])  # same size, other bytes
-    with pytest.raises(CheckpointError, match=r"sub/meta: checksum mismatch .*damaged"):
+    with pytest.raises(CheckpointError, match=r"sub/meta: checksum mismatch .*damaged \(recorded in \.ckpt\.damaged"):
         verify(final)
+    # Recorded: a size-only check (how --ckpt_path last|auto choose) now refuses it too, naming the record.
+    with pytest.raises(CheckpointError, match=r"sub/meta: checksum mismatch .*found by an earlier load; delete .*\.ckpt\.damaged"):
+        verify(final, sizes_only=True)
+    damage_record(final).unlink()
     (final / "sub" / "meta").write_text("short")
     with pytest.raises(CheckpointError, match=r"sub/meta: 5 bytes, the manifest says 20: truncated"):
         verify(final)

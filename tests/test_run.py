@@ -198,6 +198,28 @@ def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_
     assert f"ignoring {older}" not in accepted.stderr  # it is loaded on purpose, not "ignored"
     assert 7 in saved_steps(ckpts)
 
+    # A flipped byte keeps the size: choosing by size picks the checkpoint, the load's checksums find
+    # the damage and record it, and the next automatic restart skips it.
+    newest = ckpts / "step=000012.ckpt"
+    with open(newest, "r+b") as f:
+        f.seek(newest.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    failed = step35(["fit", "--config", str(config), f"--run_dir={run}", "--ckpt_path=auto",
+                     "--trainer.max_steps=14"], builtin_cache)
+    assert failed.returncode != 0, failed.stderr[-3000:]
+    assert f"{newest}: checksum mismatch" in failed.stderr and ".step=000012.ckpt.damaged" in failed.stderr, \
+        failed.stderr[-3000:]
+    restarted = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
+    assert (f"skipping {newest} (global step 12), it is damaged: {newest}: checksum mismatch" in restarted.stderr and
+            "found by an earlier load" in restarted.stderr), restarted.stderr[-3000:]
+    assert f"resuming from {ckpts / 'step=000010.ckpt'} (global step 10" in restarted.stderr
+    assert 12 in saved_steps(ckpts)  # step 12 saved again at the end of training, though a damaged save had it
+    from step35.checkpoint.integrity import verify
+
+    verify(newest)  # the new save of step 12 is whole, and its old damage record does not apply to it
+
 
 def test_last_refuses_when_every_checkpoint_is_damaged(tmp_path):
     from step35.run import NoCheckpoint, resolve

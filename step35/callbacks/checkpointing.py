@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from step35 import lightning_private
 from step35.checkpoint import catalog
-from step35.checkpoint.integrity import is_complete, remove_manifest, write_manifest
+from step35.checkpoint.integrity import is_complete, recorded_damage, remove_manifest, write_manifest
 from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load
 from step35.run import lock
 
@@ -137,8 +137,8 @@ class RunCheckpoint(ModelCheckpoint):
         if not self.save_on_train_end:
             return
         newest = catalog.newest_complete([self.dirpath])
-        if newest is not None and newest.global_step == trainer.global_step:
-            return  # this step is saved already (e.g. by a pre-emption save)
+        if newest is not None and newest.global_step == trainer.global_step and recorded_damage(newest.path) is None:
+            return  # this step is saved already (e.g. by a pre-emption save), and no load found it damaged
         lightning_private.save_now(self, trainer)
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:  # Lightning-private: lightning_private.py

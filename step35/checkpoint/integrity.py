@@ -138,9 +138,13 @@ def verify(path: str | Path, rank: int = 0, world_size: int = 1, sizes_only: boo
     """Check `path` against its manifest and return the manifest; raise a one-line CheckpointError
     naming the first missing, truncated or damaged file. Every file's presence and size is checked;
     the checksums of the files i % world_size == rank (sorted) are computed here, so ranks can share
-    the reading."""
+    the reading. A checksum mismatch is recorded beside the checkpoint (`record_damage`), and a
+    size-only check (how `--ckpt_path last|auto` choose) refuses a checkpoint with such a record."""
     path = Path(path)
     manifest = _read_manifest(path)
+    damage = recorded_damage(path) if sizes_only else None  # a full check computes the checksums itself
+    if damage is not None:
+        raise CheckpointError(f"{damage} (found by an earlier load; delete {damage_record(path)} to try it again)")
     files = manifest["files"]
     names = sorted(files)
     for name in names:
@@ -157,9 +161,51 @@ def verify(path: str | Path, rank: int = 0, world_size: int = 1, sizes_only: boo
                 continue
             file = path if name == _SELF else path / name
             if crc32_file(file) != files[name]["crc32"]:
-                raise CheckpointError(f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
-                                      f"{files[name]['crc32']}): the file is damaged")
+                reason = (f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
+                          f"{files[name]['crc32']}): the file is damaged")
+                record = record_damage(path, reason)
+                raise CheckpointError(reason + (f" (recorded in {record.name}: --ckpt_path last|auto now skip this "
+                                                f"checkpoint)" if record else ""))
     return manifest
+
+
+def damage_record(path: str | Path) -> Path:
+    """`.<name>.damaged` beside checkpoint `path`: written when a load found a checksum mismatch, so
+    that choosing a checkpoint by size alone (`--ckpt_path last|auto`, which cannot afford to read
+    every byte) skips it from then on. Delete it to try the checkpoint again."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.damaged")
+
+
+def _manifest_stamp(path: Path) -> str:
+    # Which save the record is about: a later save of the same name writes a new manifest file.
+    stat = manifest_path(path).stat()
+    return f"{stat.st_ino}:{stat.st_mtime_ns}"
+
+
+def record_damage(path: str | Path, reason: str) -> Path | None:
+    """Write the damage record of `path` (atomically; several ranks may find the same damage). It
+    names the save it is about (its manifest file), so a later save of the same name is not refused.
+    Returns it, or None when the folder is not writable (the error is raised all the same)."""
+    record = damage_record(path)
+    tmp = record.with_name(f"{record.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(f"{_manifest_stamp(Path(path))}\n{reason}\n")
+        os.replace(tmp, record)
+        return record
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+
+
+def recorded_damage(path: str | Path) -> str | None:
+    """The reason a load recorded for the damage of this save of `path`, or None."""
+    try:
+        stamp, _, reason = damage_record(path).read_text().partition("\n")
+        current = _manifest_stamp(Path(path))
+    except OSError:
+        return None
+    return (reason.strip() or "damaged") if stamp == current else None
 
 
 def verify_for_load(path: str | Path, hash_share: tuple[int, int] = (0, 1)) -> dict | None:

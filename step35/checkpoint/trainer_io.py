@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from step35.checkpoint.errors import CheckpointError, raise_together
-from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, verify_for_load, write_manifest
+from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, damage_record, verify_for_load, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
 from step35.checkpoint.safe_load import check_bytes_items, check_finite, load_torch, safe_reader
 
@@ -96,6 +96,7 @@ def remove(path: str | Path) -> None:
     folder = path.is_dir() and not path.is_symlink()
     (path / MANIFEST if folder else path.with_name(path.name + FILE_MANIFEST_SUFFIX)).unlink(missing_ok=True)
     remove_path(path)
+    damage_record(path).unlink(missing_ok=True)
 
 
 def check_loadable(path: str | Path) -> Path:

@@ -7,7 +7,9 @@ restart recovers from a damaged newest save. Intact means: its manifest is there
 file it lists is present at its listed size, and the checkpoint's saved options read through the
 safe loader. Checksums are not computed here: that would read the whole checkpoint once more on one
 rank before training (terabytes for flash-196b); every loader checks them, split over the ranks, and
-a mismatch there stops the run naming the file (move that checkpoint away, or name an older one).
+a mismatch there stops the run naming the file and records the damage beside the checkpoint
+(`.<name>.damaged`, step35.checkpoint.integrity.record_damage): the next restart skips it like any
+other damaged checkpoint, so a flipped byte costs one failed attempt, not every restart.
 
 A path given by name must carry its manifest unless the user opts in (`--allow_unverified_checkpoint`).
 The checkpoint's saved options are read here once; `Resume.check` applies the resume rule

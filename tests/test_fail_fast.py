@@ -107,6 +107,14 @@ def wait_for(condition, timeout: float, job: Job, what: str):
     raise AssertionError(f"no {what} after {timeout} s:\n{job.output()[-6000:]}")
 
 
+def stop_job(job: Job, sig: int) -> tuple[int, float]:
+    """Send `sig` to the job's process; its exit code and the seconds it took to end (120 s at most)."""
+    sent = time.monotonic()
+    job.proc.send_signal(sig)
+    rc = job.wait(timeout=120)
+    return rc, time.monotonic() - sent
+
+
 def two_ranks_after_two_steps(job: Job, run: Path) -> list:
     """The two rank processes of a torchrun job, once its run has logged 2 steps."""
     wait_for(lambda: logged_steps(run) >= 2, 240, job, "2 steps")
@@ -219,10 +227,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(
 
     with Job(torchrun(fit_args(tmp_path / "cut", "--trainer.max_steps=500")), tmp_path / "cut.txt", builtin_cache) as job:
         wait_for(lambda: logged_steps(tmp_path / "cut") >= 2, 240, job, "2 steps")
-        sent = time.monotonic()
-        job.proc.send_signal(signal.SIGTERM)
-        job.wait(timeout=120)
-        stopped_in = time.monotonic() - sent
+        _, stopped_in = stop_job(job, signal.SIGTERM)
         out = job.output()
     assert stopped_in < 60, f"{stopped_in:.0f} s\n{out[-4000:]}"
     ckpt = preempt_checkpoint(tmp_path / "cut")
@@ -272,10 +277,7 @@ def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, bu
     cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1)]
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 200, job, "2 steps")
-        sent = time.monotonic()
-        job.proc.send_signal(signal.SIGUSR1)
-        rc = job.wait(timeout=120)
-        stopped_in = time.monotonic() - sent
+        rc, stopped_in = stop_job(job, signal.SIGUSR1)
         out = job.output()
     assert rc == EXIT_PREEMPTED, out[-4000:]
     assert stopped_in < 60
@@ -312,8 +314,7 @@ def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_an
            *slow_backward("sleep_s=3"), *signal_grace(2)]
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: backward_started(job, 3), 200, job, "the backward of step 3")  # step 2 timed (1: warm-up)
-        job.proc.send_signal(signal.SIGTERM)  # in the middle of the 3 s backward
-        rc = job.wait(timeout=120)
+        rc, _ = stop_job(job, signal.SIGTERM)  # in the middle of the 3 s backward
         out = job.output()
     assert rc == EXIT_PREEMPTED, out[-4000:]
     ckpt = preempt_checkpoint(tmp_path / "run")
@@ -328,10 +329,7 @@ def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_b
            *slow_backward("sleep_s=1", "stuck_at=4"), *signal_grace(1)]
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: backward_started(job, 4), 200, job, "the backward of step 4")
-        sent = time.monotonic()
-        job.proc.send_signal(signal.SIGTERM)
-        rc = job.wait(timeout=120)
-        ended_in = time.monotonic() - sent
+        rc, ended_in = stop_job(job, signal.SIGTERM)
         out = job.output()
     assert rc == EXIT_STALLED, out[-4000:]
     match = re.search(r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago, and 'backward \(step 4\)' has made no "

@@ -42,13 +42,13 @@ def builtin_documents() -> list[str]:
 
     documents = [topics[name] for name in sorted(topics)]
     for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        docstring = _module_docstring(file)
+        docstring = module_docstring(file)
         if docstring and len(docstring) > 200:
             documents.append(docstring)
     return documents
 
 
-def _module_docstring(file: Path) -> Optional[str]:
+def module_docstring(file: Path) -> Optional[str]:
     """What `ast.get_docstring` returns, from the file's first tokens: parsing whole modules is 30x slower."""
     try:
         with tokenize.open(file) as f:
@@ -70,7 +70,7 @@ def builtin_corpus_path(cache_dir: Optional[str | Path] = None) -> Path:
     path = cache_root(cache_dir) / f"corpus-{sys.implementation.name}-{platform.python_version()}.jsonl"
     if not path.exists():
         lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in builtin_documents())
-        _write_atomically(path, lines.encode("utf-8"))
+        write_atomically(path, lines.encode("utf-8"))
     return path
 
 
@@ -121,7 +121,7 @@ def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: Optional[str | Path
     return folder
 
 
-def _write_atomically(path: Path, content: bytes) -> None:
+def write_atomically(path: Path, content: bytes) -> None:
     fd, staging = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -382,3 +382,56 @@ def test_marked_block_changed_after_the_block_raises(tokenizers):
     )
     with pytest.raises(ChatTemplateError, match=r"x:1: .*output is changed after the block"):
         ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:1")
+
+
+def test_marked_template_without_a_block_for_the_turn_raises(tokenizers):
+    ours, _ = tokenizers
+    source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% if false %}{% generation %}{% endgeneration %}{% endif %}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match=r"x:2: chat template from t renders no \{% generation %\} block .*messages? 2"):
+        ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:2")
+
+
+def test_template_pickles_for_dataloader_workers(tokenizers):
+    import pickle
+
+    ours, _ = tokenizers
+    template = ChatTemplate(plain("step-a"), "tokenizer_config.json", bos_token="<s>", eos_token="<|im_end|>")
+    expected = template.encode(ours, CONVERSATION)  # compiled and probed: neither travels
+    copy = pickle.loads(pickle.dumps(template))
+    assert (copy.source, copy.origin, copy.bos_token, copy.eos_token) == (
+        template.source, "tokenizer_config.json", "<s>", "<|im_end|>"
+    )  # fmt: skip
+    assert copy.encode(ours, CONVERSATION) == expected
+
+
+def test_text_diff_and_mask_helpers_on_random_input():
+    """The block-wise common prefix/suffix and the bisecting token mask against their one-line definitions."""
+    import random
+
+    from step35.data.chat import _common_prefix, _common_suffix
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.choice([0, 1, 5, 4095, 4096, 4097, 9000])
+        a = "".join(rng.choice("ab") for _ in range(n))
+        b = list(a)
+        for _ in range(rng.randint(0, 2) if n else 0):
+            b[rng.randrange(n)] = "c"
+        b = "".join(b) + "x" * rng.randint(0, 2)
+        a, b = (a, b) if rng.random() < 0.5 else (b, a)
+        prefix = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        suffix = next((k for k, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y), min(len(a), len(b)))
+        limit = rng.randint(0, min(len(a), len(b)))
+        assert (_common_prefix(a, b), _common_suffix(a, b, limit)) == (prefix, min(suffix, limit))
+    for _ in range(500):
+        offsets, pos = [], 0
+        for _ in range(rng.randint(0, 30)):
+            start = pos + rng.randint(0, 1)
+            offsets.append((start, start + rng.randint(0, 3)))
+            pos = offsets[-1][1] if rng.random() < 0.8 else start
+        spans, pos = [], 0
+        for _ in range(rng.randint(0, 4)):
+            start = pos + rng.randint(0, 5)
+            spans.append((start, start + rng.randint(1, 6)))
+            pos = spans[-1][1]
+        assert token_mask(offsets, spans) == [any(e > a and s < b for a, b in spans) for s, e in offsets]

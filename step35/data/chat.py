@@ -29,8 +29,11 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
 
 from __future__ import annotations
 
+import bisect
 import json
+import operator
 import uuid
+import weakref
 from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
@@ -193,7 +196,14 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._compiled = None
         self._marked: Optional[bool] = None
-        self._end_of_turn: dict[int, int] = {}  # id(tokenizer) -> end-of-turn token id
+        self._end_of_turn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> end-of-turn id
+
+    def __getstate__(self) -> dict:
+        # A compiled Jinja template does not pickle; DataLoader workers compile their own on first use.
+        return {"source": self.source, "origin": self.origin, "bos_token": self.bos_token, "eos_token": self.eos_token}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["source"], state["origin"], bos_token=state["bos_token"], eos_token=state["eos_token"])
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} characters)"
@@ -349,8 +359,7 @@ class ChatTemplate:
     def _end_of_turn_id(self, tokenizer, conversation: "_Conversation") -> int:
         """The token the template ends an assistant reply with: the first special token after the reply in a
         probe conversation (cached per tokenizer)."""
-        key = id(tokenizer)
-        if key not in self._end_of_turn:
+        if tokenizer not in self._end_of_turn:
             sentinel = "step35probe" + uuid.uuid4().hex
             probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
             text = conversation.render(probe, False, f"{_at(conversation.where)}probe conversation")
@@ -365,8 +374,8 @@ class ChatTemplate:
                     f"{_at(conversation.where)}chat template from {self.origin}: no special token follows an"
                     " assistant reply, so the end of a turn cannot be told; add {% generation %} marks to the template"
                 )
-            self._end_of_turn[key] = found
-        return self._end_of_turn[key]
+            self._end_of_turn[tokenizer] = found
+        return self._end_of_turn[tokenizer]
 
 
 class _Conversation:
@@ -401,12 +410,19 @@ class _Conversation:
         if turns[0] != min(i for i, m in enumerate(self.messages) if m["role"] == "assistant"):
             after = self.end_before(turns[0])  # only the last turn is trained: its blocks come after the message before it
             spans = [span for span in spans if span[0] >= after]
+        if not spans:
+            raise ChatTemplateError(
+                f"{_at(self.where)}chat template from {self.template.origin} renders no {{% generation %}} block for"
+                f" the trained assistant turn{'s' if len(turns) > 1 else ''} ({', '.join(f'message {i}' for i in turns)})"
+            )
         return spans
 
     def located_spans(self, turns: list[int], encoding, end_of_turn: Callable[[], int]) -> list[tuple[int, int]]:
         """Each turn's span, located by sentinels (module docstring): from the end of the generation prompt to
         the end-of-turn token inclusive (`end_of_turn()` gives its id)."""
         spans: list[tuple[int, int]] = []
+        ids, offsets = encoding.ids, encoding.offsets  # each read of these builds a fresh Python list
+        starts = [s for s, _ in offsets]
         for i in turns:
             at = f"{_at(self.where)}assistant message {i}"
             first, last = self.region(i)
@@ -421,7 +437,9 @@ class _Conversation:
                     f"{at}: the generation prompt the template emits before it is not found in front of its text"
                 )
             eot = end_of_turn()
-            end = next((e for (s, e), t in zip(encoding.offsets, encoding.ids) if t == eot and s >= last), None)
+            k = bisect.bisect_left(starts, last)
+            k = next((j for j in range(k, len(ids)) if ids[j] == eot), None)
+            end = None if k is None else offsets[k][1]
             following = self.start_after(i)
             if end is None or (following is not None and end > following):
                 raise ChatTemplateError(f"{at}: no end-of-turn token (id {eot}) between its text and the next message")
@@ -446,7 +464,7 @@ class _Conversation:
             return None, None
         text = self.text
         prefix = _common_prefix(text, other)
-        suffix = _common_prefix(text[prefix:][::-1], other[prefix:][::-1])
+        suffix = _common_suffix(text, other, min(len(text), len(other)) - prefix)
         # The differing part of `other` must hold every rendered sentinel, else the diff is not this message.
         if min(s for s, _ in found) < prefix or max(e for _, e in found) > len(other) - suffix:
             raise ChatTemplateError(f"{_at(self.where)}message {index}: its text cannot be located in the rendering")
@@ -499,11 +517,29 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    lo, hi = 0, n  # binary search on slices: C-speed comparisons instead of a Python loop over characters
+    """The length of the longest common prefix of `a` and `b`."""
+    n, block, i = min(len(a), len(b)), 4096, 0
+    while i < n and a[i : i + block] == b[i : i + block]:  # C-speed comparisons, one pass over the text
+        i += block
+    lo, hi = min(i, n), min(i + block, n)
+    while lo < hi:  # the first difference lies in a[i : i + block]: binary search for it
+        mid = (lo + hi + 1) // 2
+        if a[i:mid] == b[i:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    """The length of the longest common suffix of `a` and `b`, at most `limit`."""
+    n, block, i = min(len(a), len(b), limit), 4096, 0
+    while i < n and a[len(a) - i - min(block, n - i) : len(a) - i] == b[len(b) - i - min(block, n - i) : len(b) - i]:
+        i += min(block, n - i)
+    lo, hi = i, min(i + block, n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[len(a) - mid : len(a) - i] == b[len(b) - mid : len(b) - i]:
             lo = mid
         else:
             hi = mid - 1
@@ -573,10 +609,17 @@ def _strip_marks(marked: str, marks: tuple[str, str]) -> tuple[str, list[tuple[i
 
 def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
     """Per token, whether any of its characters lies in one of `spans` (sorted, disjoint [start, end) character
-    ranges). A token straddling a span border is therefore trained; so is an empty token inside a span."""
-    mask, k = [], 0
-    for start, end in offsets:
-        while k < len(spans) and start >= spans[k][1]:
-            k += 1
-        mask.append(k < len(spans) and end > spans[k][0] and start < spans[k][1])
+    ranges). A token straddling a span border is therefore trained; so is an empty token inside a span (not
+    one at a span's start: it holds no character of it)."""
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
+    if not (_ascending(starts) and _ascending(ends)):  # no tokenizer we know of does this; the plain rule then
+        return [any(e > a and s < b for a, b in spans) for s, e in offsets]
+    mask = [False] * len(offsets)
+    for a, b in spans:  # the tokens overlapping [a, b): those ending after a and starting before b
+        lo, hi = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
+        mask[lo:hi] = [True] * max(0, hi - lo)
     return mask
+
+
+def _ascending(values: list[int]) -> bool:
+    return all(map(operator.le, values, values[1:]))

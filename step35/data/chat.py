@@ -6,7 +6,8 @@ produce: a sandboxed Jinja environment (`ImmutableSandboxedEnvironment`, trim_bl
 `tojson` filter that keeps non-ASCII text, `tools` and `documents` passed as None when absent, keys whose value
 is None dropped from messages, and the reasoning of a message (given as `reasoning_content`, `thinking` or
 `reasoning`, first found wins) copied to `reasoning_content`, and to `thinking` unless the message has one.
-The special tokens (`bos_token`, `eos_token`) come from the tokenizer folder. The rendered text is tokenized WITHOUT adding special tokens: the template writes them.
+The special tokens (`bos_token`, `eos_token`) come from the tokenizer folder. The rendered text is tokenized
+WITHOUT adding special tokens: the template writes them.
 
 Which tokens are trained (`encode`): character spans of the rendered text, turned into a per-token mask by
 the tokenizer's offsets. A token is trained when any of its characters lies in a span (the rule transformers
@@ -87,12 +88,14 @@ def check_messages(messages: Any, where: str = "", *, require_assistant: bool = 
     An assistant turn may leave out `content` (or give None) when it carries `tool_calls`."""
     at = _at(where)
     if not isinstance(messages, list):
-        raise ChatTemplateError(f"{at}'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}")
+        kind = type(messages).__name__
+        raise ChatTemplateError(f"{at}'messages' must be a list of {{role, content}} objects, got {kind}")
     if not messages:
         raise ChatTemplateError(f"{at}empty conversation ('messages' is [])")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ChatTemplateError(f"{at}message {i} is a {type(message).__name__}, not an object with role and content")
+            kind = type(message).__name__
+            raise ChatTemplateError(f"{at}message {i} is a {kind}, not an object with role and content")
         if "role" not in message:
             raise ChatTemplateError(f"{at}message {i} has no 'role' (keys: {sorted(message)})")
         role = message["role"]
@@ -103,10 +106,12 @@ def check_messages(messages: Any, where: str = "", *, require_assistant: bool = 
             raise ChatTemplateError(f"{at}message {i} ({role}) has no 'content'")
         if content is not None and not isinstance(content, (str, list)):
             raise ChatTemplateError(
-                f"{at}message {i} ({role}) has 'content' of type {type(content).__name__}; expected text or a list of parts"
+                f"{at}message {i} ({role}) has 'content' of type {type(content).__name__};"
+                " expected text or a list of parts"
             )
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise ChatTemplateError(f"{at}no assistant turn, so nothing to train on (roles: {[m['role'] for m in messages]})")
+        roles = [m["role"] for m in messages]
+        raise ChatTemplateError(f"{at}no assistant turn, so nothing to train on (roles: {roles})")
 
 
 # ----------------------------------------------------------------------------------------------- Jinja
@@ -251,7 +256,8 @@ class ChatTemplate:
                 )
             template = named["default"]
         if not isinstance(template, str):
-            raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template is a {type(template).__name__}, not text")
+            kind = type(template).__name__
+            raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template is a {kind}, not text")
         return cls(template, "tokenizer_config.json", **tokens)
 
     @classmethod
@@ -295,8 +301,9 @@ class ChatTemplate:
         return self._compiled
 
     def _render(self, messages: list, *, where: str, add_generation_prompt: bool, tools, extra: dict) -> str:
-        kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
-        kwargs = {key: value for key, value in kwargs.items() if value is not None or key not in ("bos_token", "eos_token")}
+        # A special token the tokenizer lacks stays undefined, as transformers leaves it out of its arguments.
+        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        kwargs = {**{key: value for key, value in tokens.items() if value is not None}, **extra}
         try:
             return self._template(where).render(
                 messages=_prepare(messages),
@@ -316,7 +323,9 @@ class ChatTemplate:
                where: str = "", **extra) -> str:
         """The conversation as text, as transformers' apply_chat_template(tokenize=False) renders it.
         `extra` reaches the template as variables (e.g. enable_thinking, bos_token, eos_token)."""
-        return self._render(messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
+        return self._render(
+            messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
+        )
 
     def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, **extra) -> list[int]:
         """The token ids inference starts from: the conversation so far plus the generation prompt."""
@@ -325,7 +334,8 @@ class ChatTemplate:
         return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _tokens(self, tokenizer, extra: dict) -> dict:
-        """`extra`, with eos_token filled from the tokenizer's EOS id when neither the template nor the caller gave it."""
+        """`extra`, with eos_token filled from the tokenizer's EOS id when neither the template nor the caller
+        gave one."""
         if self.eos_token is None and "eos_token" not in extra and getattr(tokenizer, "eos_token_id", None) is not None:
             return {**extra, "eos_token": tokenizer.tokenizer.id_to_token(tokenizer.eos_token_id)}
         return extra
@@ -408,12 +418,13 @@ class _Conversation:
                 " changed after the block (e.g. captured by {% set %} and filtered), so its spans cannot be located"
             )
         if turns[0] != min(i for i, m in enumerate(self.messages) if m["role"] == "assistant"):
-            after = self.end_before(turns[0])  # only the last turn is trained: its blocks come after the message before it
+            # Only the last turn is trained: its blocks are those after the message before it.
+            after = self.end_before(turns[0])
             spans = [span for span in spans if span[0] >= after]
         if not spans:
             raise ChatTemplateError(
                 f"{_at(self.where)}chat template from {self.template.origin} renders no {{% generation %}} block for"
-                f" the trained assistant turn{'s' if len(turns) > 1 else ''} ({', '.join(f'message {i}' for i in turns)})"
+                f" the trained assistant turns (messages {', '.join(map(str, turns))})"
             )
         return spans
 
@@ -567,7 +578,8 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
         message["content"] = sentinel("content")
     elif isinstance(content, list):
         message["content"] = [
-            {**part, "text": sentinel("part")} if isinstance(part, dict) and part.get("text") else part for part in content
+            {**part, "text": sentinel("part")} if isinstance(part, dict) and part.get("text") else part
+            for part in content
         ]
     if message.get("tool_calls"):
         calls = []

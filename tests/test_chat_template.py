@@ -1,8 +1,9 @@
 """Chat templates: rendering as transformers renders, and which tokens are trained (step35/data/chat.py).
 
 The templates here are written for these tests: a ChatML-style one that renders every turn the same way
-whatever follows it, and two Step-3.5-style ones that drop the reasoning of turns before the last user
-message (A: generation prompt `<|im_start|>assistant\\n`; B: it ends in `<think>\\n`). Each exists with and
+whatever follows it, and three Step-3.5-style ones that drop the reasoning of turns before the last user
+message (A: generation prompt `<|im_start|>assistant\\n`; B: it ends in `<think>\\n`; C: as B, but a
+turn without reasoning gets no think block, as in the older released template). Each exists with and
 without `{% generation %}` marks; the marked copy renders the same text. The reference masks are transformers'
 `return_assistant_tokens_mask` on the marked copy and, for the ChatML template, per-prefix rendering.
 """
@@ -37,10 +38,12 @@ CHATML = (
 )
 
 
-def step_style(think_in_prompt: bool) -> str:
+def step_style(think_in_prompt: bool, only_with_reasoning: bool = False) -> str:
     """A template that renders reasoning only for assistant turns after the last user message (variant A), and
     with `think_in_prompt` ends its generation prompt in `<think>\\n` (variant B). Reasoning comes from
-    reasoning_content or from a `<think>...</think>` block at the start of the content."""
+    reasoning_content or from a `<think>...</think>` block at the start of the content. With
+    `only_with_reasoning` (variant C) a recent turn without reasoning gets no think block either, so the
+    generation prompt's `<think>` is part of what the turn's reasoning decides."""
     opener = "{{ '<think>\\n' }}"
     return (
         "{%- set ns = namespace(last_user=-1) -%}"
@@ -55,7 +58,7 @@ def step_style(think_in_prompt: bool) -> str:
         "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
         "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
         "{%- endif -%}"
-        "{%- set recent = loop.index0 > ns.last_user -%}"
+        "{%- set recent = loop.index0 > ns.last_user" + (" and reasoning" if only_with_reasoning else "") + " -%}"
         "{{ '<|im_start|>assistant\\n' }}"
         + ("{%- if recent -%}" + opener + "{%- endif -%}" if think_in_prompt else "")
         + "[[GEN]]{%- if recent -%}"
@@ -72,7 +75,7 @@ def step_style(think_in_prompt: bool) -> str:
     )
 
 
-SOURCES = {"chatml": CHATML, "step-a": step_style(False), "step-b": step_style(True)}
+SOURCES = {"chatml": CHATML, "step-a": step_style(False), "step-b": step_style(True), "step-c": step_style(True, True)}
 
 
 def plain(name: str) -> str:
@@ -228,8 +231,9 @@ def test_train_on_variants(tokenizers, name):
     assert all(everything) and len(everything) == len(ids)
     assert 0 < sum(last) < sum(every)
     assert all(e for e, l in zip(every, last) if l)  # the last turn's tokens are a subset
-    # Variant B's generation prompt holds the <think> opener, so the reply starts after it.
-    assert trained_text(ours, ids, last).startswith(("" if name == "step-b" else "<think>\n") + "The tool says 18.")
+    # The generation prompt of variants B and C holds the <think> opener, so the reply starts after it.
+    opener = "" if name in ("step-b", "step-c") else "<think>\n"
+    assert trained_text(ours, ids, last).startswith(opener + "The tool says 18.")
     assert trained_text(ours, ids, last).endswith("clear in Paris.<|im_end|>")
     assert template.encode(ours, CONVERSATION, train_on="last_assistant") == ChatTemplate(
         marked(name), "test"

@@ -22,7 +22,7 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
   renderings differ is the turn's own text. This never renders a prefix of the conversation as if it were a
   prefix of the whole, which is wrong for templates that rewrite history (Step-3.5's drops the reasoning of
   turns before the last user message). The span then runs from the end of the generation prompt that
-  inference would emit before the turn (found as whole lines of it right before the turn's text; for an
+  inference would emit before the turn (found as whole lines of it starting before the turn's text; for an
   earlier turn whose reasoning was dropped, the header lines only) to the template's end-of-turn token
   inclusive (the first special token after an assistant reply, learned once on a probe conversation). When a
   turn cannot be located this way, `encode` raises `ChatTemplateError`; it never guesses.
@@ -442,7 +442,7 @@ class _Conversation:
             low = max(self.end_before(i), spans[-1][1] if spans else 0)
             if low > first:
                 raise ChatTemplateError(f"{at}: cannot be told apart from the message before it in the rendering")
-            start = self.reply_start(i, low, first)
+            start = self.reply_start(i, low, first, last)
             if start is None:
                 raise ChatTemplateError(
                     f"{at}: the generation prompt the template emits before it is not found in front of its text"
@@ -497,11 +497,12 @@ class _Conversation:
                 return start
         return None
 
-    def reply_start(self, index: int, low: int, first: int) -> Optional[int]:
+    def reply_start(self, index: int, low: int, first: int, last: int) -> Optional[int]:
         """Where the model's reply for message `index` starts: the end of the generation prompt rendered after
-        the messages before it, searched as whole leading lines of it (all of it first) in text[low:first]. An
-        earlier turn whose reasoning the template dropped keeps the header lines of a prompt that ends in
-        `<think>`, so fewer lines match there."""
+        the messages before it, searched as whole leading lines of it (all of it first), starting in
+        text[low:first]. It may reach into the turn's text: a template that writes `<think>` only when a turn has
+        reasoning puts the prompt's `<think>` inside what the sentinels change. An earlier turn whose reasoning
+        the template dropped keeps only the header lines of a prompt that ends in `<think>`."""
         history = self.messages[:index]
         with_prompt, without = self.render(history, True), self.render(history, False)
         prompt = with_prompt[_common_prefix(with_prompt, without):]
@@ -509,7 +510,7 @@ class _Conversation:
             return None
         cuts = [len(prompt)] + [k + 1 for k in range(len(prompt) - 2, -1, -1) if prompt[k] == "\n"]
         for k in cuts:
-            found = self.text.rfind(prompt[:k], low, first)
+            found = self.text.rfind(prompt[:k], low, min(first - 1 + k, last))
             if found >= 0:
                 return found + k
         return None

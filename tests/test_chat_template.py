@@ -41,13 +41,17 @@ CHATML = (
 def step_style(think_in_prompt: bool, only_with_reasoning: bool = False) -> str:
     """A template that renders reasoning only for assistant turns after the last user message (variant A), and
     with `think_in_prompt` ends its generation prompt in `<think>\\n` (variant B). Reasoning comes from
-    reasoning_content or from a `<think>...</think>` block at the start of the content. With
+    reasoning_content or from a `<think>...</think>` block at the start of the content. A user message wrapped in
+    `<tool_response>` counts as a tool result, not as the last user message (so its content decides the
+    rendering of other turns). With
     `only_with_reasoning` (variant C) a recent turn without reasoning gets no think block either, so the
     generation prompt's `<think>` is part of what the turn's reasoning decides."""
     opener = "{{ '<think>\\n' }}"
     return (
         "{%- set ns = namespace(last_user=-1) -%}"
-        "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'user' and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>'))"
+        " -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if messages[0].role == 'system' -%}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
         "{%- endif -%}"
@@ -100,6 +104,19 @@ CONVERSATION = [
     {"role": "tool", "content": '{"temp": 18, "sky": "clear"}'},
     {"role": "assistant", "content": "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris."},
 ]
+# Parallel tool calls, their two results, a user message that is a tool result in disguise, a reply.
+TOOL_ROUNDS = [
+    *CONVERSATION[:4],
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+    ]},
+    {"role": "tool", "content": "Paris: 18"},
+    {"role": "tool", "content": "Rome: 24"},
+    {"role": "assistant", "content": "<think>\nBoth answered.\n</think>\nParis 18, Rome 24."},
+    {"role": "user", "content": "<tool_response>Oslo: 9</tool_response>"},
+    {"role": "assistant", "reasoning_content": "A third city came back.", "content": "And Oslo 9."},
+]  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -151,6 +168,21 @@ def test_rendering_equals_transformers(tokenizers, name, tools):
         )
         assert ChatTemplate(source, "test").render(CONVERSATION[:4], tools=tools, add_generation_prompt=True) == prompt
     assert ChatTemplate(plain(name), "t").render(CONVERSATION) == ChatTemplate(marked(name), "t").render(CONVERSATION)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_masks_equal_transformers_over_tool_rounds(tokenizers, name):
+    """Parallel tool calls and a user message that the Step-style templates read as a tool result: replacing
+    that message's text by a sentinel would change which turns keep their reasoning, so the turns around it
+    are bounded by a sentinel inserted inside it instead (this raised before)."""
+    ours, theirs = tokenizers
+    expected = reference_mask(theirs, marked(name), TOOL_ROUNDS)
+    assert ChatTemplate(plain(name), "test").encode(ours, TOOL_ROUNDS) == expected
+    assert ChatTemplate(marked(name), "test").encode(ours, TOOL_ROUNDS) == expected
+    text = trained_text(ours, *expected)
+    assert "Rome" in text and "Paris 18, Rome 24.<|im_end|>" in text and "And Oslo 9.<|im_end|>" in text
+    assert "Oslo: 9" not in text and "Rome: 24" not in text
+    assert "Both answered." in text  # kept by all: the disguised tool result is no user message
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

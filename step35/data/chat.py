@@ -395,6 +395,7 @@ class _Conversation:
         self.template, self.messages, self.tools, self.where, self.extra = template, messages, tools, where, extra
         self.text = self.render(messages, False)
         self._regions: dict[int, tuple[Optional[int], Optional[int]]] = {}
+        self._points: dict[int, Optional[int]] = {}
 
     def render(self, messages: list, add_generation_prompt: bool, where: Optional[str] = None) -> str:
         return self.template._render(
@@ -482,20 +483,45 @@ class _Conversation:
         return prefix, len(text) - suffix
 
     def end_before(self, index: int) -> int:
-        """The end of the nearest earlier message's text in the rendering (0 when none renders any)."""
+        """A position inside the nearest earlier message's text that renders any (`point`), else 0."""
         for j in range(index - 1, -1, -1):
-            end = self.region(j)[1]
-            if end is not None:
-                return end
+            at = self.point(j, end=True)
+            if at is not None:
+                return at
         return 0
 
     def start_after(self, index: int) -> Optional[int]:
-        """The start of the next message's text in the rendering (None when no later message renders any)."""
+        """A position inside the next message's text that renders any (`point`), else None."""
         for j in range(index + 1, len(self.messages)):
-            start = self.region(j)[0]
-            if start is not None:
-                return start
+            at = self.point(j, end=False)
+            if at is not None:
+                return at
         return None
+
+    def point(self, index: int, end: bool) -> Optional[int]:
+        """A position inside message `index`'s own text in the rendering, for bounding its neighbours: where a
+        sentinel inserted in the middle of its text appears, when inserting it changes nothing else (the message
+        keeps its start and end, which templates test: Step-3.5's reads a user message wrapped in
+        `<tool_response>` as a tool result). Else the end (`end`) or start of its region; None when the
+        template renders none of its text."""
+        if index not in self._points:
+            self._points[index] = self._find_point(index)
+        if self._points[index] is not None:
+            return self._points[index]
+        return self.region(index)[1 if end else 0]
+
+    def _find_point(self, index: int) -> Optional[int]:
+        sentinel = f"\ue000step35point{uuid.uuid4().hex}\ue001"
+        inserted = _with_inserted(self.messages, index, sentinel)
+        if inserted is None:
+            return None
+        other = self.render(inserted, False)
+        at = other.find(sentinel)
+        if at < 0 or len(other) != len(self.text) + len(sentinel):
+            return None
+        if other[:at] != self.text[:at] or other[at + len(sentinel) :] != self.text[at:]:
+            return None
+        return at
 
     def reply_start(self, index: int, low: int, first: int, last: int) -> Optional[int]:
         """Where the model's reply for message `index` starts: the end of the generation prompt rendered after
@@ -593,6 +619,39 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
             calls.append(call)
         message["tool_calls"] = calls
     return [*messages[:index], message, *messages[index + 1:]], sentinels
+
+
+def _with_inserted(messages: list, index: int, sentinel: str) -> Optional[list]:
+    """A copy of `messages` with `sentinel` inserted in the middle of message `index`'s first non-empty text
+    (content, a text part, reasoning, a tool-call name); None when it has none."""
+    message = dict(messages[index])
+
+    def middle(text: str) -> str:
+        return text[: len(text) // 2] + sentinel + text[len(text) // 2 :]
+
+    content = message.get("content")
+    parts = content if isinstance(content, list) else []
+    text_part = next((k for k, part in enumerate(parts) if isinstance(part, dict) and part.get("text")), None)
+    reasoning = next((key for key in REASONING_FIELDS if isinstance(message.get(key), str) and message[key]), None)
+    calls = message.get("tool_calls") or []
+    call = next((k for k, c in enumerate(calls) if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                 and c["function"].get("name")), None)  # fmt: skip
+    if isinstance(content, str) and content:
+        message["content"] = middle(content)
+    elif text_part is not None:
+        parts = list(parts)
+        parts[text_part] = {**parts[text_part], "text": middle(parts[text_part]["text"])}
+        message["content"] = parts
+    elif reasoning is not None:
+        message[reasoning] = middle(message[reasoning])
+    elif call is not None:
+        calls = list(calls)
+        function = calls[call]["function"]
+        calls[call] = {**calls[call], "function": {**function, "name": middle(function["name"])}}
+        message["tool_calls"] = calls
+    else:
+        return None
+    return [*messages[:index], message, *messages[index + 1 :]]
 
 
 def _strip_marks(marked: str, marks: tuple[str, str]) -> tuple[str, list[tuple[int, int]]]:

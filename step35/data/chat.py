@@ -85,7 +85,8 @@ def _at(where: str) -> str:
 def check_messages(messages: Any, where: str = "", *, require_assistant: bool = True) -> None:
     """Raise ChatTemplateError naming `where` (e.g. "data.jsonl:3") unless `messages` is a non-empty list of
     {role, content} objects with known roles and, when `require_assistant`, at least one assistant turn.
-    An assistant turn may leave out `content` (or give None) when it carries `tool_calls`."""
+    Content is text or a list of parts; an assistant turn may leave it out (or give None) when it carries
+    `tool_calls`, which must be a list of objects; reasoning, under any of its names, must be text."""
     at = _at(where)
     if not isinstance(messages, list):
         kind = type(messages).__name__
@@ -109,6 +110,13 @@ def check_messages(messages: Any, where: str = "", *, require_assistant: bool = 
                 f"{at}message {i} ({role}) has 'content' of type {type(content).__name__};"
                 " expected text or a list of parts"
             )
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ChatTemplateError(f"{at}message {i} ({role}) has 'tool_calls' that are not a list of objects")
+        for key in REASONING_FIELDS:
+            if message.get(key) is not None and not isinstance(message[key], str):
+                kind = type(message[key]).__name__
+                raise ChatTemplateError(f"{at}message {i} ({role}) has '{key}' of type {kind}; expected text")
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         roles = [m["role"] for m in messages]
         raise ChatTemplateError(f"{at}no assistant turn, so nothing to train on (roles: {roles})")

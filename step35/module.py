@@ -1,7 +1,8 @@
 """The LightningModule: builds Step-3.5-Flash in `configure_model` (meta device, then sharded by the
 strategy when it can, then filled from an HF checkpoint or the deterministic init), computes the
-next-token loss (chunked cross-entropy) plus the MTP loss and the optional sequence balance loss,
-owns the optimizer and LR schedule, and balances expert load with the aux-loss-free router-bias
+next-token loss (chunked cross-entropy) plus the MTP loss and the optional sequence balance loss as
+the mean over every trained token of the optimizer step (all micro-batches and data-parallel ranks;
+`micro_batch_loss`, `on_before_optimizer_step`, docs/architecture.md §2.11), owns the optimizer and LR schedule, and balances expert load with the aux-loss-free router-bias
 update after each optimizer step."""
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class Step35LightningModule(pl.LightningModule):
                 all ranks (one all_reduce per step for all layers). 0 (default, as released): the
                 biases never change and no collective runs. DeepSeek-V3 used 1e-3.
             moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
-                sum_e f_e * P_e, mean over sequences and MoE layers; see model.moe.sequence_balance_loss)
-                added to the training loss and logged as train/aux_loss. 0 (default): not computed.
+                sum_e f_e * P_e, mean over sequences and MoE layers, each sequence weighted by its share
+                of trained labels; see model.moe.sequence_balance_loss) added to the training loss and logged as train/aux_loss. 0 (default): not computed.
         """
         super().__init__()
         self.save_hyperparameters()

@@ -206,6 +206,21 @@ def test_all_masked_step_is_skipped():
     assert trainer.callback_metrics["train/trained_tokens"].item() == 0
 
 
+def test_validation_loss_is_the_mean_over_trained_tokens():
+    # Two batches training 2 and 48 labels: val/loss weighs every trained token alike.
+    first, second = masked_rows(2, 24), masked_rows(2, 24)
+    first["labels"][:, :-1] = IGNORE_INDEX
+    second["labels"] = second["input_ids"][:, 1:]
+    module = Step35LightningModule(config="tiny")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.validate(module, torch.utils.data.DataLoader([first, second], batch_size=None))
+    outs = [module.model.loss(b["input_ids"][:, :-1], b["labels"], position_ids=b["position_ids"]) for b in (first, second)]
+    expected = sum(o.lm_sum for o in outs) / sum(o.num_tokens for o in outs)
+    assert [o.num_tokens.item() for o in outs] == [2, 48]
+    assert trainer.callback_metrics["val/loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
 def test_labels_of_the_wrong_shape_are_refused():
     module = Step35LightningModule(config="tiny")
     batch = {"input_ids": torch.zeros(2, 9, dtype=torch.long), "labels": torch.zeros(2, 9, dtype=torch.long)}

@@ -224,8 +224,9 @@ class Step35LightningModule(pl.LightningModule):
         if totals is None:
             return
         group = getattr(self.trainer.strategy, "data_parallel_group", None)
-        ranks = torch.distributed.get_world_size(group) if distributed() else 1
-        step = totals.reduce(group)
+        shared = distributed() and self.trainer.world_size > 1  # a single-device strategy averages nothing
+        ranks = torch.distributed.get_world_size(group) if shared else 1
+        step = totals.reduce(group, over_ranks=shared)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if step.trained == 0:
             # Nothing to average over: no update at all (as DivergenceGuard's skip: AdamW then leaves
@@ -428,8 +429,9 @@ class StepTotals:
             raise RuntimeError(f"a micro-batch computed {len(out.mtp_sums)} MTP depths, the step's first {self.depths}")
         self.values += torch.stack(parts)
 
-    def reduce(self, group=None) -> StepMeans:
-        """Sum over the data-parallel ranks (every rank must call it) and read the means (one host sync)."""
-        if distributed():
+    def reduce(self, group=None, over_ranks: bool = True) -> StepMeans:
+        """Sum over the data-parallel ranks `group` (None: the world; every rank must call it) and read
+        the means (one host sync)."""
+        if over_ranks:
             torch.distributed.all_reduce(self.values, group=group)
         return StepMeans(self.values.tolist(), self.depths)

@@ -144,7 +144,7 @@ class Step35Model(nn.Module):
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # what to backpropagate: lm_loss + mtp_weight * mean(mtp_losses) + aux_loss
+    loss: torch.Tensor  # this batch's loss: lm_loss + mtp_weight * mean(mtp_losses) + aux_loss
     lm_loss: torch.Tensor  # mean next-token loss of the main head
     mtp_losses: list[torch.Tensor] = field(default_factory=list)  # mean loss of MTP depth 1, 2, ...
     num_tokens: torch.Tensor | None = None  # tokens counted by the main loss

@@ -315,24 +315,30 @@ def test_chat_data_needs_a_template(tmp_path):
 # -- files --------------------------------------------------------------------------------------------------
 
 
-def test_parquet_and_jsonl_conversations_give_the_same_windows(tmp_path, tok, template):
+def test_jsonl_parquet_save_to_disk_and_hub_conversations_give_the_same_windows(tmp_path, tok, template):
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from datasets import Dataset
 
     rng = random.Random(6)
     records = [{"messages": conversation(i, rng), "id": i} for i in range(30)]
     write_jsonl(tmp_path / "c.jsonl", records)
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet", row_group_size=7)
+    Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"), num_shards=1)
+    (tmp_path / "hub").mkdir()
+    write_jsonl(tmp_path / "hub" / "train.jsonl", records)  # a local dataset folder, streamed by `datasets`
+    given = {"jsonl": {"path": str(tmp_path / "c.jsonl")}, "parquet": {"path": str(tmp_path / "c.parquet")},
+             "saved": {"path": str(tmp_path / "saved")}, "hub": {"hub": str(tmp_path / "hub")}}  # fmt: skip
     windows = {}
-    for suffix in ("jsonl", "parquet"):
-        dm = Step35DataModule(files=str(tmp_path / f"c.{suffix}"), tokenizer=str(tok.path), seq_len=30,
+    for suffix, spec in given.items():
+        dm = Step35DataModule(sources=[spec], tokenizer=str(tok.path), seq_len=30,
                               micro_batch_size=1, val_batches=0, seed=3)  # fmt: skip
         dm.setup("fit")
         assert dm._train_sources[0].format == "chat"
         batches = dm.train_dataloader()
         windows[suffix] = [as_lists(b) for _, b in zip(range(12), batches)]
         dm.teardown("fit")
-    assert windows["jsonl"] == windows["parquet"]
+    assert windows["jsonl"] == windows["parquet"] == windows["saved"] == windows["hub"]
     assert any(label != IGNORE for w in windows["parquet"] for label in w["labels"][0])
 
 

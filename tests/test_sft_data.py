@@ -160,6 +160,27 @@ def test_each_source_format_is_detected_and_said(tmp_path, tok_dir, caplog):
     dm.teardown("fit")
 
 
+def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_text("w1 w2\n")
+    pq.write_table(pa.table({"text": ["w1"]}), tmp_path / "t.parquet")
+    for path, fmt, message in [
+        ("a.txt", "chat", r"a\.txt is plain text; a chat source reads json, parquet or arrow records"),
+        ("t.parquet", "chat", r"t\.parquet: no column 'messages' \(columns: \['text'\]\)"),
+        ("t.parquet", "prompt_completion", r"t\.parquet: a prompt_completion source needs columns 'prompt' and"),
+    ]:
+        dm = Step35DataModule(sources=[{"path": str(tmp_path / path), "format": fmt}], tokenizer=str(tok_dir),
+                              val_batches=0)  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            dm.setup("fit")
+    with pytest.raises(ValueError, match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion'\)"):
+        Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
+    with pytest.raises(ValueError, match="data.train_on must be one of"):
+        Step35DataModule(train_on="assistants")
+
+
 # -- tokens, labels, positions -----------------------------------------------------------------------------
 
 
@@ -242,6 +263,16 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, t
         assert (state["truncated"], state["dropped"]) == (0, 2)
         assert [m.split(":")[-2:] for m in messages] == [["4", " 44 tokens, a window holds 25"],
                                                          ["9", " 45 tokens, a window holds 25"]]  # fmt: skip
+
+
+def test_an_endless_stream_that_drops_every_conversation_stops_with_an_error(tmp_path, tok, template):
+    long = [{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 " * 30}]}] * 3
+    source = chat_source("long", [write_jsonl(tmp_path / "c.jsonl", long)])
+    stream = TokenWindows([source], tok, seq_len=9, template=template, overlong="drop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverlongWarning)
+        with pytest.raises(RuntimeError, match="source 'long': shard 0 of 1 dropped every conversation of a whole"):
+            next(iter(stream))
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
@@ -407,4 +438,26 @@ def test_validation_batches_carry_labels_and_the_builtin_tokenizer_gets_the_defa
             trained = tokenizer.decode(labels[labels != IGNORE].tolist())
             assert "Answer" in trained and "Question" not in trained and "user" not in trained, trained
             assert (batch["position_ids"][row] == 0).sum() >= 2  # several conversations, positions restarted
+    dm.teardown("fit")
+
+
+def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_dir):
+    rng = random.Random(9)
+    chats = [conversation(i, rng) for i in range(20)]
+    for i in (2, 11):
+        chats[i] = [{"role": "user", "content": f"c{i}"}, {"role": "assistant", "content": " ".join(["w7"] * 30)}]
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in chats])
+    dm = Step35DataModule(sources=[{"path": str(tmp_path / "c.jsonl"), "name": "sft"}], tokenizer=str(tok_dir),
+                          seq_len=19, micro_batch_size=2, val_batches=0, num_workers=2)  # fmt: skip
+    dm.setup("fit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverlongWarning)
+        batches = [b for _, b in zip(range(12), dm.train_dataloader())]  # 24 windows: past one epoch of 20 records
+    totals = dm._skipped_log.sync(dm._train_skipped(), {}, dp_rank=0, step=12, final=True)
+    metrics = dm._skipped_log.metrics(totals)
+    assert metrics["data/truncated/sft"] >= 2 and metrics["data/dropped/sft"] == 0
+    assert metrics["data/skipped_records/sft"] == 0
+    assert dm.overlong_records["truncated"] == {"sft": metrics["data/truncated/sft"]}
+    assert "conversations truncated, all ranks and workers: " in dm._skipped_log.summary()
+    assert len(batches) == 12
     dm.teardown("fit")

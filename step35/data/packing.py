@@ -174,6 +174,7 @@ class PackedConversations(PackedSource):
         )  # fmt: skip
         current: list[Example] = []
         used = 0
+        placed = cursor.epoch  # the epoch of the last example placed in a window
         for start, after, example in documents:
             if len(example.ids) > self.window:
                 if self.overlong_mode == "drop" or not any(example.trained[1 : self.window]):
@@ -181,6 +182,12 @@ class PackedConversations(PackedSource):
                         "" if self.overlong_mode == "drop" else "; truncated, nothing trained would be left"
                     )
                     self.overlong.drop(example.where, why)
+                    if start.epoch > placed + 1:  # a whole epoch dropped: an endless stream would spin
+                        raise RuntimeError(
+                            f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
+                            f" conversation of a whole epoch as longer than a window of {self.window} tokens; raise"
+                            " seq_len, or set data.overlong: truncate"
+                        )
                     continue
                 if current:  # the truncated example fills a window of its own
                     yield self._emit(current, start)
@@ -190,6 +197,7 @@ class PackedConversations(PackedSource):
             elif used + len(example.ids) > self.window:
                 yield self._emit(current, start)
                 current, used = [], 0
+            placed = start.epoch
             current.append(example)
             used += len(example.ids)
             if used == self.window:

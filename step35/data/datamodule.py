@@ -30,6 +30,8 @@ DEFAULT_VAL_FRACTION = 0.01  # user data without val_files: 1% of the documents 
 class Step35DataModule(pl.LightningDataModule):
     """Streams raw text, tokenizes it on the fly and packs it into windows: batches are
     {"input_ids": LongTensor [micro_batch_size, seq_len + 1]}; the model shifts inputs and labels itself.
+    Conversation and prompt/completion sources (`format`) add "labels" and "position_ids" [micro_batch_size,
+    seq_len] to every batch: -100 where a token is not trained, positions restarting per conversation.
 
     Training is one endless stream (stop it with Trainer(max_steps=...)); validation is a fixed set of
     `val_batches` batches. The exact stream position of every rank and worker is saved in checkpoints.
@@ -404,7 +406,7 @@ class Step35DataModule(pl.LightningDataModule):
 
     def _train_skipped(self) -> dict[str, int]:
         """Counts keyed "<kind>/<source>" (bad_records.COUNT_KINDS) over this rank's workers."""
-        kinds = {source.name: COUNT_KINDS if source.format != "text" else COUNT_KINDS[:1] for source in self._train_sources}
+        kinds = {s.name: COUNT_KINDS if s.format != "text" else COUNT_KINDS[:1] for s in self._train_sources}
         counts = {f"{kind}/{name}": 0 for name, ks in kinds.items() for kind in ks}
         for state in self._resume.worker_states():
             for source, s in zip(self._train_sources, state["sources"]):

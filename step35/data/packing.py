@@ -1,4 +1,6 @@
-"""Packing one source's documents into fixed windows of tokens, resumable at every window."""
+"""Packing one source's documents into fixed windows of tokens, resumable at every window: text documents run
+across windows (`PackedSource`); conversations and prompt/completion pairs are packed whole, with labels and
+positions (`PackedConversations`)."""
 
 import warnings
 from collections.abc import Iterator

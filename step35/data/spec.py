@@ -160,10 +160,13 @@ def check_record_files(name: str, files: list[Path], format: str) -> None:
             raise ValueError(f"source {name!r}: {f} is plain text; a {format} source reads json, parquet or arrow records")
         if suffix in (".parquet", ".arrow"):
             columns = reader_for(f, whole_records=True).field_names()  # type: ignore[attr-defined]
-            if not set(needed) <= set(columns) and format == "chat":
+            if set(needed) <= set(columns):
+                continue
+            if format == "chat":
                 raise ValueError(f"{f}: no column 'messages' (columns: {columns}); a chat source needs it")
-            if not set(needed) <= set(columns) and format == "prompt_completion":
-                raise ValueError(f"{f}: a prompt_completion source needs columns 'prompt' and 'completion' (columns: {columns})")
+            raise ValueError(
+                f"{f}: a prompt_completion source needs columns 'prompt' and 'completion' (columns: {columns})"
+            )
 
 
 def check_holdout_leaves_documents(name: str, files: list[Path], txt_mode: TxtMode, holdout: Optional[Holdout]) -> None:

@@ -13,6 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
+from step35.data.builtin_chat import builtin_chat_path
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
@@ -41,7 +42,8 @@ class Step35DataModule(pl.LightningDataModule):
         files: Training text (short form of `sources`): paths, folders or globs (`**` recurses) of .jsonl, .json,
             .txt, .md, .parquet and .arrow files, or `save_to_disk` folders. Without `weights` all of them form
             one source; with `weights` each entry is its own source. No `files`, `sources` or `hub_dataset`:
-            the built-in corpus (Python's own documentation).
+            the built-in corpus (Python's own documentation), or with `format: chat` the built-in
+            conversations made from it (questions answered with its paragraphs; builtin_chat.py).
         weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
         text_field: Field of json records, or column of parquet/arrow data, holding the text; the default for
             every source of `sources` that names none.
@@ -200,7 +202,7 @@ class Step35DataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning runs this once per node before setup(); the builtin files are written atomically anyway.
         if self.uses_builtin_corpus:
-            builtin_corpus_path(self.cache_dir)
+            builtin_chat_path(self.cache_dir) if self.format == "chat" else builtin_corpus_path(self.cache_dir)
         if self.tokenizer_path is None:
             builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
 
@@ -214,6 +216,8 @@ class Step35DataModule(pl.LightningDataModule):
             if self.weights is not None:
                 return [SourceSpec(path=entry, weight=w) for entry, w in zip(self.files, self.weights)]
             return [SourceSpec(path=self.files)]
+        if self.format == "chat":  # the built-in conversations: questions answered from the same corpus
+            return [SourceSpec(path=str(builtin_chat_path(self.cache_dir)), name="builtin-chat")]
         return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
 
     def setup(self, stage: Optional[str] = None) -> None:

@@ -122,6 +122,21 @@ def test_plain_text_loss_and_gradients_bitwise_unchanged():
     assert torch.equal(new, by_hand)
 
 
+def test_aux_balance_loss_weighs_sequences_by_trained_share():
+    # A fully masked sequence adds nothing to the balance loss, a half-trained one half its own: the
+    # step's aux term is then coef x (trained-weighted mean of sequence balance losses), with the
+    # same scale against the token-mean cross-entropy whatever share of labels is trained.
+    model = tiny_model()
+    tokens = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(6))
+    labels = tokens[:, 1:].clone()
+    alone = [model.loss(tokens[i:i + 1, :-1], labels[i:i + 1], moe_aux_loss_coef=0.01).aux_loss for i in range(3)]
+    labels[1] = IGNORE_INDEX
+    labels[2, :8] = IGNORE_INDEX
+    mixed = model.loss(tokens[:, :-1], labels, moe_aux_loss_coef=0.01).aux_loss
+    # Per layer (sum over rows of weight x loss) / 3; the layer mean is linear, so it holds for the mean too.
+    torch.testing.assert_close(mixed, (alone[0] + 0.5 * alone[2]) / 3, rtol=1e-5, atol=1e-8)
+
+
 class GradsAfterStep(Step35LightningModule):
     """Keeps the gradients as the optimizer step would see them (before and after the rescale)."""
 

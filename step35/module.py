@@ -380,7 +380,8 @@ def micro_batch_loss(out: LossOutput, label_shape: tuple[int, int], mtp_loss_wei
     two differ by about k / S. The aux balance loss stays a mean over sequences and layers, but each
     sequence's balance loss is weighted by its share of trained labels (model.loss does it): under the
     factor the aux term becomes coef x sum over the step's sequences of (trained labels x balance
-    loss) / trained tokens, a trained-token weighted mean, independent of the split like the rest.
+    loss) / trained tokens: a trained-token weighted mean, so the coefficient keeps its scale against
+    the cross-entropy (unweighted, the factor would multiply it by slots / trained tokens).
     All slot counts must be equal across micro-batches for the factor to be exact (fixed B and S).
     """
     B, S = label_shape

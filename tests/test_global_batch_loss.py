@@ -44,7 +44,8 @@ def packed_window(vocab: int):
 
 
 def alone(tokens, labels, span):
-    """The document as its own one-row batch: its tokens (plus the next one, whose label is masked)."""
+    """The document as its own one-row batch: input_ids its tokens at the window's input positions,
+    labels the window's labels there (the border one masked; the window's last token is only a label)."""
     start, end = span
     return tokens[start:end + 1][None, :-1], labels[start:min(end, labels.numel())][None]
 
@@ -56,8 +57,8 @@ def grads(model, loss):
 
 def assert_grads_close(a, b, rtol=1e-5):
     for x, y in zip(a, b):
-        if x is None or y is None:
-            assert x is None and y is None or (x if x is not None else y).abs().max() == 0
+        if x is None or y is None:  # a parameter the loss does not reach: then on both sides
+            assert x is None and y is None
             continue
         scale = max(y.abs().max().item(), 1e-6)
         assert (x - y).abs().max().item() <= rtol * scale + 1e-7, (x - y).abs().max().item()
@@ -120,6 +121,21 @@ def test_plain_text_loss_and_gradients_bitwise_unchanged():
     # The old formula by hand, from the means alone.
     by_hand = old.lm_loss + 0.3 * torch.stack(old.mtp_losses).mean() + old.aux_loss
     assert torch.equal(new, by_hand)
+
+
+def test_aux_balance_loss_weighs_sequences_by_trained_share():
+    # A fully masked sequence adds nothing to the balance loss, a half-trained one half its own: the
+    # step's aux term is then coef x (trained-weighted mean of sequence balance losses), with the
+    # same scale against the token-mean cross-entropy whatever share of labels is trained.
+    model = tiny_model()
+    tokens = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(6))
+    labels = tokens[:, 1:].clone()
+    alone = [model.loss(tokens[i:i + 1, :-1], labels[i:i + 1], moe_aux_loss_coef=0.01).aux_loss for i in range(3)]
+    labels[1] = IGNORE_INDEX
+    labels[2, :8] = IGNORE_INDEX
+    mixed = model.loss(tokens[:, :-1], labels, moe_aux_loss_coef=0.01).aux_loss
+    # Per layer (sum over rows of weight x loss) / 3; the layer mean is linear, so it holds for the mean too.
+    torch.testing.assert_close(mixed, (alone[0] + 0.5 * alone[2]) / 3, rtol=1e-5, atol=1e-8)
 
 
 class GradsAfterStep(Step35LightningModule):

@@ -9,6 +9,7 @@ so the expected tokens and trained flags of a record are written down here witho
 import copy
 import json
 import logging
+import pickle
 import random
 import warnings
 from pathlib import Path
@@ -444,15 +445,19 @@ def test_validation_batches_carry_labels_and_the_builtin_tokenizer_gets_the_defa
 def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_dir):
     rng = random.Random(9)
     chats = [conversation(i, rng) for i in range(20)]
-    for i in (2, 11):
+    for i in range(2, 20, 4):
         chats[i] = [{"role": "user", "content": f"c{i}"}, {"role": "assistant", "content": " ".join(["w7"] * 30)}]
     write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in chats])
     dm = Step35DataModule(sources=[{"path": str(tmp_path / "c.jsonl"), "name": "sft"}], tokenizer=str(tok_dir),
-                          seq_len=19, micro_batch_size=2, val_batches=0, num_workers=2)  # fmt: skip
+                          seq_len=19, micro_batch_size=2, val_fraction=0.2, val_batches=1, num_workers=2)  # fmt: skip
     dm.setup("fit")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OverlongWarning)
+        assert len(dm.val_dataloader()) == 1  # renders in this process first: the workers still get the template
         batches = [b for _, b in zip(range(12), dm.train_dataloader())]  # 24 windows: past one epoch of 20 records
+    # Workers started by spawn (not fork) receive the stream pickled: the template rendered above must go too.
+    stream = pickle.loads(pickle.dumps(TokenWindows(dm._train_sources, dm.tokenizer, 19, **dm._stream_options)))
+    assert next(iter(stream))["labels"].shape == (19,)
     totals = dm._skipped_log.sync(dm._train_skipped(), {}, dp_rank=0, step=12, final=True)
     metrics = dm._skipped_log.metrics(totals)
     assert metrics["data/truncated/sft"] >= 2 and metrics["data/dropped/sft"] == 0

@@ -466,3 +466,32 @@ def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_
     assert "conversations truncated, all ranks and workers: " in dm._skipped_log.summary()
     assert len(batches) == 12
     dm.teardown("fit")
+
+
+def test_the_datamodule_checkpoint_entry_resumes_conversations_exactly(tmp_path, tok_dir):
+    rng = random.Random(10)
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation(i, rng)} for i in range(40)])
+
+    def datamodule() -> Step35DataModule:
+        dm = Step35DataModule(files=str(tmp_path / "c.jsonl"), tokenizer=str(tok_dir), seq_len=23,
+                              micro_batch_size=2, num_workers=2, val_batches=0)  # fmt: skip
+        dm.setup("fit")
+        return dm
+
+    dm = datamodule()
+    batches = iter(dm.train_dataloader())
+    [next(batches) for _ in range(5)]
+    entry = torch.load(_saved(dm.state_dict(), tmp_path), weights_only=True)  # as a checkpoint holds it
+    expected = [as_lists(next(batches)) for _ in range(8)]  # batches 6 to 13, mid-epoch (an epoch: 20)
+    dm.teardown("fit")
+
+    resumed = datamodule()
+    resumed.load_state_dict(entry)
+    replay = iter(resumed.train_dataloader())
+    assert [as_lists(next(replay)) for _ in range(8)] == expected
+    resumed.teardown("fit")
+
+
+def _saved(state: dict, folder: Path) -> Path:
+    torch.save(state, folder / "datamodule_state.pt")
+    return folder / "datamodule_state.pt"

@@ -232,6 +232,25 @@ def test_packed_windows_equal_a_direct_construction(tmp_path, tok, template, tra
                 assert label == IGNORE  # the last token of a conversation predicts nothing
 
 
+def test_text_windows_in_a_stream_with_conversations_carry_the_same_keys(tmp_path, tok, template):
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": " ".join(["w1"] * (3 + i % 5))}) + "\n" for i in range(30)))
+    rng = random.Random(11)
+    records = [{"messages": conversation(i, rng)} for i in range(9)]
+    chats = chat_source("chat", [write_jsonl(tmp_path / "c.jsonl", records)])
+    windows = list(TokenWindows([FileSource("text", [text]), chats], tok, seq_len=11, endless=False, template=template))
+    text_windows = [w for w in windows if ID["w1"] in w["input_ids"].tolist() and ID["user"] not in w["input_ids"]]
+    assert text_windows and all(w.keys() == {"input_ids", "labels", "position_ids"} for w in windows)
+    for w in text_windows:  # every next token a target; positions restart after each EOS
+        ids = w["input_ids"].tolist()
+        assert w["labels"].tolist() == ids[1:]
+        expected, p = [], -1
+        for i in range(11):
+            p = 0 if i == 0 or ids[i - 1] == EOS else p + 1
+            expected.append(p)
+        assert w["position_ids"].tolist() == expected
+
+
 # -- overlong conversations ----------------------------------------------------------------------------------
 
 
@@ -281,7 +300,8 @@ def test_an_endless_stream_that_drops_every_conversation_stops_with_an_error(tmp
 
 BAD = [
     ({"text": "w1"}, "no 'messages' field"),
-    ({"messages": [{"role": "robot", "content": "w1"}, {"role": "assistant", "content": "w2"}]}, "unknown role 'robot'"),
+    ({"messages": [{"role": "robot", "content": "w1"}, {"role": "assistant", "content": "w2"}]},
+     "unknown role 'robot'"),
     ({"messages": []}, "empty conversation"),
     ({"messages": [{"role": "user", "content": "w1"}]}, "no assistant turn"),
     ({"messages": "w1 w2"}, "'messages' must be a list"),

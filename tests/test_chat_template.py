@@ -275,6 +275,17 @@ def test_train_on_variants(tokenizers, name):
     assert TRAIN_ON == ("assistant", "last_assistant", "all")
 
 
+def test_end_of_turn_token(tokenizers, builtin_cache):
+    """What `generate --chat` stops on: <|im_end|> for the ChatML-style and Step-style templates, EOS for ours."""
+    from step35.data import builtin_tokenizer_dir
+
+    ours, _ = tokenizers
+    im_end = ours.tokenizer.token_to_id("<|im_end|>")
+    assert {ChatTemplate(plain(name), "t").end_of_turn_id(ours) for name in SOURCES} == {im_end}
+    builtin = TextTokenizer.from_folder(builtin_tokenizer_dir(cache_dir=builtin_cache))
+    assert ChatTemplate.default().end_of_turn_id(builtin) == builtin.eos_token_id == 0
+
+
 def test_a_token_straddling_a_span_border_is_trained():
     spans = [(5, 10), (20, 22)]
     offsets = [(0, 5), (3, 6), (6, 9), (9, 12), (12, 20), (20, 20), (21, 21), (21, 30), (30, 31)]

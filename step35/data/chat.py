@@ -371,16 +371,21 @@ class ChatTemplate:
         if self.has_generation_marks:
             spans = conversation.marked_spans(turns)
         else:
-            spans = conversation.located_spans(turns, encoding, lambda: self._end_of_turn_id(tokenizer, conversation))
+            end_of_turn = lambda: self.end_of_turn_id(tokenizer, tools=tools, where=where, **extra)  # noqa: E731
+            spans = conversation.located_spans(turns, encoding, end_of_turn)
         return encoding.ids, token_mask(encoding.offsets, spans)
 
-    def _end_of_turn_id(self, tokenizer, conversation: "_Conversation") -> int:
-        """The token the template ends an assistant reply with: the first special token after the reply in a
-        probe conversation (cached per tokenizer)."""
+    def end_of_turn_id(self, tokenizer, *, tools: Optional[list] = None, where: str = "", **extra) -> int:
+        """The token the template ends an assistant reply with (where `generate --chat` stops): the first special
+        token (added as special, or the tokenizer's EOS) after the reply in a probe conversation of one user
+        and one assistant message. Cached per tokenizer; a ChatTemplateError when no special token follows."""
         if tokenizer not in self._end_of_turn:
             sentinel = "step35probe" + uuid.uuid4().hex
             probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
-            text = conversation.render(probe, False, f"{_at(conversation.where)}probe conversation")
+            text = self._render(
+                probe, where=f"{_at(where)}probe conversation", add_generation_prompt=False, tools=tools,
+                extra=self._tokens(tokenizer, extra),
+            )  # fmt: skip
             encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
             special = _special_ids(tokenizer)
             after = text.find(sentinel) + len(sentinel) if sentinel in text else None
@@ -389,8 +394,8 @@ class ChatTemplate:
             )
             if found is None:
                 raise ChatTemplateError(
-                    f"{_at(conversation.where)}chat template from {self.origin}: no special token follows an"
-                    " assistant reply, so the end of a turn cannot be told; add {% generation %} marks to the template"
+                    f"{_at(where)}chat template from {self.origin}: no special token follows an assistant reply, so"
+                    " the end of a turn cannot be told; add {% generation %} marks to the template"
                 )
             self._end_of_turn[tokenizer] = found
         return self._end_of_turn[tokenizer]

@@ -316,6 +316,10 @@ def test_default_template_with_the_builtin_tokenizer(builtin_cache):
     last_ids, last = template.encode(ours, CONVERSATION, train_on="last_assistant")
     assert last_ids[: len(prompt)] == prompt and last.index(True) == len(prompt)
     assert last_ids[max(k for k, m in enumerate(last) if m)] == ours.eos_token_id
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image"}, {"type": "text", "text": "!"}]}]
+    assert template.render(parts, add_generation_prompt=True, eos_token="E") == "<|user|>\nhi!\n<|assistant|>\n"
+    with pytest.raises(ChatTemplateError, match="the default chat template needs eos_token"):
+        template.render(CONVERSATION)  # an assistant turn that never ends would teach the model not to stop
 
 
 # ---------------------------------------------------------------------------------------------- loading

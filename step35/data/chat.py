@@ -24,8 +24,10 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
   turns before the last user message). The span then runs from the end of the generation prompt that
   inference would emit before the turn (found as whole lines of it starting before the turn's text; for an
   earlier turn whose reasoning was dropped, the header lines only) to the template's end-of-turn token
-  inclusive (the first special token after an assistant reply, learned once on a probe conversation). When a
-  turn cannot be located this way, `encode` raises `ChatTemplateError`; it never guesses.
+  inclusive (the first special token after an assistant reply, learned once on a probe conversation). The
+  messages on either side bound both searches; each is found by a sentinel inserted in the middle of its text,
+  which keeps what templates test about a message (how its text starts and ends). When a turn cannot be
+  located this way, `encode` raises `ChatTemplateError`; it never guesses.
 """
 
 from __future__ import annotations
@@ -49,29 +51,31 @@ TEMPLATE_FILE = "chat_template.jinja"
 # plain text it encodes byte by byte). Every assistant turn ends with the tokenizer's EOS, inside the
 # generation block, so the model learns to stop; the generation prompt is the assistant header.
 DEFAULT_TEMPLATE = """\
-{% for message in messages %}
-{% if message.role == 'assistant' %}
-<|assistant|>
-{% generation %}
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-{% endif %}
-{% if message.content is string %}{{ message.content }}{% endif %}
-{% for call in message.tool_calls or [] %}
-{% set function = call.function or call %}
-<tool_call>{"name": {{ function.name | tojson }}, "arguments": {{ function.arguments | tojson }}}</tool_call>
-{% endfor %}
-{{ eos_token }}{% endgeneration %}
-
-{% else %}
-<|{{ message.role }}|>
-{{ message.content if message.content is string else message.content | tojson }}
-{% endif %}
-{% endfor %}
-{% if add_generation_prompt %}
-<|assistant|>
-{% endif %}"""
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- else -%}{%- for part in content or [] -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if eos_token is not defined -%}{{ raise_exception('the default chat template needs eos_token') }}{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- '<|assistant|>\\n' -}}
+{%- generation -%}
+{%- if message.reasoning_content -%}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n' -}}{%- endif -%}
+{{- text(message.content) -}}
+{%- for call in message.tool_calls or [] -%}
+{%- set function = call.function or call -%}
+{{- '\\n' if (not loop.first or text(message.content)) else '' -}}
+{{- '<tool_call>' + ({'name': function.name, 'arguments': function.arguments} | tojson) + '</tool_call>' -}}
+{%- endfor -%}
+{{- eos_token -}}
+{%- endgeneration -%}
+{{- '\\n' -}}
+{%- else -%}
+{{- '<|' + message.role + '|>\\n' + text(message.content) + '\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"""
 
 
 class ChatTemplateError(ValueError):

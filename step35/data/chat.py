@@ -33,6 +33,7 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import operator
 import uuid
@@ -339,10 +340,12 @@ class ChatTemplate:
             messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
         )
 
-    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, **extra) -> list[int]:
+    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, where: str = "",
+                   **extra) -> list[int]:
         """The token ids inference starts from: the conversation so far plus the generation prompt."""
-        check_messages(messages, "prompt", require_assistant=False)
-        text = self.render(messages, add_generation_prompt=True, tools=tools, **self._tokens(tokenizer, extra))
+        check_messages(messages, where, require_assistant=False)
+        extra = self._tokens(tokenizer, extra)
+        text = self.render(messages, add_generation_prompt=True, tools=tools, where=where, **extra)
         return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _tokens(self, tokenizer, extra: dict) -> dict:
@@ -375,7 +378,7 @@ class ChatTemplate:
         if self.has_generation_marks:
             spans = conversation.marked_spans(turns)
         else:
-            end_of_turn = lambda: self.end_of_turn_id(tokenizer, tools=tools, where=where, **extra)  # noqa: E731
+            end_of_turn = functools.partial(self.end_of_turn_id, tokenizer, tools=tools, where=where, **extra)
             spans = conversation.located_spans(turns, encoding, end_of_turn)
         return encoding.ids, token_mask(encoding.offsets, spans)
 

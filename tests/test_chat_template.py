@@ -546,3 +546,21 @@ def test_content_given_as_parts(tokenizers):
     plain_source = source.replace("[[GEN]]", "").replace("[[/GEN]]", "")
     assert ChatTemplate(plain_source, "t").encode(ours, parts) == expected
     assert trained_text(ours, *expected) == "A cat. Asleep.<|im_end|>You are welcome.<|im_end|>"
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_conversation_shapes(tokenizers, name):
+    """A trailing user message, two assistant messages in a row, and a conversation the assistant opens (the
+    Step-style templates cannot render an empty history: the prompt after a user message stands in) all give
+    transformers' mask; an empty assistant reply is refused by name."""
+    ours, theirs = tokenizers
+    shapes = [
+        [*CONVERSATION[1:3], {"role": "user", "content": "More?"}],
+        [*CONVERSATION[1:3], {"role": "assistant", "content": "Also five."}],
+        [{"role": "assistant", "content": "Ask me."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes?"}],
+    ]  # fmt: skip
+    for messages in shapes:
+        assert ChatTemplate(plain(name), "t").encode(ours, messages) == reference_mask(theirs, marked(name), messages)
+    empty = [CONVERSATION[1], {"role": "assistant", "content": ""}]
+    with pytest.raises(ChatTemplateError, match=r"e.jsonl:7: assistant message 1 is empty \(no content, reasoning"):
+        ChatTemplate(plain(name), "t").encode(ours, empty, where="e.jsonl:7")

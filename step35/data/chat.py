@@ -458,6 +458,8 @@ class _Conversation:
         for i in turns:
             at = f"{_at(self.where)}assistant message {i}"
             first, last = self.region(i)
+            if first is None and not _with_sentinels(self.messages, i)[1]:
+                raise ChatTemplateError(f"{at} is empty (no content, reasoning or tool calls): nothing to train")
             if first is None:
                 raise ChatTemplateError(f"{at}: the chat template renders none of its text, so it cannot be located")
             low = max(self.end_before(i), spans[-1][1] if spans else 0)
@@ -550,7 +552,15 @@ class _Conversation:
         reasoning puts the prompt's `<think>` inside what the sentinels change. An earlier turn whose reasoning
         the template dropped keeps only the header lines of a prompt that ends in `<think>`."""
         history = self.messages[:index]
-        with_prompt, without = self.render(history, True), self.render(history, False)
+        try:
+            with_prompt, without = self.render(history, True), self.render(history, False)
+        except ChatTemplateError:
+            if history:
+                raise
+            # A conversation the assistant opens: templates that read messages[0] cannot render no messages.
+            # The prompt after one user message stands in; it must still be found before the turn's text.
+            history = [{"role": "user", "content": "Hi"}]
+            with_prompt, without = self.render(history, True), self.render(history, False)
         prompt = with_prompt[_common_prefix(with_prompt, without):]
         if not prompt:
             return None

@@ -202,7 +202,7 @@ def test_masks_equal_transformers_on_the_marked_copy(tokenizers, name, tools):
     assert "Four.<|im_end|>" in text and "get_weather" in text and "18 degrees and clear in Paris.<|im_end|>" in text
     for never in ("careful helper", "two plus two", "weather in Paris today", '"temp"', "<|im_start|>", "Tools:"):
         assert never not in text
-    assert ("Add the two numbers." in ours.decode(expected_ids)) == (name == "chatml")  # A and B drop it
+    assert ("Add the two numbers." in ours.decode(expected_ids)) == (name == "chatml")  # Step-style ones drop it
 
 
 def test_chatml_masks_equal_per_prefix_rendering(tokenizers):
@@ -227,10 +227,12 @@ def test_prefix_rendering_is_wrong_for_history_rewriting_templates(tokenizers):
     """Why per-prefix masks are not used: for Step-style templates the prompt rendered for the first
     assistant turn (its reasoning not yet dropped) is not a prefix of the whole conversation."""
     ours, _ = tokenizers
-    template = ChatTemplate(plain("step-a"), "test")
-    ids, _ = template.encode(ours, CONVERSATION)
-    prompt_then_reply = template.render(CONVERSATION[:3])
-    assert not template.render(CONVERSATION).startswith(prompt_then_reply)
+    for name in ("step-a", "step-b", "step-c"):
+        template = ChatTemplate(plain(name), "test")
+        prompt_then_reply = template.render(CONVERSATION[:3])
+        assert "Add the two numbers." in prompt_then_reply
+        assert not template.render(CONVERSATION).startswith(prompt_then_reply)
+        assert template.encode(ours, CONVERSATION)  # and yet the sentinel method masks it
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

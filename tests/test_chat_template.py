@@ -566,3 +566,26 @@ def test_conversation_shapes(tokenizers, name):
     empty = [CONVERSATION[1], {"role": "assistant", "content": ""}]
     with pytest.raises(ChatTemplateError, match=r"e.jsonl:7: assistant message 1 is empty \(no content, reasoning"):
         ChatTemplate(plain(name), "t").encode(ours, empty, where="e.jsonl:7")
+
+
+def test_last_assistant_with_several_blocks_per_turn(tokenizers):
+    """A marked template with one block for the content and one for the tool calls: with last_assistant, an
+    assistant message right before the last one keeps both of its blocks out of the mask."""
+    ours, _ = tokenizers
+    source = (
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% generation %}{% for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name + '</tool_call>' }}"
+        "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}"
+        "{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    )
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
+    messages = [
+        CONVERSATION[1],
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "assistant", "content": "Four."},
+    ]
+    ids, mask = ChatTemplate(source, "t").encode(ours, messages, train_on="last_assistant")
+    assert trained_text(ours, ids, mask) == "Four.<|im_end|>"
+    ids, mask = ChatTemplate(source, "t").encode(ours, messages)
+    assert trained_text(ours, ids, mask) == "Let me look.<tool_call>get_weather</tool_call><|im_end|>Four.<|im_end|>"

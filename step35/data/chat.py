@@ -439,8 +439,9 @@ class _Conversation:
                 " changed after the block (e.g. captured by {% set %} and filtered), so its spans cannot be located"
             )
         if turns[0] != min(i for i, m in enumerate(self.messages) if m["role"] == "assistant"):
-            # Only the last turn is trained: its blocks are those after the message before it.
-            after = self.end_before(turns[0])
+            # Only the last turn is trained: its blocks are those after the end of the message before it (its
+            # whole text: an assistant message before it may have several blocks, e.g. content and tool calls).
+            after = next((end for j in range(turns[0] - 1, -1, -1) if (end := self.region(j)[1]) is not None), 0)
             spans = [span for span in spans if span[0] >= after]
         if not spans:
             raise ChatTemplateError(

@@ -50,8 +50,8 @@ def step_style(think_in_prompt: bool, only_with_reasoning: bool = False) -> str:
     return (
         "{%- set ns = namespace(last_user=-1) -%}"
         "{%- for m in messages -%}"
-        "{%- if m.role == 'user' and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>'))"
-        " -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- if m.role == 'user' and not (m.content.startswith('<tool_response>')"
+        " and m.content.endswith('</tool_response>')) -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if messages[0].role == 'system' -%}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
         "{%- endif -%}"
@@ -70,7 +70,8 @@ def step_style(think_in_prompt: bool, only_with_reasoning: bool = False) -> str:
         + "{{ reasoning + '\\n</think>\\n' }}{%- endif -%}"
         "{{ content }}" + TOOL_CALLS + "{{ '<|im_end|>' }}[[/GEN]]{{ '\\n' }}"
         "{%- elif m.role == 'system' and loop.first -%}"
-        "{%- elif m.role == 'tool' -%}{{ '<|im_start|>tool\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+        "{%- elif m.role == 'tool' -%}"
+        "{{ '<|im_start|>tool\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
         "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
@@ -201,7 +202,7 @@ def test_masks_equal_transformers_on_the_marked_copy(tokenizers, name, tools):
     assert "Four.<|im_end|>" in text and "get_weather" in text and "18 degrees and clear in Paris.<|im_end|>" in text
     for never in ("careful helper", "two plus two", "weather in Paris today", '"temp"', "<|im_start|>", "Tools:"):
         assert never not in text
-    assert ("Add the two numbers." in ours.decode(expected_ids)) == (name == "chatml")  # A and B drop it
+    assert ("Add the two numbers." in ours.decode(expected_ids)) == (name == "chatml")  # Step-style ones drop it
 
 
 def test_chatml_masks_equal_per_prefix_rendering(tokenizers):
@@ -226,10 +227,12 @@ def test_prefix_rendering_is_wrong_for_history_rewriting_templates(tokenizers):
     """Why per-prefix masks are not used: for Step-style templates the prompt rendered for the first
     assistant turn (its reasoning not yet dropped) is not a prefix of the whole conversation."""
     ours, _ = tokenizers
-    template = ChatTemplate(plain("step-a"), "test")
-    ids, _ = template.encode(ours, CONVERSATION)
-    prompt_then_reply = template.render(CONVERSATION[:3])
-    assert not template.render(CONVERSATION).startswith(prompt_then_reply)
+    for name in ("step-a", "step-b", "step-c"):
+        template = ChatTemplate(plain(name), "test")
+        prompt_then_reply = template.render(CONVERSATION[:3])
+        assert "Add the two numbers." in prompt_then_reply
+        assert not template.render(CONVERSATION).startswith(prompt_then_reply)
+        assert template.encode(ours, CONVERSATION)  # and yet the sentinel method masks it
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
@@ -275,6 +278,17 @@ def test_train_on_variants(tokenizers, name):
     assert TRAIN_ON == ("assistant", "last_assistant", "all")
 
 
+def test_end_of_turn_token(tokenizers, builtin_cache):
+    """What `generate --chat` stops on: <|im_end|> for the ChatML-style and Step-style templates, EOS for ours."""
+    from step35.data import builtin_tokenizer_dir
+
+    ours, _ = tokenizers
+    im_end = ours.tokenizer.token_to_id("<|im_end|>")
+    assert {ChatTemplate(plain(name), "t").end_of_turn_id(ours) for name in SOURCES} == {im_end}
+    builtin = TextTokenizer.from_folder(builtin_tokenizer_dir(cache_dir=builtin_cache))
+    assert ChatTemplate.default().end_of_turn_id(builtin) == builtin.eos_token_id == 0
+
+
 def test_a_token_straddling_a_span_border_is_trained():
     spans = [(5, 10), (20, 22)]
     offsets = [(0, 5), (3, 6), (6, 9), (9, 12), (12, 20), (20, 20), (21, 21), (21, 30), (30, 31)]
@@ -305,6 +319,11 @@ def test_default_template_with_the_builtin_tokenizer(builtin_cache):
     last_ids, last = template.encode(ours, CONVERSATION, train_on="last_assistant")
     assert last_ids[: len(prompt)] == prompt and last.index(True) == len(prompt)
     assert last_ids[max(k for k, m in enumerate(last) if m)] == ours.eos_token_id
+    content = [{"type": "text", "text": "hi"}, {"type": "image"}, {"type": "text", "text": "!"}]
+    parts = [{"role": "user", "content": content}]
+    assert template.render(parts, add_generation_prompt=True, eos_token="E") == "<|user|>\nhi!\n<|assistant|>\n"
+    with pytest.raises(ChatTemplateError, match="the default chat template needs eos_token"):
+        template.render(CONVERSATION)  # an assistant turn that never ends would teach the model not to stop
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -363,11 +382,11 @@ def test_rendering_features_as_transformers(tokenizers):
         (["hi"], r"data.jsonl:3: message 0 is a str, not an object"),
         ([{"content": "hi"}], r"data.jsonl:3: message 0 has no 'role'"),
         ([{"role": "bot", "content": "hi"}], r"data.jsonl:3: message 0 has unknown role 'bot'"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"data.jsonl:3: message 1 \(assistant\) has no 'content'"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"jsonl:3: message 1 \(assistant\) has no 'content'"),
         ([{"role": "user", "content": 3}], r"data.jsonl:3: message 0 \(user\) has 'content' of type int"),
         ([{"role": "user", "content": "hi"}], r"data.jsonl:3: no assistant turn"),
-        ([{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}], r"message 0 \(assistant\) has 'tool_calls' that"),
-        ([{"role": "assistant", "content": "a", "thinking": ["x"]}], r"message 0 \(assistant\) has 'thinking' of type list"),
+        ([{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}], r"0 \(assistant\) has 'tool_calls' that"),
+        ([{"role": "assistant", "content": "a", "thinking": ["x"]}], r"0 \(assistant\) has 'thinking' of type list"),
     ],
 )
 def test_bad_messages(messages, message):
@@ -381,11 +400,12 @@ def test_assistant_tool_call_without_content_is_accepted():
 
 def test_jinja_errors_name_the_record(tokenizers):
     ours, _ = tokenizers
-    raising = ChatTemplate("{% for m in messages %}{{ raise_exception('no tools here') if m.role == 'tool' }}{% endfor %}", "t")
-    with pytest.raises(ChatTemplateError, match=r"^chats.jsonl:12: chat template from t failed to render: .*no tools here"):
+    raising = ChatTemplate("{% for m in messages %}{{ raise_exception('no tools') if m.role == 'tool' }}{% endfor %}", "t")
+    with pytest.raises(ChatTemplateError, match=r"^chats.jsonl:12: chat template from t failed to render: .*no tools"):
         raising.encode(ours, CONVERSATION, where="chats.jsonl:12")
     broken = ChatTemplate("{% for m in messages %}{{ m.content }", "tokenizer_config.json")
-    with pytest.raises(ChatTemplateError, match=r"chats.jsonl:4: chat template from tokenizer_config.json does not parse \(line 1\)"):
+    message = r"chats.jsonl:4: chat template from tokenizer_config.json does not parse \(line 1\)"
+    with pytest.raises(ChatTemplateError, match=message):
         broken.render(CONVERSATION, where="chats.jsonl:4")
     typed = ChatTemplate("{{ messages[0].content + 1 }}", "t")
     with pytest.raises(ChatTemplateError, match=r"chats.jsonl:5: .*TypeError"):
@@ -397,10 +417,11 @@ def test_unlocatable_turns_raise(tokenizers):
     whose generation prompt is not what it renders before a turn, cannot be masked: an error, never a guess."""
     ours, _ = tokenizers
     silent = ChatTemplate(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.role != 'assistant' }}<|im_end|>\n{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.role != 'assistant' }}<|im_end|>\n"
+        "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "t",
     )  # fmt: skip
-    with pytest.raises(ChatTemplateError, match=r"r.jsonl:1: assistant message 2: the chat template renders none of its text"):
+    with pytest.raises(ChatTemplateError, match=r"r.jsonl:1: assistant message 2: the chat template renders none of"):
         silent.encode(ours, CONVERSATION, where="r.jsonl:1")
     no_end = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant: {% endif %}", "t")  # fmt: skip
@@ -424,8 +445,11 @@ def test_marked_block_changed_after_the_block_raises(tokenizers):
 
 def test_marked_template_without_a_block_for_the_turn_raises(tokenizers):
     ours, _ = tokenizers
-    source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% if false %}{% generation %}{% endgeneration %}{% endif %}{% endfor %}"
-    with pytest.raises(ChatTemplateError, match=r"x:2: chat template from t renders no \{% generation %\} block .*messages? 2"):
+    source = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+        "{% if false %}{% generation %}{% endgeneration %}{% endif %}{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match=r"x:2: chat template from t renders no \{% generation %\} block .*es 2"):
         ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:2")
 
 
@@ -494,8 +518,10 @@ def test_generation_block_inside_a_macro(tokenizers):
             segments.append(ours.decode(current))
             current = []
     assert segments == [
-        "Four.<|im_end|>", "<|im_end|>", "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris.<|im_end|>"
-    ]  # fmt: skip
+        "Four.<|im_end|>",
+        "<|im_end|>",
+        "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris.<|im_end|>",
+    ]
 
 
 def test_content_given_as_parts(tokenizers):
@@ -510,7 +536,9 @@ def test_content_given_as_parts(tokenizers):
         "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
     parts = [
-        {"role": "user", "content": [{"type": "text", "text": "Look at "}, {"type": "image"}, {"type": "text", "text": "this."}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Look at "}, {"type": "image"}, {"type": "text", "text": "this."},
+        ]},
         {"role": "assistant", "content": [{"type": "text", "text": "A cat."}, {"type": "text", "text": " Asleep."}]},
         {"role": "user", "content": "Thanks."},
         {"role": "assistant", "content": [{"type": "text", "text": "You are welcome."}]},
@@ -520,3 +548,44 @@ def test_content_given_as_parts(tokenizers):
     plain_source = source.replace("[[GEN]]", "").replace("[[/GEN]]", "")
     assert ChatTemplate(plain_source, "t").encode(ours, parts) == expected
     assert trained_text(ours, *expected) == "A cat. Asleep.<|im_end|>You are welcome.<|im_end|>"
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_conversation_shapes(tokenizers, name):
+    """A trailing user message, two assistant messages in a row, and a conversation the assistant opens (the
+    Step-style templates cannot render an empty history: the prompt after a user message stands in) all give
+    transformers' mask; an empty assistant reply is refused by name."""
+    ours, theirs = tokenizers
+    shapes = [
+        [*CONVERSATION[1:3], {"role": "user", "content": "More?"}],
+        [*CONVERSATION[1:3], {"role": "assistant", "content": "Also five."}],
+        [{"role": "assistant", "content": "Ask me."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes?"}],
+    ]  # fmt: skip
+    for messages in shapes:
+        assert ChatTemplate(plain(name), "t").encode(ours, messages) == reference_mask(theirs, marked(name), messages)
+    empty = [CONVERSATION[1], {"role": "assistant", "content": ""}]
+    with pytest.raises(ChatTemplateError, match=r"e.jsonl:7: assistant message 1 is empty \(no content, reasoning"):
+        ChatTemplate(plain(name), "t").encode(ours, empty, where="e.jsonl:7")
+
+
+def test_last_assistant_with_several_blocks_per_turn(tokenizers):
+    """A marked template with one block for the content and one for the tool calls: with last_assistant, an
+    assistant message right before the last one keeps both of its blocks out of the mask."""
+    ours, _ = tokenizers
+    source = (
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% generation %}{% for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name + '</tool_call>' }}"
+        "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}"
+        "{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    )
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
+    messages = [
+        CONVERSATION[1],
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "assistant", "content": "Four."},
+    ]
+    ids, mask = ChatTemplate(source, "t").encode(ours, messages, train_on="last_assistant")
+    assert trained_text(ours, ids, mask) == "Four.<|im_end|>"
+    ids, mask = ChatTemplate(source, "t").encode(ours, messages)
+    assert trained_text(ours, ids, mask) == "Let me look.<tool_call>get_weather</tool_call><|im_end|>Four.<|im_end|>"

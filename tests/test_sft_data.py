@@ -9,6 +9,7 @@ so the expected tokens and trained flags of a record are written down here witho
 import copy
 import json
 import logging
+import pickle
 import random
 import warnings
 from pathlib import Path
@@ -231,6 +232,25 @@ def test_packed_windows_equal_a_direct_construction(tmp_path, tok, template, tra
                 assert label == IGNORE  # the last token of a conversation predicts nothing
 
 
+def test_text_windows_in_a_stream_with_conversations_carry_the_same_keys(tmp_path, tok, template):
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": " ".join(["w1"] * (3 + i % 5))}) + "\n" for i in range(30)))
+    rng = random.Random(11)
+    records = [{"messages": conversation(i, rng)} for i in range(9)]
+    chats = chat_source("chat", [write_jsonl(tmp_path / "c.jsonl", records)])
+    windows = list(TokenWindows([FileSource("text", [text]), chats], tok, seq_len=11, endless=False, template=template))
+    text_windows = [w for w in windows if ID["w1"] in w["input_ids"].tolist() and ID["user"] not in w["input_ids"]]
+    assert text_windows and all(w.keys() == {"input_ids", "labels", "position_ids"} for w in windows)
+    for w in text_windows:  # every next token a target; positions restart after each EOS
+        ids = w["input_ids"].tolist()
+        assert w["labels"].tolist() == ids[1:]
+        expected, p = [], -1
+        for i in range(11):
+            p = 0 if i == 0 or ids[i - 1] == EOS else p + 1
+            expected.append(p)
+        assert w["position_ids"].tolist() == expected
+
+
 # -- overlong conversations ----------------------------------------------------------------------------------
 
 
@@ -280,7 +300,8 @@ def test_an_endless_stream_that_drops_every_conversation_stops_with_an_error(tmp
 
 BAD = [
     ({"text": "w1"}, "no 'messages' field"),
-    ({"messages": [{"role": "robot", "content": "w1"}, {"role": "assistant", "content": "w2"}]}, "unknown role 'robot'"),
+    ({"messages": [{"role": "robot", "content": "w1"}, {"role": "assistant", "content": "w2"}]},
+     "unknown role 'robot'"),
     ({"messages": []}, "empty conversation"),
     ({"messages": [{"role": "user", "content": "w1"}]}, "no assistant turn"),
     ({"messages": "w1 w2"}, "'messages' must be a list"),
@@ -444,15 +465,19 @@ def test_validation_batches_carry_labels_and_the_builtin_tokenizer_gets_the_defa
 def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_dir):
     rng = random.Random(9)
     chats = [conversation(i, rng) for i in range(20)]
-    for i in (2, 11):
+    for i in range(2, 20, 4):
         chats[i] = [{"role": "user", "content": f"c{i}"}, {"role": "assistant", "content": " ".join(["w7"] * 30)}]
     write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in chats])
     dm = Step35DataModule(sources=[{"path": str(tmp_path / "c.jsonl"), "name": "sft"}], tokenizer=str(tok_dir),
-                          seq_len=19, micro_batch_size=2, val_batches=0, num_workers=2)  # fmt: skip
+                          seq_len=19, micro_batch_size=2, val_fraction=0.2, val_batches=1, num_workers=2)  # fmt: skip
     dm.setup("fit")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OverlongWarning)
+        assert len(dm.val_dataloader()) == 1  # renders in this process first: the workers still get the template
         batches = [b for _, b in zip(range(12), dm.train_dataloader())]  # 24 windows: past one epoch of 20 records
+    # Workers started by spawn (not fork) receive the stream pickled: the template rendered above must go too.
+    stream = pickle.loads(pickle.dumps(TokenWindows(dm._train_sources, dm.tokenizer, 19, **dm._stream_options)))
+    assert next(iter(stream))["labels"].shape == (19,)
     totals = dm._skipped_log.sync(dm._train_skipped(), {}, dp_rank=0, step=12, final=True)
     metrics = dm._skipped_log.metrics(totals)
     assert metrics["data/truncated/sft"] >= 2 and metrics["data/dropped/sft"] == 0
@@ -461,3 +486,32 @@ def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_
     assert "conversations truncated, all ranks and workers: " in dm._skipped_log.summary()
     assert len(batches) == 12
     dm.teardown("fit")
+
+
+def test_the_datamodule_checkpoint_entry_resumes_conversations_exactly(tmp_path, tok_dir):
+    rng = random.Random(10)
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation(i, rng)} for i in range(40)])
+
+    def datamodule() -> Step35DataModule:
+        dm = Step35DataModule(files=str(tmp_path / "c.jsonl"), tokenizer=str(tok_dir), seq_len=23,
+                              micro_batch_size=2, num_workers=2, val_batches=0)  # fmt: skip
+        dm.setup("fit")
+        return dm
+
+    dm = datamodule()
+    batches = iter(dm.train_dataloader())
+    [next(batches) for _ in range(5)]
+    entry = torch.load(_saved(dm.state_dict(), tmp_path), weights_only=True)  # as a checkpoint holds it
+    expected = [as_lists(next(batches)) for _ in range(8)]  # batches 6 to 13, mid-epoch (an epoch: 20)
+    dm.teardown("fit")
+
+    resumed = datamodule()
+    resumed.load_state_dict(entry)
+    replay = iter(resumed.train_dataloader())
+    assert [as_lists(next(replay)) for _ in range(8)] == expected
+    resumed.teardown("fit")
+
+
+def _saved(state: dict, folder: Path) -> Path:
+    torch.save(state, folder / "datamodule_state.pt")
+    return folder / "datamodule_state.pt"

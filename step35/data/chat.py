@@ -24,13 +24,16 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
   turns before the last user message). The span then runs from the end of the generation prompt that
   inference would emit before the turn (found as whole lines of it starting before the turn's text; for an
   earlier turn whose reasoning was dropped, the header lines only) to the template's end-of-turn token
-  inclusive (the first special token after an assistant reply, learned once on a probe conversation). When a
-  turn cannot be located this way, `encode` raises `ChatTemplateError`; it never guesses.
+  inclusive (the first special token after an assistant reply, learned once on a probe conversation). The
+  messages on either side bound both searches; each is found by a sentinel inserted in the middle of its text,
+  which keeps what templates test about a message (how its text starts and ends). When a turn cannot be
+  located this way, `encode` raises `ChatTemplateError`; it never guesses.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import operator
 import uuid
@@ -49,29 +52,31 @@ TEMPLATE_FILE = "chat_template.jinja"
 # plain text it encodes byte by byte). Every assistant turn ends with the tokenizer's EOS, inside the
 # generation block, so the model learns to stop; the generation prompt is the assistant header.
 DEFAULT_TEMPLATE = """\
-{% for message in messages %}
-{% if message.role == 'assistant' %}
-<|assistant|>
-{% generation %}
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-{% endif %}
-{% if message.content is string %}{{ message.content }}{% endif %}
-{% for call in message.tool_calls or [] %}
-{% set function = call.function or call %}
-<tool_call>{"name": {{ function.name | tojson }}, "arguments": {{ function.arguments | tojson }}}</tool_call>
-{% endfor %}
-{{ eos_token }}{% endgeneration %}
-
-{% else %}
-<|{{ message.role }}|>
-{{ message.content if message.content is string else message.content | tojson }}
-{% endif %}
-{% endfor %}
-{% if add_generation_prompt %}
-<|assistant|>
-{% endif %}"""
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- else -%}{%- for part in content or [] -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if eos_token is not defined -%}{{ raise_exception('the default chat template needs eos_token') }}{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- '<|assistant|>\\n' -}}
+{%- generation -%}
+{%- if message.reasoning_content -%}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n' -}}{%- endif -%}
+{{- text(message.content) -}}
+{%- for call in message.tool_calls or [] -%}
+{%- set function = call.function or call -%}
+{{- '\\n' if (not loop.first or text(message.content)) else '' -}}
+{{- '<tool_call>' + ({'name': function.name, 'arguments': function.arguments} | tojson) + '</tool_call>' -}}
+{%- endfor -%}
+{{- eos_token -}}
+{%- endgeneration -%}
+{{- '\\n' -}}
+{%- else -%}
+{{- '<|' + message.role + '|>\\n' + text(message.content) + '\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"""
 
 
 class ChatTemplateError(ValueError):
@@ -335,10 +340,12 @@ class ChatTemplate:
             messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
         )
 
-    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, **extra) -> list[int]:
+    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, where: str = "",
+                   **extra) -> list[int]:
         """The token ids inference starts from: the conversation so far plus the generation prompt."""
-        check_messages(messages, "prompt", require_assistant=False)
-        text = self.render(messages, add_generation_prompt=True, tools=tools, **self._tokens(tokenizer, extra))
+        check_messages(messages, where, require_assistant=False)
+        extra = self._tokens(tokenizer, extra)
+        text = self.render(messages, add_generation_prompt=True, tools=tools, where=where, **extra)
         return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _tokens(self, tokenizer, extra: dict) -> dict:
@@ -371,16 +378,21 @@ class ChatTemplate:
         if self.has_generation_marks:
             spans = conversation.marked_spans(turns)
         else:
-            spans = conversation.located_spans(turns, encoding, lambda: self._end_of_turn_id(tokenizer, conversation))
+            end_of_turn = functools.partial(self.end_of_turn_id, tokenizer, tools=tools, where=where, **extra)
+            spans = conversation.located_spans(turns, encoding, end_of_turn)
         return encoding.ids, token_mask(encoding.offsets, spans)
 
-    def _end_of_turn_id(self, tokenizer, conversation: "_Conversation") -> int:
-        """The token the template ends an assistant reply with: the first special token after the reply in a
-        probe conversation (cached per tokenizer)."""
+    def end_of_turn_id(self, tokenizer, *, tools: Optional[list] = None, where: str = "", **extra) -> int:
+        """The token the template ends an assistant reply with (where `generate --chat` stops): the first special
+        token (added as special, or the tokenizer's EOS) after the reply in a probe conversation of one user
+        and one assistant message. Cached per tokenizer; a ChatTemplateError when no special token follows."""
         if tokenizer not in self._end_of_turn:
             sentinel = "step35probe" + uuid.uuid4().hex
             probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
-            text = conversation.render(probe, False, f"{_at(conversation.where)}probe conversation")
+            text = self._render(
+                probe, where=f"{_at(where)}probe conversation", add_generation_prompt=False, tools=tools,
+                extra=self._tokens(tokenizer, extra),
+            )  # fmt: skip
             encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
             special = _special_ids(tokenizer)
             after = text.find(sentinel) + len(sentinel) if sentinel in text else None
@@ -389,8 +401,8 @@ class ChatTemplate:
             )
             if found is None:
                 raise ChatTemplateError(
-                    f"{_at(conversation.where)}chat template from {self.origin}: no special token follows an"
-                    " assistant reply, so the end of a turn cannot be told; add {% generation %} marks to the template"
+                    f"{_at(where)}chat template from {self.origin}: no special token follows an assistant reply, so"
+                    " the end of a turn cannot be told; add {% generation %} marks to the template"
                 )
             self._end_of_turn[tokenizer] = found
         return self._end_of_turn[tokenizer]
@@ -427,8 +439,9 @@ class _Conversation:
                 " changed after the block (e.g. captured by {% set %} and filtered), so its spans cannot be located"
             )
         if turns[0] != min(i for i, m in enumerate(self.messages) if m["role"] == "assistant"):
-            # Only the last turn is trained: its blocks are those after the message before it.
-            after = self.end_before(turns[0])
+            # Only the last turn is trained: its blocks are those after the end of the message before it (its
+            # whole text: an assistant message before it may have several blocks, e.g. content and tool calls).
+            after = next((end for j in range(turns[0] - 1, -1, -1) if (end := self.region(j)[1]) is not None), 0)
             spans = [span for span in spans if span[0] >= after]
         if not spans:
             raise ChatTemplateError(
@@ -446,6 +459,8 @@ class _Conversation:
         for i in turns:
             at = f"{_at(self.where)}assistant message {i}"
             first, last = self.region(i)
+            if first is None and not _with_sentinels(self.messages, i)[1]:
+                raise ChatTemplateError(f"{at} is empty (no content, reasoning or tool calls): nothing to train")
             if first is None:
                 raise ChatTemplateError(f"{at}: the chat template renders none of its text, so it cannot be located")
             low = max(self.end_before(i), spans[-1][1] if spans else 0)
@@ -538,7 +553,15 @@ class _Conversation:
         reasoning puts the prompt's `<think>` inside what the sentinels change. An earlier turn whose reasoning
         the template dropped keeps only the header lines of a prompt that ends in `<think>`."""
         history = self.messages[:index]
-        with_prompt, without = self.render(history, True), self.render(history, False)
+        try:
+            with_prompt, without = self.render(history, True), self.render(history, False)
+        except ChatTemplateError:
+            if history:
+                raise
+            # A conversation the assistant opens: templates that read messages[0] cannot render no messages.
+            # The prompt after one user message stands in; it must still be found before the turn's text.
+            history = [{"role": "user", "content": "Hi"}]
+            with_prompt, without = self.render(history, True), self.render(history, False)
         prompt = with_prompt[_common_prefix(with_prompt, without):]
         if not prompt:
             return None

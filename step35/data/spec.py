@@ -157,7 +157,9 @@ def check_record_files(name: str, files: list[Path], format: str) -> None:
     for f in files:
         suffix = f.suffix.lower()
         if suffix in (".txt", ".md"):
-            raise ValueError(f"source {name!r}: {f} is plain text; a {format} source reads json, parquet or arrow records")
+            raise ValueError(
+                f"source {name!r}: {f} is plain text; a {format} source reads json, parquet or arrow records"
+            )
         if suffix in (".parquet", ".arrow"):
             columns = reader_for(f, whole_records=True).field_names()  # type: ignore[attr-defined]
             if set(needed) <= set(columns):

@@ -18,6 +18,7 @@ from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM, build_model
+from step35.model.lora import LoraConfig, apply_lora
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, apply_optimizer_settings, check_resume, checkpoint_to_load
 from step35.schedule import WarmupCosineLR
@@ -42,6 +43,7 @@ class Step35LightningModule(pl.LightningModule):
         loss_chunk_size: int = 1024,
         moe_bias_update_rate: float = 0.0,
         moe_aux_loss_coef: float = 0.0,
+        lora: LoraConfig | None = None,
     ):
         """
         Args:
@@ -74,6 +76,9 @@ class Step35LightningModule(pl.LightningModule):
             moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
                 sum_e f_e * P_e, mean over sequences and MoE layers; see model.moe.sequence_balance_loss)
                 added to the training loss and logged as train/aux_loss. 0 (default): not computed.
+            lora: LoRA fine-tuning (docs/lora.md): adapters on the named targets, the base frozen in
+                its own dtype with no gradients or optimizer state; e.g. `--model.lora.rank 16`.
+                None (default): every parameter trains, as without this option.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -103,6 +108,9 @@ class Step35LightningModule(pl.LightningModule):
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
             raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
                              "model config has use_moe_router_bias=false")
+        self.lora = LoraConfig.of(lora)
+        if self.lora is not None:
+            self.lora.validate(self.model_config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
         # True once the checkpoint to resume was checked against this module's options (the CLI does
         # it before the Trainer exists); otherwise on_load_checkpoint checks what it is given.
         self.resume_checked = False
@@ -139,6 +147,8 @@ class Step35LightningModule(pl.LightningModule):
         if self.model is not None:
             return
         model = build_model(self.model_config, self.hparams.num_mtp_layers)
+        if self.lora is not None:
+            apply_lora(model, self.lora)  # before sharding: FSDP2 sees the adapters and the frozen base
         strategy = self.trainer.strategy
         if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
             strategy.parallelize_model(model)

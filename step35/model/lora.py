@@ -259,9 +259,18 @@ def _freeze_base(model: nn.Module, targets: set[str], base_dtype: torch.dtype) -
             if id(param) not in converted:
                 converted[id(param)] = nn.Parameter(param.detach().to(base_dtype), requires_grad=False)
             module._parameters[pname] = converted[id(param)]
-    if trainable & {id(model.model.embed_tokens.weight)} and base_dtype != torch.float32:
-        # The trained fp32 embedding would start an fp32 residual stream into the bf16 layers.
-        model.model.embed_tokens.register_forward_hook(lambda m, args, out: out.to(base_dtype))
+    if base_dtype == torch.float32:
+        return
+    # Full targets train in fp32 inside a bf16 (or fp16) model: cast at their edges. (Under FSDP's
+    # param_dtype they are gathered in the compute dtype already and these casts do nothing.)
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None or id(weight) not in trainable:
+            continue
+        if isinstance(module, nn.Embedding):  # the residual stream starts in the base dtype
+            module.register_forward_hook(lambda m, args, out: out.to(base_dtype))
+        elif isinstance(module, nn.Linear):  # lm_head, router: read the bf16 activations in the weight's dtype
+            module.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype), *args[1:]))
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -7,6 +7,7 @@ update after each optimizer step."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,9 @@ class Step35LightningModule(pl.LightningModule):
                 None (default): every parameter trains, as without this option.
         """
         super().__init__()
+        lora_config = LoraConfig.of(lora)
+        # Saved as a plain dict: checkpoints are read with weights_only=True, which refuses dataclasses.
+        lora = asdict(lora_config) if lora_config is not None else None
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         _check_options(lr=lr, min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, decay_steps=decay_steps,
@@ -108,7 +112,7 @@ class Step35LightningModule(pl.LightningModule):
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
             raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
                              "model config has use_moe_router_bias=false")
-        self.lora = LoraConfig.of(lora)
+        self.lora = lora_config
         if self.lora is not None:
             self.lora.validate(self.model_config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
         # True once the checkpoint to resume was checked against this module's options (the CLI does
@@ -125,6 +129,11 @@ class Step35LightningModule(pl.LightningModule):
         return self.model_config.moe_num_experts if self.model_config.use_moe else None
 
     def setup(self, stage: str) -> None:
+        precision = str(getattr(self.trainer, "precision", ""))
+        if self.lora is not None and precision.endswith("-true") and precision != "32-true":
+            raise ValueError(f"model.lora with trainer.precision={precision}: that casts the fp32 adapters too; "
+                             f"use trainer.precision 32-true and model.lora.base_dtype=bfloat16 (the frozen base "
+                             f"and the compute in bf16, the adapters fp32)")
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         limit = self.model_config.max_position_embeddings

@@ -280,3 +280,45 @@ def test_rank_larger_than_a_layer_names_the_layer():
     with pytest.raises(LoraError, match=r"model.lora.expert_rank=65 is larger than layer "
                                         r"model.layers.1.moe.gate_proj \(128 -> 64\)"):
         apply_lora(build_model(preset("tiny")), LoraConfig(rank=4, expert_rank=65))
+
+
+def test_lora_refuses_a_precision_that_casts_the_adapters(builtin_cache):
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    module = Step35LightningModule(config="tiny", lora={"rank": 4})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, precision="bf16-true")
+    with pytest.raises(ValueError, match=r"model.lora with trainer.precision=bf16-true"):
+        trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)))
+
+
+def test_lora_run_saves_and_resumes(tmp_path, builtin_cache):
+    """The LoRA options travel in the checkpoint's hyper-parameters (a plain dict: checkpoints load
+    with weights_only) and a resumed run continues with the saved adapters."""
+    from step35.callbacks import RunCheckpoint
+    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    def fit(steps, ckpt_path=None):
+        module = Step35LightningModule(config="tiny", lora=LoraConfig(rank=4), lr=1e-2, warmup_steps=1)  # as the CLI gives it
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+                             plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=2)])
+        trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)),
+                    ckpt_path=ckpt_path)
+        return module, trainer
+
+    first, _ = fit(2)
+    saved = torch.load(next(tmp_path.rglob("step=000002.ckpt")), weights_only=False)
+    assert saved["hyper_parameters"]["lora"]["rank"] == 4
+    B = "model.layers.1.moe.up_proj.lora_B"
+    assert torch.equal(saved["state_dict"][f"model.{B}"], first.model.get_parameter(B))
+    ckpt = str(next(tmp_path.rglob("step=000002.ckpt")))
+    restored, trainer = fit(2, ckpt_path=ckpt)  # nothing left to train: the restored adapters as saved
+    assert trainer.global_step == 2
+    assert torch.equal(restored.model.get_parameter(B), first.model.get_parameter(B))
+    resumed, trainer = fit(3, ckpt_path=ckpt)
+    assert trainer.global_step == 3
+    assert not torch.equal(resumed.model.get_parameter(B), first.model.get_parameter(B))

@@ -19,7 +19,7 @@ from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM, build_model
-from step35.model.lora import LoraConfig, apply_lora
+from step35.model.lora import LoraConfig, apply_lora, check_sizes
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, apply_optimizer_settings, check_resume, checkpoint_to_load
 from step35.schedule import WarmupCosineLR
@@ -115,6 +115,7 @@ class Step35LightningModule(pl.LightningModule):
         self.lora = lora_config
         if self.lora is not None:
             self.lora.validate(self.model_config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
+            check_sizes(self.lora, self.model_config, num_mtp_layers)  # a too-large rank: now, not at setup
         # True once the checkpoint to resume was checked against this module's options (the CLI does
         # it before the Trainer exists); otherwise on_load_checkpoint checks what it is given.
         self.resume_checked = False

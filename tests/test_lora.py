@@ -280,6 +280,10 @@ def test_rank_larger_than_a_layer_names_the_layer():
     with pytest.raises(LoraError, match=r"model.lora.expert_rank=65 is larger than layer "
                                         r"model.layers.1.moe.gate_proj \(128 -> 64\)"):
         apply_lora(build_model(preset("tiny")), LoraConfig(rank=4, expert_rank=65))
+    from step35.module import Step35LightningModule
+
+    with pytest.raises(LoraError, match=r"model.lora.rank=8 is larger than layer model.layers.0.self_attn.g_proj"):
+        Step35LightningModule(config="tiny", lora={"rank": 8})  # at construction, before any trainer
 
 
 def test_lora_refuses_a_precision_that_casts_the_adapters(builtin_cache):

@@ -69,3 +69,16 @@ def test_lora_matches_one_process_at_every_ep_size(tmp_path, plain, ep):
             assert rel_err(g, grads[name]) <= REL, (step, name, rel_err(g, grads[name]))
     for name, p in plain["params"].items():
         assert rel_err(p, got["params"][name]) <= REL, (name, rel_err(p, got["params"][name]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_bf16_base_with_fp32_adapters_shards_and_trains(tmp_path, plain):
+    """A bf16 frozen base and fp32 adapters in the same FSDP2 units (EP 2 on 2 ranks): the base stays
+    bf16 and bitwise unchanged, adapters and their gradients stay fp32, losses within 2 % of fp32."""
+    got = run(tmp_path, "bf16", 2, "--ep", "2", "--base-dtype", "bfloat16")
+    check_frozen(got)
+    assert got["base_dtypes"] == ["torch.bfloat16"] and plain["base_dtypes"] == ["torch.float32"]
+    assert all(p.dtype == torch.float32 for p in got["params"].values())
+    assert all(g.dtype == torch.float32 for step in got["grads"] for g in step.values())
+    assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(plain["losses"]), rtol=2e-2, atol=0)

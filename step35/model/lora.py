@@ -216,21 +216,42 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     config: Step35Config = model.config
     lora.validate(config, num_mtp_layers=model.num_mtp_layers)
     targets = lora.expanded_targets()
-    rank, expert_rank = lora.rank, lora.resolved_expert_rank(config)
-    alpha = lora.scale_alpha
     for i, layer in enumerate(model.model.layers):
-        if layer.spec.is_mtp and "mtp" not in targets:
-            continue
-        prefix = f"model.layers.{i}"
-        for parent, child, _ in _layer_targets(layer, targets):
-            sub = [n for n, m in layer.named_modules() if m is parent][0]
-            name = ".".join(p for p in (prefix, sub, child) if p)
-            _adapt_linear(parent, child, name, rank, alpha / rank, lora.dropout)
-        if layer.spec.is_moe and "experts" in targets:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                _adapt_experts(getattr(layer.moe, proj), f"{prefix}.moe.{proj}", expert_rank,
-                               alpha / expert_rank, lora.dropout)
+        if not layer.spec.is_mtp or "mtp" in targets:
+            _adapt_layer(layer, f"model.layers.{i}", lora, config, targets)
     _freeze_base(model, targets, lora.resolved_base_dtype(config))
+
+
+def check_sizes(lora: LoraConfig, config: Step35Config, num_mtp_layers: int | None = None) -> None:
+    """Raise the LoraError apply_lora would raise for a too-large rank, without building the model:
+    one meta layer of each distinct kind (dense / MoE / MTP, head counts) is adapted instead."""
+    from step35.model.transformer import DecoderLayer, MTPLayer  # the layers this module adapts
+
+    lora.validate(config, num_mtp_layers=num_mtp_layers)
+    targets = lora.expanded_targets()
+    built = config.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
+    seen = set()
+    for i in range(config.num_hidden_layers + built):
+        spec = config.layer(i)
+        kind = (spec.is_moe, spec.is_mtp, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        if kind in seen or (spec.is_mtp and "mtp" not in targets):
+            continue
+        seen.add(kind)
+        with torch.device("meta"):
+            layer = (MTPLayer if spec.is_mtp else DecoderLayer)(config, spec)
+        _adapt_layer(layer, f"model.layers.{i}", lora, config, targets)
+
+
+def _adapt_layer(layer: nn.Module, prefix: str, lora: LoraConfig, config: Step35Config, targets: set[str]) -> None:
+    rank, expert_rank, alpha = lora.rank, lora.resolved_expert_rank(config), lora.scale_alpha
+    for parent, child, _ in _layer_targets(layer, targets):
+        sub = [n for n, m in layer.named_modules() if m is parent][0]
+        name = ".".join(p for p in (prefix, sub, child) if p)
+        _adapt_linear(parent, child, name, rank, alpha / rank, lora.dropout)
+    if layer.spec.is_moe and "experts" in targets:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            _adapt_experts(getattr(layer.moe, proj), f"{prefix}.moe.{proj}", expert_rank,
+                           alpha / expert_rank, lora.dropout)
 
 
 def _full_target(name: str, targets: set[str]) -> bool:

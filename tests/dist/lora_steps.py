@@ -31,12 +31,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--base-dtype", default=None, choices=[None, "bfloat16"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
     distributed = "WORLD_SIZE" in os.environ
     config = preset("tiny")
     model = build_model(config)
-    apply_lora(model, LoraConfig(rank=4, targets=TARGETS, expert_rank=2))
+    apply_lora(model, LoraConfig(rank=4, targets=TARGETS, expert_rank=2, base_dtype=args.base_dtype))
     rank, world = 0, 1
     if distributed:
         dist.init_process_group("gloo")
@@ -72,10 +73,11 @@ def main() -> None:
     params = {n: full(state[n]) for n, _ in trained}
     base_unchanged = all(torch.equal(full(state[n]), t) for n, t in frozen_before.items())
     no_base_grads = all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+    base_dtypes = sorted({str(t.dtype) for n, t in state.items() if n in frozen_before})
     base_state = all(p not in opt.state for n, p in model.named_parameters() if not p.requires_grad)
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "params": params, "base_unchanged": base_unchanged,
-                    "no_base_grads": no_base_grads, "no_base_state": base_state, "frozen": len(frozen_before)},
+                    "no_base_grads": no_base_grads, "no_base_state": base_state, "base_dtypes": base_dtypes, "frozen": len(frozen_before)},
                    args.out)
     if distributed:
         dist.barrier()

@@ -1,5 +1,5 @@
 """LoRA under FSDP2 + expert parallelism on real gloo processes gives what one plain process gives:
-4 ranks at EP 1, 2 and 4 against one process, same init and global batches, 3 SGD-momentum steps with
+4 ranks at EP 1, 2 and 4 (and EP 2 with selective activation checkpointing) against one process, same init and global batches, 3 SGD-momentum steps with
 adapters on every target kind (routed experts sharded over EP like the experts), MTP on. Compared:
 per-step losses and every adapter / full-target gradient at every step (relative 1e-5), the
 trained parameters after the steps; and in every run the frozen base is bitwise unchanged, has no
@@ -54,9 +54,9 @@ def test_plain_run_trains_only_adapters(plain):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_lora_matches_one_process_at_every_ep_size(tmp_path, plain, ep):
-    got = run(tmp_path, f"ep{ep}", 4, "--ep", str(ep))
+@pytest.mark.parametrize("ep,ac", [(1, "none"), (2, "none"), (4, "none"), (2, "selective")])
+def test_lora_matches_one_process_at_every_ep_size(tmp_path, plain, ep, ac):
+    got = run(tmp_path, f"ep{ep}", 4, "--ep", str(ep), "--ac", ac)
     check_frozen(got)
     a, b = torch.tensor(plain["losses"]), torch.tensor(got["losses"])
     assert torch.allclose(a, b, rtol=REL, atol=0), f"losses {a.tolist()} vs {b.tolist()}"

@@ -31,6 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--ac", default="none")
     p.add_argument("--base-dtype", default=None, choices=[None, "bfloat16"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -43,7 +44,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         dims = ParallelDims(world, args.ep, num_experts=config.moe_num_experts)
-        parallelize(model, dims.build("cpu"))
+        parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac)
     materialize(model, "cpu", seed=7)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     frozen_before = {n: full(t) for n, t in model.state_dict().items()

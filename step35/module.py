@@ -8,6 +8,7 @@ update after each optimizer step."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import LossOutput, Step35ForCausalLM, build_model
+from step35.model.lora import LoraConfig, apply_lora, check_sizes
 from step35.parallel.collectives import distributed
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, apply_optimizer_settings, check_resume, checkpoint_to_load
@@ -45,6 +47,7 @@ class Step35LightningModule(pl.LightningModule):
         loss_chunk_size: int = 1024,
         moe_bias_update_rate: float = 0.0,
         moe_aux_loss_coef: float = 0.0,
+        lora: LoraConfig | None = None,
     ):
         """
         Args:
@@ -76,9 +79,16 @@ class Step35LightningModule(pl.LightningModule):
                 biases never change and no collective runs. DeepSeek-V3 used 1e-3.
             moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
                 sum_e f_e * P_e, mean over sequences and MoE layers, each sequence weighted by its share
-                of trained labels; see model.moe.sequence_balance_loss) added to the training loss and logged as train/aux_loss. 0 (default): not computed.
+                of trained labels; see model.moe.sequence_balance_loss) added to the training loss and
+                logged as train/aux_loss. 0 (default): not computed.
+            lora: LoRA fine-tuning (docs/lora.md): adapters on the named targets, the base frozen in
+                its own dtype with no gradients or optimizer state; e.g. `--model.lora.rank 16`.
+                None (default): every parameter trains, as without this option.
         """
         super().__init__()
+        lora_config = LoraConfig.of(lora)
+        # Saved as a plain dict: checkpoints are read with weights_only=True, which refuses dataclasses.
+        lora = asdict(lora_config) if lora_config is not None else None
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         _check_options(lr=lr, min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, decay_steps=decay_steps,
@@ -106,6 +116,10 @@ class Step35LightningModule(pl.LightningModule):
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
             raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
                              "model config has use_moe_router_bias=false")
+        self.lora = lora_config
+        if self.lora is not None:
+            self.lora.validate(self.model_config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
+            check_sizes(self.lora, self.model_config, num_mtp_layers)  # a too-large rank: now, not at setup
         # True once the checkpoint to resume was checked against this module's options (the CLI does
         # it before the Trainer exists); otherwise on_load_checkpoint checks what it is given.
         self.resume_checked = False
@@ -121,6 +135,11 @@ class Step35LightningModule(pl.LightningModule):
         return self.model_config.moe_num_experts if self.model_config.use_moe else None
 
     def setup(self, stage: str) -> None:
+        precision = str(getattr(self.trainer, "precision", ""))
+        if self.lora is not None and precision.endswith("-true") and precision != "32-true":
+            raise ValueError(f"model.lora with trainer.precision={precision}: that casts the fp32 adapters too; "
+                             f"use trainer.precision 32-true and model.lora.base_dtype=bfloat16 (the frozen base "
+                             f"and the compute in bf16, the adapters fp32)")
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         limit = self.model_config.max_position_embeddings
@@ -143,6 +162,8 @@ class Step35LightningModule(pl.LightningModule):
         if self.model is not None:
             return
         model = build_model(self.model_config, self.hparams.num_mtp_layers)
+        if self.lora is not None:
+            apply_lora(model, self.lora)  # before sharding: FSDP2 sees the adapters and the frozen base
         strategy = self.trainer.strategy
         if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
             strategy.parallelize_model(model)

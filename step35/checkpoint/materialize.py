@@ -23,6 +23,7 @@ from step35.checkpoint.integrity import verify_on_all_ranks
 from step35.checkpoint.safe_load import check_finite
 from step35.config import Step35Config
 from step35.model.init import init_tensor
+from step35.model.lora import is_adapter
 
 Index = tuple[slice, ...]
 
@@ -66,13 +67,16 @@ def materialize(model: nn.Module, device: torch.device | str, checkpoint: str | 
     if checkpoint is None:
         fill_from_init(model, seed)
         return 0
+    fill_from_init(model, seed, only=is_adapter)  # LoRA adapters are not in an HF checkpoint: they start fresh
     return raise_together(lambda: fill_from_checkpoint(model, infos))
 
 
 @torch.no_grad()
-def fill_from_init(model: nn.Module, seed: int) -> None:
+def fill_from_init(model: nn.Module, seed: int, only=None) -> None:
+    """Fill every local piece (or those whose name passes `only`) from the deterministic init."""
     for name, (local, shape, index) in local_pieces(model).items():
-        local.copy_(init_tensor(name, shape, model.config, seed, index, dtype=torch.float32))
+        if only is None or only(name):
+            local.copy_(init_tensor(name, shape, model.config, seed, index, dtype=torch.float32))
 
 
 @torch.no_grad()
@@ -82,7 +86,7 @@ def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
 
     pieces = local_pieces(model)
     by_file: dict[Path, list[str]] = {}
-    for name in pieces:
+    for name in checkpoint_state(model):
         by_file.setdefault(infos[name].file, []).append(name)
     nbytes = 0
     for file, names in by_file.items():
@@ -100,7 +104,7 @@ def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
 
 def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors an HF checkpoint of `model` holds (a tied lm_head is stored once, as the embedding)."""
-    state = model.state_dict(keep_vars=True)
+    state = {n: t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}  # LoRA: base only
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

@@ -51,7 +51,10 @@ class Attention(nn.Module):
         gate = torch.sigmoid(self.g_proj(x))  # [B, S, Hq]: one gate per head per token
         if torch.is_autocast_enabled(x.device.type):
             return self.o_proj((o * gate.unsqueeze(-1)).reshape(B, S, self.num_heads * self.head_dim))
-        return _GatedOutput.apply(o, gate, self.o_proj.weight)
+        out = _GatedOutput.apply(o, gate, self.o_proj.weight)
+        if hasattr(self.o_proj, "delta"):  # a LoRA adapter on o_proj (model/lora.py) reads the gated product
+            out = out + self.o_proj.delta((o * gate.unsqueeze(-1)).reshape(B, S, self.num_heads * self.head_dim))
+        return out
 
 
 class _GatedOutput(torch.autograd.Function):

@@ -20,8 +20,11 @@ _BLOCK_ELEMENTS = 1 << 20  # about one million values per generator call
 
 
 def init_kind(name: str) -> str:
-    """'zeros' | 'ones' | 'normal' | 'normal_out' (output projections, scaled by depth)."""
-    if name.endswith("router_bias"):
+    """'zeros' | 'norm' | 'normal' | 'normal_out' (output projections, scaled by depth) | 'lora_A'
+    (LoRA down-projections: uniform in +-1/sqrt(in), kaiming-uniform-like; LoRA's B starts at zero)."""
+    if name.endswith("lora_A"):
+        return "lora_A"
+    if name.endswith(("router_bias", "lora_B")):
         return "zeros"
     if name.endswith("norm.weight"):
         return "norm"
@@ -60,7 +63,10 @@ def init_tensor(name: str, shape: tuple[int, ...], config: Step35Config, seed: i
         b0 = block * block_rows
         n = min(block_rows, shape[0] - b0)
         g = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        values = torch.randn((n, *shape[1:]), generator=g, dtype=torch.float32)
+        if kind == "lora_A":  # A [r, in] or stacked [E, in, r]: the input width is dim 1 either way
+            values = (torch.rand((n, *shape[1:]), generator=g, dtype=torch.float32) * 2 - 1) / math.sqrt(shape[1])
+        else:
+            values = torch.randn((n, *shape[1:]), generator=g, dtype=torch.float32)
         lo, hi = max(rows.start, b0) - b0, min(rows.stop, b0 + n) - b0
         pieces.append(values[(slice(lo, hi),) + index[1:]])
-    return (torch.cat(pieces) * std).to(dtype)
+    return (torch.cat(pieces) * (1.0 if kind == "lora_A" else std)).to(dtype)

@@ -26,7 +26,10 @@ from step35.model.mlp import clamped_swiglu
 
 
 class ExpertWeight(nn.Module):
-    """One stacked projection of all experts, nn.Linear layout per expert: weight [E, out, in]."""
+    """One stacked projection of all experts, nn.Linear layout per expert: weight [E, out, in].
+
+    With LoRA (model/lora.py adds `lora_A` [E, in, r] and `lora_B` [E, r, out]) each expert adds
+    its own (dropout(x) @ A_e @ B_e) * lora_scale, through the same grouped GEMM as the weight."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int):
         super().__init__()
@@ -36,7 +39,31 @@ class ExpertWeight(nn.Module):
         """x: [N, in] rows sorted by expert, counts: [E_held] rows per expert held here -> [N, out].
 
         Under expert parallelism this module holds a slice of the experts (see kernels.grouped_mm)."""
-        return kernels.grouped_mm(x, self.weight, counts)
+        y = kernels.grouped_mm(x, self.weight, counts)
+        if "lora_A" not in self._parameters:
+            return y
+        return y + expert_lora_delta(x, self.lora_A, self.lora_B, counts, self.lora_scale, self.lora_dropout,
+                                     self.training)
+
+
+def expert_lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, counts: torch.Tensor, scale: float,
+                      dropout: float, training: bool) -> torch.Tensor:
+    """Per-expert (dropout(x) @ A_e @ B_e) * scale on rows sorted by expert, in x's dtype (the
+    compute dtype: the fp32 adapters are cast like FSDP's param_dtype would). x [N, in],
+    A [E, in, r], B [E, r, out] (held experts), counts [E_held] -> [N, out]. Two grouped GEMMs; the
+    rank is zero-padded to the kernel's 16-byte row alignment (exact: the pads multiply zeros)."""
+    # Expert-parallel adapters are DTensors sharded over experts: use the experts held here.
+    A, B = (t.to_local() if hasattr(t, "to_local") else t for t in (A, B))
+    A, B = A.to(x.dtype), B.to(x.dtype)
+    r = A.shape[-1]
+    step = max(1, 16 // x.element_size())
+    if r % step:
+        A = F.pad(A, (0, step - r % step))  # [E, in, r'] zero columns
+        B = F.pad(B, (0, 0, 0, step - r % step))  # [E, r', out] zero rows
+    h = F.dropout(x, dropout, training) if dropout > 0 else x
+    # grouped_mm takes nn.Linear-layout stacks [E, out, in]: hand it A and B transposed (views).
+    h = kernels.grouped_mm(h, A.transpose(-2, -1), counts)  # [N, r']
+    return kernels.grouped_mm(h, B.transpose(-2, -1), counts) * scale  # [N, out]
 
 
 def expert_swiglu(moe: "MoE", x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

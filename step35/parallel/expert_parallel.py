@@ -79,12 +79,13 @@ class ExpertParallelDispatcher:
 
 
 def shard_experts(moe: MoE, ep_mesh) -> None:
-    """Make the stacked expert weights global-shape DTensors, Shard(0) over `ep`, and swap in the
-    all-to-all dispatcher. Works on meta tensors (nothing is allocated or communicated)."""
+    """Make the stacked expert weights (and their LoRA adapters, [E, ...] too) global-shape DTensors,
+    Shard(0) over `ep`, and swap in the all-to-all dispatcher. Works on meta tensors (nothing is
+    allocated or communicated)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for proj in (moe.gate_proj, moe.up_proj, moe.down_proj):
-        weight = proj.weight
-        proj.weight = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]),
-                                   requires_grad=weight.requires_grad)
+        for name, param in list(proj.named_parameters(recurse=False)):  # weight, lora_A, lora_B
+            setattr(proj, name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
+                                             requires_grad=param.requires_grad))
     moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), ep_mesh.size(), moe.num_experts)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from step35.model import Step35ForCausalLM
+from step35.model.lora import is_adapter
 from step35.parallel.expert_parallel import shard_experts
 from step35.parallel.mesh import Meshes
 
@@ -44,6 +45,11 @@ def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forwar
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     dense_mesh = meshes.dense
+    # LoRA (model/lora.py): the frozen base and the fp32 adapters share units (FSDP2 checks dtypes of
+    # trainable parameters only, at the first forward). A rank whose adapters get no gradient in a
+    # step (a frozen MTP path, experts no token reached) must still join the reduce-scatters.
+    lora = any(is_adapter(name) for name, _ in model.named_parameters())
+    units = []
     for layer in model.model.layers:
         if layer.spec.is_moe and meshes.experts is not None:
             experts = [layer.moe.gate_proj, layer.moe.up_proj, layer.moe.down_proj]
@@ -54,13 +60,18 @@ def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forwar
             # backward); reduce-scatter over efsdp then sums over every rank. Divide by the world,
             # as the dense parameters are, so both are a mean over data-parallel ranks.
             experts[0].set_gradient_divide_factor(float(meshes.dims.world_size))
+            units.append(experts[0])
             # gloo has no PREMUL_SUM: sum, then divide. (With efsdp == 1 the forced sum skipped the
             # division in a probe on torch 2.13, so only where a reduce-scatter really happens.)
             if dense_mesh.device_type == "cpu" and meshes.dims.efsdp > 1:
                 experts[0].set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        units.append(layer)
     # Root: embedding, final norm, lm_head. Not resharded after forward: backward needs them at once.
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
+    if lora:
+        for unit in units + [model]:
+            unit.set_reduce_scatter_unused_params(True)
     # The training loss is `model.loss`, not `forward`: give it the root's gather and input casting.
     register_fsdp_forward_method(model, "loss")
 

@@ -1,0 +1,89 @@
+"""A few optimizer steps (SGD with momentum) of the tiny model with LoRA on every target kind, plain (one process) or
+distributed (torchrun, gloo, FSDP2 + EP), from the same init and the same global batches; rank 0
+writes the per-step global losses, every adapter's (and full target's) gradient at each step
+before clipping, the final trained parameters and a checksum of the frozen base to --out.
+
+  python tests/dist/lora_steps.py --out plain.pt
+  torchrun --standalone --nproc-per-node 4 tests/dist/lora_steps.py --ep 2 --out ep2.pt
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from step35.checkpoint.materialize import materialize
+from step35.config import preset
+from step35.model import build_model
+from step35.model.lora import LoraConfig, apply_lora
+from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
+
+GLOBAL_BATCH, SEQ = 8, 32
+TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head"]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--ac", default="none")
+    p.add_argument("--base-dtype", default=None, choices=[None, "bfloat16"])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    distributed = "WORLD_SIZE" in os.environ
+    config = preset("tiny")
+    model = build_model(config)
+    apply_lora(model, LoraConfig(rank=4, targets=TARGETS, expert_rank=2, base_dtype=args.base_dtype))
+    rank, world = 0, 1
+    if distributed:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dims = ParallelDims(world, args.ep, num_experts=config.moe_num_experts)
+        parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac)
+    materialize(model, "cpu", seed=7)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    frozen_before = {n: full(t) for n, t in model.state_dict().items()
+                     if n not in dict(trained) and not n.endswith("router_bias")}
+    # SGD with momentum (it keeps state, as AdamW does): AdamW's normalised step would turn fp32
+    # reduction-order noise in near-zero gradients into 1e-5-sized parameter differences, and
+    # this run compares gradients at every step, not only the first.
+    opt = torch.optim.SGD([p for _, p in trained], lr=0.5, momentum=0.9, foreach=False)
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, config.vocab_size, (args.steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+    per_rank = GLOBAL_BATCH // world
+    losses, grads = [], []
+    for step in range(args.steps):
+        tokens = data[step, rank * per_rank:(rank + 1) * per_rank]
+        out = model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=0.3)
+        out.loss.backward()
+        loss = out.loss.detach()
+        if distributed:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+        grads.append({n: full(p.grad) for n, p in trained})
+        clip_grad_norm_([p for _, p in trained], 0.5)
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    params = {n: full(state[n]) for n, _ in trained}
+    base_unchanged = all(torch.equal(full(state[n]), t) for n, t in frozen_before.items())
+    no_base_grads = all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+    base_dtypes = sorted({str(t.dtype) for n, t in state.items() if n in frozen_before})
+    base_state = all(p not in opt.state for n, p in model.named_parameters() if not p.requires_grad)
+    if rank == 0:
+        torch.save({"losses": losses, "grads": grads, "params": params, "base_unchanged": base_unchanged,
+                    "no_base_grads": no_base_grads, "no_base_state": base_state, "base_dtypes": base_dtypes, "frozen": len(frozen_before)},
+                   args.out)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

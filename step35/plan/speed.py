@@ -10,6 +10,7 @@ import torch
 
 from step35.flops import attention_flops_per_token, training_flops_per_token
 from step35.plan.devices import Device
+from step35.plan.lora import trained_tensors
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup
 
@@ -36,11 +37,28 @@ def _bytes(dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def lora_flops_per_token(s: RunSettings, full: float, attention: float) -> float:
+    """Training FLOPs per token of a LoRA run: the frozen base skips its weight gradients (4 of the 6
+    FLOPs per matmul parameter remain: forward and input gradient; attention is unchanged), and the
+    adapters a token passes through add 6 each (a routed expert's adapters for top-k of the experts)."""
+    cfg = s.model_config
+    mtp = s.num_mtp_layers if s.train_mtp else 0
+    active = 0.0
+    for t in trained_tensors(cfg, s.lora, s.num_mtp_layers):
+        if t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp:
+            continue  # MTP layers that do not run
+        share = cfg.moe_top_k / cfg.moe_num_experts if t.expert else 1.0
+        active += t.numel * share if t.adapter else 0
+    return attention + (full - attention) * 4 / 6 + 6 * active
+
+
 def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
     attention = attention_flops_per_token(cfg, s.seq_len, mtp)
+    if s.lora is not None:
+        fpt = lora_flops_per_token(s, fpt, attention)
     if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)
         hw = fpt + (fpt - 6 * cfg.vocab_size * cfg.hidden_size) / 3
     elif s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
@@ -74,8 +92,7 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
             share = (g.ranks - 1) / g.ranks
             times = 2 if (s.reshard_after_forward and g.name != "root") else 1
             gather += g.unsharded_numel * a * share * times * micro_batches
-            if g.trainable:
-                reduce += g.unsharded_numel * r * share * micro_batches
+            reduce += g.grad_numel * r * share * micro_batches  # LoRA: adapters and full targets only
         link = device.inter_node_gbps if nodes > 1 else device.intra_node_gbps
         t = (gather + reduce) / (link * 1e9)
         if nodes > 1:

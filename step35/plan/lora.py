@@ -93,7 +93,7 @@ def parse_lora(value: Any, config: Step35Config) -> LoraSettings | None:
     top_k = config.moe_top_k if config.use_moe else 1
     expert_rank = max(1, rank // top_k) if expert_rank is None else _positive_int(expert_rank, "expert_rank")
     lora = LoraSettings(rank, float(alpha), float(dropout), tuple(dict.fromkeys(targets)), expert_rank)
-    if not any(True for t in trained_tensors(config, lora, config.num_nextn_predict_layers)):
+    if not list(trained_tensors(config, lora, config.num_nextn_predict_layers)):  # also checks every rank
         raise LoraInputError(f"model.lora.targets={list(targets)!r}: adapts nothing in this model")
     return lora
 

@@ -42,9 +42,10 @@ def adapter_activation_line(p: Plan) -> str:
         for kind, per_token in by_kind.items():
             kinds.setdefault(kind, []).append(per_token)
     total = sum(sum(v) for v in kinds.values()) * activation_shape(s).tokens
-    where = {"none": "kept", "selective": "kept (matmul results)", "full": "in the rebuilt block only"}
+    where = {"none": "kept", "selective": "kept (with their matmul results)",
+             "full": "not kept: rebuilt block by block in backward"}
     return (", ".join(f"{k} {max(v):,.0f} B/token x {len(v)} layers" for k, v in kinds.items())
-            + f"; {total / GiB:.2f} GiB per micro-batch, {where[s.activation_checkpointing]}")
+            + f"; {total / GiB:.2f} GiB per micro-batch over all layers, {where[s.activation_checkpointing]}")
 
 
 def text(p: Plan) -> str:

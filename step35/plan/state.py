@@ -36,7 +36,7 @@ class RankState:
     expert_shapes: dict[str, list[int]]  # local shard shape of one MoE layer's stacked projections
     frozen: int = 0  # LoRA: bytes of the frozen base (part of `params`)
     adapter_params: int = 0  # LoRA: bytes of the local adapter shards (part of `params`)
-    adapters_total: int = 0  # LoRA: global adapter element count
+    adapters_total: int = 0  # LoRA: global adapter element count (not in params_total, the model's)
 
     @property
     def total(self) -> int:
@@ -139,7 +139,7 @@ def lora_rank_state(model: Step35ForCausalLM, lora: LoraSettings, *, base_dtype:
         largest = max(largest, n * trained_bytes)
     grads = trained + adapters
     buffers = sum(_nbytes(_local(b)) for b in model.buffers())
-    return RankState(frozen + grads, grads, ADAM_STATES * grads, buffers, total + adapters_total, local_numel_sum,
+    return RankState(frozen + grads, grads, ADAM_STATES * grads, buffers, total, local_numel_sum,
                      trainable, largest, shapes, frozen=frozen, adapter_params=adapters, adapters_total=adapters_total)
 
 

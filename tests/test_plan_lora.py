@@ -8,11 +8,15 @@
 - bad `model.lora` values are refused with a message naming the field.
 """
 
+import inspect
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from step35.config import Step35Config, preset
@@ -118,6 +122,9 @@ def test_unsharded_tiny_plan_counts_base_in_compute_dtype_and_adapters_in_fp32()
     # The override of one key changes the count like the fit parser would.
     s = read_settings([*base, "--model.lora.rank", "2"])
     assert s.lora.rank == 2 and s.lora.targets == DEFAULT_TARGETS
+    # MTP adapters without an MTP loss would never learn: the plan says so.
+    s = read_settings([*base, "--model.lora.targets", "[attention, mtp]", "--model.mtp_loss_weight", "0"])
+    assert any("names mtp but no MTP loss is trained" in n for n in s.notes)
 
 
 # ------------------------------------------------------------------------------ the 196B recipe
@@ -165,6 +172,29 @@ def test_recipe_lora_bytes_equal_a_hand_computation(capsys):
     # No base gradient anywhere: only adapters are reduce-scattered, and the lm_head is not trained.
     assert plan["transients"]["lm_head_grad"] == 0 and plan["transients"]["root_grads"] == 0
     assert plan["speed"]["fsdp_reduce_bytes"] < 0.05 * plan["speed"]["fsdp_gather_bytes"]  # full: 2x the gather
+
+
+def test_recipe_is_one_node_of_eight_with_valid_ep_and_parses_for_fit(tmp_path):
+    from step35.module import Step35LightningModule
+    from step35.parallel import ParallelDims
+    from step35.plan.settings import parse_fit_args, split_lora_args
+
+    cfg = yaml.safe_load(Path(RECIPE).read_text())
+    trainer, model = cfg["trainer"], cfg["model"]
+    assert (trainer["num_nodes"], trainer["devices"], trainer["accelerator"]) == (1, 8, "gpu")
+    ep = trainer["strategy"]["init_args"]["expert_parallel_size"]
+    ParallelDims(8, ep, num_experts=preset("flash-196b").moe_num_experts)  # raises if inconsistent
+    assert cfg["data"]["seq_len"] == 4096 and model["checkpoint"] == "/data/Step-3.5-Flash"
+    assert parse_lora(model["lora"], preset("flash-196b")).rank == 32
+    # Everything but model.lora is a valid `step35 fit` config today ...
+    args, lora = split_lora_args(["--config", RECIPE], str(tmp_path))
+    assert lora == model["lora"] and parse_fit_args(args).model.checkpoint == "/data/Step-3.5-Flash"
+    # ... and all of it once the trainer has the option.
+    if "lora" in inspect.signature(Step35LightningModule.__init__).parameters:
+        proc = subprocess.run([sys.executable, "-m", "step35", "fit", "--config", RECIPE, "--print_config"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert yaml.safe_load(proc.stdout)["model"]["lora"]["rank"] == 32
 
 
 @pytest.mark.timeout(300)

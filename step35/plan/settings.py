@@ -3,7 +3,6 @@ same defaults), without instantiating the trainer, the model or the data."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import tempfile
 import warnings
@@ -78,13 +77,6 @@ class RunSettings:
         return replace(self, notes=list(self.notes), **changes)
 
 
-def module_knows_lora() -> bool:
-    """Does Step35LightningModule take `lora` (then its parser reads model.lora like any option)?"""
-    from step35.module import Step35LightningModule
-
-    return "lora" in inspect.signature(Step35LightningModule.__init__).parameters
-
-
 def _yaml(text: str, where: str):
     import yaml
 
@@ -95,8 +87,9 @@ def _yaml(text: str, where: str):
 
 
 def split_lora_args(args: list[str], folder: str) -> tuple[list[str], Any]:
-    """`args` without model.lora, and model.lora's value (None when absent): for a module that has
-    no `lora` option yet, whose parser would refuse the key. A YAML given by --config that holds
+    """`args` without model.lora, and model.lora's value (None when absent). The plan reads and checks
+    model.lora itself (lora.parse_lora), so that its messages are the same whether or not the trainer's
+    parser knows the option (a parser without it would refuse the key). A YAML given by --config that holds
     model.lora is copied into `folder` without it; --model.lora / --model.lora.<key> overrides are
     taken out and applied over the YAML's value (last one wins, as in the fit parser)."""
     out: list[str] = []
@@ -106,7 +99,7 @@ def split_lora_args(args: list[str], folder: str) -> tuple[list[str], Any]:
         arg = args[i]
         name, eq, inline = arg.partition("=")
         takes_value = not eq and i + 1 < len(args)
-        if name == "--config" and (eq or takes_value):
+        if name in ("--config", "-c") and (eq or takes_value):
             path = inline if eq else args[i + 1]
             i += 1 if eq else 2
             raw = _yaml(Path(path).read_text(), f"--config {path}") if Path(path).is_file() else None
@@ -196,11 +189,9 @@ def _count(value, name: str) -> int:
 
 
 def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
-    """The run of a parsed `fit` namespace; `lora` is model.lora when the parser did not read it."""
+    """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
     config, source, notes = _model_config(model)
-    if lora is None:
-        lora = model.get("lora")
     try:
         lora = parse_lora(lora, config)
     except LoraInputError as err:
@@ -233,14 +224,15 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     elif settings.world_size > 1:
         raise PlanInputError(f"trainer.strategy={class_path or strategy!r} on {settings.world_size} devices: the plan "
                              f"models {STEP35_STRATEGY} (FSDP2 + expert parallel), or one unsharded device")
+    if lora is not None and lora.adapts("mtp") and not settings.train_mtp:
+        settings.notes.append("model.lora.targets names mtp but no MTP loss is trained (model.mtp_loss_weight 0 "
+                              "or no MTP layers): their adapters are held but get no gradient")
     if settings.precision not in ("32-true", "32", "bf16-true", "bf16-mixed", "16-true"):
         raise PlanInputError(f"trainer.precision={settings.precision!r}: plan knows 32-true, bf16-true, bf16-mixed, 16-true")
     return settings
 
 
 def read_settings(args: list[str]) -> RunSettings:
-    if module_knows_lora():
-        return settings_from_namespace(parse_fit_args(args))
     with tempfile.TemporaryDirectory(prefix="step35-plan-") as folder:
         args, lora = split_lora_args(args, folder)
         return settings_from_namespace(parse_fit_args(args), lora)

@@ -134,18 +134,20 @@ def hand_lora(rank: int, expert_rank: int, tokens: int) -> dict[str, float]:
     (64 heads) on every fourth layer from 0, sliding (96 heads) otherwise; 8 KV heads of 128."""
     H, d, nkv, E, K, I, S, Id = 4096, 128, 8, 288, 8, 1280, 1280, 11264
     r, re = rank, expert_rank
-    adapters = act = 0
+    dense = experts = act = 0
     for i in range(45):
         nq = 64 if i % 4 == 0 else 96
-        adapters += r * (H + nq * d) * 2 + r * (H + nkv * d) * 2 + r * (H + nq)  # q, o; k, v; head gate
+        dense += r * (H + nq * d) * 2 + r * (H + nkv * d) * 2 + r * (H + nq)  # q, o; k, v; head gate
         act += 5 * r * 2
         if i < 3:
-            adapters += 3 * r * (H + Id)
+            dense += 3 * r * (H + Id)
             act += 3 * r * 2
         else:
-            adapters += 3 * E * re * (H + I) + 3 * r * (H + S)
+            experts += 3 * E * re * (H + I)
+            dense += 3 * r * (H + S)
             act += 3 * K * re * 2 + 3 * r * 2
-    return {"adapters": adapters, "activations": act * tokens}
+    return {"adapters": dense + experts, "activations": act * tokens,
+            "per_token": dense + experts * K / E}  # adapter parameters a token passes through
 
 
 @pytest.mark.timeout(300)
@@ -169,6 +171,12 @@ def test_recipe_lora_bytes_equal_a_hand_computation(capsys):
     assert state["optimizer"] == pytest.approx(2 * hand["adapters"] * 4 / 8, rel=0.01)
     lora_act = sum(v for k, v in plan["activations"]["parts"].items() if k.startswith("lora "))
     assert lora_act == pytest.approx(hand["activations"], rel=0.01)
+    # FLOPs: the frozen base keeps 4 of its 6 FLOPs per parameter, attention is unchanged, adapters cost 6.
+    from step35.flops import attention_flops_per_token
+
+    attention = attention_flops_per_token(preset("flash-196b"), 4096)
+    flops = attention + (73.506e9 - attention) * 4 / 6 + 6 * hand["per_token"]
+    assert plan["speed"]["flops_per_token"] == pytest.approx(flops, rel=1e-4)
     # No base gradient anywhere: only adapters are reduce-scattered, and the lm_head is not trained.
     assert plan["transients"]["lm_head_grad"] == 0 and plan["transients"]["root_grads"] == 0
     assert plan["speed"]["fsdp_reduce_bytes"] < 0.05 * plan["speed"]["fsdp_gather_bytes"]  # full: 2x the gather

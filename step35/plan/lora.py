@@ -1,12 +1,13 @@
 """A LoRA run as the plan counts it: the `model.lora` options, the adapter tensors they create, what
 each rank holds of them, and the activations they add.
 
-The shape of `model.lora` (docs/lora.md): rank, alpha (default rank), dropout (default 0), targets
+The shape of `model.lora`: rank, alpha (default rank), dropout (default 0), targets
 (default attention, mlp, shared_expert, experts), expert_rank (default max(1, rank // moe_top_k)).
 A dense `nn.Linear` with weight [out, in] gets A [r, in] and B [out, r]; the routed experts of a layer
 get [E, in, r] and [E, r, out] for each of gate, up and down, sharded like the experts (Shard(0) over
 ep, then Shard(1) over efsdp). The base is frozen in the compute dtype; adapters and the full targets
-(router, lm_head, embed) keep fp32 master weights, fp32 gradients and AdamW state.
+(router, lm_head, embed) keep master weights, gradients and AdamW state in the stored dtype (fp32 under
+precision 32-true).
 """
 
 from __future__ import annotations

@@ -37,19 +37,18 @@ def _bytes(dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def lora_flops_per_token(s: RunSettings, full: float, attention: float) -> float:
-    """Training FLOPs per token of a LoRA run: the frozen base skips its weight gradients (4 of the 6
-    FLOPs per matmul parameter remain: forward and input gradient; attention is unchanged), and the
-    adapters a token passes through add 6 each (a routed expert's adapters for top-k of the experts)."""
+def adapter_params_per_token(s: RunSettings) -> float:
+    """Adapter parameters one token passes through in a LoRA run (a routed expert's adapters for top-k
+    of the experts; MTP layers only when they run). Each costs 2 FLOPs forward and 4 backward, while
+    the frozen base's matmuls skip their weight gradients (4 of their 6 FLOPs per parameter remain)."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     active = 0.0
     for t in trained_tensors(cfg, s.lora, s.num_mtp_layers):
-        if t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp:
-            continue  # MTP layers that do not run
-        share = cfg.moe_top_k / cfg.moe_num_experts if t.expert else 1.0
-        active += t.numel * share if t.adapter else 0
-    return attention + (full - attention) * 4 / 6 + 6 * active
+        if not t.adapter or (t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp):
+            continue  # full targets are in the base count; MTP layers that do not run
+        active += t.numel * (cfg.moe_top_k / cfg.moe_num_experts if t.expert else 1.0)
+    return active
 
 
 def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
@@ -57,10 +56,13 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
     attention = attention_flops_per_token(cfg, s.seq_len, mtp)
+    forward = fpt / 3
     if s.lora is not None:
-        fpt = lora_flops_per_token(s, fpt, attention)
+        adapters = adapter_params_per_token(s)
+        fpt = attention + (fpt - attention) * 4 / 6 + 6 * adapters
+        forward += 2 * adapters
     if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)
-        hw = fpt + (fpt - 6 * cfg.vocab_size * cfg.hidden_size) / 3
+        hw = fpt + forward - 2 * cfg.vocab_size * cfg.hidden_size
     elif s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
         hw = fpt + attention / 3
     else:

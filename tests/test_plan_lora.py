@@ -127,6 +127,35 @@ def test_unsharded_tiny_plan_counts_base_in_compute_dtype_and_adapters_in_fp32()
     assert any("names mtp but no MTP loss is trained" in n for n in s.notes)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_rank0_adapter_shards_equal_fully_shard_of_real_adapter_parameters(world):
+    """Adapters attached as real parameters to the tiny model's modules, sharded by the real
+    `parallelize` (FSDP2, EP 1) for `world` simulated ranks: rank 0's local elements equal the plan's
+    rule (ceil chunks of dim 0; 3 ranks make the chunks uneven)."""
+    from step35.parallel import ParallelDims, parallelize
+    from step35.plan.lora import local_numel
+    from step35.plan.world import close_world, simulated_world
+
+    config = tiny_config()
+    lora = parse_lora({"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "mtp"]}, config)
+    simulated_world(world, 0)
+    try:
+        model = build_model(config, device="meta")
+        modules = dict(model.named_modules())
+        for t in trained_tensors(config, lora, config.num_nextn_predict_layers):
+            owner, _, leaf = t.name.rpartition(".")
+            owner = owner.removesuffix(".weight")
+            modules[owner].register_parameter(leaf, nn.Parameter(torch.empty(t.shape, device="meta")))
+        parallelize(model, ParallelDims(world, 1, num_experts=config.moe_num_experts).build("cpu"))
+        real = sum(p.to_local().numel() for name, p in model.named_parameters() if ".lora_" in name)
+    finally:
+        close_world()
+    planned = sum(local_numel(t, world=world, shard_size=world, ep=1, sharded=True)
+                  for t in trained_tensors(config, lora, config.num_nextn_predict_layers))
+    assert real == planned
+    assert planned > sum(t.numel for t in trained_tensors(config, lora, config.num_nextn_predict_layers)) // world
+
+
 # ------------------------------------------------------------------------------ the 196B recipe
 def hand_lora(rank: int, expert_rank: int, tokens: int) -> dict[str, float]:
     """Global adapter elements and the adapter activations (bf16, no checkpointing) of the default

@@ -317,21 +317,21 @@ def test_context_parallel_estimate_divides_per_token_rows_and_adds_gathered_kv()
 
 # ------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("lora,message", [
-    ("{rank: 0}", "model.lora.rank=0: must be a positive integer"),
-    ("{rank: -8}", "model.lora.rank=-8: must be a positive integer"),
-    ("{rank: eight}", "model.lora.rank='eight': must be a positive integer"),
-    ("{alpha: 16}", "model.lora.rank: missing"),
-    ("{rank: 4, ranks: 8}", "model.lora.ranks: unknown option"),
-    ("{rank: 4, targets: [attention, ffn]}", "model.lora.targets: unknown target 'ffn'"),
+    ("{rank: 0}", "model.lora.rank=0: must be an integer >= 1"),
+    ("{rank: -8}", "model.lora.rank=-8: must be an integer >= 1"),
+    ("{rank: eight}", "model.lora.rank='eight': must be an integer >= 1"),
+    ("{alpha: 16}", "model.lora: `rank` is required"),
+    ("{rank: 4, ranks: 8}", "model.lora: unknown field(s) ['ranks']"),
+    ("{rank: 4, targets: [attention, ffn]}", "model.lora.targets: unknown target(s) ['ffn']"),
     ("{rank: 4, targets: attention}", "model.lora.targets='attention': must be a non-empty list"),
     ("{rank: 4, targets: []}", "model.lora.targets=[]: must be a non-empty list"),
-    ("{rank: 4, dropout: 1.5}", "model.lora.dropout=1.5: must be a number in [0, 1)"),
-    ("{rank: 4, alpha: 0}", "model.lora.alpha=0: must be a positive number"),
-    ("{rank: 4, expert_rank: 0}", "model.lora.expert_rank=0: must be a positive integer"),
+    ("{rank: 4, dropout: 1.5}", "model.lora.dropout=1.5: must be in [0, 1)"),
+    ("{rank: 4, alpha: 0}", "model.lora.alpha=0: must be > 0"),
+    ("{rank: 4, expert_rank: 0}", "model.lora.expert_rank=0: must be an integer >= 1"),
     ("{rank: 64}", "model.lora rank 64 is larger than model.layers.0.self_attn.g_proj [4, 128]"),
     ("{rank: 4, expert_rank: 100, targets: [experts]}", "model.lora.expert_rank 100 is larger than model.layers.1.moe"),
-    ("{rank: 4, targets: [lm_head], lora: 1}", "model.lora.lora: unknown option"),
-    ("[4]", "model.lora=[4]: must be a mapping"),
+    ("{rank: 4, targets: [lm_head], lora: 1}", "model.lora: unknown field(s) ['lora']"),
+    ("[4]", "model.lora must be a mapping of LoRA options or null"),
 ])
 def test_bad_lora_values_are_refused_naming_the_field(capsys, tmp_path, lora, message):
     config = tmp_path / "run.yaml"

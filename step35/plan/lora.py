@@ -1,8 +1,8 @@
 """A LoRA run as the plan counts it: the `model.lora` options, the adapter tensors they create, what
 each rank holds of them, and the activations they add.
 
-The shape of `model.lora`: rank, alpha (default rank), dropout (default 0), targets
-(default attention, mlp, shared_expert, experts), expert_rank (default max(1, rank // moe_top_k)).
+The options of `model.lora` and their rules belong to step35.model.lora.LoraConfig; this module resolves
+them (alpha default rank, expert_rank default max(1, rank // moe_top_k)) and counts.
 A dense `nn.Linear` with weight [out, in] gets A [r, in] and B [out, r]; the routed experts of a layer
 get [E, in, r] and [E, r, out] for each of gate, up and down, sharded like the experts (Shard(0) over
 ep, then Shard(1) over efsdp). The base is frozen in the compute dtype; adapters and the full targets
@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from step35.config import Step35Config
+from step35.model.lora import ATTENTION_TARGETS, FULL_TARGETS, VALID_TARGETS, LoraConfig, LoraError
+from step35.model.lora import DEFAULT_TARGETS as MODEL_DEFAULT_TARGETS
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "g_proj")
+ATTENTION = ATTENTION_TARGETS
 KINDS = ("mlp", "shared_expert", "experts", "mtp")
-FULL = ("router", "lm_head", "embed")  # trained as in a full fine-tune, no adapter
-TARGETS = (*ATTENTION, "attention", *KINDS, *FULL)
-DEFAULT_TARGETS = ("attention", "mlp", "shared_expert", "experts")
-KEYS = ("rank", "alpha", "dropout", "targets", "expert_rank")
+FULL = FULL_TARGETS  # trained as in a full fine-tune, no adapter
+TARGETS = VALID_TARGETS
+DEFAULT_TARGETS = tuple(MODEL_DEFAULT_TARGETS)
 
 
 class LoraInputError(ValueError):
@@ -32,6 +33,8 @@ class LoraInputError(ValueError):
 
 @dataclass(frozen=True)
 class LoraSettings:
+    """The resolved options the plan counts with (alpha and expert_rank filled in)."""
+
     rank: int
     alpha: float
     dropout: float
@@ -53,49 +56,24 @@ class LoraSettings:
                 f"targets {', '.join(self.targets)}")
 
 
-def _positive_int(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LoraInputError(f"model.lora.{field}={value!r}: must be a positive integer")
-    return value
-
-
 def parse_lora(value: Any, config: Step35Config) -> LoraSettings | None:
     """`model.lora` as read from the YAML or an override (a mapping, or None for a full fine-tune),
-    checked against the model shape; raises LoraInputError naming the field."""
+    checked by the model's own LoraConfig (step35.model.lora: one owner of the option's rules) and
+    against the model shape; raises LoraInputError naming the field."""
     if value is None:
         return None
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace
         value = value.as_dict()
-    if not isinstance(value, dict):
-        raise LoraInputError(f"model.lora={value!r}: must be a mapping such as {{rank: 32}}")
-    unknown = sorted(set(value) - set(KEYS))
-    if unknown:
-        raise LoraInputError(f"model.lora.{unknown[0]}: unknown option (known: {', '.join(KEYS)})")
-    if "rank" not in value:
-        raise LoraInputError("model.lora.rank: missing (the adapter rank, e.g. 32)")
-    rank = _positive_int(value["rank"], "rank")
-    alpha = value.get("alpha")
-    alpha = float(rank) if alpha is None else alpha
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise LoraInputError(f"model.lora.alpha={value.get('alpha')!r}: must be a positive number")
-    dropout = value.get("dropout", 0.0)
-    dropout = 0.0 if dropout is None else dropout
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise LoraInputError(f"model.lora.dropout={dropout!r}: must be a number in [0, 1)")
-    targets = value.get("targets")
-    targets = DEFAULT_TARGETS if targets is None else targets
-    if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets:
-        raise LoraInputError(f"model.lora.targets={targets!r}: must be a non-empty list of names "
-                             f"({', '.join(TARGETS)})")
-    for t in targets:
-        if t not in TARGETS:
-            raise LoraInputError(f"model.lora.targets: unknown target {t!r} (known: {', '.join(TARGETS)})")
-    expert_rank = value.get("expert_rank")
-    top_k = config.moe_top_k if config.use_moe else 1
-    expert_rank = max(1, rank // top_k) if expert_rank is None else _positive_int(expert_rank, "expert_rank")
-    lora = LoraSettings(rank, float(alpha), float(dropout), tuple(dict.fromkeys(targets)), expert_rank)
+    try:
+        options = LoraConfig.of(value)
+        options.validate(config)
+        # A field of the wrong type (e.g. dropout "x") surfaces as a TypeError in the comparisons above.
+    except (LoraError, TypeError) as err:
+        raise LoraInputError(str(err) if isinstance(err, LoraError) else f"model.lora={value!r}: {err}") from None
+    lora = LoraSettings(options.rank, options.scale_alpha, float(options.dropout), tuple(dict.fromkeys(options.targets)),
+                        options.resolved_expert_rank(config) if config.use_moe else options.expert_rank or options.rank)
     if not list(trained_tensors(config, lora, config.num_nextn_predict_layers)):  # also checks every rank
-        raise LoraInputError(f"model.lora.targets={list(targets)!r}: adapts nothing in this model")
+        raise LoraInputError(f"model.lora.targets={list(options.targets)!r}: adapts nothing in this model")
     return lora
 
 

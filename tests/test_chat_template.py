@@ -600,7 +600,8 @@ def reasoning_outside(name: str) -> str:
     train_reasoning=False. It renders the same text as the template."""
     source = SOURCES[name]
     if name == "chatml":
-        old = "[[GEN]]{%- if m.reasoning_content -%}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n' }}{%- endif -%}"
+        old = "[[GEN]]{%- if m.reasoning_content -%}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n' }}"
+        old += "{%- endif -%}"
         new = (
             "{%- if m.reasoning_content -%}[[GEN]]{{ '<think>\\n' }}[[/GEN]]{{ m.reasoning_content }}"
             "[[GEN]]{{ '\\n</think>\\n' }}[[/GEN]]{%- endif -%}[[GEN]]"
@@ -642,12 +643,13 @@ def test_untrained_reasoning_equals_transformers_with_reasoning_outside_the_bloc
     for train_on in ("assistant", "last_assistant"):
         expected_mask = [m and (train_on == "assistant" or k >= start) for k, m in enumerate(reference)]
         for source in (plain(name), marked(name)):
-            ids, mask = ChatTemplate(source, "test").encode(ours, messages, train_on=train_on, train_reasoning=False)
+            template = ChatTemplate(source, "test")
+            ids, mask = template.encode(ours, messages, train_on=train_on, train_reasoning=False)
             assert ids == expected_ids
             assert mask == expected_mask, f"{name} {train_on}: {trained_text(ours, ids, mask)!r}"
     _, with_reasoning = ChatTemplate(plain(name), "test").encode(ours, messages)
     text, full = trained_text(ours, expected_ids, reference), trained_text(ours, expected_ids, with_reasoning)
-    thoughts = ("Add the two numbers.", "I need the weather tool", "The tool says 18.", "Both answered.", "A third city")
+    thoughts = ("Add the two numbers.", "I need the weather", "The tool says 18.", "Both answered.", "A third city")
     assert not any(t in text for t in thoughts) and any(t in full for t in thoughts)
     assert "</think>" in text and text.count("<|im_end|>") == full.count("<|im_end|>")
     assert ("get_weather" in text) and ("Paris 18, Rome 24." in text or "18 degrees and clear" in text)
@@ -683,7 +685,8 @@ def test_untrained_reasoning_errors(tokenizers):
         template.encode(ours, CONVERSATION, train_reasoning="no", where="data.jsonl:4")
     # A template that renders something the reasoning decides besides the reasoning: located by no rule, so an error.
     counted = plain("chatml").replace(
-        "m.reasoning_content + '\\n</think>\\n'", "m.reasoning_content + '\\n</think>' + (m.reasoning_content | length | string)"
+        "m.reasoning_content + '\\n</think>\\n'",
+        "m.reasoning_content + '\\n</think>' + (m.reasoning_content | length | string)",
     )
     with pytest.raises(ChatTemplateError, match=r"r.jsonl:2: assistant message 2: replacing its reasoning changes"):
         ChatTemplate(counted, "test").encode(ours, CONVERSATION, train_reasoning=False, where="r.jsonl:2")

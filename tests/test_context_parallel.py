@@ -153,15 +153,17 @@ def test_aux_loss_with_context_parallel_is_refused():
 # ------------------------------------------------------------------------------ real ranks
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_with_ep_matches_one_process(tmp_path, cp):
-    """4 gloo ranks, EP 2, cp 2 (two data-parallel groups) or cp 4: loss and every parameter's
-    gradient as one process, for sliding windows shorter than a chunk, of chunk + 1 keys and
-    longer, documents crossing chunk borders, MTP on."""
+@pytest.mark.parametrize("cp,ac", [(2, "none"), (4, "selective"),
+                                   pytest.param(2, "full", marks=pytest.mark.slow)])
+def test_cp_with_ep_matches_one_process(tmp_path, cp, ac):
+    """4 gloo ranks, EP 2, cp 2 (two data-parallel groups) or cp 4, with activation checkpointing
+    (the exchanges replayed in backward): loss and every parameter's gradient as one process, for
+    sliding windows shorter than a chunk, of chunk + 1 keys and longer, documents crossing chunk
+    borders, MTP on."""
     out = tmp_path / f"cp{cp}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT),
-           "--cp", str(cp), "--ep", "2", "--out", str(out)]
+           "--cp", str(cp), "--ep", "2", "--ac", ac, "--out", str(out)]
     proc = run_process_group(cmd, timeout=500, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = torch.load(out)

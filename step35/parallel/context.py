@@ -133,7 +133,7 @@ class _GatherSequence(torch.autograd.Function):
         L = x.shape[-2]
         seq_first = x.movedim(-2, 0).contiguous()  # [L, ...]
         out = seq_first.new_empty((cp * L, *seq_first.shape[1:]))
-        dist.all_gather_into_tensor(out, seq_first, group=group)
+        dist.all_gather_single(out, seq_first, group=group)
         chunks = out.view(2 * cp, L // 2, *seq_first.shape[1:])
         ordered = chunks[_chunk_order(cp)].reshape(cp * L, *seq_first.shape[1:])
         return ordered.movedim(0, -2)
@@ -155,7 +155,7 @@ class _GatherSequence(torch.autograd.Function):
             mine = rank_major[rank * 2 * c:(rank + 1) * 2 * c]
         else:
             mine = rank_major.new_empty((2 * c, *seq_first.shape[1:]))
-            dist.reduce_scatter_tensor(mine, rank_major, group=ctx.group)
+            dist.reduce_scatter_single(mine, rank_major, group=ctx.group)
         return mine.movedim(0, -2), None, None
 
 

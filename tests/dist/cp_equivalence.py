@@ -1,6 +1,6 @@
 """Context parallelism (with FSDP2 and EP) against one plain model, on real gloo ranks.
 
-  torchrun --standalone --nproc-per-node 4 tests/dist/cp_equivalence.py --cp 2 --ep 2 --out cp2.pt
+  torchrun --standalone --nproc-per-node 4 tests/dist/cp_equivalence.py --cp 2 --ep 2 [--ac selective] --out cp2.pt
 
 Every rank builds the tiny model twice from the same init: plain (whole batch, one process's
 computation) and parallelized (cp x dp ranks, EP composed). For each case (a sliding window, packed
@@ -44,7 +44,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run_case(window: int, docs: bool, mtp: float, cp: int, ep: int, rank: int, world: int) -> dict:
+def run_case(window: int, docs: bool, mtp: float, cp: int, ep: int, rank: int, world: int, ac: str) -> dict:
     config = preset("tiny").with_overrides({"sliding_window": window})
     dp = world // cp
     g = torch.Generator().manual_seed(window * 7 + docs)
@@ -62,7 +62,7 @@ def run_case(window: int, docs: bool, mtp: float, cp: int, ep: int, rank: int, w
     with torch.device("meta"):
         model = Step35ForCausalLM(config)
     dims = ParallelDims(world, ep, num_experts=config.moe_num_experts, context_parallel_size=cp)
-    parallelize(model, dims.build("cpu"))
+    parallelize(model, dims.build("cpu"), activation_checkpointing=ac)
     materialize(model, "cpu", seed=7)
     group = dims.data_parallel_rank(rank)
     rows = slice(group * ROWS, (group + 1) * ROWS)
@@ -84,6 +84,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cp", type=int, required=True)
     p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--ac", default="none", help="activation checkpointing: none, selective or full")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -92,7 +93,7 @@ def main() -> None:
     results = {}
     # windows: shorter than a chunk, exactly chunk + 1 at cp 4 (the largest halo), longer than a chunk
     for window, docs in [(3, False), (5, True), (12, True), (3, True)]:
-        results[f"window{window}_docs{int(docs)}_mtp"] = run_case(window, docs, 0.3, args.cp, args.ep, rank, world)
+        results[f"window{window}_docs{int(docs)}_mtp"] = run_case(window, docs, 0.3, args.cp, args.ep, rank, world, args.ac)
     if rank == 0:
         torch.save(results, args.out)
     dist.barrier()

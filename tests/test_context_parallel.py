@@ -210,3 +210,21 @@ def test_fit_refuses_a_cp_larger_than_the_world(tmp_path, builtin_cache):
                   builtin_cache)
     assert proc.returncode != 0
     assert "context_parallel_size=2 is larger than the world size 1 (valid: [1])" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_speed_monitor_counts_a_cp_ranks_share_of_the_tokens():
+    """Every rank of a cp group sees the whole batch but computes 1/cp of it: tokens/s and TFLOP/s
+    per device count that share (tokens/s over the world is then the batch tokens, once)."""
+    from types import SimpleNamespace
+
+    from step35.callbacks import SpeedMonitor
+
+    batch = {"input_ids": torch.zeros(2, 33, dtype=torch.long)}
+    counted = {}
+    for cp in (1, 2):
+        monitor = SpeedMonitor(every_n_steps=1)
+        monitor._config = None  # (on_train_start sets it from the module: no FLOPs counted here)
+        trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(context_parallel_size=cp))
+        monitor.on_train_batch_end(trainer, None, None, batch, 0)
+        counted[cp] = monitor._tokens
+    assert counted == {1: 64, 2: 32}

@@ -228,3 +228,22 @@ def test_speed_monitor_counts_a_cp_ranks_share_of_the_tokens():
         monitor.on_train_batch_end(trainer, None, None, batch, 0)
         counted[cp] = monitor._tokens
     assert counted == {1: 64, 2: 32}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(tmp_path):
+    """Saved-tensor bytes per rank at cp 2 (2 gloo ranks, release head ratio) are half of cp 1's
+    plus what the exchange keeps (the other rank's K/V on full layers, the halos on sliding ones)."""
+    out = tmp_path / "bytes.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "dist" / "cp_activation_bytes.py"), "--out", str(out)]
+    proc = run_process_group(cmd, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = torch.load(out)
+    assert r["exchange"] > 0
+    for got in r["cp2_by_rank"]:
+        predicted = r["cp1"] / 2 + r["exchange"]
+        assert abs(got - predicted) <= 0.01 * predicted, (got, predicted, r)
+    print(f"saved bytes per rank: cp 1 {r['cp1']}, cp 2 {r['cp2_by_rank']}, exchange {r['exchange']}")

@@ -287,7 +287,8 @@ class SequenceShard:
     chunk). doc_ids [B, S]: document number of every token of the whole rows (None: one document).
     gather(x [B, H, L, D]) -> [B, H, S, D]: the whole sequence's keys/values in global order;
     halo(x [B, H, L, D], n) -> [B, H, 2n, D]: the n tokens before each local chunk (zeros where the
-    sequence has none, or where the local chunks are adjacent). Both differentiable (their backward returns the gradient to the owner).
+    sequence has none, or where the local chunks are adjacent). Both differentiable (their backward
+    returns the gradient to the owner). The same x may carry K and V stacked in front ([2, B, H, L, D]).
     """
 
     def __init__(self, positions: torch.Tensor, seq_len: int, chunk: int, doc_ids: torch.Tensor | None,

@@ -28,6 +28,10 @@ from step35.model.moe import MoE, RouterAuxLosses
 from step35.model.norm import RMSNorm
 from step35.model.rope import inverse_frequencies, rotary_cos_sin
 
+# What attention is told about the rows besides causality: packed documents, or (context
+# parallelism) this rank's share of each row and how to reach the other shares' keys.
+Documents = DocumentMask | SequenceShard
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)). The FFN is MoE + shared expert or dense."""
@@ -51,7 +55,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                router_aux: RouterAuxLosses | None = None, documents: DocumentMask | SequenceShard | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None) -> torch.Tensor:
         """router_aux: where an MoE layer adds its sequence balance loss (None: not computed);
         documents: packed documents that attention must keep apart (None: one document per row), or
         this rank's SequenceShard under context parallelism."""
@@ -81,7 +85,7 @@ class MTPLayer(DecoderLayer):
         self.transformer = nn.ModuleDict({"shared_head": SharedHead(config)})
 
     def forward(self, h: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                labels: torch.Tensor | None = None, chunk_size: int = 1024, documents: DocumentMask | SequenceShard | None = None):
+                labels: torch.Tensor | None = None, chunk_size: int = 1024, documents: Documents | None = None):
         """Returns (block output [B, S, H], summed loss, counted tokens); loss parts are None without labels."""
         u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h)], dim=-1))
         out = super().forward(u, cos, sin, documents=documents)
@@ -130,7 +134,7 @@ class Step35Model(nn.Module):
         return {key: (cos[:, None], sin[:, None]) for key, (cos, sin) in tables.items()}
 
     def forward(self, input_ids: torch.Tensor, rope: dict | None = None,
-                router_aux: RouterAuxLosses | None = None, documents: DocumentMask | SequenceShard | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
         router_aux: collects the MoE layers' sequence balance losses (None: not computed);
@@ -162,7 +166,8 @@ class Step35ForCausalLM(nn.Module):
 
     # Context parallelism (step35.parallel.context.ContextParallel), installed by `parallelize` when
     # cp > 1: `loss` then takes whole rows and computes on this rank's share of each (split, take)
-    # and sums loss parts over the cp ranks (sum). None: the whole sequence is local.
+    # and sums loss parts over the cp ranks (sum). None: the whole sequence is local. `forward`
+    # (logits, e.g. for generation) is not split.
     context_parallel = None
 
     def __init__(self, config: Step35Config, num_mtp_layers: int | None = None):
@@ -212,7 +217,8 @@ class Step35ForCausalLM(nn.Module):
                 raise ValueError("moe_aux_loss_coef > 0 with context parallelism: the sequence balance loss needs "
                                  "each whole sequence on one rank; set it to 0 or context_parallel_size to 1")
             if position_ids is not None and position_ids.shape != input_ids.shape:
-                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, "
+                                 f"input_ids {tuple(input_ids.shape)}")
             shard = cp.split(input_ids, position_ids)
         take = (lambda x: x) if shard is None else (lambda x: cp.take(shard, x))
         parts = (lambda t: t) if cp is None else cp.sum  # loss sums and counts of the whole rows
@@ -234,7 +240,7 @@ class Step35ForCausalLM(nn.Module):
 
     def _trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                router_aux: RouterAuxLosses | None = None,
-               shard: SequenceShard | None = None) -> tuple[torch.Tensor, dict, DocumentMask | SequenceShard | None]:
+               shard: SequenceShard | None = None) -> tuple[torch.Tensor, dict, Documents | None]:
         """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask).
         shard: this rank's share under context parallelism (input_ids and position_ids are then the
         local tokens; RoPE takes their global positions, attention the shard's exchanges)."""
@@ -249,7 +255,7 @@ class Step35ForCausalLM(nn.Module):
         return self.model(input_ids, rope, router_aux=router_aux, documents=documents), rope, documents
 
     def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
-                    chunk_size: int, documents: DocumentMask | SequenceShard | None = None,
+                    chunk_size: int, documents: Documents | None = None,
                     take=lambda x: x, parts=lambda t: t) -> list[torch.Tensor]:
         # Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
         # x_{t+k+1} = labels[t+k]; the last k positions have no target. The token read comes from

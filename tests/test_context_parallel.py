@@ -247,3 +247,16 @@ def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(tmp_path):
         predicted = r["cp1"] / 2 + r["exchange"]
         assert abs(got - predicted) <= 0.01 * predicted, (got, predicted, r)
     print(f"saved bytes per rank: cp 1 {r['cp1']}, cp 2 {r['cp2_by_rank']}, exchange {r['exchange']}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3600)
+def test_sigkill_then_resume_under_cp2_is_bitwise_equal(tmp_path, builtin_cache, monkeypatch):
+    """The chaos test's 2-rank run with cp 2 (and EP 2): every rank and the launcher SIGKILLed twice
+    (once during a save), restarted with --ckpt_path auto; final weights and optimizer state bitwise
+    equal to an uninterrupted cp 2 run."""
+    from tests import test_chaos
+
+    monkeypatch.setattr(test_chaos, "TWO_RANKS", [*test_chaos.TWO_RANKS, "--trainer.strategy.context_parallel_size=2"])
+    test_chaos.chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=3000, nproc=2)

@@ -170,6 +170,7 @@ def test_cp_with_ep_matches_one_process(tmp_path, cp, ac):
     assert len(results) == 4
     for case, r in results.items():
         assert r["missing"] == [], (case, r["missing"])
+        assert r["dp_group_sum"] == r["dp"] == 4 // cp  # Meshes.data_parallel_group: one rank per cp group
         assert abs(r["loss"] - r["ref_loss"]) <= REL * abs(r["ref_loss"]), (case, r["loss"], r["ref_loss"])
         assert len(r["grad_errors"]) == 96  # every parameter, MTP layer included
         worst = max(r["grad_errors"], key=r["grad_errors"].get)
@@ -260,3 +261,15 @@ def test_sigkill_then_resume_under_cp2_is_bitwise_equal(tmp_path, builtin_cache,
 
     monkeypatch.setattr(test_chaos, "TWO_RANKS", [*test_chaos.TWO_RANKS, "--trainer.strategy.context_parallel_size=2"])
     test_chaos.chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=3000, nproc=2)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_share_attention_forward_and_backward_summed_over_ranks(documents):
+    """The device check's cp attention comparison (benchmarks/cuda_check.py, run there on CUDA in
+    bf16) on the CPU in fp32: all cp 4 ranks' outputs and the q, k, v gradients summed over them equal
+    whole-sequence attention's, for full attention, a halo window and a gathered window."""
+    from benchmarks.cuda_check import cp_share_attention_errors
+
+    errors = cp_share_attention_errors("cpu", torch.float32, 64, 4, (None, 5, 12), documents)
+    for window, errs in errors.items():
+        assert max(errs.values()) <= 1e-5, (window, errs)

@@ -112,3 +112,8 @@ class Meshes:
     dense: "torch.distributed.device_mesh.DeviceMesh"
     experts: "torch.distributed.device_mesh.DeviceMesh | None"  # (efsdp, ep), None when ep == 1
     context: "torch.distributed.device_mesh.DeviceMesh | None" = None  # (dp, cp), None when cp == 1
+
+    def data_parallel_group(self):
+        """The ranks over which a per-batch quantity (a token count) is summed once per data-parallel
+        rank: those at this rank's cp position, one per cp group; None (the world) without cp."""
+        return self.context["dp"].get_group() if self.context is not None else None

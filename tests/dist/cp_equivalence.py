@@ -62,7 +62,10 @@ def run_case(window: int, docs: bool, mtp: float, cp: int, ep: int, rank: int, w
     with torch.device("meta"):
         model = Step35ForCausalLM(config)
     dims = ParallelDims(world, ep, num_experts=config.moe_num_experts, context_parallel_size=cp)
-    parallelize(model, dims.build("cpu"), activation_checkpointing=ac)
+    meshes = dims.build("cpu")
+    parallelize(model, meshes, activation_checkpointing=ac)
+    one_per_group = torch.ones(())
+    dist.all_reduce(one_per_group, group=meshes.data_parallel_group())  # counts each data-parallel rank once
     materialize(model, "cpu", seed=7)
     group = dims.data_parallel_rank(rank)
     rows = slice(group * ROWS, (group + 1) * ROWS)
@@ -77,7 +80,7 @@ def run_case(window: int, docs: bool, mtp: float, cp: int, ep: int, rank: int, w
               for name, w in want.items()}
     return {"loss": loss.item(), "ref_loss": ref.loss.item(), "mtp": [t.item() for t in out.mtp_losses],
             "ref_mtp": [t.item() for t in ref.mtp_losses], "grad_errors": errors,
-            "missing": sorted(set(want) - set(got))}
+            "missing": sorted(set(want) - set(got)), "dp_group_sum": one_per_group.item(), "dp": dp}
 
 
 def main() -> None:

@@ -53,7 +53,8 @@ def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
 
 class ContextParallel:
     """Installed on the model as `model.context_parallel` by `parallelize` when cp > 1; the model
-    calls `split` once per loss and `sum` on its loss sums and counts (it never sees a process group)."""
+    calls `split` once per loss, `take` on each whole-row tensor and `sum` on its loss sums and counts
+    (it never sees a process group)."""
 
     def __init__(self, group):
         self.group = group
@@ -75,7 +76,9 @@ class ContextParallel:
         return x[:, shard.positions]
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the cp group; differentiable (backward sums the gradients of the identical results)."""
+        """Sum over the cp group; differentiable: every cp rank backpropagates the same whole-row loss,
+        so a share's gradient is the sum of the ranks' upstream gradients (cp times one). That factor
+        cancels FSDP's division by dp x cp: the reduced gradient is the mean over data-parallel groups."""
         if t.requires_grad:
             return _AllReduceSum.apply(t, self.group)
         t = t.clone()

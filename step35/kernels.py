@@ -6,11 +6,15 @@ the tensors, and nowhere else:
 - attention: SDPA (causal) for full layers everywhere; sliding-window layers and packed documents
   (`DocumentMask`) through FlexAttention block masks on CUDA, the fused NPU attention (band mode,
   varlen TND for documents) on NPU, and SDPA's CPU kernel with an explicit mask on CPU.
+- context parallelism (`SequenceShard`): the local queries against keys gathered or exchanged by
+  step35.parallel.context, masked by global token positions (`PositionMask`): FlexAttention on CUDA,
+  SDPA's CPU kernel with the explicit mask on CPU.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +127,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     itself included), or all keys <= i when None. documents: keys of other documents are never
     read (packed windows). Returns [B, Hq, S, D].
     """
+    if isinstance(documents, SequenceShard):  # context parallelism: keys come from the other cp ranks
+        return documents.attend(q, k, v, window, scale)
     seq = q.shape[-2]
     if window is not None and window >= seq:
         window = None
@@ -221,3 +227,109 @@ def _flex_attention(q, k, v, window: int | None, scale: float, documents: Docume
     else:
         block_mask = _sliding_block_mask(q.shape[-2], window, str(q.device))
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+# ---------------------------------------------------------------------------------- context parallelism
+
+
+class PositionMask:
+    """Which keys each query may read, decided by global token positions rather than by index: for
+    queries that are a share of the sequence and keys that are another share (context parallelism).
+
+    q_pos [Lq] and k_pos [Lk] are positions in the whole sequence (k_pos < 0: an empty slot, never
+    read); q_doc [B, Lq] and k_doc [B, Lk] document numbers (None: one document per row). Same rule
+    as `DocumentMask`: a key is read when k <= q, q - window < k (with a window) and both are in
+    the same document. Duck-types `DocumentMask` where the attention paths read it (`dense`,
+    `block_mask`)."""
+
+    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+                 k_doc: torch.Tensor | None = None):
+        self.q_pos, self.k_pos, self.q_doc, self.k_doc = q_pos, k_pos, q_doc, k_doc
+
+    def dense(self, window: int | None) -> torch.Tensor:
+        """[B or 1, 1, Lq, Lk] boolean, True where query i may read key j."""
+        q, k = self.q_pos[:, None], self.k_pos[None, :]
+        keep = (k >= 0) & (k <= q)
+        if window is not None:
+            keep = keep & (k > q - window)
+        keep = keep[None, None]
+        if self.q_doc is not None:
+            keep = keep & (self.q_doc[:, None, :, None] == self.k_doc[:, None, None, :])
+        return keep
+
+    def block_mask(self, window: int | None):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q_pos, k_pos, q_doc, k_doc = self.q_pos, self.k_pos, self.q_doc, self.k_doc
+
+        def keep(b, h, q_idx, kv_idx):
+            q, k = q_pos[q_idx], k_pos[kv_idx]
+            inside = (k >= 0) & (k <= q)
+            if window is not None:
+                inside = inside & (k > q - window)
+            if q_doc is not None:
+                inside = inside & (q_doc[b, q_idx] == k_doc[b, kv_idx])
+            return inside
+
+        B = q_doc.shape[0] if q_doc is not None else None
+        return create_block_mask(keep, B=B, H=None, Q_LEN=q_pos.shape[0], KV_LEN=k_pos.shape[0],
+                                 device=str(q_pos.device))
+
+
+class SequenceShard:
+    """This rank's share of every sequence of a micro-batch under context parallelism, and how its
+    attention reaches the keys held by the other cp ranks. Built per forward by
+    step35.parallel.context.ContextParallel (which owns the communication: this module has none) and
+    passed down the layers where a `DocumentMask` would go.
+
+    The sequence of S tokens is cut in 2 cp chunks of `chunk` tokens; this rank holds two of them, so
+    its L = 2 x chunk local tokens sit at global positions `positions` [L] (ascending within each
+    chunk). doc_ids [B, S]: document number of every token of the whole rows (None: one document).
+    gather(x [B, H, L, D]) -> [B, H, S, D]: the whole sequence's keys/values in global order;
+    halo(x [B, H, L, D], n) -> [B, H, 2n, D]: the n tokens before each local chunk (zeros where the
+    sequence has none, or where the local chunks are adjacent). Both differentiable (their backward
+    returns the gradient to the owner). The same x may carry K and V stacked in front ([2, B, H, L, D]).
+    """
+
+    def __init__(self, positions: torch.Tensor, seq_len: int, chunk: int, doc_ids: torch.Tensor | None,
+                 gather: Callable[[torch.Tensor], torch.Tensor], halo: Callable[[torch.Tensor, int], torch.Tensor]):
+        self.positions, self.seq_len, self.chunk, self.doc_ids = positions, seq_len, chunk, doc_ids
+        self.gather, self.halo = gather, halo
+
+    def uses_halo(self, window: int | None) -> bool:
+        """Sliding windows whose preceding window - 1 keys fit in one chunk take the halo exchange;
+        full layers and longer windows gather the whole sequence's keys (exact either way)."""
+        return window is not None and 0 < window - 1 <= self.chunk
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+               scale: float) -> torch.Tensor:
+        """q [B, Hq, L, D] local queries, k, v [B, Hkv, L, D] local keys -> [B, Hq, L, D]."""
+        if window is not None and window >= self.seq_len:
+            window = None
+        kv = torch.stack([k, v])  # one exchange for both: [2, B, Hkv, L, D]
+        if window == 1:  # each token reads itself only: the local keys suffice
+            k_pos = self.positions
+        elif self.uses_halo(window):
+            n, c = window - 1, self.chunk
+            halo = self.halo(kv, n)  # [2, B, Hkv, 2n, D]: before the first local chunk, before the second
+            kv = torch.cat([halo[..., :n, :], kv[..., :c, :], halo[..., n:, :], kv[..., c:, :]], dim=-2)
+            before = torch.arange(-n, 0, device=self.positions.device)
+            pos = self.positions
+            # Where the two local chunks are adjacent (the middle ones, on the last cp rank) the second's
+            # halo repeats the first's own tail: mark it empty, or those keys would count twice.
+            second_before = torch.where(pos[c] == pos[c - 1] + 1, -1, pos[c] + before)
+            k_pos = torch.cat([pos[0] + before, pos[:c], second_before, pos[c:]])
+        else:
+            kv = self.gather(kv)
+            k_pos = torch.arange(self.seq_len, device=self.positions.device)
+        q_doc = k_doc = None
+        if self.doc_ids is not None:
+            q_doc = self.doc_ids[:, self.positions]
+            k_doc = self.doc_ids[:, k_pos.clamp(min=0)]  # empty slots (k_pos < 0) are masked anyway
+        mask = PositionMask(self.positions, k_pos, q_doc, k_doc)
+        if q.device.type == "cuda":
+            return _flex_attention(q, kv[0], kv[1], window, scale, mask)
+        if q.device.type == "npu":
+            raise NotImplementedError("context parallelism on NPU: the fused attention with the split's key "
+                                      "positions is not written yet; use context_parallel_size 1 there")
+        return _MaskedAttentionCPU.apply(q, kv[0], kv[1], window, scale, mask)

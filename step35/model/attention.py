@@ -33,7 +33,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: kernels.DocumentMask | None = None) -> torch.Tensor:
+                documents: kernels.DocumentMask | kernels.SequenceShard | None = None) -> torch.Tensor:
         # x: [B, S, H]; cos, sin: [S, r] or [B, 1, S, r] (per-document positions)
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)

@@ -7,6 +7,49 @@ os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network from t
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+# The quick tier, `python -m pytest -m quick` (README, "for people changing the code"): every test of the
+# default run that runs in this one process and in seconds, which still covers each package. Left out,
+# besides `slow` and `multiprocess` tests: the files and tests below, each for the reason given. CI runs
+# the full default run (.ci/run).
+NOT_QUICK_FILES = {
+    # step35 started as a subprocess (the CLI, torchrun, launchers), signals, timeouts
+    "test_cli.py", "test_fail_fast.py", "test_chaos.py", "test_process_timeouts.py", "test_resume.py",
+    "test_short_run.py", "test_wandb.py", "test_configs.py", "test_skipped_records.py",
+    "test_data_long_documents.py", "test_strategy_save.py",
+    # compiles FlexAttention for the CPU (tens of seconds)
+    "test_flex_attention_cpu.py",
+}
+NOT_QUICK_TESTS = {
+    # the main job or early stopping through the CLI, as a subprocess
+    "test_papercuts.py": ("test_main_job_first_screen", "test_early_stopping_says_why", "test_help_lists"),
+    # the CLI as a subprocess, or a sharded run
+    "test_run.py": ("test_a_second_run_is_refused", "test_auto_falls_back", "test_an_abbreviated_option",
+                    "test_a_trainer_built_without_the_cli"),
+    "test_validation.py": ("test_cli_",),
+    "test_generate.py": ("test_generate_command", "test_sharded_run"),
+    "test_checkpoint_safety.py": ("test_crafted_checkpoint", "test_metadata_pointing_outside",
+                                  "test_flipped_byte_refused_by_resume", "test_damaged_checkpoint_refused_by_resume",
+                                  "test_nan_weights_refused_by_resume", "test_step35strategy_full_file"),
+    "test_plan.py": ("test_recipes_fit", "test_too_few_ranks"),  # the 196B model sharded for 192 ranks
+    "test_module.py": ("test_precisions_train",),
+    "test_data_module.py": ("test_builtin_cache_survives", "test_two_workers", "test_lightning_resume"),
+}
+
+
+def is_quick(item) -> bool:
+    if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess"):
+        return False
+    file = item.path.name
+    return file not in NOT_QUICK_FILES and not item.name.startswith(NOT_QUICK_TESTS.get(file, ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_quick(item):
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(scope="session")
 def builtin_cache(tmp_path_factory):
     """A cache folder holding the built-in corpus and tokenizer, built once per test session."""

@@ -100,7 +100,9 @@ def _did_you_mean(words: list[str], parser) -> str:
 
 class Step35CLI(LightningCLI):
     """LightningCLI for fit and validate: whole option names only, `--run_dir`, and the run resolved
-    (lock, checkpoint, resume rule) between building the module and building the Trainer."""
+    (lock, checkpoint, resume rule) between building the module and building the Trainer. It adds the
+    step progress bar, the model summary and FaultTolerance unless configured, counts an integer
+    `trainer.val_check_interval` in optimizer steps, and says why an EarlyStopping ended a fit."""
 
     def __init__(self, *args, parser_class=Step35ArgumentParser, **kwargs):
         super().__init__(*args, parser_class=parser_class, **kwargs)
@@ -279,8 +281,8 @@ def early_stopping_notes(trainer) -> list[str]:
         best = f"{float(callback.best_score):.4f}"
         rule = {
             EarlyStoppingReason.PATIENCE_EXHAUSTED:
-                f"no improvement {'above' if callback.mode == 'max' else 'below'} the best by more than "
-                f"min_delta={abs(callback.min_delta):g} in {callback.wait_count} validations (patience={callback.patience})",
+                f"not better than the best by more than min_delta={abs(callback.min_delta):g} in "
+                f"{callback.wait_count} validations (patience={callback.patience})",
             EarlyStoppingReason.STOPPING_THRESHOLD: f"stopping_threshold={callback.stopping_threshold} reached",
             EarlyStoppingReason.DIVERGENCE_THRESHOLD: f"divergence_threshold={callback.divergence_threshold} crossed",
             EarlyStoppingReason.NON_FINITE_METRIC: "the value is not finite",

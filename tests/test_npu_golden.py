@@ -147,14 +147,14 @@ def test_context_parallel_attention_matches_huawei_reference(reference, fake_tor
     """Under context parallelism each rank's two chunks of queries (global positions) against the
     gathered or halo keys: the NPU calls (kernels.npu_position_attention: varlen TND with causal
     offsets for full layers, an explicit mask for sliding windows) give, through Huawei's reference,
-    the CPU path's cp attention and the whole sequence's. Windows: itself only, shorter than a chunk,
+    the CPU path's cp attention and the whole sequence's, and the CPU path's gradients. Windows: itself only, shorter than a chunk,
     chunk + 1 (the largest halo), longer than a chunk (gathered), full; documents cross chunk borders."""
     from step35.parallel.context import chunk_size, local_positions
     from tests.test_context_parallel import simulated_shard
 
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, S, D = 2, 4, 2, 32, 8
-    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(B, h, S, D, generator=g, requires_grad=True) for h in (Hq, Hkv, Hkv))
     pos_ids = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in ([5, 13, 9, 5], [20, 12])])
     documents = kernels.DocumentMask(pos_ids) if docs else None
     c = chunk_size(S, cp)
@@ -166,12 +166,20 @@ def test_context_parallel_attention_matches_huawei_reference(reference, fake_tor
             p = local_positions(S, cp, r)
             shard = simulated_shard(k, v, p, S, c, documents.ids if docs else None)
             expected = kernels.attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)  # CPU
+            whole_p = whole[:, :, p].detach()
             calls.clear()
             w, keys, values, mask = shard.keys(k[:, :, p], v[:, :, p], window)
             got = kernels.npu_position_attention(q[:, :, p], keys, values, w, 0.3, mask, {})
             where = f"cp {cp} rank {r} window {window}"
             torch.testing.assert_close(got.float(), expected, atol=2e-6, rtol=1e-5, msg=where)
-            torch.testing.assert_close(got.float(), whole[:, :, p], atol=2e-6, rtol=1e-5, msg=where)
+            torch.testing.assert_close(got.float(), whole_p, atol=2e-6, rtol=1e-5, msg=where)
+            # backward: the reference is plain torch ops (float64), so autograd runs through it and through
+            # our key selection (index_select / halo assembly) back to the whole sequence's q, k, v
+            cot = torch.randn(got.shape, generator=g)
+            grads = torch.autograd.grad((got.float() * cot).sum(), (q, k, v))
+            expected_grads = torch.autograd.grad((expected * cot).sum(), (q, k, v))
+            for name, a, b in zip("qkv", grads, expected_grads):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{where}: d{name}")
             (call,) = calls
             assert (call["layout"], call["sparse_mode"]) == (("TND", 3) if w is None else ("BNSD", 0)), where
             if w is None and not docs:  # per row, one segment per run of positions (the last rank's chunks are

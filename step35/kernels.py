@@ -352,9 +352,9 @@ def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     query, causal aligned to the bottom right (sparse mode 3: query i of a run of n reads the first
     kvlen - n + i + 1 keys), so the kernel skips the masked blocks. Sliding windows: BNSD with the
     explicit boolean mask (sparse mode 0, True = not read) of `mask.dense`, as small as the halo
-    keys are; not the band mode 4, whose origin for Sq != Skv differs between Ascend's figures and
-    Huawei's CPU reference, so it could not be checked. `segments` caches the varlen plan (host
-    lists, one sync) for the calls of one forward. Checked against Huawei's CPU reference of the
+    keys are; not the band mode 4, whose origin for Sq != Skv Huawei's CPU reference puts at the top
+    left and Ascend's text leaves unsaid, so it could not be checked. `segments` caches the varlen
+    plan (host lists from one sync, the key index on the device) for the calls of one forward. Checked against Huawei's CPU reference of the
     kernel in tests/test_npu_golden.py."""
     from step35.accelerators import import_torch_npu
 
@@ -365,15 +365,14 @@ def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
         masked = masked[0, 0] if masked.shape[0] == 1 else masked
         return torch_npu.npu_fusion_attention(q, k, v, Hq, "BNSD", atten_mask=masked, scale=scale,
                                               sparse_mode=0)[0]
-    if segments is None or None not in segments:
-        plan = _varlen_segments(mask, B)
+    plan = segments.get(None) if segments is not None else None
+    if plan is None:
+        q_ends, kv_ends, index = _varlen_segments(mask, B)
+        plan = q_ends, kv_ends, index.to(k.device)
         if segments is not None:
             segments[None] = plan
-    else:
-        plan = segments[None]
-    q_ends, kv_ends, kv_index = plan
+    q_ends, kv_ends, index = plan
     Lk = k.shape[-2]
-    index = kv_index.to(k.device)
 
     def tnd(t: torch.Tensor, rows: int) -> torch.Tensor:  # [B, H, L, D] -> [B*L, H, D]
         return t.transpose(1, 2).reshape(B * rows, t.shape[1], D)

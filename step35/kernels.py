@@ -354,8 +354,8 @@ def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     explicit boolean mask (sparse mode 0, True = not read) of `mask.dense`, as small as the halo
     keys are; not the band mode 4, whose origin for Sq != Skv Huawei's CPU reference puts at the top
     left and Ascend's text leaves unsaid, so it could not be checked. `segments` caches the varlen
-    plan (host lists from one sync, the key index on the device) for the calls of one forward. Checked against Huawei's CPU reference of the
-    kernel in tests/test_npu_golden.py."""
+    plan (host lists from one sync, the key index on the device) for the calls of one forward.
+    Checked against Huawei's CPU reference of the kernel in tests/test_npu_golden.py."""
     from step35.accelerators import import_torch_npu
 
     torch_npu = import_torch_npu()

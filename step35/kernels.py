@@ -8,7 +8,8 @@ the tensors, and nowhere else:
   varlen TND for documents) on NPU, and SDPA's CPU kernel with an explicit mask on CPU.
 - context parallelism (`SequenceShard`): the local queries against keys gathered or exchanged by
   step35.parallel.context, masked by global token positions (`PositionMask`): FlexAttention on CUDA,
-  SDPA's CPU kernel with the explicit mask on CPU.
+  the fused NPU attention on NPU (`npu_position_attention`), SDPA's CPU kernel with the explicit mask
+  on CPU.
 """
 
 from __future__ import annotations
@@ -295,6 +296,7 @@ class SequenceShard:
                  gather: Callable[[torch.Tensor], torch.Tensor], halo: Callable[[torch.Tensor, int], torch.Tensor]):
         self.positions, self.seq_len, self.chunk, self.doc_ids = positions, seq_len, chunk, doc_ids
         self.gather, self.halo = gather, halo
+        self._npu_segments: dict = {}  # the NPU varlen segments, once per forward (a host sync each)
 
     def uses_halo(self, window: int | None) -> bool:
         """Sliding windows whose preceding window - 1 keys fit in one chunk take the halo exchange;
@@ -304,6 +306,17 @@ class SequenceShard:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                scale: float) -> torch.Tensor:
         """q [B, Hq, L, D] local queries, k, v [B, Hkv, L, D] local keys -> [B, Hq, L, D]."""
+        window, keys, values, mask = self.keys(k, v, window)
+        if q.device.type == "cuda":
+            return _flex_attention(q, keys, values, window, scale, mask)
+        if q.device.type == "npu":
+            return npu_position_attention(q, keys, values, window, scale, mask, self._npu_segments)
+        return _MaskedAttentionCPU.apply(q, keys, values, window, scale, mask)
+
+    def keys(self, k: torch.Tensor, v: torch.Tensor, window: int | None):
+        """The keys and values the local queries read, from the local k, v [B, Hkv, L, D]: gathered,
+        with halos, or the local ones alone. Returns (window, keys, values, PositionMask); window is
+        None where it covers the whole sequence."""
         if window is not None and window >= self.seq_len:
             window = None
         kv = torch.stack([k, v])  # one exchange for both: [2, B, Hkv, L, D]
@@ -326,10 +339,75 @@ class SequenceShard:
         if self.doc_ids is not None:
             q_doc = self.doc_ids[:, self.positions]
             k_doc = self.doc_ids[:, k_pos.clamp(min=0)]  # empty slots (k_pos < 0) are masked anyway
-        mask = PositionMask(self.positions, k_pos, q_doc, k_doc)
-        if q.device.type == "cuda":
-            return _flex_attention(q, kv[0], kv[1], window, scale, mask)
-        if q.device.type == "npu":
-            raise NotImplementedError("context parallelism on NPU: the fused attention with the split's key "
-                                      "positions is not written yet; use context_parallel_size 1 there")
-        return _MaskedAttentionCPU.apply(q, kv[0], kv[1], window, scale, mask)
+        return window, kv[0], kv[1], PositionMask(self.positions, k_pos, q_doc, k_doc)
+
+
+def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
+                           mask: PositionMask, segments: dict | None = None) -> torch.Tensor:
+    """`PositionMask` attention on the fused NPU kernel (torch_npu.npu_fusion_attention).
+
+    q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D] at the mask's positions. Full layers (window None):
+    varlen TND, one segment per run of consecutive query positions of one document (a cp chunk, or
+    its part in one document) against that document's keys from its start up to the run's last
+    query, causal aligned to the bottom right (sparse mode 3: query i of a run of n reads the first
+    kvlen - n + i + 1 keys), so the kernel skips the masked blocks. Sliding windows: BNSD with the
+    explicit boolean mask (sparse mode 0, True = not read) of `mask.dense`, as small as the halo
+    keys are; not the band mode 4, whose origin for Sq != Skv Huawei's CPU reference puts at the top
+    left and Ascend's text leaves unsaid, so it could not be checked. `segments` caches the varlen
+    plan (host lists from one sync, the key index on the device) for the calls of one forward.
+    Checked against Huawei's CPU reference of the kernel in tests/test_npu_golden.py."""
+    from step35.accelerators import import_torch_npu
+
+    torch_npu = import_torch_npu()
+    B, Hq, Lq, D = q.shape
+    if window is not None:
+        masked = ~mask.dense(window)  # [B or 1, 1, Lq, Lk]
+        masked = masked[0, 0] if masked.shape[0] == 1 else masked
+        return torch_npu.npu_fusion_attention(q, k, v, Hq, "BNSD", atten_mask=masked, scale=scale,
+                                              sparse_mode=0)[0]
+    plan = segments.get(None) if segments is not None else None
+    if plan is None:
+        q_ends, kv_ends, index = _varlen_segments(mask, B)
+        plan = q_ends, kv_ends, index.to(k.device)
+        if segments is not None:
+            segments[None] = plan
+    q_ends, kv_ends, index = plan
+    Lk = k.shape[-2]
+
+    def tnd(t: torch.Tensor, rows: int) -> torch.Tensor:  # [B, H, L, D] -> [B*L, H, D]
+        return t.transpose(1, 2).reshape(B * rows, t.shape[1], D)
+
+    compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=q.device), diagonal=1)
+    out = torch_npu.npu_fusion_attention(tnd(q, Lq), tnd(k, Lk).index_select(0, index),
+                                         tnd(v, Lk).index_select(0, index), Hq, "TND", atten_mask=compressed,
+                                         scale=scale, sparse_mode=3, actual_seq_qlen=q_ends,
+                                         actual_seq_kvlen=kv_ends)[0]
+    return out.reshape(B, Lq, Hq, D).transpose(1, 2)
+
+
+def _varlen_segments(mask: PositionMask, batch: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """The TND segments of a full (causal, per document) layer: cumulative query ends, cumulative
+    key ends, and the flat key index ([B*Lk] numbering) of every segment's keys in order."""
+    q_pos, k_pos = mask.q_pos.tolist(), mask.k_pos.tolist()  # host sync: the kernel takes host lengths
+    q_doc = mask.q_doc.tolist() if mask.q_doc is not None else [[0] * len(q_pos)] * batch
+    k_doc = mask.k_doc.tolist() if mask.k_doc is not None else [[0] * len(k_pos)] * batch
+    slot = {p: i for i, p in enumerate(k_pos) if p >= 0}
+    q_ends, kv_ends, index = [], [], []
+    for b in range(batch):
+        i = 0
+        while i < len(q_pos):
+            j = i + 1  # the run: consecutive positions of one document
+            while j < len(q_pos) and q_pos[j] == q_pos[j - 1] + 1 and q_doc[b][j] == q_doc[b][i]:
+                j += 1
+            first, last = q_pos[i], q_pos[j - 1]
+            start = first  # back to the document's (or the sequence's) first key
+            while start - 1 in slot and k_doc[b][slot[start - 1]] == q_doc[b][i]:
+                start -= 1
+            if any(p not in slot for p in range(start, last + 1)):
+                raise ValueError(f"npu_position_attention: keys {start}..{last} of a full layer are not all "
+                                 "present (a full layer reads gathered keys)")
+            index.extend(b * len(k_pos) + slot[p] for p in range(start, last + 1))
+            q_ends.append(b * len(q_pos) + j)
+            kv_ends.append(len(index))
+            i = j
+    return q_ends, kv_ends, torch.tensor(index, dtype=torch.long)

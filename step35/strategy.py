@@ -124,9 +124,6 @@ class Step35Strategy(ModelParallelStrategy):
         seq_len = _data_seq_len(self.lightning_module)
         if seq_len is not None:
             dims.check_seq_len(seq_len)
-        if self.context_parallel_size > 1 and self.root_device.type == "npu":  # (kernels.SequenceShard.attend)
-            raise ValueError("trainer.strategy.context_parallel_size > 1 is not supported on NPU yet (the fused "
-                             "attention with the split's key positions is not written); use 1")
         self._init_process_group_of_restart()
         self._setup_distributed()  # (Lightning's init is skipped when the group exists)
         faults.watch_launcher(self.global_rank)

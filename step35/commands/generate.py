@@ -8,9 +8,12 @@ checkpoint folder, or an HF folder (`step35 export`'s output, the release). Chec
 through the same verified, code-free readers as `step35 export`; the text is encoded with the
 tokenizer the run trained with (recorded in the checkpoint; an HF folder's own otherwise).
 
-One process, no KV cache: each new token runs the model over the whole context (capped at
-max_position_embeddings), which is fine for the small models this is meant for; serve a large model
-with vLLM or SGLang. temperature 0 (the default) is greedy decoding; otherwise the logits are divided
+One process with a KV cache (Step35ForCausalLM.step): the prompt runs once, then each new token
+attends to the kept keys (sliding layers keep their window), so a long sample is not quadratic; the
+tokens are those of rerunning the whole context each time (`--cache false` does that). Past
+max_position_embeddings the context is cut to its last max_position_embeddings tokens and rerun at
+every token, as positions beyond the limit do not exist. This is a check for small models; serve a
+large model with vLLM or SGLang. temperature 0 (the default) is greedy decoding; otherwise the logits are divided
 by the temperature and sampled from the smallest set of tokens whose probability reaches top_p.
 The prompt is preceded by the BOS token, or by the EOS (the document separator the data stream
 puts before every document) when the tokenizer has no BOS, so the model sees the start of a document.
@@ -36,7 +39,7 @@ from step35.commands.function_cli import run_function
 from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
 from step35.run import checkpoint_of
-from step35.model import Step35ForCausalLM, build_model
+from step35.model import KVCache, Step35ForCausalLM, build_model
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Generator:
     tokenizer: object  # tokenizers.Tokenizer
     start_id: int  # put before the prompt: BOS, else the document separator (EOS)
     stop_ids: set[int]
+    use_cache: bool = True  # False: rerun the whole context for every token
 
     def encode(self, prompt: str) -> list[int]:
         return [self.start_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -62,9 +66,13 @@ class Generator:
         rng = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=device)
         limit = self.model.config.max_position_embeddings
+        cache = KVCache() if self.use_cache else None
         new: list[int] = []
         for _ in range(max_new_tokens):
-            logits = self.model(ids[:, -limit:])[0, -1].float()  # [V]
+            if cache is not None and ids.shape[1] <= limit:  # the tokens the cache has not seen yet
+                logits = self.model.step(ids[:, cache.length:], cache, last_only=True)[0, -1].float()  # [V]
+            else:
+                logits = self.model(ids[:, -limit:])[0, -1].float()
             token = next_token(logits, temperature, top_p, rng)
             new.append(token)
             if token in self.stop_ids:

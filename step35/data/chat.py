@@ -1,0 +1,582 @@
+"""Conversations rendered with a chat template, and which of their tokens the loss trains.
+
+Rendering follows transformers 5.x `apply_chat_template`, so that training sees the text inference engines
+produce: a sandboxed Jinja environment (`ImmutableSandboxedEnvironment`, trim_blocks, lstrip_blocks, the
+`loopcontrols` extension and a `{% generation %}` tag), the globals `raise_exception` and `strftime_now`, a
+`tojson` filter that keeps non-ASCII text, `tools` and `documents` passed as None when absent, keys whose value
+is None dropped from messages, and the reasoning of a message (given as `reasoning_content`, `thinking` or
+`reasoning`, first found wins) copied to `reasoning_content`, and to `thinking` unless the message has one.
+The special tokens (`bos_token`, `eos_token`) come from the tokenizer folder. The rendered text is tokenized WITHOUT adding special tokens: the template writes them.
+
+Which tokens are trained (`encode`): character spans of the rendered text, turned into a per-token mask by
+the tokenizer's offsets. A token is trained when any of its characters lies in a span (the rule transformers
+uses for `return_assistant_tokens_mask`), so a token straddling a span border is trained.
+
+- A template with `{% generation %}...{% endgeneration %}` marks its spans itself: each block's output is the
+  span. We find them by having the tag wrap its output in unique markers, then check that the text without
+  the markers is exactly the ordinary rendering (so a template that post-processes a marked block fails loudly
+  instead of giving wrong spans).
+- A template without the tag: each trained assistant turn is located by rendering the conversation again with
+  that turn's text (content, reasoning, tool-call names) replaced by unique sentinels; the part where the two
+  renderings differ is the turn's own text. This never renders a prefix of the conversation as if it were a
+  prefix of the whole, which is wrong for templates that rewrite history (Step-3.5's drops the reasoning of
+  turns before the last user message). The span then runs from the end of the generation prompt that
+  inference would emit before the turn (found as whole lines of it right before the turn's text; for an
+  earlier turn whose reasoning was dropped, the header lines only) to the template's end-of-turn token
+  inclusive (the first special token after an assistant reply, learned once on a probe conversation). When a
+  turn cannot be located this way, `encode` raises `ChatTemplateError`; it never guesses.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from contextvars import ContextVar
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+TRAIN_ON = ("assistant", "last_assistant", "all")
+ROLES = ("system", "user", "assistant", "tool")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+TEMPLATE_FILE = "chat_template.jinja"
+
+# Our template for tokenizers without one (the built-in tokenizer knows no chat tokens, so the headers are
+# plain text it encodes byte by byte). Every assistant turn ends with the tokenizer's EOS, inside the
+# generation block, so the model learns to stop; the generation prompt is the assistant header.
+DEFAULT_TEMPLATE = """\
+{% for message in messages %}
+{% if message.role == 'assistant' %}
+<|assistant|>
+{% generation %}
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+{% endif %}
+{% if message.content is string %}{{ message.content }}{% endif %}
+{% for call in message.tool_calls or [] %}
+{% set function = call.function or call %}
+<tool_call>{"name": {{ function.name | tojson }}, "arguments": {{ function.arguments | tojson }}}</tool_call>
+{% endfor %}
+{{ eos_token }}{% endgeneration %}
+
+{% else %}
+<|{{ message.role }}|>
+{{ message.content if message.content is string else message.content | tojson }}
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+
+
+class ChatTemplateError(ValueError):
+    """A conversation or chat template that cannot be rendered or masked; the message names where."""
+
+
+def _at(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def check_messages(messages: Any, where: str = "", *, require_assistant: bool = True) -> None:
+    """Raise ChatTemplateError naming `where` (e.g. "data.jsonl:3") unless `messages` is a non-empty list of
+    {role, content} objects with known roles and, when `require_assistant`, at least one assistant turn.
+    An assistant turn may leave out `content` (or give None) when it carries `tool_calls`."""
+    at = _at(where)
+    if not isinstance(messages, list):
+        raise ChatTemplateError(f"{at}'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}")
+    if not messages:
+        raise ChatTemplateError(f"{at}empty conversation ('messages' is [])")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"{at}message {i} is a {type(message).__name__}, not an object with role and content")
+        if "role" not in message:
+            raise ChatTemplateError(f"{at}message {i} has no 'role' (keys: {sorted(message)})")
+        role = message["role"]
+        if role not in ROLES:
+            raise ChatTemplateError(f"{at}message {i} has unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        content = message.get("content")
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise ChatTemplateError(f"{at}message {i} ({role}) has no 'content'")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ChatTemplateError(
+                f"{at}message {i} ({role}) has 'content' of type {type(content).__name__}; expected text or a list of parts"
+            )
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ChatTemplateError(f"{at}no assistant turn, so nothing to train on (roles: {[m['role'] for m in messages]})")
+
+
+# ----------------------------------------------------------------------------------------------- Jinja
+
+
+# While `_render` runs with marks on, the `generation` tag wraps its output in this pair of strings.
+_MARKS: ContextVar[Optional[tuple[str, str]]] = ContextVar("step35_generation_marks", default=None)
+
+
+def _environment():
+    """A Jinja environment configured as transformers configures its own for chat templates."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}`: output unchanged, wrapped in markers while we track spans."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_output"), [], [], body).set_lineno(lineno)
+
+        def _output(self, caller):
+            text = caller()
+            marks = _MARKS.get()
+            return text if marks is None else marks[0] + text + marks[1]
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes <, >, & and ' for HTML, which a chat template must not do.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _prepare(messages: list) -> list[dict]:
+    """What transformers does to messages before rendering: drop None values, alias the reasoning names."""
+    prepared = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            # `thinking` only where the message lacks it (gpt-oss templates read it), `reasoning_content` always
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+def _special_token(value: Any) -> Optional[str]:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        content = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ChatTemplateError(f"{file}: not valid JSON ({e})") from None
+    return content if isinstance(content, dict) else {}
+
+
+# ------------------------------------------------------------------------------------------- the template
+
+
+class ChatTemplate:
+    """A Jinja chat template (`source`), where it came from (`origin`), and the special tokens it is given."""
+
+    def __init__(self, source: str, origin: str, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None):
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError(f"chat template from {origin}: empty or not text")
+        self.source = source
+        self.origin = origin
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._compiled = None
+        self._marked: Optional[bool] = None
+        self._end_of_turn: dict[int, int] = {}  # id(tokenizer) -> end-of-turn token id
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} characters)"
+
+    @property
+    def has_generation_marks(self) -> bool:
+        """Whether the template marks its trained text with `{% generation %}` (checked by parsing, not by regex)."""
+        if self._marked is None:
+            from jinja2 import nodes
+
+            self._template()  # a syntax error is reported as such
+            ast = _environment().parse(self.source)
+            self._marked = any(_is_generation(node) for node in ast.find_all(nodes.CallBlock))
+        return self._marked
+
+    # ------------------------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Optional["ChatTemplate"]:
+        """The template of a tokenizer or model folder, or None when it has none.
+
+        `chat_template.jinja` wins over `chat_template` in `tokenizer_config.json` (as in transformers); the
+        latter may be a string or a list of {name, template}, of which "default" is taken. BOS and EOS tokens
+        come from tokenizer_config.json, else special_tokens_map.json.
+        """
+        folder = Path(folder).expanduser()
+        config = _read_json(folder / "tokenizer_config.json")
+        special = _read_json(folder / "special_tokens_map.json")
+        tokens = {
+            name: _special_token(config.get(name)) or _special_token(special.get(name))
+            for name in ("bos_token", "eos_token")
+        }
+        file = folder / TEMPLATE_FILE
+        if file.is_file():
+            return cls(file.read_text(encoding="utf-8"), TEMPLATE_FILE, **tokens)
+        template = config.get("chat_template")
+        if template is None:
+            return None
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if "default" not in named:
+                raise ChatTemplateError(
+                    f"{folder / 'tokenizer_config.json'}: chat_template is a list without a 'default' entry"
+                    f" (names: {sorted(map(str, named))})"
+                )
+            template = named["default"]
+        if not isinstance(template, str):
+            raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template is a {type(template).__name__}, not text")
+        return cls(template, "tokenizer_config.json", **tokens)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ChatTemplate":
+        """A template file (a `.jinja` override); its special tokens come from a tokenizer folder via `with_tokens`."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ChatTemplateError(f"chat template file {str(path)!r} does not exist")
+        return cls(path.read_text(encoding="utf-8"), str(path))
+
+    @classmethod
+    def default(cls) -> "ChatTemplate":
+        """step35's own small template for tokenizers that ship none (headers `<|user|>`, `<|assistant|>` in
+        plain text; each assistant turn ends with `eos_token`; marked with `{% generation %}`)."""
+        return cls(DEFAULT_TEMPLATE, "default")
+
+    def with_tokens(self, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None) -> "ChatTemplate":
+        """A copy whose missing bos/eos tokens are filled from these (e.g. a tokenizer folder's)."""
+        return ChatTemplate(
+            self.source, self.origin, bos_token=self.bos_token or bos_token, eos_token=self.eos_token or eos_token
+        )
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the template as `folder/chat_template.jinja` (where transformers and `from_folder` look first)."""
+        path = Path(folder) / TEMPLATE_FILE
+        path.write_text(self.source, encoding="utf-8")
+        return path
+
+    # ---------------------------------------------------------------------------------- rendering
+
+    def _template(self, where: str = ""):
+        if self._compiled is None:
+            import jinja2
+
+            try:
+                self._compiled = _environment().from_string(self.source)
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(
+                    f"{_at(where)}chat template from {self.origin} does not parse (line {e.lineno}): {e.message}"
+                ) from None
+        return self._compiled
+
+    def _render(self, messages: list, *, where: str, add_generation_prompt: bool, tools, extra: dict) -> str:
+        kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
+        kwargs = {key: value for key, value in kwargs.items() if value is not None or key not in ("bos_token", "eos_token")}
+        try:
+            return self._template(where).render(
+                messages=_prepare(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a Jinja TemplateError, or a Python error a template expression raised
+            raise ChatTemplateError(
+                f"{_at(where)}chat template from {self.origin} failed to render: {type(e).__name__}: {e}"
+            ) from None
+
+    def render(self, messages: list, *, add_generation_prompt: bool = False, tools: Optional[list] = None,
+               where: str = "", **extra) -> str:
+        """The conversation as text, as transformers' apply_chat_template(tokenize=False) renders it.
+        `extra` reaches the template as variables (e.g. enable_thinking, bos_token, eos_token)."""
+        return self._render(messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
+
+    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, **extra) -> list[int]:
+        """The token ids inference starts from: the conversation so far plus the generation prompt."""
+        check_messages(messages, "prompt", require_assistant=False)
+        text = self.render(messages, add_generation_prompt=True, tools=tools, **self._tokens(tokenizer, extra))
+        return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _tokens(self, tokenizer, extra: dict) -> dict:
+        """`extra`, with eos_token filled from the tokenizer's EOS id when neither the template nor the caller gave it."""
+        if self.eos_token is None and "eos_token" not in extra and getattr(tokenizer, "eos_token_id", None) is not None:
+            return {**extra, "eos_token": tokenizer.tokenizer.id_to_token(tokenizer.eos_token_id)}
+        return extra
+
+    # ------------------------------------------------------------------------------------ masking
+
+    def encode(self, tokenizer, messages: list, *, train_on: str = "assistant", tools: Optional[list] = None,
+               where: str = "", **extra) -> tuple[list[int], list[bool]]:
+        """(token ids of the whole rendered conversation, per token whether its loss is trained).
+
+        `train_on`: "assistant" every assistant turn, "last_assistant" the final one, "all" every token. A
+        trained turn covers what the model emits after the generation prompt: the reasoning as the template
+        renders it, the content, tool calls and the end-of-turn token. The caller shifts the mask to labels.
+        """
+        if train_on not in TRAIN_ON:
+            raise ChatTemplateError(f"{_at(where)}train_on={train_on!r}; expected one of {', '.join(TRAIN_ON)}")
+        check_messages(messages, where)
+        conversation = _Conversation(self, messages, tools, where, self._tokens(tokenizer, extra))
+        encoding = tokenizer.tokenizer.encode(conversation.text, add_special_tokens=False)
+        if train_on == "all":
+            return encoding.ids, [True] * len(encoding.ids)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last_assistant":
+            turns = turns[-1:]
+        if self.has_generation_marks:
+            spans = conversation.marked_spans(turns)
+        else:
+            spans = conversation.located_spans(turns, encoding, lambda: self._end_of_turn_id(tokenizer, conversation))
+        return encoding.ids, token_mask(encoding.offsets, spans)
+
+    def _end_of_turn_id(self, tokenizer, conversation: "_Conversation") -> int:
+        """The token the template ends an assistant reply with: the first special token after the reply in a
+        probe conversation (cached per tokenizer)."""
+        key = id(tokenizer)
+        if key not in self._end_of_turn:
+            sentinel = "step35probe" + uuid.uuid4().hex
+            probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
+            text = conversation.render(probe, False, f"{_at(conversation.where)}probe conversation")
+            encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+            special = _special_ids(tokenizer)
+            after = text.find(sentinel) + len(sentinel) if sentinel in text else None
+            found = None if after is None else next(
+                (t for (s, _), t in zip(encoding.offsets, encoding.ids) if s >= after and t in special), None
+            )
+            if found is None:
+                raise ChatTemplateError(
+                    f"{_at(conversation.where)}chat template from {self.origin}: no special token follows an"
+                    " assistant reply, so the end of a turn cannot be told; add {% generation %} marks to the template"
+                )
+            self._end_of_turn[key] = found
+        return self._end_of_turn[key]
+
+
+class _Conversation:
+    """One conversation being masked: its full rendering and, cached, where each message lies in it."""
+
+    def __init__(self, template: ChatTemplate, messages: list, tools, where: str, extra: dict):
+        self.template, self.messages, self.tools, self.where, self.extra = template, messages, tools, where, extra
+        self.text = self.render(messages, False)
+        self._regions: dict[int, tuple[Optional[int], Optional[int]]] = {}
+
+    def render(self, messages: list, add_generation_prompt: bool, where: Optional[str] = None) -> str:
+        return self.template._render(
+            messages, where=self.where if where is None else where, add_generation_prompt=add_generation_prompt,
+            tools=self.tools, extra=self.extra,
+        )
+
+    def marked_spans(self, turns: list[int]) -> list[tuple[int, int]]:
+        """The spans of the template's `{% generation %}` blocks (outermost ones) that belong to `turns`."""
+        tag = uuid.uuid4().hex
+        marks = (f"\ue000open-{tag}\ue001", f"\ue000close-{tag}\ue001")
+        token = _MARKS.set(marks)
+        try:
+            marked = self.render(self.messages, False)
+        finally:
+            _MARKS.reset(token)
+        plain, spans = _strip_marks(marked, marks)
+        if plain != self.text:
+            raise ChatTemplateError(
+                f"{_at(self.where)}chat template from {self.template.origin}: a {{% generation %}} block's output is"
+                " changed after the block (e.g. captured by {% set %} and filtered), so its spans cannot be located"
+            )
+        if turns[0] != min(i for i, m in enumerate(self.messages) if m["role"] == "assistant"):
+            after = self.end_before(turns[0])  # only the last turn is trained: its blocks come after the message before it
+            spans = [span for span in spans if span[0] >= after]
+        return spans
+
+    def located_spans(self, turns: list[int], encoding, end_of_turn: Callable[[], int]) -> list[tuple[int, int]]:
+        """Each turn's span, located by sentinels (module docstring): from the end of the generation prompt to
+        the end-of-turn token inclusive (`end_of_turn()` gives its id)."""
+        spans: list[tuple[int, int]] = []
+        for i in turns:
+            at = f"{_at(self.where)}assistant message {i}"
+            first, last = self.region(i)
+            if first is None:
+                raise ChatTemplateError(f"{at}: the chat template renders none of its text, so it cannot be located")
+            low = max(self.end_before(i), spans[-1][1] if spans else 0)
+            if low > first:
+                raise ChatTemplateError(f"{at}: cannot be told apart from the message before it in the rendering")
+            start = self.reply_start(i, low, first)
+            if start is None:
+                raise ChatTemplateError(
+                    f"{at}: the generation prompt the template emits before it is not found in front of its text"
+                )
+            eot = end_of_turn()
+            end = next((e for (s, e), t in zip(encoding.offsets, encoding.ids) if t == eot and s >= last), None)
+            following = self.start_after(i)
+            if end is None or (following is not None and end > following):
+                raise ChatTemplateError(f"{at}: no end-of-turn token (id {eot}) between its text and the next message")
+            spans.append((start, end))
+        return spans
+
+    def region(self, index: int) -> tuple[Optional[int], Optional[int]]:
+        """Where message `index`'s own text lies in the full rendering: (start, end) of the part that changes
+        when its content, reasoning and tool-call names are replaced by sentinels; (None, None) when the
+        template renders none of them."""
+        if index not in self._regions:
+            self._regions[index] = self._find_region(index)
+        return self._regions[index]
+
+    def _find_region(self, index: int) -> tuple[Optional[int], Optional[int]]:
+        replaced, sentinels = _with_sentinels(self.messages, index)
+        if not sentinels:
+            return None, None
+        other = self.render(replaced, False)
+        found = [(other.find(s), other.find(s) + len(s)) for s in sentinels if s in other]
+        if not found:
+            return None, None
+        text = self.text
+        prefix = _common_prefix(text, other)
+        suffix = _common_prefix(text[prefix:][::-1], other[prefix:][::-1])
+        # The differing part of `other` must hold every rendered sentinel, else the diff is not this message.
+        if min(s for s, _ in found) < prefix or max(e for _, e in found) > len(other) - suffix:
+            raise ChatTemplateError(f"{_at(self.where)}message {index}: its text cannot be located in the rendering")
+        return prefix, len(text) - suffix
+
+    def end_before(self, index: int) -> int:
+        """The end of the nearest earlier message's text in the rendering (0 when none renders any)."""
+        for j in range(index - 1, -1, -1):
+            end = self.region(j)[1]
+            if end is not None:
+                return end
+        return 0
+
+    def start_after(self, index: int) -> Optional[int]:
+        """The start of the next message's text in the rendering (None when no later message renders any)."""
+        for j in range(index + 1, len(self.messages)):
+            start = self.region(j)[0]
+            if start is not None:
+                return start
+        return None
+
+    def reply_start(self, index: int, low: int, first: int) -> Optional[int]:
+        """Where the model's reply for message `index` starts: the end of the generation prompt rendered after
+        the messages before it, searched as whole leading lines of it (all of it first) in text[low:first]. An
+        earlier turn whose reasoning the template dropped keeps the header lines of a prompt that ends in
+        `<think>`, so fewer lines match there."""
+        history = self.messages[:index]
+        with_prompt, without = self.render(history, True), self.render(history, False)
+        prompt = with_prompt[_common_prefix(with_prompt, without):]
+        if not prompt:
+            return None
+        cuts = [len(prompt)] + [k + 1 for k in range(len(prompt) - 2, -1, -1) if prompt[k] == "\n"]
+        for k in cuts:
+            found = self.text.rfind(prompt[:k], low, first)
+            if found >= 0:
+                return found + k
+        return None
+
+
+def _is_generation(node) -> bool:
+    call = getattr(node.call, "node", None)
+    return type(call).__name__ == "ExtensionAttribute" and call.name == "_output"
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = {i for i, added in tokenizer.tokenizer.get_added_tokens_decoder().items() if added.special}
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    lo, hi = 0, n  # binary search on slices: C-speed comparisons instead of a Python loop over characters
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
+    """A copy of `messages` whose message `index` has its content, reasoning and tool-call names replaced by
+    unique sentinels (empty ones stay empty), and the sentinels used."""
+    tag = uuid.uuid4().hex
+    sentinels = []
+
+    def sentinel(kind: str) -> str:
+        sentinels.append(f"\ue000step35{kind}{len(sentinels)}x{tag}\ue001")
+        return sentinels[-1]
+
+    message = dict(messages[index])
+    reasoning = [key for key in REASONING_FIELDS if message.get(key)]
+    if reasoning:
+        value = sentinel("reasoning")
+        for key in reasoning:
+            message[key] = value
+    content = message.get("content")
+    if isinstance(content, str) and content:
+        message["content"] = sentinel("content")
+    elif isinstance(content, list):
+        message["content"] = [
+            {**part, "text": sentinel("part")} if isinstance(part, dict) and part.get("text") else part for part in content
+        ]
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            call = dict(call) if isinstance(call, dict) else call
+            if isinstance(call, dict) and isinstance(call.get("function"), dict) and call["function"].get("name"):
+                call["function"] = {**call["function"], "name": sentinel("tool")}
+            elif isinstance(call, dict) and call.get("name"):
+                call["name"] = sentinel("tool")
+            calls.append(call)
+        message["tool_calls"] = calls
+    return [*messages[:index], message, *messages[index + 1:]], sentinels
+
+
+def _strip_marks(marked: str, marks: tuple[str, str]) -> tuple[str, list[tuple[int, int]]]:
+    """The text without generation markers, and the spans of the outermost marked blocks in it."""
+    open_, close = marks
+    pieces, spans, depth, start, pos, out_len = [], [], 0, 0, 0, 0
+    while True:
+        o, c = marked.find(open_, pos), marked.find(close, pos)
+        if o < 0 and c < 0:
+            break
+        is_open = o >= 0 and (c < 0 or o < c)
+        at = o if is_open else c
+        pieces.append(marked[pos:at])
+        out_len += at - pos
+        if is_open:
+            depth += 1
+            if depth == 1:
+                start = out_len
+        else:
+            depth -= 1
+            if depth == 0 and out_len > start:
+                spans.append((start, out_len))
+        pos = at + len(open_ if is_open else close)
+    pieces.append(marked[pos:])
+    return "".join(pieces), spans
+
+
+def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Per token, whether any of its characters lies in one of `spans` (sorted, disjoint [start, end) character
+    ranges). A token straddling a span border is therefore trained; so is an empty token inside a span."""
+    mask, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        mask.append(k < len(spans) and end > spans[k][0] and start < spans[k][1])
+    return mask

@@ -1,0 +1,384 @@
+"""Chat templates: rendering as transformers renders, and which tokens are trained (step35/data/chat.py).
+
+The templates here are written for these tests: a ChatML-style one that renders every turn the same way
+whatever follows it, and two Step-3.5-style ones that drop the reasoning of turns before the last user
+message (A: generation prompt `<|im_start|>assistant\\n`; B: it ends in `<think>\\n`). Each exists with and
+without `{% generation %}` marks; the marked copy renders the same text. The reference masks are transformers'
+`return_assistant_tokens_mask` on the marked copy and, for the ChatML template, per-prefix rendering.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from step35.data.chat import TRAIN_ON, ChatTemplate, ChatTemplateError, check_messages, token_mask
+from step35.data.tokenizer import TextTokenizer
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# [[GEN]] / [[/GEN]] become the generation tags in the marked copy and vanish in the plain one; they sit
+# between tags and expressions, never before a newline, so trim_blocks treats both copies alike.
+TOOL_CALLS = (
+    "{% for c in m.tool_calls or [] %}{{ '<tool_call>\\n' + c.function.name + '\\n' + (c.function.arguments | tojson)"
+    " + '\\n</tool_call>' }}{% endfor %}"
+)
+CHATML = (
+    "{%- if tools -%}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' }}[[GEN]]"
+    "{%- if m.reasoning_content -%}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n' }}{%- endif -%}"
+    "{{ m.content or '' }}" + TOOL_CALLS + "{{ '<|im_end|>' }}[[/GEN]]{{ '\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def step_style(think_in_prompt: bool) -> str:
+    """A template that renders reasoning only for assistant turns after the last user message (variant A), and
+    with `think_in_prompt` ends its generation prompt in `<think>\\n` (variant B). Reasoning comes from
+    reasoning_content or from a `<think>...</think>` block at the start of the content."""
+    opener = "{{ '<think>\\n' }}"
+    return (
+        "{%- set ns = namespace(last_user=-1) -%}"
+        "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if messages[0].role == 'system' -%}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{%- set content = m.content or '' -%}{%- set reasoning = m.reasoning_content or '' -%}"
+        "{%- if '</think>' in content -%}"
+        "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+        "{%- endif -%}"
+        "{%- set recent = loop.index0 > ns.last_user -%}"
+        "{{ '<|im_start|>assistant\\n' }}"
+        + ("{%- if recent -%}" + opener + "{%- endif -%}" if think_in_prompt else "")
+        + "[[GEN]]{%- if recent -%}"
+        + ("" if think_in_prompt else opener)
+        + "{{ reasoning + '\\n</think>\\n' }}{%- endif -%}"
+        "{{ content }}" + TOOL_CALLS + "{{ '<|im_end|>' }}[[/GEN]]{{ '\\n' }}"
+        "{%- elif m.role == 'system' and loop.first -%}"
+        "{%- elif m.role == 'tool' -%}{{ '<|im_start|>tool\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+        "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+        + (opener if think_in_prompt else "")
+        + "{%- endif -%}"
+    )
+
+
+SOURCES = {"chatml": CHATML, "step-a": step_style(False), "step-b": step_style(True)}
+
+
+def plain(name: str) -> str:
+    return SOURCES[name].replace("[[GEN]]", "").replace("[[/GEN]]", "")
+
+
+def marked(name: str) -> str:
+    return SOURCES[name].replace("[[GEN]]", "{% generation %}").replace("[[/GEN]]", "{% endgeneration %}")
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful helper."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "reasoning_content": "Add the two numbers.", "content": "Four."},
+    {"role": "user", "content": "And the weather in Paris today?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "I need the weather tool for this.",  # another name for reasoning_content
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": '{"temp": 18, "sky": "clear"}'},
+    {"role": "assistant", "content": "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris."},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """(our TextTokenizer, transformers' PreTrainedTokenizerFast) over one byte-level BPE trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.dumps(CONVERSATION), json.dumps(TOOLS), "The quick brown fox jumps over the lazy dog. " * 20]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", *SPECIAL],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer=trainer)
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    tok.save(str(folder / "tokenizer.json"))
+    ours = TextTokenizer.from_folder(folder, eos_token_id=tok.token_to_id("<|im_end|>"))
+    theirs = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    return ours, theirs
+
+
+def reference_mask(theirs, source: str, messages, tools=None) -> tuple[list[int], list[bool]]:
+    out = theirs.apply_chat_template(
+        messages, chat_template=source, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+
+
+def trained_text(tok: TextTokenizer, ids, mask) -> str:
+    return tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+# ------------------------------------------------------------------------------- equal to transformers
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no-tools", "tools"])
+def test_rendering_equals_transformers(tokenizers, name, tools):
+    ours, theirs = tokenizers
+    for source in (plain(name), marked(name)):
+        expected = theirs.apply_chat_template(CONVERSATION, chat_template=source, tools=tools, tokenize=False)
+        assert ChatTemplate(source, "test", eos_token="<|im_end|>").render(CONVERSATION, tools=tools) == expected
+        prompt = theirs.apply_chat_template(
+            CONVERSATION[:4], chat_template=source, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        assert ChatTemplate(source, "test").render(CONVERSATION[:4], tools=tools, add_generation_prompt=True) == prompt
+    assert ChatTemplate(plain(name), "t").render(CONVERSATION) == ChatTemplate(marked(name), "t").render(CONVERSATION)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no-tools", "tools"])
+def test_masks_equal_transformers_on_the_marked_copy(tokenizers, name, tools):
+    """Both our methods (sentinels on the plain template, generation marks on the marked copy) give
+    transformers' mask token for token; for Step-style templates the mask misses the dropped reasoning."""
+    ours, theirs = tokenizers
+    expected_ids, expected_mask = reference_mask(theirs, marked(name), CONVERSATION, tools)
+    assert sum(expected_mask) > 20
+    for source in (plain(name), marked(name)):
+        ids, mask = ChatTemplate(source, "test").encode(ours, CONVERSATION, tools=tools)
+        assert ids == expected_ids
+        assert mask == expected_mask, f"{name}: {trained_text(ours, ids, mask)!r}"
+    text = trained_text(ours, expected_ids, expected_mask)
+    assert "Four.<|im_end|>" in text and "get_weather" in text and "18 degrees and clear in Paris.<|im_end|>" in text
+    for never in ("careful helper", "two plus two", "weather in Paris today", '"temp"', "<|im_start|>", "Tools:"):
+        assert never not in text
+    assert ("Add the two numbers." in ours.decode(expected_ids)) == (name == "chatml")  # A and B drop it
+
+
+def test_chatml_masks_equal_per_prefix_rendering(tokenizers):
+    """For a template that does not rewrite history, each turn's trained tokens are those after the rendered
+    prefix with its generation prompt, up to and including the next <|im_end|>."""
+    ours, _ = tokenizers
+    template = ChatTemplate(plain("chatml"), "test")
+    ids, mask = template.encode(ours, CONVERSATION)
+    end = ours.tokenizer.token_to_id("<|im_end|>")
+    expected = [False] * len(ids)
+    for i, message in enumerate(CONVERSATION):
+        if message["role"] != "assistant":
+            continue
+        start = len(template.prompt_ids(ours, CONVERSATION[:i]))
+        assert ids[:start] == template.prompt_ids(ours, CONVERSATION[:i])  # a prefix, for this template
+        stop = ids.index(end, start) + 1
+        expected[start:stop] = [True] * (stop - start)
+    assert mask == expected
+
+
+def test_prefix_rendering_is_wrong_for_history_rewriting_templates(tokenizers):
+    """Why per-prefix masks are not used: for Step-style templates the prompt rendered for the first
+    assistant turn (its reasoning not yet dropped) is not a prefix of the whole conversation."""
+    ours, _ = tokenizers
+    template = ChatTemplate(plain("step-a"), "test")
+    ids, _ = template.encode(ours, CONVERSATION)
+    prompt_then_reply = template.render(CONVERSATION[:3])
+    assert not template.render(CONVERSATION).startswith(prompt_then_reply)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_training_text_is_what_inference_renders(tokenizers, name):
+    """The final turn's trained tokens follow exactly the ids inference starts from (prompt_ids of the
+    conversation before it), and are the tokens of the reply the model would emit, end-of-turn included."""
+    ours, _ = tokenizers
+    for source in (plain(name), marked(name)):
+        template = ChatTemplate(source, "test")
+        for last in (2, 4, 6):  # every assistant turn, as the final one of a shorter conversation
+            messages = CONVERSATION[: last + 1]
+            prompt = template.prompt_ids(ours, messages[:-1])
+            ids, mask = template.encode(ours, messages, train_on="last_assistant")
+            trained = [k for k, m in enumerate(mask) if m]
+            assert ids[: len(prompt)] == prompt
+            assert trained == list(range(len(prompt), len(ids) - 1))  # all but the newline after <|im_end|>
+            assert ours.decode(ids[trained[-1] :]) == "<|im_end|>\n"
+    if name == "step-b":
+        assert ours.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
+        assert ours.decode(ids[trained[0] :]).startswith("The tool says 18.\n</think>\n")
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_train_on_variants(tokenizers, name):
+    ours, theirs = tokenizers
+    template = ChatTemplate(plain(name), "test")
+    ids, every = template.encode(ours, CONVERSATION, train_on="assistant")
+    ids_last, last = template.encode(ours, CONVERSATION, train_on="last_assistant")
+    ids_all, everything = template.encode(ours, CONVERSATION, train_on="all")
+    assert ids == ids_last == ids_all
+    assert all(everything) and len(everything) == len(ids)
+    assert 0 < sum(last) < sum(every)
+    assert all(e for e, l in zip(every, last) if l)  # the last turn's tokens are a subset
+    # Variant B's generation prompt holds the <think> opener, so the reply starts after it.
+    assert trained_text(ours, ids, last).startswith(("" if name == "step-b" else "<think>\n") + "The tool says 18.")
+    assert trained_text(ours, ids, last).endswith("clear in Paris.<|im_end|>")
+    assert template.encode(ours, CONVERSATION, train_on="last_assistant") == ChatTemplate(
+        marked(name), "test"
+    ).encode(ours, CONVERSATION, train_on="last_assistant")
+    with pytest.raises(ChatTemplateError, match=r"data.jsonl:9: train_on='user'; expected one of assistant"):
+        template.encode(ours, CONVERSATION, train_on="user", where="data.jsonl:9")
+    assert TRAIN_ON == ("assistant", "last_assistant", "all")
+
+
+def test_a_token_straddling_a_span_border_is_trained():
+    spans = [(5, 10), (20, 22)]
+    offsets = [(0, 5), (3, 6), (6, 9), (9, 12), (12, 20), (20, 20), (21, 21), (21, 30), (30, 31)]
+    # (3, 6) and (9, 12) straddle the borders of the first span: trained. (20, 20) is empty at a span's start:
+    # no character inside, not trained; (21, 21) is empty inside: trained (transformers does the same).
+    assert token_mask(offsets, spans) == [False, True, True, True, False, False, True, True, False]
+
+
+# ------------------------------------------------------------------------------------- default template
+
+
+def test_default_template_with_the_builtin_tokenizer(builtin_cache):
+    from transformers import PreTrainedTokenizerFast
+
+    from step35.data import builtin_tokenizer_dir
+
+    folder = builtin_tokenizer_dir(cache_dir=builtin_cache)
+    ours = TextTokenizer.from_folder(folder)
+    template = ChatTemplate.default()
+    assert template.origin == "default" and template.has_generation_marks
+    ids, mask = template.encode(ours, CONVERSATION)
+    text = trained_text(ours, ids, mask)
+    assert text.count("<|endoftext|>") == 3 and "Four." in text and "get_weather" in text
+    assert "two plus two" not in text and "<|assistant|>" not in text and "careful helper" not in text
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|endoftext|>")
+    assert (ids, mask) == reference_mask(theirs, template.source, CONVERSATION)
+    prompt = template.prompt_ids(ours, CONVERSATION[:-1])
+    last_ids, last = template.encode(ours, CONVERSATION, train_on="last_assistant")
+    assert last_ids[: len(prompt)] == prompt and last.index(True) == len(prompt)
+    assert last_ids[max(k for k, m in enumerate(last) if m)] == ours.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def test_from_folder(tmp_path):
+    assert ChatTemplate.from_folder(tmp_path) is None
+    config = {"eos_token": {"content": "<|im_end|>"}, "bos_token": "<s>", "chat_template": "config {{ bos_token }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.from_folder(tmp_path)
+    assert (template.origin, template.eos_token, template.bos_token) == ("tokenizer_config.json", "<|im_end|>", "<s>")
+    assert template.render([{"role": "user", "content": "x"}]) == "config <s>"
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "dflt"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.from_folder(tmp_path).source == "dflt"
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="without a 'default' entry"):
+        ChatTemplate.from_folder(tmp_path)
+    ChatTemplate("file wins", "x").save(tmp_path)  # chat_template.jinja wins over tokenizer_config.json
+    template = ChatTemplate.from_folder(tmp_path)
+    assert (template.source, template.origin, template.eos_token) == ("file wins", "chat_template.jinja", "<|im_end|>")
+    assert ChatTemplate.from_file(tmp_path / "chat_template.jinja").origin == str(tmp_path / "chat_template.jinja")
+    with pytest.raises(ChatTemplateError, match="does not exist"):
+        ChatTemplate.from_file(tmp_path / "missing.jinja")
+
+
+def test_rendering_features_as_transformers(tokenizers):
+    """tojson keeps non-ASCII text and takes indent; strftime_now exists; loop controls work; extra variables
+    and the special tokens reach the template."""
+    _, theirs = tokenizers
+    source = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{{ m | tojson(indent=1) }}{{ m.thinking or '' }}{% endfor %}{{ strftime_now('%Y') | length }}"
+        "{{ enable_thinking }}"
+    )
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "café <b>"},
+                {"role": "assistant", "content": "ok", "reasoning_content": "r", "tool_calls": None}]  # fmt: skip
+    ours = ChatTemplate(source, "t", bos_token="<s>").render(messages, enable_thinking=False)
+    theirs.bos_token = "<s>"
+    try:
+        assert ours == theirs.apply_chat_template(messages, chat_template=source, tokenize=False, enable_thinking=False)
+    finally:
+        theirs.bos_token = None
+    assert "café <b>" in ours and "4False" in ours and '"tool_calls"' not in ours
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ({"role": "user"}, r"data.jsonl:3: 'messages' must be a list"),
+        ([], r"data.jsonl:3: empty conversation"),
+        (["hi"], r"data.jsonl:3: message 0 is a str, not an object"),
+        ([{"content": "hi"}], r"data.jsonl:3: message 0 has no 'role'"),
+        ([{"role": "bot", "content": "hi"}], r"data.jsonl:3: message 0 has unknown role 'bot'"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"data.jsonl:3: message 1 \(assistant\) has no 'content'"),
+        ([{"role": "user", "content": 3}], r"data.jsonl:3: message 0 \(user\) has 'content' of type int"),
+        ([{"role": "user", "content": "hi"}], r"data.jsonl:3: no assistant turn"),
+    ],
+)
+def test_bad_messages(messages, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        check_messages(messages, "data.jsonl:3")
+
+
+def test_assistant_tool_call_without_content_is_accepted():
+    check_messages([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"function": {}}]}], "x")
+
+
+def test_jinja_errors_name_the_record(tokenizers):
+    ours, _ = tokenizers
+    raising = ChatTemplate("{% for m in messages %}{{ raise_exception('no tools here') if m.role == 'tool' }}{% endfor %}", "t")
+    with pytest.raises(ChatTemplateError, match=r"^chats.jsonl:12: chat template from t failed to render: .*no tools here"):
+        raising.encode(ours, CONVERSATION, where="chats.jsonl:12")
+    broken = ChatTemplate("{% for m in messages %}{{ m.content }", "tokenizer_config.json")
+    with pytest.raises(ChatTemplateError, match=r"chats.jsonl:4: chat template from tokenizer_config.json does not parse \(line 1\)"):
+        broken.render(CONVERSATION, where="chats.jsonl:4")
+    typed = ChatTemplate("{{ messages[0].content + 1 }}", "t")
+    with pytest.raises(ChatTemplateError, match=r"chats.jsonl:5: .*TypeError"):
+        typed.render(CONVERSATION, where="chats.jsonl:5")
+
+
+def test_unlocatable_turns_raise(tokenizers):
+    """A template without marks that renders no assistant text, or ends replies without a special token, or
+    whose generation prompt is not what it renders before a turn, cannot be masked: an error, never a guess."""
+    ours, _ = tokenizers
+    silent = ChatTemplate(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.role != 'assistant' }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "t",
+    )  # fmt: skip
+    with pytest.raises(ChatTemplateError, match=r"r.jsonl:1: assistant message 2: the chat template renders none of its text"):
+        silent.encode(ours, CONVERSATION, where="r.jsonl:1")
+    no_end = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}", "t")  # fmt: skip
+    with pytest.raises(ChatTemplateError, match=r"r.jsonl:2: chat template from t: no special token follows"):
+        no_end.encode(ours, CONVERSATION, where="r.jsonl:2")
+    other_prompt = ChatTemplate(plain("chatml").replace("{{ '<|im_start|>assistant\\n' }}{%- endif -%}",
+                                                        "{{ '<|im_start|>model\\n' }}{%- endif -%}"), "t")  # fmt: skip
+    with pytest.raises(ChatTemplateError, match=r"assistant message 2: the generation prompt .* not found"):
+        other_prompt.encode(ours, CONVERSATION, where="r.jsonl:3")
+
+
+def test_marked_block_changed_after_the_block_raises(tokenizers):
+    ours, _ = tokenizers
+    source = (
+        "{% for m in messages %}{% set body %}{% generation %} {{ m.content }}{% endgeneration %}{% endset %}"
+        "<|im_start|>{{ body | trim }}<|im_end|>{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match=r"x:1: .*output is changed after the block"):
+        ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:1")

@@ -94,3 +94,28 @@ def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cac
     from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
     from_export = step35(["generate", "--checkpoint", str(tmp_path / "hf"), *args], builtin_cache)
     assert from_run.startswith(PROMPT) and from_run == from_export
+
+
+@pytest.mark.timeout(600)
+def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(folders, builtin_cache):
+    run, hf = folders
+    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    args = ["--chat", "true", "--prompt", "How do loops work?", "--system", "Be brief.", "--max_new_tokens", "12"]
+    proc = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(run), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The built-in tokenizer ships no template: step35's default one, said on stderr with the checkpoint read.
+    assert "step35 generate: chat template: step35's default (the run's tokenizer" in proc.stderr, proc.stderr
+    assert f"model: {run / 'checkpoints' / 'step=000003.ckpt'}" in proc.stderr
+    generator = load_generator(run)
+    ids = generator.chat_ids(generator.chat_template(), "How do loops work?", "Be brief.")
+    rendered = generator.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|system|>\nBe brief.\n<|user|>\nHow do loops work?\n<|assistant|>\n" in rendered, rendered
+    reply_ids = generator.generate_ids(ids, max_new_tokens=12)
+    assert len(reply_ids) >= 2
+    assert proc.stdout == generator.decode(reply_ids) + "\n"  # the reply alone: no prompt, no headers
+    assert "How do loops work?" not in proc.stdout and "<|assistant|>" not in proc.stdout
+    # The export carries the same tokenizer files, so its chat gives the same reply.
+    from_hf = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(hf), *args], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert from_hf.returncode == 0 and from_hf.stdout == proc.stdout, from_hf.stderr[-3000:]

@@ -6,18 +6,16 @@ import torch
 from step35.commands.generate import Generator
 from step35.config import preset
 from step35.model import KVCache, build_model
+from tests.hf_oracle import random_state_dict
 
 
 def random_model(**overrides):
-    """The tiny preset with a 16-key sliding window, random weights, router biases and norms."""
+    """The tiny preset with a 16-key sliding window and random weights of O(1) activations, router
+    biases that change the top-k and clamps that bite (tests/hf_oracle.py)."""
     config = preset("tiny").with_overrides({"sliding_window": 16, **overrides})
     model = build_model(config, num_mtp_layers=0, device="cpu")
-    model.init_weights(seed=1)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name.endswith("router_bias") or "norm" in name:
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
+    state = random_state_dict(config.to_dict(), seed=1)
+    model.load_state_dict({name: state[name] for name in model.state_dict()})
     return model.eval()
 
 
@@ -29,7 +27,8 @@ def test_steps_through_the_cache_give_the_logits_of_the_whole_sequence():
         # a 10-token prompt, 25 single tokens (past the window), then a 10-token chunk
         parts = [model.step(ids[:, :10], cache)] + [model.step(ids[:, t: t + 1], cache) for t in range(10, 35)]
         parts.append(model.step(ids[:, 35:], cache))
-        torch.testing.assert_close(torch.cat(parts, dim=1), model(ids), atol=1e-5, rtol=0)
+        # logits up to ~5 here: 3e-5 is fp32 rounding of sums in another order (an off-by-one window gives 5)
+        torch.testing.assert_close(torch.cat(parts, dim=1), model(ids), atol=3e-5, rtol=0)
     assert cache.length == 45
     sliding = [kv for kv in cache.layers.values() if kv.window is not None]
     full = [kv for kv in cache.layers.values() if kv.window is None]

@@ -14,6 +14,7 @@ from step35.commands.generate import load_generator
 from step35.config import preset
 from step35.model import build_model
 from step35.run import checkpoint_of
+from tests.hf_oracle import random_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,16 +57,11 @@ def test_a_from_scratch_export_loads_as_a_causal_lm_with_step35s_logits_and_gree
 
 
 def random_folder(path, sliding_window=16):
-    """A tiny random model with non-trivial norms and router biases, saved with save_pretrained and given
+    """A tiny random model (tests/hf_oracle.py: router biases that change the top-k, clamps that bite), saved with save_pretrained and given
     the modeling file and auto_map as `step35 export` writes them. Returns the step35 model."""
     config = preset("tiny").with_overrides({"sliding_window": sliding_window})
     model = build_model(config, device="cpu")
-    model.init_weights(seed=1)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name.endswith("router_bias") or "norm" in name:  # init leaves these at 0
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
+    model.load_state_dict(random_state_dict(config.to_dict(), seed=1))  # O(1) activations: every part counts
     save_pretrained(model, path)
     shutil.copy(MODELING_FILE, path / MODELING_FILE.name)
     raw = json.loads((path / "config.json").read_text())
@@ -86,7 +82,8 @@ def test_moe_routing_sliding_windows_and_the_cache_match_step35_model(tmp_path):
             out = hf(ids[:, t: t + 1], cache=cache, use_cache=True)
             cache = out.cache
             logits.append(out.logits)
-        torch.testing.assert_close(torch.cat(logits, dim=1), model(ids), atol=1e-5, rtol=0)
+        # logits up to ~5: one token at a time sums in another order than the whole sequence
+        torch.testing.assert_close(torch.cat(logits, dim=1), model(ids), atol=3e-5, rtol=0)
     generated = hf.generate(ids[:1, :10], max_new_tokens=30, do_sample=False, eos_token_id=None,
                             return_dict_in_generate=True)
     layers = generated.cache.layers

@@ -116,3 +116,26 @@ def test_the_modeling_file_imports_only_torch_and_transformers():
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             roots.add(node.module.split(".")[0])
     assert roots <= {"__future__", "dataclasses", "math", "torch", "transformers"}, roots
+
+
+def test_export_writes_our_file_unless_the_source_brings_its_own_modeling_code(tiny_run, exported, tmp_path):
+    """The tiny preset's config names the release's remote code in auto_map, as the release does."""
+    run, _ = tiny_run
+    release_map = {"AutoConfig": "configuration_step3p5.Step3p5Config",
+                   "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM"}
+    # A start folder without that code (here an earlier export, holding an outdated copy of ours): our file.
+    source = tmp_path / "source"
+    shutil.copytree(exported, source)
+    (source / MODELING_FILE.name).write_text("# an older step35's file\n")
+    report = export_checkpoint(checkpoint_of(run), tmp_path / "a", source=source)
+    assert (tmp_path / "a" / MODELING_FILE.name).read_bytes() == MODELING_FILE.read_bytes()
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["auto_map"] == AUTO_MAP
+    assert f"{MODELING_FILE.name} written ({source} brings no modeling code; transformers loads it with " \
+           f"trust_remote_code); auto_map {release_map} -> {AUTO_MAP}" in report.notes
+    load_hf(tmp_path / "a")
+    # A start folder that brings the code auto_map names keeps it (as tests/test_export.py's release-like folder).
+    (source / "configuration_step3p5.py").write_text("")
+    (source / "modeling_step3p5.py").write_text("")
+    export_checkpoint(checkpoint_of(run), tmp_path / "b", source=source)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["auto_map"] == release_map
+    assert (tmp_path / "b" / "modeling_step3p5.py").is_file() and not (tmp_path / "b" / MODELING_FILE.name).exists()

@@ -104,6 +104,13 @@ def _release_model_code(source: Path | None, auto_map: object) -> dict[str, Path
     return None if missing or not code else code
 
 
+def _our_modeling_note(source: Path | None, old: object) -> str:
+    """The line saying that our modeling file is written, why, and what became of config.json's auto_map."""
+    why = "the run did not start from an HF folder" if source is None else f"{source} brings no modeling code"
+    return (f"{MODELING_FILE.name} written ({why}; transformers loads it with trust_remote_code); "
+            + (f"auto_map {old} -> {AUTO_MAP}" if old else f"auto_map {AUTO_MAP} added"))
+
+
 def companion_files(folder: Path) -> dict[str, Path]:
     """{name: file} of the COMPANION_FILES at the top of `folder` (an HF folder: it holds a config.json)."""
     if not folder.is_dir():
@@ -201,11 +208,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     if model_code is None:  # the source brings no modeling code: ours, which computes what step35.model does
         files[MODELING_FILE.name] = MODELING_FILE.read_bytes()
         copied[MODELING_FILE.name] = "step35 (its transformers modeling file)"
-        old = exported.extra.get("auto_map")
+        notes.append(_our_modeling_note(source, exported.extra.get("auto_map")))
         exported.extra["auto_map"] = dict(AUTO_MAP)
-        notes.append(f"auto_map {old} -> {AUTO_MAP}: " if old else f"auto_map {AUTO_MAP} added: ")
-        notes[-1] += (("the run did not start from an HF folder" if source is None else f"{source} brings no modeling "
-                       "code") + f", so {MODELING_FILE.name} is written (transformers loads it with trust_remote_code)")
     if source is not None:  # remote code for the config.json and tokenizer_config.json written
         code, missing = _remote_code(source, remote_code_modules([_auto_map(files.get("tokenizer_config.json"))]))
         code.update(model_code or {})

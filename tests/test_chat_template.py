@@ -1,8 +1,9 @@
 """Chat templates: rendering as transformers renders, and which tokens are trained (step35/data/chat.py).
 
 The templates here are written for these tests: a ChatML-style one that renders every turn the same way
-whatever follows it, and two Step-3.5-style ones that drop the reasoning of turns before the last user
-message (A: generation prompt `<|im_start|>assistant\\n`; B: it ends in `<think>\\n`). Each exists with and
+whatever follows it, and three Step-3.5-style ones that drop the reasoning of turns before the last user
+message (A: generation prompt `<|im_start|>assistant\\n`; B: it ends in `<think>\\n`; C: as B, but a
+turn without reasoning gets no think block, as in the older released template). Each exists with and
 without `{% generation %}` marks; the marked copy renders the same text. The reference masks are transformers'
 `return_assistant_tokens_mask` on the marked copy and, for the ChatML template, per-prefix rendering.
 """
@@ -37,14 +38,20 @@ CHATML = (
 )
 
 
-def step_style(think_in_prompt: bool) -> str:
+def step_style(think_in_prompt: bool, only_with_reasoning: bool = False) -> str:
     """A template that renders reasoning only for assistant turns after the last user message (variant A), and
     with `think_in_prompt` ends its generation prompt in `<think>\\n` (variant B). Reasoning comes from
-    reasoning_content or from a `<think>...</think>` block at the start of the content."""
+    reasoning_content or from a `<think>...</think>` block at the start of the content. A user message wrapped in
+    `<tool_response>` counts as a tool result, not as the last user message (so its content decides the
+    rendering of other turns). With
+    `only_with_reasoning` (variant C) a recent turn without reasoning gets no think block either, so the
+    generation prompt's `<think>` is part of what the turn's reasoning decides."""
     opener = "{{ '<think>\\n' }}"
     return (
         "{%- set ns = namespace(last_user=-1) -%}"
-        "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'user' and not (m.content.startswith('<tool_response>')"
+        " and m.content.endswith('</tool_response>')) -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if messages[0].role == 'system' -%}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
         "{%- endif -%}"
@@ -55,7 +62,7 @@ def step_style(think_in_prompt: bool) -> str:
         "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
         "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
         "{%- endif -%}"
-        "{%- set recent = loop.index0 > ns.last_user -%}"
+        "{%- set recent = loop.index0 > ns.last_user" + (" and reasoning" if only_with_reasoning else "") + " -%}"
         "{{ '<|im_start|>assistant\\n' }}"
         + ("{%- if recent -%}" + opener + "{%- endif -%}" if think_in_prompt else "")
         + "[[GEN]]{%- if recent -%}"
@@ -63,7 +70,8 @@ def step_style(think_in_prompt: bool) -> str:
         + "{{ reasoning + '\\n</think>\\n' }}{%- endif -%}"
         "{{ content }}" + TOOL_CALLS + "{{ '<|im_end|>' }}[[/GEN]]{{ '\\n' }}"
         "{%- elif m.role == 'system' and loop.first -%}"
-        "{%- elif m.role == 'tool' -%}{{ '<|im_start|>tool\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+        "{%- elif m.role == 'tool' -%}"
+        "{{ '<|im_start|>tool\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
         "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
@@ -72,7 +80,7 @@ def step_style(think_in_prompt: bool) -> str:
     )
 
 
-SOURCES = {"chatml": CHATML, "step-a": step_style(False), "step-b": step_style(True)}
+SOURCES = {"chatml": CHATML, "step-a": step_style(False), "step-b": step_style(True), "step-c": step_style(True, True)}
 
 
 def plain(name: str) -> str:
@@ -97,6 +105,19 @@ CONVERSATION = [
     {"role": "tool", "content": '{"temp": 18, "sky": "clear"}'},
     {"role": "assistant", "content": "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris."},
 ]
+# Parallel tool calls, their two results, a user message that is a tool result in disguise, a reply.
+TOOL_ROUNDS = [
+    *CONVERSATION[:4],
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+    ]},
+    {"role": "tool", "content": "Paris: 18"},
+    {"role": "tool", "content": "Rome: 24"},
+    {"role": "assistant", "content": "<think>\nBoth answered.\n</think>\nParis 18, Rome 24."},
+    {"role": "user", "content": "<tool_response>Oslo: 9</tool_response>"},
+    {"role": "assistant", "reasoning_content": "A third city came back.", "content": "And Oslo 9."},
+]  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -148,6 +169,21 @@ def test_rendering_equals_transformers(tokenizers, name, tools):
         )
         assert ChatTemplate(source, "test").render(CONVERSATION[:4], tools=tools, add_generation_prompt=True) == prompt
     assert ChatTemplate(plain(name), "t").render(CONVERSATION) == ChatTemplate(marked(name), "t").render(CONVERSATION)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_masks_equal_transformers_over_tool_rounds(tokenizers, name):
+    """Parallel tool calls and a user message that the Step-style templates read as a tool result: replacing
+    that message's text by a sentinel would change which turns keep their reasoning, so the turns around it
+    are bounded by a sentinel inserted inside it instead (this raised before)."""
+    ours, theirs = tokenizers
+    expected = reference_mask(theirs, marked(name), TOOL_ROUNDS)
+    assert ChatTemplate(plain(name), "test").encode(ours, TOOL_ROUNDS) == expected
+    assert ChatTemplate(marked(name), "test").encode(ours, TOOL_ROUNDS) == expected
+    text = trained_text(ours, *expected)
+    assert "Rome" in text and "Paris 18, Rome 24.<|im_end|>" in text and "And Oslo 9.<|im_end|>" in text
+    assert "Oslo: 9" not in text and "Rome: 24" not in text
+    assert "Both answered." in text  # kept by all: the disguised tool result is no user message
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
@@ -228,8 +264,9 @@ def test_train_on_variants(tokenizers, name):
     assert all(everything) and len(everything) == len(ids)
     assert 0 < sum(last) < sum(every)
     assert all(e for e, l in zip(every, last) if l)  # the last turn's tokens are a subset
-    # Variant B's generation prompt holds the <think> opener, so the reply starts after it.
-    assert trained_text(ours, ids, last).startswith(("" if name == "step-b" else "<think>\n") + "The tool says 18.")
+    # The generation prompt of variants B and C holds the <think> opener, so the reply starts after it.
+    opener = "" if name in ("step-b", "step-c") else "<think>\n"
+    assert trained_text(ours, ids, last).startswith(opener + "The tool says 18.")
     assert trained_text(ours, ids, last).endswith("clear in Paris.<|im_end|>")
     assert template.encode(ours, CONVERSATION, train_on="last_assistant") == ChatTemplate(
         marked(name), "test"
@@ -237,6 +274,17 @@ def test_train_on_variants(tokenizers, name):
     with pytest.raises(ChatTemplateError, match=r"data.jsonl:9: train_on='user'; expected one of assistant"):
         template.encode(ours, CONVERSATION, train_on="user", where="data.jsonl:9")
     assert TRAIN_ON == ("assistant", "last_assistant", "all")
+
+
+def test_end_of_turn_token(tokenizers, builtin_cache):
+    """What `generate --chat` stops on: <|im_end|> for the ChatML-style and Step-style templates, EOS for ours."""
+    from step35.data import builtin_tokenizer_dir
+
+    ours, _ = tokenizers
+    im_end = ours.tokenizer.token_to_id("<|im_end|>")
+    assert {ChatTemplate(plain(name), "t").end_of_turn_id(ours) for name in SOURCES} == {im_end}
+    builtin = TextTokenizer.from_folder(builtin_tokenizer_dir(cache_dir=builtin_cache))
+    assert ChatTemplate.default().end_of_turn_id(builtin) == builtin.eos_token_id == 0
 
 
 def test_a_token_straddling_a_span_border_is_trained():
@@ -269,6 +317,11 @@ def test_default_template_with_the_builtin_tokenizer(builtin_cache):
     last_ids, last = template.encode(ours, CONVERSATION, train_on="last_assistant")
     assert last_ids[: len(prompt)] == prompt and last.index(True) == len(prompt)
     assert last_ids[max(k for k, m in enumerate(last) if m)] == ours.eos_token_id
+    content = [{"type": "text", "text": "hi"}, {"type": "image"}, {"type": "text", "text": "!"}]
+    parts = [{"role": "user", "content": content}]
+    assert template.render(parts, add_generation_prompt=True, eos_token="E") == "<|user|>\nhi!\n<|assistant|>\n"
+    with pytest.raises(ChatTemplateError, match="the default chat template needs eos_token"):
+        template.render(CONVERSATION)  # an assistant turn that never ends would teach the model not to stop
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -327,9 +380,11 @@ def test_rendering_features_as_transformers(tokenizers):
         (["hi"], r"data.jsonl:3: message 0 is a str, not an object"),
         ([{"content": "hi"}], r"data.jsonl:3: message 0 has no 'role'"),
         ([{"role": "bot", "content": "hi"}], r"data.jsonl:3: message 0 has unknown role 'bot'"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"data.jsonl:3: message 1 \(assistant\) has no 'content'"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"jsonl:3: message 1 \(assistant\) has no 'content'"),
         ([{"role": "user", "content": 3}], r"data.jsonl:3: message 0 \(user\) has 'content' of type int"),
         ([{"role": "user", "content": "hi"}], r"data.jsonl:3: no assistant turn"),
+        ([{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}], r"0 \(assistant\) has 'tool_calls' that"),
+        ([{"role": "assistant", "content": "a", "thinking": ["x"]}], r"0 \(assistant\) has 'thinking' of type list"),
     ],
 )
 def test_bad_messages(messages, message):
@@ -343,11 +398,12 @@ def test_assistant_tool_call_without_content_is_accepted():
 
 def test_jinja_errors_name_the_record(tokenizers):
     ours, _ = tokenizers
-    raising = ChatTemplate("{% for m in messages %}{{ raise_exception('no tools here') if m.role == 'tool' }}{% endfor %}", "t")
-    with pytest.raises(ChatTemplateError, match=r"^chats.jsonl:12: chat template from t failed to render: .*no tools here"):
+    raising = ChatTemplate("{% for m in messages %}{{ raise_exception('no tools') if m.role == 'tool' }}{% endfor %}", "t")
+    with pytest.raises(ChatTemplateError, match=r"^chats.jsonl:12: chat template from t failed to render: .*no tools"):
         raising.encode(ours, CONVERSATION, where="chats.jsonl:12")
     broken = ChatTemplate("{% for m in messages %}{{ m.content }", "tokenizer_config.json")
-    with pytest.raises(ChatTemplateError, match=r"chats.jsonl:4: chat template from tokenizer_config.json does not parse \(line 1\)"):
+    message = r"chats.jsonl:4: chat template from tokenizer_config.json does not parse \(line 1\)"
+    with pytest.raises(ChatTemplateError, match=message):
         broken.render(CONVERSATION, where="chats.jsonl:4")
     typed = ChatTemplate("{{ messages[0].content + 1 }}", "t")
     with pytest.raises(ChatTemplateError, match=r"chats.jsonl:5: .*TypeError"):
@@ -359,10 +415,11 @@ def test_unlocatable_turns_raise(tokenizers):
     whose generation prompt is not what it renders before a turn, cannot be masked: an error, never a guess."""
     ours, _ = tokenizers
     silent = ChatTemplate(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.role != 'assistant' }}<|im_end|>\n{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.role != 'assistant' }}<|im_end|>\n"
+        "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "t",
     )  # fmt: skip
-    with pytest.raises(ChatTemplateError, match=r"r.jsonl:1: assistant message 2: the chat template renders none of its text"):
+    with pytest.raises(ChatTemplateError, match=r"r.jsonl:1: assistant message 2: the chat template renders none of"):
         silent.encode(ours, CONVERSATION, where="r.jsonl:1")
     no_end = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant: {% endif %}", "t")  # fmt: skip
@@ -382,3 +439,110 @@ def test_marked_block_changed_after_the_block_raises(tokenizers):
     )
     with pytest.raises(ChatTemplateError, match=r"x:1: .*output is changed after the block"):
         ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:1")
+
+
+def test_marked_template_without_a_block_for_the_turn_raises(tokenizers):
+    ours, _ = tokenizers
+    source = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+        "{% if false %}{% generation %}{% endgeneration %}{% endif %}{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match=r"x:2: chat template from t renders no \{% generation %\} block .*es 2"):
+        ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:2")
+
+
+def test_template_pickles_for_dataloader_workers(tokenizers):
+    import pickle
+
+    ours, _ = tokenizers
+    template = ChatTemplate(plain("step-a"), "tokenizer_config.json", bos_token="<s>", eos_token="<|im_end|>")
+    expected = template.encode(ours, CONVERSATION)  # compiled and probed: neither travels
+    copy = pickle.loads(pickle.dumps(template))
+    assert (copy.source, copy.origin, copy.bos_token, copy.eos_token) == (
+        template.source, "tokenizer_config.json", "<s>", "<|im_end|>"
+    )  # fmt: skip
+    assert copy.encode(ours, CONVERSATION) == expected
+
+
+def test_text_diff_and_mask_helpers_on_random_input():
+    """The block-wise common prefix/suffix and the bisecting token mask against their one-line definitions."""
+    import random
+
+    from step35.data.chat import _common_prefix, _common_suffix
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.choice([0, 1, 5, 4095, 4096, 4097, 9000])
+        a = "".join(rng.choice("ab") for _ in range(n))
+        b = list(a)
+        for _ in range(rng.randint(0, 2) if n else 0):
+            b[rng.randrange(n)] = "c"
+        b = "".join(b) + "x" * rng.randint(0, 2)
+        a, b = (a, b) if rng.random() < 0.5 else (b, a)
+        prefix = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        suffix = next((k for k, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y), min(len(a), len(b)))
+        limit = rng.randint(0, min(len(a), len(b)))
+        assert (_common_prefix(a, b), _common_suffix(a, b, limit)) == (prefix, min(suffix, limit))
+    for _ in range(500):
+        offsets, pos = [], 0
+        for _ in range(rng.randint(0, 30)):
+            start = pos + rng.randint(0, 1)
+            offsets.append((start, start + rng.randint(0, 3)))
+            pos = offsets[-1][1] if rng.random() < 0.8 else start
+        spans, pos = [], 0
+        for _ in range(rng.randint(0, 4)):
+            start = pos + rng.randint(0, 5)
+            spans.append((start, start + rng.randint(1, 6)))
+            pos = spans[-1][1]
+        assert token_mask(offsets, spans) == [any(e > a and s < b for a, b in spans) for s, e in offsets]
+
+
+def test_generation_block_inside_a_macro(tokenizers):
+    """Spans come from markers in the output, so a `{% generation %}` block inside a macro (whose output Jinja
+    buffers) is located right; counting the characters emitted so far, as transformers does, is not enough
+    there (in transformers 5.24 the last reply of this conversation gets no span)."""
+    ours, _ = tokenizers
+    source = (
+        "{% macro reply(m) %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}{% endmacro %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{{ reply(m) }}{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+    )
+    ids, mask = ChatTemplate(source, "t").encode(ours, CONVERSATION)
+    segments, current = [], []
+    for token, trained in zip([*ids, None], [*mask, False]):
+        if trained:
+            current.append(token)
+        elif current:
+            segments.append(ours.decode(current))
+            current = []
+    assert segments == [
+        "Four.<|im_end|>",
+        "<|im_end|>",
+        "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris.<|im_end|>",
+    ]
+
+
+def test_content_given_as_parts(tokenizers):
+    """Content as a list of {type: text} parts, rendered by a macro as the released Step-3.5 template does:
+    the sentinel method puts its sentinels into the parts and agrees with transformers on the marked copy."""
+    ours, theirs = tokenizers
+    source = (
+        "{% macro text(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
+        "{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}[[GEN]]"
+        "{{ text(m.content) }}{{ '<|im_end|>' }}[[/GEN]]{% else %}{{ text(m.content) + '<|im_end|>' }}{% endif %}"
+        "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    parts = [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Look at "}, {"type": "image"}, {"type": "text", "text": "this."},
+        ]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}, {"type": "text", "text": " Asleep."}]},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": [{"type": "text", "text": "You are welcome."}]},
+    ]  # fmt: skip
+    marked_source = source.replace("[[GEN]]", "{% generation %}").replace("[[/GEN]]", "{% endgeneration %}")
+    expected = reference_mask(theirs, marked_source, parts)
+    plain_source = source.replace("[[GEN]]", "").replace("[[/GEN]]", "")
+    assert ChatTemplate(plain_source, "t").encode(ours, parts) == expected
+    assert trained_text(ours, *expected) == "A cat. Asleep.<|im_end|>You are welcome.<|im_end|>"

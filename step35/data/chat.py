@@ -6,7 +6,8 @@ produce: a sandboxed Jinja environment (`ImmutableSandboxedEnvironment`, trim_bl
 `tojson` filter that keeps non-ASCII text, `tools` and `documents` passed as None when absent, keys whose value
 is None dropped from messages, and the reasoning of a message (given as `reasoning_content`, `thinking` or
 `reasoning`, first found wins) copied to `reasoning_content`, and to `thinking` unless the message has one.
-The special tokens (`bos_token`, `eos_token`) come from the tokenizer folder. The rendered text is tokenized WITHOUT adding special tokens: the template writes them.
+The special tokens (`bos_token`, `eos_token`) come from the tokenizer folder. The rendered text is tokenized
+WITHOUT adding special tokens: the template writes them.
 
 Which tokens are trained (`encode`): character spans of the rendered text, turned into a per-token mask by
 the tokenizer's offsets. A token is trained when any of its characters lies in a span (the rule transformers
@@ -21,16 +22,22 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
   renderings differ is the turn's own text. This never renders a prefix of the conversation as if it were a
   prefix of the whole, which is wrong for templates that rewrite history (Step-3.5's drops the reasoning of
   turns before the last user message). The span then runs from the end of the generation prompt that
-  inference would emit before the turn (found as whole lines of it right before the turn's text; for an
+  inference would emit before the turn (found as whole lines of it starting before the turn's text; for an
   earlier turn whose reasoning was dropped, the header lines only) to the template's end-of-turn token
-  inclusive (the first special token after an assistant reply, learned once on a probe conversation). When a
-  turn cannot be located this way, `encode` raises `ChatTemplateError`; it never guesses.
+  inclusive (the first special token after an assistant reply, learned once on a probe conversation). The
+  messages on either side bound both searches; each is found by a sentinel inserted in the middle of its text,
+  which keeps what templates test about a message (how its text starts and ends). When a turn cannot be
+  located this way, `encode` raises `ChatTemplateError`; it never guesses.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
+import operator
 import uuid
+import weakref
 from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
@@ -45,29 +52,31 @@ TEMPLATE_FILE = "chat_template.jinja"
 # plain text it encodes byte by byte). Every assistant turn ends with the tokenizer's EOS, inside the
 # generation block, so the model learns to stop; the generation prompt is the assistant header.
 DEFAULT_TEMPLATE = """\
-{% for message in messages %}
-{% if message.role == 'assistant' %}
-<|assistant|>
-{% generation %}
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-{% endif %}
-{% if message.content is string %}{{ message.content }}{% endif %}
-{% for call in message.tool_calls or [] %}
-{% set function = call.function or call %}
-<tool_call>{"name": {{ function.name | tojson }}, "arguments": {{ function.arguments | tojson }}}</tool_call>
-{% endfor %}
-{{ eos_token }}{% endgeneration %}
-
-{% else %}
-<|{{ message.role }}|>
-{{ message.content if message.content is string else message.content | tojson }}
-{% endif %}
-{% endfor %}
-{% if add_generation_prompt %}
-<|assistant|>
-{% endif %}"""
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- else -%}{%- for part in content or [] -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if eos_token is not defined -%}{{ raise_exception('the default chat template needs eos_token') }}{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- '<|assistant|>\\n' -}}
+{%- generation -%}
+{%- if message.reasoning_content -%}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n' -}}{%- endif -%}
+{{- text(message.content) -}}
+{%- for call in message.tool_calls or [] -%}
+{%- set function = call.function or call -%}
+{{- '\\n' if (not loop.first or text(message.content)) else '' -}}
+{{- '<tool_call>' + ({'name': function.name, 'arguments': function.arguments} | tojson) + '</tool_call>' -}}
+{%- endfor -%}
+{{- eos_token -}}
+{%- endgeneration -%}
+{{- '\\n' -}}
+{%- else -%}
+{{- '<|' + message.role + '|>\\n' + text(message.content) + '\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"""
 
 
 class ChatTemplateError(ValueError):
@@ -81,15 +90,18 @@ def _at(where: str) -> str:
 def check_messages(messages: Any, where: str = "", *, require_assistant: bool = True) -> None:
     """Raise ChatTemplateError naming `where` (e.g. "data.jsonl:3") unless `messages` is a non-empty list of
     {role, content} objects with known roles and, when `require_assistant`, at least one assistant turn.
-    An assistant turn may leave out `content` (or give None) when it carries `tool_calls`."""
+    Content is text or a list of parts; an assistant turn may leave it out (or give None) when it carries
+    `tool_calls`, which must be a list of objects; reasoning, under any of its names, must be text."""
     at = _at(where)
     if not isinstance(messages, list):
-        raise ChatTemplateError(f"{at}'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}")
+        kind = type(messages).__name__
+        raise ChatTemplateError(f"{at}'messages' must be a list of {{role, content}} objects, got {kind}")
     if not messages:
         raise ChatTemplateError(f"{at}empty conversation ('messages' is [])")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ChatTemplateError(f"{at}message {i} is a {type(message).__name__}, not an object with role and content")
+            kind = type(message).__name__
+            raise ChatTemplateError(f"{at}message {i} is a {kind}, not an object with role and content")
         if "role" not in message:
             raise ChatTemplateError(f"{at}message {i} has no 'role' (keys: {sorted(message)})")
         role = message["role"]
@@ -100,10 +112,19 @@ def check_messages(messages: Any, where: str = "", *, require_assistant: bool = 
             raise ChatTemplateError(f"{at}message {i} ({role}) has no 'content'")
         if content is not None and not isinstance(content, (str, list)):
             raise ChatTemplateError(
-                f"{at}message {i} ({role}) has 'content' of type {type(content).__name__}; expected text or a list of parts"
+                f"{at}message {i} ({role}) has 'content' of type {type(content).__name__};"
+                " expected text or a list of parts"
             )
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ChatTemplateError(f"{at}message {i} ({role}) has 'tool_calls' that are not a list of objects")
+        for key in REASONING_FIELDS:
+            if message.get(key) is not None and not isinstance(message[key], str):
+                kind = type(message[key]).__name__
+                raise ChatTemplateError(f"{at}message {i} ({role}) has '{key}' of type {kind}; expected text")
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise ChatTemplateError(f"{at}no assistant turn, so nothing to train on (roles: {[m['role'] for m in messages]})")
+        roles = [m["role"] for m in messages]
+        raise ChatTemplateError(f"{at}no assistant turn, so nothing to train on (roles: {roles})")
 
 
 # ----------------------------------------------------------------------------------------------- Jinja
@@ -193,7 +214,14 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._compiled = None
         self._marked: Optional[bool] = None
-        self._end_of_turn: dict[int, int] = {}  # id(tokenizer) -> end-of-turn token id
+        self._end_of_turn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> end-of-turn id
+
+    def __getstate__(self) -> dict:
+        # A compiled Jinja template does not pickle; DataLoader workers compile their own on first use.
+        return {"source": self.source, "origin": self.origin, "bos_token": self.bos_token, "eos_token": self.eos_token}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["source"], state["origin"], bos_token=state["bos_token"], eos_token=state["eos_token"])
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} characters)"
@@ -241,7 +269,8 @@ class ChatTemplate:
                 )
             template = named["default"]
         if not isinstance(template, str):
-            raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template is a {type(template).__name__}, not text")
+            kind = type(template).__name__
+            raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template is a {kind}, not text")
         return cls(template, "tokenizer_config.json", **tokens)
 
     @classmethod
@@ -285,8 +314,9 @@ class ChatTemplate:
         return self._compiled
 
     def _render(self, messages: list, *, where: str, add_generation_prompt: bool, tools, extra: dict) -> str:
-        kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
-        kwargs = {key: value for key, value in kwargs.items() if value is not None or key not in ("bos_token", "eos_token")}
+        # A special token the tokenizer lacks stays undefined, as transformers leaves it out of its arguments.
+        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        kwargs = {**{key: value for key, value in tokens.items() if value is not None}, **extra}
         try:
             return self._template(where).render(
                 messages=_prepare(messages),
@@ -306,16 +336,21 @@ class ChatTemplate:
                where: str = "", **extra) -> str:
         """The conversation as text, as transformers' apply_chat_template(tokenize=False) renders it.
         `extra` reaches the template as variables (e.g. enable_thinking, bos_token, eos_token)."""
-        return self._render(messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
+        return self._render(
+            messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
+        )
 
-    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, **extra) -> list[int]:
+    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, where: str = "",
+                   **extra) -> list[int]:
         """The token ids inference starts from: the conversation so far plus the generation prompt."""
-        check_messages(messages, "prompt", require_assistant=False)
-        text = self.render(messages, add_generation_prompt=True, tools=tools, **self._tokens(tokenizer, extra))
+        check_messages(messages, where, require_assistant=False)
+        extra = self._tokens(tokenizer, extra)
+        text = self.render(messages, add_generation_prompt=True, tools=tools, where=where, **extra)
         return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _tokens(self, tokenizer, extra: dict) -> dict:
-        """`extra`, with eos_token filled from the tokenizer's EOS id when neither the template nor the caller gave it."""
+        """`extra`, with eos_token filled from the tokenizer's EOS id when neither the template nor the caller
+        gave one."""
         if self.eos_token is None and "eos_token" not in extra and getattr(tokenizer, "eos_token_id", None) is not None:
             return {**extra, "eos_token": tokenizer.tokenizer.id_to_token(tokenizer.eos_token_id)}
         return extra
@@ -343,17 +378,21 @@ class ChatTemplate:
         if self.has_generation_marks:
             spans = conversation.marked_spans(turns)
         else:
-            spans = conversation.located_spans(turns, encoding, lambda: self._end_of_turn_id(tokenizer, conversation))
+            end_of_turn = functools.partial(self.end_of_turn_id, tokenizer, tools=tools, where=where, **extra)
+            spans = conversation.located_spans(turns, encoding, end_of_turn)
         return encoding.ids, token_mask(encoding.offsets, spans)
 
-    def _end_of_turn_id(self, tokenizer, conversation: "_Conversation") -> int:
-        """The token the template ends an assistant reply with: the first special token after the reply in a
-        probe conversation (cached per tokenizer)."""
-        key = id(tokenizer)
-        if key not in self._end_of_turn:
+    def end_of_turn_id(self, tokenizer, *, tools: Optional[list] = None, where: str = "", **extra) -> int:
+        """The token the template ends an assistant reply with (where `generate --chat` stops): the first special
+        token (added as special, or the tokenizer's EOS) after the reply in a probe conversation of one user
+        and one assistant message. Cached per tokenizer; a ChatTemplateError when no special token follows."""
+        if tokenizer not in self._end_of_turn:
             sentinel = "step35probe" + uuid.uuid4().hex
             probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
-            text = conversation.render(probe, False, f"{_at(conversation.where)}probe conversation")
+            text = self._render(
+                probe, where=f"{_at(where)}probe conversation", add_generation_prompt=False, tools=tools,
+                extra=self._tokens(tokenizer, extra),
+            )  # fmt: skip
             encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
             special = _special_ids(tokenizer)
             after = text.find(sentinel) + len(sentinel) if sentinel in text else None
@@ -362,11 +401,11 @@ class ChatTemplate:
             )
             if found is None:
                 raise ChatTemplateError(
-                    f"{_at(conversation.where)}chat template from {self.origin}: no special token follows an"
-                    " assistant reply, so the end of a turn cannot be told; add {% generation %} marks to the template"
+                    f"{_at(where)}chat template from {self.origin}: no special token follows an assistant reply, so"
+                    " the end of a turn cannot be told; add {% generation %} marks to the template"
                 )
-            self._end_of_turn[key] = found
-        return self._end_of_turn[key]
+            self._end_of_turn[tokenizer] = found
+        return self._end_of_turn[tokenizer]
 
 
 class _Conversation:
@@ -376,6 +415,7 @@ class _Conversation:
         self.template, self.messages, self.tools, self.where, self.extra = template, messages, tools, where, extra
         self.text = self.render(messages, False)
         self._regions: dict[int, tuple[Optional[int], Optional[int]]] = {}
+        self._points: dict[int, Optional[int]] = {}
 
     def render(self, messages: list, add_generation_prompt: bool, where: Optional[str] = None) -> str:
         return self.template._render(
@@ -399,14 +439,22 @@ class _Conversation:
                 " changed after the block (e.g. captured by {% set %} and filtered), so its spans cannot be located"
             )
         if turns[0] != min(i for i, m in enumerate(self.messages) if m["role"] == "assistant"):
-            after = self.end_before(turns[0])  # only the last turn is trained: its blocks come after the message before it
+            # Only the last turn is trained: its blocks are those after the message before it.
+            after = self.end_before(turns[0])
             spans = [span for span in spans if span[0] >= after]
+        if not spans:
+            raise ChatTemplateError(
+                f"{_at(self.where)}chat template from {self.template.origin} renders no {{% generation %}} block for"
+                f" the trained assistant turns (messages {', '.join(map(str, turns))})"
+            )
         return spans
 
     def located_spans(self, turns: list[int], encoding, end_of_turn: Callable[[], int]) -> list[tuple[int, int]]:
         """Each turn's span, located by sentinels (module docstring): from the end of the generation prompt to
         the end-of-turn token inclusive (`end_of_turn()` gives its id)."""
         spans: list[tuple[int, int]] = []
+        ids, offsets = encoding.ids, encoding.offsets  # each read of these builds a fresh Python list
+        starts = [s for s, _ in offsets]
         for i in turns:
             at = f"{_at(self.where)}assistant message {i}"
             first, last = self.region(i)
@@ -415,13 +463,15 @@ class _Conversation:
             low = max(self.end_before(i), spans[-1][1] if spans else 0)
             if low > first:
                 raise ChatTemplateError(f"{at}: cannot be told apart from the message before it in the rendering")
-            start = self.reply_start(i, low, first)
+            start = self.reply_start(i, low, first, last)
             if start is None:
                 raise ChatTemplateError(
                     f"{at}: the generation prompt the template emits before it is not found in front of its text"
                 )
             eot = end_of_turn()
-            end = next((e for (s, e), t in zip(encoding.offsets, encoding.ids) if t == eot and s >= last), None)
+            k = bisect.bisect_left(starts, last)
+            k = next((j for j in range(k, len(ids)) if ids[j] == eot), None)
+            end = None if k is None else offsets[k][1]
             following = self.start_after(i)
             if end is None or (following is not None and end > following):
                 raise ChatTemplateError(f"{at}: no end-of-turn token (id {eot}) between its text and the next message")
@@ -446,33 +496,59 @@ class _Conversation:
             return None, None
         text = self.text
         prefix = _common_prefix(text, other)
-        suffix = _common_prefix(text[prefix:][::-1], other[prefix:][::-1])
+        suffix = _common_suffix(text, other, min(len(text), len(other)) - prefix)
         # The differing part of `other` must hold every rendered sentinel, else the diff is not this message.
         if min(s for s, _ in found) < prefix or max(e for _, e in found) > len(other) - suffix:
             raise ChatTemplateError(f"{_at(self.where)}message {index}: its text cannot be located in the rendering")
         return prefix, len(text) - suffix
 
     def end_before(self, index: int) -> int:
-        """The end of the nearest earlier message's text in the rendering (0 when none renders any)."""
+        """A position inside the nearest earlier message's text that renders any (`point`), else 0."""
         for j in range(index - 1, -1, -1):
-            end = self.region(j)[1]
-            if end is not None:
-                return end
+            at = self.point(j, end=True)
+            if at is not None:
+                return at
         return 0
 
     def start_after(self, index: int) -> Optional[int]:
-        """The start of the next message's text in the rendering (None when no later message renders any)."""
+        """A position inside the next message's text that renders any (`point`), else None."""
         for j in range(index + 1, len(self.messages)):
-            start = self.region(j)[0]
-            if start is not None:
-                return start
+            at = self.point(j, end=False)
+            if at is not None:
+                return at
         return None
 
-    def reply_start(self, index: int, low: int, first: int) -> Optional[int]:
+    def point(self, index: int, end: bool) -> Optional[int]:
+        """A position inside message `index`'s own text in the rendering, for bounding its neighbours: where a
+        sentinel inserted in the middle of its text appears, when inserting it changes nothing else (the message
+        keeps its start and end, which templates test: Step-3.5's reads a user message wrapped in
+        `<tool_response>` as a tool result). Else the end (`end`) or start of its region; None when the
+        template renders none of its text."""
+        if index not in self._points:
+            self._points[index] = self._find_point(index)
+        if self._points[index] is not None:
+            return self._points[index]
+        return self.region(index)[1 if end else 0]
+
+    def _find_point(self, index: int) -> Optional[int]:
+        sentinel = f"\ue000step35point{uuid.uuid4().hex}\ue001"
+        inserted = _with_inserted(self.messages, index, sentinel)
+        if inserted is None:
+            return None
+        other = self.render(inserted, False)
+        at = other.find(sentinel)
+        if at < 0 or len(other) != len(self.text) + len(sentinel):
+            return None
+        if other[:at] != self.text[:at] or other[at + len(sentinel) :] != self.text[at:]:
+            return None
+        return at
+
+    def reply_start(self, index: int, low: int, first: int, last: int) -> Optional[int]:
         """Where the model's reply for message `index` starts: the end of the generation prompt rendered after
-        the messages before it, searched as whole leading lines of it (all of it first) in text[low:first]. An
-        earlier turn whose reasoning the template dropped keeps the header lines of a prompt that ends in
-        `<think>`, so fewer lines match there."""
+        the messages before it, searched as whole leading lines of it (all of it first), starting in
+        text[low:first]. It may reach into the turn's text: a template that writes `<think>` only when a turn has
+        reasoning puts the prompt's `<think>` inside what the sentinels change. An earlier turn whose reasoning
+        the template dropped keeps only the header lines of a prompt that ends in `<think>`."""
         history = self.messages[:index]
         with_prompt, without = self.render(history, True), self.render(history, False)
         prompt = with_prompt[_common_prefix(with_prompt, without):]
@@ -480,7 +556,7 @@ class _Conversation:
             return None
         cuts = [len(prompt)] + [k + 1 for k in range(len(prompt) - 2, -1, -1) if prompt[k] == "\n"]
         for k in cuts:
-            found = self.text.rfind(prompt[:k], low, first)
+            found = self.text.rfind(prompt[:k], low, min(first - 1 + k, last))
             if found >= 0:
                 return found + k
         return None
@@ -499,11 +575,29 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    lo, hi = 0, n  # binary search on slices: C-speed comparisons instead of a Python loop over characters
+    """The length of the longest common prefix of `a` and `b`."""
+    n, block, i = min(len(a), len(b)), 4096, 0
+    while i < n and a[i : i + block] == b[i : i + block]:  # C-speed comparisons, one pass over the text
+        i += block
+    lo, hi = min(i, n), min(i + block, n)
+    while lo < hi:  # the first difference lies in a[i : i + block]: binary search for it
+        mid = (lo + hi + 1) // 2
+        if a[i:mid] == b[i:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    """The length of the longest common suffix of `a` and `b`, at most `limit`."""
+    n, block, i = min(len(a), len(b), limit), 4096, 0
+    while i < n and a[len(a) - i - min(block, n - i) : len(a) - i] == b[len(b) - i - min(block, n - i) : len(b) - i]:
+        i += min(block, n - i)
+    lo, hi = i, min(i + block, n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[len(a) - mid : len(a) - i] == b[len(b) - mid : len(b) - i]:
             lo = mid
         else:
             hi = mid - 1
@@ -531,7 +625,8 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
         message["content"] = sentinel("content")
     elif isinstance(content, list):
         message["content"] = [
-            {**part, "text": sentinel("part")} if isinstance(part, dict) and part.get("text") else part for part in content
+            {**part, "text": sentinel("part")} if isinstance(part, dict) and part.get("text") else part
+            for part in content
         ]
     if message.get("tool_calls"):
         calls = []
@@ -544,6 +639,39 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
             calls.append(call)
         message["tool_calls"] = calls
     return [*messages[:index], message, *messages[index + 1:]], sentinels
+
+
+def _with_inserted(messages: list, index: int, sentinel: str) -> Optional[list]:
+    """A copy of `messages` with `sentinel` inserted in the middle of message `index`'s first non-empty text
+    (content, a text part, reasoning, a tool-call name); None when it has none."""
+    message = dict(messages[index])
+
+    def middle(text: str) -> str:
+        return text[: len(text) // 2] + sentinel + text[len(text) // 2 :]
+
+    content = message.get("content")
+    parts = content if isinstance(content, list) else []
+    text_part = next((k for k, part in enumerate(parts) if isinstance(part, dict) and part.get("text")), None)
+    reasoning = next((key for key in REASONING_FIELDS if isinstance(message.get(key), str) and message[key]), None)
+    calls = message.get("tool_calls") or []
+    call = next((k for k, c in enumerate(calls) if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                 and c["function"].get("name")), None)  # fmt: skip
+    if isinstance(content, str) and content:
+        message["content"] = middle(content)
+    elif text_part is not None:
+        parts = list(parts)
+        parts[text_part] = {**parts[text_part], "text": middle(parts[text_part]["text"])}
+        message["content"] = parts
+    elif reasoning is not None:
+        message[reasoning] = middle(message[reasoning])
+    elif call is not None:
+        calls = list(calls)
+        function = calls[call]["function"]
+        calls[call] = {**calls[call], "function": {**function, "name": middle(function["name"])}}
+        message["tool_calls"] = calls
+    else:
+        return None
+    return [*messages[:index], message, *messages[index + 1 :]]
 
 
 def _strip_marks(marked: str, marks: tuple[str, str]) -> tuple[str, list[tuple[int, int]]]:
@@ -573,10 +701,17 @@ def _strip_marks(marked: str, marks: tuple[str, str]) -> tuple[str, list[tuple[i
 
 def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
     """Per token, whether any of its characters lies in one of `spans` (sorted, disjoint [start, end) character
-    ranges). A token straddling a span border is therefore trained; so is an empty token inside a span."""
-    mask, k = [], 0
-    for start, end in offsets:
-        while k < len(spans) and start >= spans[k][1]:
-            k += 1
-        mask.append(k < len(spans) and end > spans[k][0] and start < spans[k][1])
+    ranges). A token straddling a span border is therefore trained; so is an empty token inside a span (not
+    one at a span's start: it holds no character of it)."""
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
+    if not (_ascending(starts) and _ascending(ends)):  # no tokenizer we know of does this; the plain rule then
+        return [any(e > a and s < b for a, b in spans) for s, e in offsets]
+    mask = [False] * len(offsets)
+    for a, b in spans:  # the tokens overlapping [a, b): those ending after a and starting before b
+        lo, hi = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
+        mask[lo:hi] = [True] * max(0, hi - lo)
     return mask
+
+
+def _ascending(values: list[int]) -> bool:
+    return all(map(operator.le, values, values[1:]))

@@ -113,7 +113,8 @@ class Generator:
         """The ids a reply is generated after: [system,] user turn and the generation prompt."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         eos = self.eos_id if self.eos_id is not None else self.start_id
-        ids = template.prompt_ids(TextTokenizer(self.tokenizer, eos, Path(self.tokenizer_origin)), messages)
+        ids = template.prompt_ids(TextTokenizer(self.tokenizer, eos, Path(self.tokenizer_origin)), messages,
+                                  where="the conversation of --system and --prompt")
         return ids if ids[:1] == [self.start_id] else [self.start_id] + ids
 
 

@@ -119,3 +119,10 @@ def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(
     from_hf = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(hf), *args], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=300)
     assert from_hf.returncode == 0 and from_hf.stdout == proc.stdout, from_hf.stderr[-3000:]
+
+
+def test_system_without_chat_is_refused_before_anything_loads(tmp_path):
+    from step35.commands.generate import generate
+
+    with pytest.raises(SystemExit, match="--system needs --chat true"):
+        generate(str(tmp_path / "nothing-here"), "Hi", system="Be brief.")

@@ -1,7 +1,8 @@
 """The LightningModule: builds Step-3.5-Flash in `configure_model` (meta device, then sharded by the
 strategy when it can, then filled from an HF checkpoint or the deterministic init), computes the
-next-token loss (chunked cross-entropy) plus the MTP loss and the optional sequence balance loss,
-owns the optimizer and LR schedule, and balances expert load with the aux-loss-free router-bias
+next-token loss (chunked cross-entropy) plus the MTP loss and the optional sequence balance loss as
+the mean over every trained token of the optimizer step (all micro-batches and data-parallel ranks;
+`micro_batch_loss`, `on_before_optimizer_step`, docs/architecture.md §2.11), owns the optimizer and LR schedule, and balances expert load with the aux-loss-free router-bias
 update after each optimizer step."""
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from step35.balancing import ExpertCounter, update_router_bias
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.materialize import materialize
 from step35.config import ConfigError, Step35Config, load_config
-from step35.model import Step35ForCausalLM, build_model
+from step35.model import LossOutput, Step35ForCausalLM, build_model
+from step35.parallel.collectives import distributed
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, apply_optimizer_settings, check_resume, checkpoint_to_load
 from step35.schedule import WarmupCosineLR
@@ -72,8 +75,8 @@ class Step35LightningModule(pl.LightningModule):
                 all ranks (one all_reduce per step for all layers). 0 (default, as released): the
                 biases never change and no collective runs. DeepSeek-V3 used 1e-3.
             moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
-                sum_e f_e * P_e, mean over sequences and MoE layers; see model.moe.sequence_balance_loss)
-                added to the training loss and logged as train/aux_loss. 0 (default): not computed.
+                sum_e f_e * P_e, mean over sequences and MoE layers, each sequence weighted by its share
+                of trained labels; see model.moe.sequence_balance_loss) added to the training loss and logged as train/aux_loss. 0 (default): not computed.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -109,6 +112,7 @@ class Step35LightningModule(pl.LightningModule):
         self._restored = False  # a checkpoint was loaded into this module (on_load_checkpoint ran)
         # Reads the MoE layers' token counts (shared with the ExpertLoadMonitor callback); set in configure_model.
         self.expert_counter: ExpertCounter | None = None
+        self._step_totals: StepTotals | None = None  # sums of the micro-batches of the current optimizer step
 
     # ------------------------------------------------------------------------------- building
     def num_routed_experts(self) -> int | None:
@@ -184,27 +188,80 @@ class Step35LightningModule(pl.LightningModule):
         return self.model(input_ids)
 
     def _loss(self, batch: dict):
+        """(LossOutput, labels [B, S]) of one batch: input_ids [B, S + 1], optional labels [B, S]
+        (-100 = no loss; default input_ids[:, 1:]) and position_ids [B, S] (data.document_masking)."""
         tokens = batch["input_ids"]  # [B, S + 1]
+        labels = batch.get("labels")
+        if labels is None:
+            labels = tokens[:, 1:]
+        elif labels.shape != (tokens.shape[0], tokens.shape[1] - 1):
+            raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, but batch['input_ids'] of shape "
+                             f"{tuple(tokens.shape)} needs labels of shape {(tokens.shape[0], tokens.shape[1] - 1)} "
+                             "(the targets of input_ids[:, :-1])")
         weight = self.hparams.mtp_loss_weight if self.training else 0.0
         aux_coef = self.hparams.moe_aux_loss_coef if self.training else 0.0
-        return self.model.loss(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
-                               loss_chunk_size=self.hparams.loss_chunk_size,
-                               position_ids=batch.get("position_ids")), tokens[:, 1:].numel()  # data.document_masking
+        out = self.model.loss(tokens[:, :-1], labels, mtp_loss_weight=weight, moe_aux_loss_coef=aux_coef,
+                              loss_chunk_size=self.hparams.loss_chunk_size, position_ids=batch.get("position_ids"))
+        return out, labels
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        out, n_tokens = self._loss(batch)
-        self.log("train/loss", out.loss, prog_bar=True)
-        self.log("train/lm_loss", out.lm_loss)
-        for depth, loss in enumerate(out.mtp_losses, start=1):
+        out, labels = self._loss(batch)
+        loss = micro_batch_loss(out, labels.shape, self.hparams.mtp_loss_weight)
+        if self._step_totals is None:
+            self._step_totals = StepTotals(len(out.mtp_sums), loss.device)
+        self._step_totals.add(out, loss, labels.numel())
+        self.log("train/tokens", float(labels.numel()), reduce_fx="sum")
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Turn the step's summed gradient into the mean over every trained token of the step (all
+        micro-batches, all data-parallel ranks) and log the step's losses; see `micro_batch_loss`.
+
+        Lightning calls this after every callback's on_before_optimizer_step (DivergenceGuard may
+        have dropped the gradients already) and before gradient clipping, so the clipped norm is
+        the norm of the mean gradient."""
+        totals, self._step_totals = self._step_totals, None
+        if totals is None:
+            return
+        group = getattr(self.trainer.strategy, "data_parallel_group", None)
+        shared = distributed() and self.trainer.world_size > 1  # a single-device strategy averages nothing
+        ranks = torch.distributed.get_world_size(group) if shared else 1
+        step = totals.reduce(group, over_ranks=shared)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if step.trained == 0:
+            # Nothing to average over: no update at all (as DivergenceGuard's skip: AdamW then leaves
+            # weights, moments and step count alone, clipping sees no gradient, router counts dropped).
+            optimizer.zero_grad(set_to_none=True)
+            rank_zero_warn(f"step {self.trainer.global_step}: every label of the step is masked (-100); "
+                           "no token to train on, the optimizer step is skipped")
+        else:
+            # Lightning divided each micro-batch's loss by accumulate_grad_batches and the sharding
+            # averaged over the ranks: undo both, then divide the summed losses by the trained tokens.
+            # Integers decide: with every label trained (plain text) the factor is exactly 1 and the
+            # gradients stay bit for bit as they were.
+            numerator = self.trainer.accumulate_grad_batches * ranks * step.slots
+            denominator = step.micro_batches * step.trained
+            if numerator != denominator:
+                factor = numerator / denominator
+                for p in params:  # one by one: a foreach op cannot mix the dense and expert meshes' DTensors
+                    p.grad.mul_(factor)
+        self._log_step(step)
+
+    def _log_step(self, step: "StepMeans") -> None:
+        # Values of the whole step, the same on every rank: no sync_dist.
+        self.log("train/loss", step.loss, prog_bar=True)
+        self.log("train/lm_loss", step.lm_loss)
+        for depth, loss in enumerate(step.mtp_losses, start=1):
             self.log(f"train/mtp{depth}_loss", loss)
-        if out.aux_loss is not None:
-            self.log("train/aux_loss", out.aux_loss)
-        self.log("train/tokens", float(n_tokens), reduce_fx="sum")
-        return out.loss
+        if self.hparams.moe_aux_loss_coef > 0:
+            self.log("train/aux_loss", step.aux_loss)
+        self.log("train/trained_tokens", float(step.trained))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         out, _ = self._loss(batch)
-        self.log("val/loss", out.lm_loss, sync_dist=True, prog_bar=True)
+        # Weighted by the batch's trained tokens (summed over batches and ranks, as the values):
+        # val/loss is the mean over every trained token of the validation set.
+        self.log("val/loss", out.lm_loss, sync_dist=True, prog_bar=True, batch_size=int(out.num_tokens))
 
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
@@ -303,3 +360,78 @@ def _foreach_ok(params: list[torch.Tensor]) -> bool:
     # (dense params on the FSDP mesh, experts on the efsdp x ep mesh).
     meshes = {id(getattr(p, "device_mesh", None)) for p in params}
     return len(meshes) <= 1
+
+
+def micro_batch_loss(out: LossOutput, label_shape: tuple[int, int], mtp_loss_weight: float) -> torch.Tensor:
+    """What one micro-batch backpropagates: its summed losses over its label slots, not its trained tokens.
+
+    (summed main-head loss) / (B * S) + w * mean over depths k of (summed depth-k loss) / (B * (S - k))
+    + aux. Step35LightningModule.on_before_optimizer_step then multiplies
+    the step's gradient by (accumulate_grad_batches * data-parallel ranks * label slots) /
+    (micro-batches * trained tokens), all summed over the step, so the main loss is the sum over every
+    trained token of the step divided by their number, whatever the split into micro-batches and ranks.
+
+    With every label trained (plain text) the counts equal the slots: this is exactly the old
+    per-micro-batch mean (lm_loss + w * mean MTP loss + aux) and the factor is exactly 1.
+
+    MTP depth k shares the main head's normalisation: its sum is divided by the step's trained tokens
+    times (S - k) / S (the share of positions that have a depth-k target), not by its own count, which
+    one factor for the whole gradient cannot also respect; with labels trained in spans (chat) the
+    two differ by about k / S. The aux balance loss stays a mean over sequences and layers, but each
+    sequence's balance loss is weighted by its share of trained labels (model.loss does it): under the
+    factor the aux term becomes coef x sum over the step's sequences of (trained labels x balance
+    loss) / trained tokens, a trained-token weighted mean, independent of the split like the rest.
+    All slot counts must be equal across micro-batches for the factor to be exact (fixed B and S).
+    """
+    B, S = label_shape
+    count = out.num_tokens
+    loss = out.lm_sum / count.new_full((), B * S)  # a tensor divisor, as the old lm_sum / count
+    if out.mtp_sums:
+        per_depth = [total / count.new_full((), max(B * (S - k), 1)) for k, total in enumerate(out.mtp_sums, start=1)]
+        loss = loss + mtp_loss_weight * torch.stack(per_depth).mean()
+    if out.aux_loss is not None:
+        loss = loss + out.aux_loss
+    return loss
+
+
+class StepMeans:
+    """One optimizer step's totals over its micro-batches and data-parallel ranks, and their means."""
+
+    def __init__(self, values: list[float], depths: int):
+        self.trained, self.slots, self.micro_batches = int(values[0]), int(values[1]), int(values[2])
+        objective, lm_sum, aux_sum = values[3], values[4], values[5]
+        mtp_sums, mtp_counts = values[6:6 + depths], values[6 + depths:6 + 2 * depths]
+        per = max(self.trained, 1)
+        # The objective whose gradient is applied: the sum of the micro-batch losses times the factor
+        # of on_before_optimizer_step over accumulate_grad_batches * ranks.
+        self.loss = objective * self.slots / (self.micro_batches * per) if self.micro_batches else 0.0
+        self.lm_loss = lm_sum / per
+        self.aux_loss = aux_sum * self.slots / (self.micro_batches * per) if self.micro_batches else 0.0  # its part of loss
+        self.mtp_losses = [total / max(n, 1) for total, n in zip(mtp_sums, mtp_counts)]  # each depth's own mean
+
+
+class StepTotals:
+    """Sums over the micro-batches of one optimizer step on this rank, on the device (no host sync):
+    [trained tokens, label slots, micro-batches, summed micro-batch losses, main-head loss sum,
+    summed aux losses, MTP sums per depth, MTP counts per depth], float64 (exact counts)."""
+
+    def __init__(self, depths: int, device: torch.device):
+        self.depths = depths
+        self.values = torch.zeros(6 + 2 * depths, dtype=torch.float64, device=device)
+
+    def add(self, out: LossOutput, loss: torch.Tensor, slots: int) -> None:
+        count = out.num_tokens.double()
+        aux = out.aux_loss.detach().double() if out.aux_loss is not None else count.new_zeros(())
+        parts = [count, count.new_full((), slots), count.new_ones(()), loss.detach().double(),
+                 out.lm_sum.detach().double(), aux]
+        parts += [s.detach().double() for s in out.mtp_sums] + [c.double() for c in out.mtp_counts]
+        if len(parts) != self.values.numel():
+            raise RuntimeError(f"a micro-batch computed {len(out.mtp_sums)} MTP depths, the step's first {self.depths}")
+        self.values += torch.stack(parts)
+
+    def reduce(self, group=None, over_ranks: bool = True) -> StepMeans:
+        """Sum over the data-parallel ranks `group` (None: the world; every rank must call it) and read
+        the means (one host sync)."""
+        if over_ranks:
+            torch.distributed.all_reduce(self.values, group=group)
+        return StepMeans(self.values.tolist(), self.depths)

@@ -137,6 +137,13 @@ class Step35Strategy(ModelParallelStrategy):
         # dp2ep: every rank is a data-parallel rank.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @property
+    def data_parallel_group(self):
+        """The process group of the ranks that read different data and whose gradients are averaged
+        (None: the world). The loss over the global batch sums its trained-token counts over it. Every
+        rank today (dp2ep); ranks that would share data (context parallel) must not be in it twice."""
+        return None
+
     def parallelize_model(self, model) -> None:
         """Called by the LightningModule's configure_model on the meta-device model."""
         assert self.meshes is not None, "parallelize_model runs after setup_environment"

@@ -205,9 +205,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float,
-          nproc: int = 1) -> dict:
+          nproc: int = 1, config_text: str = CONFIG) -> dict:
     config = tmp_path / "chaos.yaml"
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     rng = random.Random(seed)
     steps = sorted(rng.sample(range(1, max_steps - 5), kills))
     # Every other kill waits for a save in progress, the others land at a random moment.
@@ -253,3 +253,33 @@ def test_chaos_two_ranks_sharded_bitwise_equal(tmp_path, builtin_cache):
     """2 ranks under torchrun (Step35Strategy, EP 2, sharded checkpoints): every rank and the launcher
     killed at once, restarted with --ckpt_path auto."""
     chaos(tmp_path, builtin_cache, max_steps=30, kills=3, seed=2, deadline_s=3000, nproc=2)
+
+
+# Fine-tuning on conversations (the built-in set, step35's default template): packed windows with labels
+# and positions, the loss over the global batch, the conversation stream's position.
+SFT_CONFIG = CONFIG.replace("""data:
+  seq_len: 32
+  micro_batch_size: 2
+  num_workers: 0
+""", """data:
+  format: chat
+  seq_len: 96
+  micro_batch_size: 2
+  num_workers: {workers}
+""")
+
+
+@pytest.mark.timeout(1500)
+def test_chaos_sft_two_workers_bitwise_equal(tmp_path, builtin_cache):
+    """Conversations read by 2 DataLoader workers, killed twice (once during a save), resumed bitwise."""
+    assert "format: chat" in SFT_CONFIG
+    chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=1200,
+          config_text=SFT_CONFIG.format(workers=2))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2400)
+def test_chaos_sft_two_ranks_bitwise_equal(tmp_path, builtin_cache):
+    """Conversations on 2 ranks under torchrun (EP 2, sharded checkpoints), killed twice, resumed bitwise."""
+    chaos(tmp_path, builtin_cache, max_steps=16, kills=2, seed=4, deadline_s=2100, nproc=2,
+          config_text=SFT_CONFIG.format(workers=0))

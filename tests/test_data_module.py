@@ -392,7 +392,7 @@ data:
     assert batch.shape == (4, 9)
     assert dm.hparams["sources"][0] == {"path": data["sources"][0]["path"], "hub": None, "subset": None,
                                         "split": "train", "text_field": "content", "txt_mode": None, "weight": 2.0,
-                                        "name": None}  # fmt: skip
+                                        "name": None, "format": None}  # fmt: skip
     with pytest.raises(Exception, match="text_fields"):
         parser.parse_string(yaml.replace("text_field: body", "text_fields: body"))
     with pytest.raises(ValueError, match=r"unknown keys \['text_fields'\]"):

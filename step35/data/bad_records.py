@@ -48,9 +48,49 @@ class BadRecords:
             warnings.warn(message, BadRecordWarning, stacklevel=2)
 
 
+class OverlongWarning(UserWarning):
+    """A conversation longer than a window was truncated or dropped (`data.overlong`)."""
+
+
+class OverlongRecords:
+    """Counts and reports the conversations of one source, within one process, that do not fit a window:
+    truncated to the window (`truncate`) or dropped (`drop`, and when truncation would leave no trained
+    token). Like bad records, the counts live in the stream state and reach the logs
+    (`data/truncated/<source>`, `data/dropped/<source>`)."""
+
+    def __init__(self, source_name: str, truncated: int = 0, dropped: int = 0) -> None:
+        self.source_name = source_name
+        self.truncated = truncated
+        self.dropped = dropped
+        self.reported = 0
+
+    def truncate(self, where: str, length: int, window: int) -> None:
+        self.truncated += 1
+        self._report(f"truncating the conversation at {where}: {length} tokens, a window holds {window}")
+
+    def drop(self, where: str, why: str) -> None:
+        self.dropped += 1
+        self._report(f"dropping the conversation at {where}: {why}")
+
+    def _report(self, message: str) -> None:
+        if self.reported < REPORTS_PER_SOURCE:
+            self.reported += 1
+            if self.reported == REPORTS_PER_SOURCE:
+                message += (
+                    f" (further ones of {self.source_name!r} in this process without a report; the logged metrics"
+                    " data/truncated/<source> and data/dropped/<source> count them)"
+                )
+            warnings.warn(message, OverlongWarning, stacklevel=3)
+
+
+COUNT_KINDS = ("skipped_records", "truncated", "dropped")  # the stream state's per-source counts, as metrics
+
+
 class SkippedRecordsLog:
     """The running count of skipped records per source, over all ranks and DataLoader workers, logged
-    as `data/skipped_records/<source>` and summed up in one line at the end of fit.
+    as `data/skipped_records/<source>` and summed up in one line at the end of fit; with the counts of
+    truncated and dropped conversations (`data/truncated/<source>`, `data/dropped/<source>`) alongside.
+    Counts are keyed "<kind>/<source>" (kinds: `COUNT_KINDS`).
 
     The counts live in the stream states: one per (rank, worker) shard of the training stream, each
     document owned by exactly one shard, so their sum counts every bad record once (ranks that share a
@@ -83,14 +123,21 @@ class SkippedRecordsLog:
 
     @staticmethod
     def metrics(totals: dict[str, int]) -> dict[str, float]:
-        return {METRIC_PREFIX + name: float(n) for name, n in totals.items()}
+        return {"data/" + key: float(n) for key, n in totals.items()}
 
     def summary(self) -> Optional[str]:
-        """One line for the end of fit, or None when nothing was counted yet."""
+        """One line for the end of fit (and one per kind of overlong conversation counted), or None when
+        nothing was counted yet."""
         if self.totals is None:
             return None
         when = "" if self.final else f" (as of step {self.step})"
-        counts = ", ".join(f"{name!r}: {n}" for name, n in self.totals.items())
-        total = sum(self.totals.values())
-        verdict = "none" if total == 0 else f"{total} in all"
-        return f"bad records skipped, all ranks and workers{when}: {verdict} ({counts})"
+        lines = []
+        for kind, what in zip(COUNT_KINDS, ("bad records skipped", "conversations truncated", "conversations dropped")):
+            counts = {key.split("/", 1)[1]: n for key, n in self.totals.items() if key.split("/", 1)[0] == kind}
+            if kind != "skipped_records" and not any(counts.values()):
+                continue
+            listed = ", ".join(f"{name!r}: {n}" for name, n in counts.items())
+            total = sum(counts.values())
+            verdict = "none" if total == 0 else f"{total} in all"
+            lines.append(f"{what}, all ranks and workers{when}: {verdict} ({listed})")
+        return "\n".join(lines)

@@ -5,7 +5,8 @@ then the module docstrings (over 200 characters) of the top-level stdlib modules
 no module is imported (some have side effects, e.g. `antigravity`). About 160 documents, 0.6 MB.
 
 Tokenizer: byte-level BPE trained on that corpus with the `tokenizers` library, saved as a Hugging Face
-tokenizer folder. Ids: 0 is `<|endoftext|>` (EOS, the document separator); 1..256 are the 256 byte symbols;
+tokenizer folder with step35's default chat template (`chat_template.jinja`, see chat.py), so that runs on it
+record the template in their checkpoints and exports, and `step35 generate --chat` finds it. Ids: 0 is `<|endoftext|>` (EOS, the document separator); 1..256 are the 256 byte symbols;
 the rest are merges. It trains in well under a second.
 
 Both are cached under `cache_dir`, else `$STEP35_CACHE`, else `~/.cache/step35`, and written atomically
@@ -26,6 +27,8 @@ import tokenize
 from pathlib import Path
 from typing import Optional
 
+from step35.data.chat import TEMPLATE_FILE, ChatTemplate
+
 EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # EOS + 256 byte symbols: every string stays encodable
 
@@ -42,13 +45,13 @@ def builtin_documents() -> list[str]:
 
     documents = [topics[name] for name in sorted(topics)]
     for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        docstring = _module_docstring(file)
+        docstring = module_docstring(file)
         if docstring and len(docstring) > 200:
             documents.append(docstring)
     return documents
 
 
-def _module_docstring(file: Path) -> Optional[str]:
+def module_docstring(file: Path) -> Optional[str]:
     """What `ast.get_docstring` returns, from the file's first tokens: parsing whole modules is 30x slower."""
     try:
         with tokenize.open(file) as f:
@@ -70,7 +73,7 @@ def builtin_corpus_path(cache_dir: Optional[str | Path] = None) -> Path:
     path = cache_root(cache_dir) / f"corpus-{sys.implementation.name}-{platform.python_version()}.jsonl"
     if not path.exists():
         lines = "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in builtin_documents())
-        _write_atomically(path, lines.encode("utf-8"))
+        write_atomically(path, lines.encode("utf-8"))
     return path
 
 
@@ -86,6 +89,7 @@ def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: Optional[str | Path
     corpus_hash = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
     folder = cache_root(cache_dir) / f"tokenizer-bpe{vocab_size}-{corpus_hash}"
     if (folder / "tokenizer.json").is_file():
+        _add_chat_template(folder)  # folders cached before the template existed get it now
         return folder
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -109,6 +113,7 @@ def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: Optional[str | Path
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "model_max_length": 1 << 30}
         (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
+        ChatTemplate.default().save(staging)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             os.rename(staging, folder)
@@ -121,7 +126,13 @@ def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: Optional[str | Path
     return folder
 
 
-def _write_atomically(path: Path, content: bytes) -> None:
+def _add_chat_template(folder: Path) -> None:
+    """Give a cached tokenizer folder step35's default chat template, if it lacks one."""
+    if not (folder / TEMPLATE_FILE).is_file():
+        write_atomically(folder / TEMPLATE_FILE, ChatTemplate.default().source.encode("utf-8"))
+
+
+def write_atomically(path: Path, content: bytes) -> None:
     fd, staging = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -1,4 +1,5 @@
-"""Step35DataModule: raw text in, packed token windows out, with exact per-rank resume."""
+"""Step35DataModule: raw text, conversations or prompt/completion pairs in, packed token windows out, with exact
+per-rank resume."""
 
 import dataclasses
 import warnings
@@ -10,11 +11,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from step35.data.bad_records import SkippedRecordsLog
+from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
+from step35.data.builtin_chat import builtin_chat_path
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
+from step35.data.sft import FORMATS, OVERLONG, TRAIN_ON, resolve_template
 from step35.data.sources import Holdout, Source
 from step35.data.spec import TXT_MODES, SourceSpec, open_source
 from step35.data.stream import TokenWindows
@@ -28,6 +31,8 @@ DEFAULT_VAL_FRACTION = 0.01  # user data without val_files: 1% of the documents 
 class Step35DataModule(pl.LightningDataModule):
     """Streams raw text, tokenizes it on the fly and packs it into windows: batches are
     {"input_ids": LongTensor [micro_batch_size, seq_len + 1]}; the model shifts inputs and labels itself.
+    Conversation and prompt/completion sources (`format`) add "labels" and "position_ids" [micro_batch_size,
+    seq_len] to every batch: -100 where a token is not trained, positions restarting per conversation.
 
     Training is one endless stream (stop it with Trainer(max_steps=...)); validation is a fixed set of
     `val_batches` batches. The exact stream position of every rank and worker is saved in checkpoints.
@@ -37,7 +42,8 @@ class Step35DataModule(pl.LightningDataModule):
         files: Training text (short form of `sources`): paths, folders or globs (`**` recurses) of .jsonl, .json,
             .txt, .md, .parquet and .arrow files, or `save_to_disk` folders. Without `weights` all of them form
             one source; with `weights` each entry is its own source. No `files`, `sources` or `hub_dataset`:
-            the built-in corpus (Python's own documentation).
+            the built-in corpus (Python's own documentation), or with `format: chat` the built-in
+            conversations made from it (questions answered with its paragraphs; builtin_chat.py).
         weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
         text_field: Field of json records, or column of parquet/arrow data, holding the text; the default for
             every source of `sources` that names none.
@@ -71,6 +77,16 @@ class Step35DataModule(pl.LightningDataModule):
             document starts: column 0 and after every EOS), which the model turns into RoPE positions
             and its attention mask. Labels are unchanged (an EOS still predicts the next document's first
             token).
+        format: The format of every source that states none: "text", "chat" (records with `messages`),
+            "prompt_completion" (records with `prompt` and `completion`), or "auto": decided per source from
+            its first records, and said at start. Conversation and prompt/completion batches also hold
+            "labels" [micro_batch_size, seq_len] (-100 where not trained) and "position_ids" (docs/data.md).
+        train_on: Which tokens of a conversation are trained: "assistant" (every assistant turn), "last_assistant"
+            (the final one), "all" (every token; for prompt/completion pairs, the prompt too).
+        chat_template: A .jinja file to render conversations with, instead of the tokenizer folder's template.
+            Neither: step35's default template, for the built-in tokenizer only.
+        overlong: A conversation longer than seq_len + 1 tokens is cut to the window ("truncate") or dropped
+            ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported.
     """
 
     def __init__(
@@ -96,6 +112,10 @@ class Step35DataModule(pl.LightningDataModule):
         cache_dir: Optional[str] = None,
         builtin_vocab_size: int = 1024,
         document_masking: bool = False,
+        format: str = "auto",
+        train_on: str = "assistant",
+        chat_template: Optional[str] = None,
+        overlong: str = "truncate",
     ) -> None:
         super().__init__()
         files = [files] if isinstance(files, str) else files
@@ -125,6 +145,10 @@ class Step35DataModule(pl.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_files and val_fraction:
             raise ValueError("give either val_files or val_fraction, not both")
+        for option, value, allowed in (("format", format, FORMATS), ("train_on", train_on, TRAIN_ON),
+                                       ("overlong", overlong, OVERLONG)):  # fmt: skip
+            if value not in allowed:
+                raise ValueError(f"data.{option} must be one of {allowed}, got {value!r}")
         specs = [SourceSpec.parse(entry, i) for i, entry in enumerate(sources)] if sources is not None else None
         if specs is not None and sum(s.weight for s in specs) <= 0:
             raise ValueError(f"the sources' weights must have a positive sum, got {[s.weight for s in specs]}")
@@ -152,6 +176,11 @@ class Step35DataModule(pl.LightningDataModule):
         self.cache_dir = cache_dir
         self.builtin_vocab_size = builtin_vocab_size
         self.document_masking = document_masking
+        self.format = format
+        self.train_on = train_on
+        self.chat_template = chat_template
+        self.overlong = overlong
+        self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
 
         self.tokenizer: Optional[TextTokenizer] = None
         self._train_sources: list[Source] = []
@@ -173,7 +202,7 @@ class Step35DataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning runs this once per node before setup(); the builtin files are written atomically anyway.
         if self.uses_builtin_corpus:
-            builtin_corpus_path(self.cache_dir)
+            builtin_chat_path(self.cache_dir) if self.format == "chat" else builtin_corpus_path(self.cache_dir)
         if self.tokenizer_path is None:
             builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
 
@@ -187,6 +216,8 @@ class Step35DataModule(pl.LightningDataModule):
             if self.weights is not None:
                 return [SourceSpec(path=entry, weight=w) for entry, w in zip(self.files, self.weights)]
             return [SourceSpec(path=self.files)]
+        if self.format == "chat":  # the built-in conversations: questions answered from the same corpus
+            return [SourceSpec(path=str(builtin_chat_path(self.cache_dir)), name="builtin-chat")]
         return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
 
     def setup(self, stage: Optional[str] = None) -> None:
@@ -207,7 +238,7 @@ class Step35DataModule(pl.LightningDataModule):
 
         def open_all(holdout: Optional[Holdout], shuffle: bool) -> list[Source]:
             return [
-                open_source(spec, self.text_field, self.txt_mode, holdout, shuffle, self.seed, name)
+                open_source(spec, self.text_field, self.txt_mode, holdout, shuffle, self.seed, name, self.format)
                 for spec, name in zip(specs, names)
             ]
 
@@ -215,14 +246,32 @@ class Step35DataModule(pl.LightningDataModule):
         val_sources = open_all(val_holdout, shuffle=False) if val_holdout else []
         if self.val_files:
             val_sources = [open_source(SourceSpec(path=self.val_files), self.text_field, self.txt_mode, None,
-                                       shuffle=False, seed=self.seed)]  # fmt: skip
+                                       shuffle=False, seed=self.seed, format=self.format)]  # fmt: skip
+        stream_options = self._chat_options(folder, train_sources + val_sources)
 
         # Set last, so that a failed setup() fails again when called again.
         self._train_sources, self._val_sources = train_sources, val_sources
         self._train_weights = [spec.weight for spec in specs]
         self._val_fraction_is_default = self.val_fraction is None and not self.val_files
         self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
+        self._stream_options = stream_options
+        for source in train_sources:
+            rank_zero_info(f"source {source.name!r}: format {source.format} ({source.format_reason})")
         self._announce_validation(val_fraction)
+
+    def _chat_options(self, tokenizer_folder: Any, sources: list[Source]) -> dict[str, Any]:
+        """The stream options for conversation sources: the chat template (resolved only when a source needs
+        it; a chat source without one is an error naming the tokenizer folder and data.chat_template)."""
+        options: dict[str, Any] = {"train_on": self.train_on, "overlong": self.overlong}
+        if all(source.format == "text" for source in sources):
+            return options
+        from pathlib import Path
+
+        template, missing = resolve_template(Path(tokenizer_folder), self.chat_template, self.tokenizer_path is None)
+        chat = sorted({source.name for source in sources if source.format == "chat"})
+        if template is None and chat:
+            raise ValueError(f"source(s) {chat} hold conversations, but {missing}")
+        return {**options, "template": template, "template_missing": missing}
 
     def _announce_validation(self, val_fraction: float) -> None:
         """Say at start where validation data comes from, or that there is none and how to get it."""
@@ -277,7 +326,7 @@ class Step35DataModule(pl.LightningDataModule):
         rank, world_size = self.data_parallel_rank_and_size()
         stream = TokenWindows(
             self._train_sources, self.tokenizer, self.seq_len, self._train_weights, rank, world_size, self.seed,
-            endless=True, strict=self.strict,
+            endless=True, strict=self.strict, **self._stream_options,
         )  # fmt: skip
         loader = StatefulDataLoader(
             stream, batch_size=self.micro_batch_size, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
@@ -309,7 +358,7 @@ class Step35DataModule(pl.LightningDataModule):
             try:
                 batches, skipped = validation_batches(
                     self._val_sources, self.tokenizer, self.seq_len, self.micro_batch_size, self.val_batches,
-                    rank, world_size, weights, self.seed, self.strict,
+                    rank, world_size, weights, self.seed, self.strict, **self._stream_options,
                 )  # fmt: skip
             except ValueError as error:
                 if not self._val_fraction_is_default:
@@ -320,7 +369,7 @@ class Step35DataModule(pl.LightningDataModule):
                 self._val_sources = []
                 return []
             self._val_cache = (rank, world_size, batches)
-            self._val_skipped = {s.name: n for s, n in zip(self._val_sources, skipped)}
+            self._val_skipped = {f"skipped_records/{s.name}": n for s, n in zip(self._val_sources, skipped)}
         return FixedBatches(self._val_cache[2])
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -343,16 +392,30 @@ class Step35DataModule(pl.LightningDataModule):
     @property
     def skipped_records(self) -> dict[str, int]:
         """Bad records skipped so far, per source, over this rank's workers (training) and validation."""
+        return self._counts("skipped_records")
+
+    def _counts(self, kind: str) -> dict[str, int]:
+        """A count of this rank's workers (training) and validation per source: skipped_records, truncated, dropped."""
         counts = {source.name: 0 for source in self._train_sources + self._val_sources}
-        for name, n in [*self._train_skipped().items(), *self._val_skipped.items()]:
-            counts[name] += n
+        for key, n in [*self._train_skipped().items(), *self._val_skipped.items()]:
+            key_kind, name = key.split("/", 1)
+            if key_kind == kind:
+                counts[name] += n
         return counts
 
+    @property
+    def overlong_records(self) -> dict[str, dict[str, int]]:
+        """Conversations truncated and dropped so far, per source, over this rank's workers and validation."""
+        return {"truncated": self._counts("truncated"), "dropped": self._counts("dropped")}
+
     def _train_skipped(self) -> dict[str, int]:
-        counts = {source.name: 0 for source in self._train_sources}
+        """Counts keyed "<kind>/<source>" (bad_records.COUNT_KINDS) over this rank's workers."""
+        kinds = {s.name: COUNT_KINDS if s.format != "text" else COUNT_KINDS[:1] for s in self._train_sources}
+        counts = {f"{kind}/{name}": 0 for name, ks in kinds.items() for kind in ks}
         for state in self._resume.worker_states():
             for source, s in zip(self._train_sources, state["sources"]):
-                counts[source.name] += s["skipped"]
+                for kind in kinds[source.name]:
+                    counts[f"{kind}/{source.name}"] += s.get("skipped" if kind == "skipped_records" else kind, 0)
         return counts
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -40,8 +40,10 @@ class HubStream:
 class HubPart(Reader):
     """One data file of a stream, as a reader of its records."""
 
-    def __init__(self, stream: HubStream, index: int, count: int, name: str, text_field: str) -> None:
-        super().__init__(name, text_field)
+    def __init__(
+        self, stream: HubStream, index: int, count: int, name: str, text_field: str, whole_records: bool = False
+    ) -> None:
+        super().__init__(name, text_field, whole_records)
         self.stream = stream
         self.index = index
         self.count = count
@@ -66,11 +68,18 @@ class HubPart(Reader):
             values = batch.get(self.text_field)
             size = len(next(iter(batch.values()))) if batch else 0
             for k in range(size):
-                yield Record(self, index, raw=None if values is None else values[k])
+                if self.whole_records:
+                    raw = {name: column[k] for name, column in batch.items()}
+                else:
+                    raw = None if values is None else values[k]
+                yield Record(self, index, raw=raw)
                 index += 1
 
     def text(self, record: Record) -> Optional[str]:
         return checked_text(record.raw, self.text_field)
+
+    def value(self, record: Record) -> Optional[dict]:
+        return record.raw
 
     def where(self, record: Record) -> str:
         return f"{self.path}: file {self.index} of {self.count}, record {record.index}"
@@ -90,19 +99,29 @@ class HubSource(Source):
         shuffle: bool = False,
         seed: int = 0,
         source_name: Optional[str] = None,
+        whole_records: bool = False,
     ) -> None:
         self.stream = HubStream(path, name, split)
         self.text_field = text_field
         display = source_name or f"{path}" + (f"/{name}" if name else "") + f"[{split}]"
         dataset = self.stream.open()
         count = max(1, dataset.n_shards)
-        parts = [HubPart(self.stream, j, count, display, text_field) for j in range(count)]
+        parts = [HubPart(self.stream, j, count, display, text_field, whole_records) for j in range(count)]
         super().__init__(display, parts, shuffle, seed, holdout, split_by_part=True)
+
+    def field_names(self) -> list[str]:
+        """The fields of the stream's first record (format detection reads them)."""
+        first = next(iter(self.stream.open().take(1)), None)
+        if first is None:
+            raise ValueError(f"hub dataset {self.name} is empty")
+        return sorted(first)
 
     def check(self) -> None:
         first = next(iter(self.stream.open().take(1)), None)
         if first is None:
             raise ValueError(f"hub dataset {self.name} is empty")
+        if self.format != "text":
+            return  # records are read whole; sft.py checks each record's fields
         if self.text_field not in first:
             fields = sorted(first)
             hint = did_you_mean(self.text_field, fields) or "; set text_field"

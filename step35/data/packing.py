@@ -1,22 +1,28 @@
-"""Packing one source's documents into fixed windows of tokens, resumable at every window."""
+"""Packing one source's documents into fixed windows of tokens, resumable at every window: text documents run
+across windows (`PackedSource`); conversations and prompt/completion pairs are packed whole, with labels and
+positions (`PackedConversations`)."""
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from step35.data.bad_records import BadRecords
+IGNORE_INDEX = -100  # a label that is no target (torch.nn.functional.cross_entropy's default ignore_index)
+
+from step35.data.bad_records import BadRecords, OverlongRecords
 from step35.data.resume import DataChangedError, DataChangedWarning
+from step35.data.sft import Example
 from step35.data.sources import Cursor
 from step35.data.tokenizer import TextTokenizer
 
 
-def fresh_packing_state(skipped: int = 0) -> dict[str, Any]:
+def fresh_packing_state(skipped: int = 0, truncated: int = 0, dropped: int = 0) -> dict[str, Any]:
     """The start of a source's stream. `parts` and `stamp` say which data the cursor points into (the source's
-    digest, the stamp of the cursor's file); they are set with the first window and checked on resume."""
+    digest, the stamp of the cursor's file); they are set with the first window and checked on resume.
+    `truncated` and `dropped` count overlong conversations (absent from states saved before they existed)."""
     return {"cursor": Cursor().to_list(), "piece": 0, "skip": 0, "done": False, "skipped": skipped,
-            "parts": None, "stamp": None}  # fmt: skip
+            "parts": None, "stamp": None, "truncated": truncated, "dropped": dropped}  # fmt: skip
 
 
 class PackedSource:
@@ -83,7 +89,7 @@ class PackedSource:
             DataChangedWarning,
             stacklevel=2,
         )
-        state.update(fresh_packing_state(skipped=state["skipped"]))
+        state.update(fresh_packing_state(state["skipped"], state.get("truncated", 0), state.get("dropped", 0)))
 
     def _mark(self, cursor: Cursor) -> None:
         """Record which data `cursor` points into, for `check_data` on resume (one stat and read per file)."""
@@ -135,6 +141,129 @@ class PackedSource:
             yield (*current, False)
             current = following
         yield (*current, True)
+
+
+class PackedConversations(PackedSource):
+    """Windows of `window` tokens from one shard of a conversation or prompt/completion source: whole
+    examples (sft.py) packed greedily, never split across windows.
+
+    An example that does not fit the rest of the window starts the next one, and the rest of the window is
+    padding (EOS tokens, no labels). An example longer than a window is cut to the window (`overlong:
+    truncate`) or dropped (`drop`, and also when the cut would leave nothing trained); either is counted.
+    Each window comes out as (tokens [window], labels [window - 1], positions [window - 1]), built by
+    `conversation_window`.
+
+    State: after each window, `cursor` names the example the next window starts with (an example that did not
+    fit is read again on resume), so the state is the same few integers as for text (`piece`, `skip` stay 0),
+    plus the truncated and dropped counts. A finite stream (`endless=False`) pads its last window and sets `done`.
+    """
+
+    def __init__(self, source: Any, encoder: Any, window: int, shard: int, num_shards: int, endless: bool,
+                 strict: bool, state: dict[str, Any], overlong: str = "truncate") -> None:  # fmt: skip
+        super().__init__(source, encoder.tokenizer, window, shard, num_shards, endless, strict, state)
+        self.encoder = encoder
+        self.overlong_mode = overlong
+        self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0))
+
+    def windows(self) -> Iterator[tuple[list[int], list[int], list[int]]]:  # type: ignore[override]
+        state = self.state
+        if state["done"]:
+            return
+        self.check_data()
+        cursor = Cursor(*state["cursor"])
+        documents = self.source.documents(
+            cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
+        )  # fmt: skip
+        current: list[Example] = []
+        used = 0
+        placed = cursor.epoch  # the epoch of the last example placed in a window
+        for start, after, example in documents:
+            if len(example.ids) > self.window:
+                if self.overlong_mode == "drop" or not any(example.trained[1 : self.window]):
+                    why = f"{len(example.ids)} tokens, a window holds {self.window}" + (
+                        "" if self.overlong_mode == "drop" else "; truncated, nothing trained would be left"
+                    )
+                    self.overlong.drop(example.where, why)
+                    if start.epoch > placed + 1:  # a whole epoch dropped: an endless stream would spin
+                        raise RuntimeError(
+                            f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
+                            f" conversation of a whole epoch as longer than a window of {self.window} tokens; raise"
+                            " seq_len, or set data.overlong: truncate"
+                        )
+                    continue
+                if current:  # the truncated example fills a window of its own
+                    yield self._emit(current, start)
+                    current, used = [], 0
+                self.overlong.truncate(example.where, len(example.ids), self.window)
+                example = Example(example.ids[: self.window], example.trained[: self.window], example.where)
+            elif used + len(example.ids) > self.window:
+                yield self._emit(current, start)
+                current, used = [], 0
+            placed = start.epoch
+            current.append(example)
+            used += len(example.ids)
+            if used == self.window:
+                yield self._emit(current, after)
+                current, used = [], 0
+        if current:  # a finite stream's last window
+            yield self._emit(current, None)
+        self._count()
+        state["done"] = True
+
+    def _emit(self, examples: list[Example], next_start: Optional[Cursor]) -> tuple[list[int], list[int], list[int]]:
+        """The window of `examples`, with the state moved to `next_start` (the next window's first example)."""
+        if next_start is not None:
+            self.state["cursor"], self.state["piece"], self.state["skip"] = next_start.to_list(), 0, 0
+            self._mark(next_start)
+        self._count()
+        return conversation_window([(e.ids, e.trained) for e in examples], self.window, self.tokenizer.eos_token_id)
+
+    def _count(self) -> None:
+        self.state["skipped"] = self.bad.count
+        self.state["truncated"], self.state["dropped"] = self.overlong.truncated, self.overlong.dropped
+
+
+def conversation_window(
+    examples: list[tuple[list[int], list[bool]]], window: int, pad_id: int
+) -> tuple[list[int], list[int], list[int]]:
+    """(tokens, labels, positions) of one window holding `examples` (ids, trained per token) then padding.
+
+    tokens [window]: the examples' ids, then `pad_id` up to `window`. labels [window - 1]: the targets of
+    tokens[:-1], i.e. labels[i] = tokens[i + 1] where that token is trained and belongs to the same example
+    as token i, else IGNORE_INDEX: no label crosses from one example into the next (an example's last token
+    predicts nothing), and padding is never a target. positions [window - 1]: restart at 0 where an example
+    starts; the padding counts as one more document (positions 0, 1, ... from its start), so it attends only
+    to itself and never into an example."""
+    tokens: list[int] = []
+    trained: list[bool] = []
+    starts: list[bool] = []
+    for ids, flags in examples:
+        tokens += ids
+        trained += flags
+        starts += [True] + [False] * (len(ids) - 1)
+    if len(tokens) > window:
+        raise ValueError(f"examples of {len(tokens)} tokens do not fit a window of {window}")
+    pad = window - len(tokens)
+    tokens += [pad_id] * pad
+    trained += [False] * pad
+    starts += [True] + [False] * (pad - 1) if pad else []
+    labels = [t if trained[i] and not starts[i] else IGNORE_INDEX for i, t in enumerate(tokens)][1:]
+    positions, position = [], 0
+    for i in range(window - 1):
+        position = 0 if starts[i] else position + 1
+        positions.append(position)
+    return tokens, labels, positions
+
+
+def text_window_targets(tokens: list[int], eos_token_id: int) -> tuple[list[int], list[int]]:
+    """(labels, positions) of a text window in a stream that also holds conversations, so that every batch
+    has the same keys: every next token is a target (as the model's own shift does for text), positions
+    restart after every EOS (as `document_positions`)."""
+    positions, position = [], 0
+    for i in range(len(tokens) - 1):
+        position = 0 if i == 0 or tokens[i - 1] == eos_token_id else position + 1
+        positions.append(position)
+    return tokens[1:], positions
 
 
 def document_positions(input_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

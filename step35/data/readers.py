@@ -31,10 +31,12 @@ class BadRecord(Exception):
 class MissingField(BadRecord):
     """A record without the text field; `fields` are the fields it has."""
 
-    def __init__(self, field: str, fields: list[str]) -> None:
-        super().__init__(f"no {field!r} field (fields: {fields[:10]}){did_you_mean(field, fields)}")
+    def __init__(self, field: str, fields: list[str], what: str = "text field") -> None:
+        hint = did_you_mean(field, fields) if what == "text field" else ""
+        super().__init__(f"no {field!r} field (fields: {fields[:10]}){hint}")
         self.field = field
         self.fields = fields
+        self.what = what  # "text field", or "field" for the fields of conversation records
 
 
 # A source whose first this many records all lack the text field is a wrong `text_field`, not bad records.
@@ -54,10 +56,11 @@ def did_you_mean(field: str, fields: list[str]) -> str:
     return f"; did you mean {match!r}? (set text_field)"
 
 
-def missing_field_message(source: str, field: str, records: int, fields: list[str]) -> str:
+def missing_field_message(source: str, field: str, records: int, fields: list[str], what: str = "text field") -> str:
+    hint = (did_you_mean(field, fields) or "; set text_field") if what == "text field" else "; set the source's format"
     return (
-        f"source {source!r}: none of the first {records} records read has the text field {field!r};"
-        f" their fields: {fields[:20]}{did_you_mean(field, fields) or '; set text_field'}"
+        f"source {source!r}: none of the first {records} records read has the {what} {field!r};"
+        f" their fields: {fields[:20]}{hint}"
     )
 
 
@@ -75,23 +78,35 @@ class Record:
         """The document text; None for an empty record (passed over silently); `BadRecord` if it cannot be used."""
         return self.reader.text(self)
 
+    def value(self) -> Optional[dict]:
+        """The whole record as a dict (a conversation, a prompt/completion pair); None for a blank line;
+        `BadRecord` if it is not an object. Only for readers opened with `whole_records`."""
+        return self.reader.value(self)
+
     def where(self) -> str:
         """The record's location for a report: file:line, file:row, ..."""
         return self.reader.where(self)
 
 
 class Reader:
-    """The records of one file, from record `start` on (at byte `offset` where the format seeks)."""
+    """The records of one file, from record `start` on (at byte `offset` where the format seeks).
 
-    def __init__(self, path: str | Path, text_field: str = "text") -> None:
+    `whole_records`: the records are read whole (`Record.value`: every field or column), for conversation and
+    prompt/completion data; otherwise only `text_field` is read (`Record.text`)."""
+
+    def __init__(self, path: str | Path, text_field: str = "text", whole_records: bool = False) -> None:
         self.path = str(path)
         self.text_field = text_field
+        self.whole_records = whole_records
 
     def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
         raise NotImplementedError
 
     def text(self, record: Record) -> Optional[str]:
         raise NotImplementedError
+
+    def value(self, record: Record) -> Optional[dict]:
+        raise BadRecord(f"{self.path}: plain text holds no records with fields (conversations need json or columns)")
 
     def where(self, record: Record) -> str:
         return f"{self.path}:{record.index + 1}"
@@ -113,14 +128,20 @@ class JsonlReader(_LineReader):
     """JSON Lines: one JSON object per line, the text in `text_field`; blank lines are no records."""
 
     def text(self, record: Record) -> Optional[str]:
+        value = self._parsed(record)
+        return None if value is None else _field_text(value, self.text_field)
+
+    def value(self, record: Record) -> Optional[dict]:
+        return _object(self._parsed(record))
+
+    def _parsed(self, record: Record) -> Any:
         line = _decoded(record.raw)
         if not line.strip():
             return None
         try:
-            value = json.loads(line)
+            return json.loads(line)
         except json.JSONDecodeError as error:
             raise BadRecord(f"invalid JSON ({error.msg} at column {error.colno})") from None
-        return _field_text(value, self.text_field)
 
 
 class TextLineReader(_LineReader):
@@ -201,21 +222,35 @@ class JsonArrayReader(Reader):
             raise record.raw
         return _field_text(record.raw, self.text_field)
 
+    def value(self, record: Record) -> Optional[dict]:
+        if isinstance(record.raw, BadRecord):
+            raise record.raw
+        return _object(record.raw)
+
     def where(self, record: Record) -> str:
         return f"{self.path}: element {record.index}"
 
 
 class _ColumnarReader(Reader):
-    """Rows of a column-oriented file; `raw` is (the record batch's text column, the row within it)."""
+    """Rows of a column-oriented file; `raw` is (a record batch, the row within it). The batches hold the
+    text column alone, or every column when `whole_records`."""
 
     def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
-        for first, column in self._columns(start):
-            for k in range(max(0, start - first), len(column)):
-                yield Record(self, first + k, raw=(column, k))
+        for first, batch in self._batches(start):
+            for k in range(max(0, start - first), batch.num_rows):
+                yield Record(self, first + k, raw=(batch, k))
 
     def text(self, record: Record) -> Optional[str]:
-        column, k = record.raw
-        return checked_text(column[k].as_py(), self.text_field)
+        batch, k = record.raw
+        return checked_text(batch.column(self.text_field)[k].as_py(), self.text_field)
+
+    def value(self, record: Record) -> Optional[dict]:
+        batch, k = record.raw
+        return {name: batch.column(name)[k].as_py() for name in batch.schema.names}
+
+    def columns(self) -> Optional[list[str]]:
+        """The columns to read: None (all) for whole records."""
+        return None if self.whole_records else [self.text_field]
 
     def where(self, record: Record) -> str:
         return f"{self.path}: row {record.index}"
@@ -224,6 +259,8 @@ class _ColumnarReader(Reader):
         import pyarrow as pa
 
         schema = self._schema()
+        if self.whole_records:
+            return  # which fields a record needs depends on its format: sft.py checks them
         if self.text_field not in schema.names:
             hint = did_you_mean(self.text_field, schema.names) or "; set text_field"
             raise ValueError(f"{self.path}: no column {self.text_field!r} (columns: {schema.names}){hint}")
@@ -234,8 +271,12 @@ class _ColumnarReader(Reader):
     def _schema(self) -> Any:
         raise NotImplementedError
 
-    def _columns(self, start: int) -> Iterator[tuple[int, Any]]:
-        """(index of the first row, text column) per record batch, from the batch holding row `start` on."""
+    def field_names(self) -> list[str]:
+        """The file's column names (format detection reads them)."""
+        return list(self._schema().names)
+
+    def _batches(self, start: int) -> Iterator[tuple[int, Any]]:
+        """(index of the first row, record batch) per record batch, from the batch holding row `start` on."""
         raise NotImplementedError
 
 
@@ -247,7 +288,7 @@ class ParquetReader(_ColumnarReader):
 
         return pq.read_schema(self.path)
 
-    def _columns(self, start: int) -> Iterator[tuple[int, Any]]:
+    def _batches(self, start: int) -> Iterator[tuple[int, Any]]:
         import pyarrow.parquet as pq
 
         self.check()
@@ -258,8 +299,8 @@ class ParquetReader(_ColumnarReader):
             if row + rows <= start:
                 row += rows
                 continue
-            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[self.text_field]):
-                yield row, batch.column(0)
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=self.columns()):
+                yield row, batch
                 row += batch.num_rows
 
 
@@ -285,7 +326,7 @@ class ArrowReader(_ColumnarReader):
         except Exception as error:  # pyarrow raises ArrowInvalid; keep the file name in the message
             raise ValueError(f"{self.path}: not an Arrow IPC file or stream ({error})") from None
 
-    def _columns(self, start: int) -> Iterator[tuple[int, Any]]:
+    def _batches(self, start: int) -> Iterator[tuple[int, Any]]:
         self.check()
         reader = self._open()
         if hasattr(reader, "num_record_batches"):  # file format: random access to batches
@@ -295,7 +336,7 @@ class ArrowReader(_ColumnarReader):
         row = 0
         for batch in batches:  # zero-copy views of the mapped file: skipping one costs nothing
             if row + batch.num_rows > start:
-                yield row, batch.column(self.text_field)
+                yield row, batch
             row += batch.num_rows
 
 
@@ -303,21 +344,23 @@ class ArrowReader(_ColumnarReader):
 READABLE_SUFFIXES = (".jsonl", ".json", ".txt", ".md", ".parquet", ".arrow")
 
 
-def reader_for(path: str | Path, text_field: str = "text", txt_mode: TxtMode = "file") -> Reader:
-    """The reader for one file, chosen by its suffix."""
+def reader_for(
+    path: str | Path, text_field: str = "text", txt_mode: TxtMode = "file", whole_records: bool = False
+) -> Reader:
+    """The reader for one file, chosen by its suffix; `whole_records` reads every field (see `Reader`)."""
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
-        return JsonlReader(path, text_field)
+        return JsonlReader(path, text_field, whole_records)
     if suffix == ".json":  # a JSON array of records, or JSON Lines under a .json name: both occur
         with open(path, "rb") as f:
             is_array = f.read(4096).lstrip().startswith(b"[")
-        return JsonArrayReader(path, text_field) if is_array else JsonlReader(path, text_field)
+        return (JsonArrayReader if is_array else JsonlReader)(path, text_field, whole_records)
     if suffix in (".txt", ".md"):
         return {"file": TextFileReader, "line": TextLineReader, "paragraph": TextParagraphReader}[txt_mode](path)
     if suffix == ".parquet":
-        return ParquetReader(path, text_field)
+        return ParquetReader(path, text_field, whole_records)
     if suffix == ".arrow":
-        return ArrowReader(path, text_field)
+        return ArrowReader(path, text_field, whole_records)
     kind = suffix or "extensionless"
     raise ValueError(f"{path}: cannot read {kind} files; expected one of {sorted(READABLE_SUFFIXES)}")
 
@@ -327,6 +370,12 @@ def _decoded(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise BadRecord(f"not valid UTF-8 ({error.reason} at byte {error.start})") from None
+
+
+def _object(value: Any) -> Optional[dict]:
+    if value is not None and not isinstance(value, dict):
+        raise BadRecord(f"not a JSON object but {type(value).__name__}")
+    return value
 
 
 def _field_text(value: Any, field: str) -> Optional[str]:

@@ -3,7 +3,8 @@ goes into a checkpoint and comes back out. Everything the exact resume needs liv
 
 * `Cursor`: the position of one record in one source's stream (a few ints).
 * The stream state (`STATE_FORMAT`): per shard (rank x worker) the window count and, per source, a cursor,
-  the piece of a long document and a token skip, a bad-record count, and which data the cursor points into
+  the piece of a long document and a token skip, a bad-record count (and for conversation sources the
+  truncated and dropped counts, read as 0 from states saved before them), and which data the cursor points into
   (a digest of the source's file list, a stamp of the cursor's file); `TokenWindows` (stream.py) keeps it,
   `PackedSource` (packing.py) advances it before every window leaves and checks the data on resume
   (`DataChangedWarning`, or `DataChangedError` when strict). torchdata's StatefulDataLoader collects it per

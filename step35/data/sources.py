@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Protocol
+from typing import Any, Callable, Literal, Optional, Protocol
 
 from step35.data.bad_records import BadRecords
 from step35.data.readers import (
@@ -38,7 +38,8 @@ __all__ = ["Cursor", "FileSource", "Holdout", "Source", "parts_suffice"]
 
 PARTS_PER_SHARD_FOR_UNEVEN = 10
 
-Document = tuple[Cursor, Cursor, str]  # where the document starts, where the next record starts, its text
+# where the document starts, where the next record starts, the document: its text, or what `read` made of it
+Document = tuple[Cursor, Cursor, Any]
 
 
 @dataclass(frozen=True)
@@ -74,16 +75,17 @@ STAMP_BYTES = 1 << 16  # a file's stamp hashes this many bytes at each end, with
 
 
 class FilePart:
-    def __init__(self, path: str | Path, text_field: str, txt_mode: TxtMode) -> None:
+    def __init__(self, path: str | Path, text_field: str, txt_mode: TxtMode, whole_records: bool = False) -> None:
         self.path = str(path)
         self.key = Path(path).name
         self.text_field = text_field
         self.txt_mode = txt_mode
+        self.whole_records = whole_records
         self._reader: Optional[Reader] = None
 
     def open(self) -> Reader:
         if self._reader is None:
-            self._reader = reader_for(self.path, self.text_field, self.txt_mode)
+            self._reader = reader_for(self.path, self.text_field, self.txt_mode, self.whole_records)
         return self._reader
 
     def stamp(self) -> list:
@@ -121,6 +123,7 @@ class Source:
         self.seed = seed
         self.holdout = holdout
         self.split_by_part = split_by_part  # when parts_suffice; else round-robin over records
+        self.format = "text"  # or "chat", "prompt_completion": set by spec.open_source (records read whole)
         self._order: tuple[int, list[Part]] = (-1, [])  # the last epoch's part order
 
     def epoch_parts(self, epoch: int) -> list[Part]:
@@ -151,14 +154,23 @@ class Source:
         return self.split_by_part and parts_suffice(len(self.parts), num_shards)
 
     def documents(
-        self, start: Cursor, shard: int, num_shards: int, bad: BadRecords, endless: bool
+        self,
+        start: Cursor,
+        shard: int,
+        num_shards: int,
+        bad: BadRecords,
+        endless: bool,
+        read: Optional[Callable[[Record], Any]] = None,
     ) -> Iterator[Document]:
         """The documents of `shard`, kept by the holdout, from the record at `start` on, epoch after epoch
         when `endless`; bad records are reported to `bad` and skipped. A stream from the start whose first
-        `FIELD_CHECK_RECORDS` records all lack the text field raises (a wrong `text_field`, not bad records)."""
+        `FIELD_CHECK_RECORDS` records all lack the text field raises (a wrong `text_field`, not bad records).
+        `read` turns a record into its document (default: its text; None passes it over silently; it raises
+        `BadRecord` or `MissingField` as `Record.text` does)."""
+        read = read or Record.text
         cursor = start
         missing: set[str] = set()  # fields of the records lacking the text field, while no document was found
-        missed, field = 0, ""
+        missed, field, what = 0, "", "text field"
         while True:
             whole_epoch = cursor == Cursor(epoch=cursor.epoch)
             found = held_out = 0
@@ -167,11 +179,11 @@ class Source:
                     held_out += 1
                     continue
                 try:
-                    text = record.text()
+                    text = read(record)
                 except MissingField as error:
-                    missed, missing, field = missed + 1, missing | set(error.fields), error.field
+                    missed, missing, field, what = missed + 1, missing | set(error.fields), error.field, error.what
                     if missed >= FIELD_CHECK_RECORDS and found == 0 and start == Cursor():
-                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing)))
+                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what))
                     bad(record.where(), str(error))
                     continue
                 except BadRecord as error:
@@ -183,7 +195,7 @@ class Source:
                 yield here, after, text
             if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
                 if missed:  # fewer records than FIELD_CHECK_RECORDS, and the usable ones lack the field
-                    raise ValueError(missing_field_message(self.name, field, missed, sorted(missing)))
+                    raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what))
                 raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count, held_out))
             if not endless:
                 return
@@ -219,8 +231,10 @@ class FileSource(Source):
         shuffle: bool = True,
         seed: int = 0,
         holdout: Optional[Holdout] = None,
+        whole_records: bool = False,
     ) -> None:
-        super().__init__(name, [FilePart(f, text_field, txt_mode) for f in files], shuffle, seed, holdout)
+        parts = [FilePart(f, text_field, txt_mode, whole_records) for f in files]
+        super().__init__(name, parts, shuffle, seed, holdout)
         self.text_field = text_field
 
     def epoch_files(self, epoch: int) -> list[str]:

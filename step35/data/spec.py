@@ -13,6 +13,8 @@ becomes a readable source.
           subset: sample-10BT
           split: train
           weight: 1
+        - path: /data/sft/*.parquet          # conversations (`messages`) or prompt/completion pairs
+          format: chat                       # default auto: decided from the first records (sft.py)
 """
 
 from dataclasses import dataclass, fields
@@ -20,8 +22,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from step35.data.files import check_files, expand_files, is_saved_dataset, saved_dataset_files
+from step35.data.readers import reader_for
 from step35.data.hub import HubSource
 from step35.data.readers import TxtMode
+from step35.data.sft import FORMATS, detect_format, format_of_fields
 from step35.data.sources import FileSource, Holdout, Source
 
 TXT_MODES = ("file", "line", "paragraph")
@@ -41,6 +45,8 @@ class SourceSpec:
         txt_mode: What a document is in .txt/.md files ("file", "line", "paragraph"); None: `data.txt_mode`.
         weight: Sampling weight, as a share of training tokens (weights are normalised over the sources).
         name: The source's name in logs and metrics; None: its path or hub name.
+        format: "text", "chat" (records with `messages`), "prompt_completion" (records with `prompt` and
+            `completion`) or "auto" (decided from the first records); None: `data.format`.
     """
 
     path: Union[str, list[str], None] = None
@@ -51,6 +57,7 @@ class SourceSpec:
     txt_mode: Optional[TxtMode] = None
     weight: float = 1.0
     name: Optional[str] = None
+    format: Optional[str] = None
 
     def __post_init__(self) -> None:
         where = f"data.sources entry {self.name or self.path or self.hub!r}"
@@ -66,6 +73,8 @@ class SourceSpec:
             raise ValueError(f"{where}: txt_mode must be one of {TXT_MODES}, got {self.txt_mode!r}")
         if self.text_field is not None and not self.text_field:
             raise ValueError(f"{where}: text_field is empty")
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"{where}: format must be one of {FORMATS}, got {self.format!r}")
 
     @property
     def patterns(self) -> list[str]:
@@ -97,14 +106,23 @@ def open_source(
     shuffle: bool,
     seed: int,
     name: Optional[str] = None,
+    format: str = "auto",
 ) -> Source:
     """The source `spec` asks for, checked: every way it cannot work fails here, naming the file or dataset.
-    `text_field` and `txt_mode` apply where the spec names none."""
+    `text_field`, `txt_mode` and `format` apply where the spec names none. The source's `format` is set,
+    and `format_reason` says why (detected, or asked for)."""
     field = spec.text_field or text_field
     mode = spec.txt_mode or txt_mode
     name = name or spec.display_name
+    wanted = spec.format or format
     if spec.hub is not None and not is_saved_dataset(Path(spec.hub).expanduser()):
         source = HubSource(spec.hub, spec.subset, spec.split, field, holdout, shuffle, seed, source_name=name)
+        if wanted == "auto":
+            found = format_of_fields(source.field_names(), field)
+            wanted, reason = found if found is not None else ("text", "no field tells")
+        else:
+            reason = "as asked"
+        _set_format(source, wanted, reason)
         source.check()
         return source
     # A save_to_disk folder given as `hub` (load_dataset refuses those) is read like any local data.
@@ -112,9 +130,43 @@ def open_source(
         files = saved_dataset_files(Path(spec.hub).expanduser(), spec.split)
     else:
         files = expand_files(spec.patterns, spec.split)
-    check_files(name, files, field, mode)
-    check_holdout_leaves_documents(name, files, mode, holdout)
-    return FileSource(name, files, field, mode, shuffle, seed, holdout)
+    wanted, reason = detect_format(files, field) if wanted == "auto" else (wanted, "as asked")
+    if wanted == "text":
+        check_files(name, files, field, mode)
+        check_holdout_leaves_documents(name, files, mode, holdout)
+    else:
+        check_record_files(name, files, wanted)
+    source = FileSource(name, files, field, mode, shuffle, seed, holdout, whole_records=wanted != "text")
+    _set_format(source, wanted, reason)
+    return source
+
+
+def _set_format(source: Source, format: str, reason: str) -> None:
+    source.format = format
+    source.format_reason = reason  # type: ignore[attr-defined]
+    if format != "text" and hasattr(source, "parts"):
+        for part in source.parts:
+            if hasattr(part, "whole_records"):
+                part.whole_records = True
+
+
+def check_record_files(name: str, files: list[Path], format: str) -> None:
+    """A conversation or prompt/completion source needs records with fields: plain text files cannot be one,
+    and a columnar file must have the columns."""
+    needed = ["messages"] if format == "chat" else ["prompt", "completion"]
+    for f in files:
+        suffix = f.suffix.lower()
+        if suffix in (".txt", ".md"):
+            raise ValueError(f"source {name!r}: {f} is plain text; a {format} source reads json, parquet or arrow records")
+        if suffix in (".parquet", ".arrow"):
+            columns = reader_for(f, whole_records=True).field_names()  # type: ignore[attr-defined]
+            if set(needed) <= set(columns):
+                continue
+            if format == "chat":
+                raise ValueError(f"{f}: no column 'messages' (columns: {columns}); a chat source needs it")
+            raise ValueError(
+                f"{f}: a prompt_completion source needs columns 'prompt' and 'completion' (columns: {columns})"
+            )
 
 
 def check_holdout_leaves_documents(name: str, files: list[Path], txt_mode: TxtMode, holdout: Optional[Holdout]) -> None:

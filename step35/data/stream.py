@@ -10,13 +10,20 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from step35.data.packing import PackedSource, fresh_packing_state
+from step35.data.packing import PackedConversations, PackedSource, fresh_packing_state, text_window_targets
 from step35.data.resume import STATE_FORMAT, check_stream_state
+from step35.data.sft import OVERLONG, SftEncoder
 from step35.data.tokenizer import TextTokenizer
 
 
 class TokenWindows(IterableDataset):
     """Yields {"input_ids": LongTensor [seq_len + 1]} windows packed from the documents of `sources`.
+
+    Conversation and prompt/completion sources (`source.format`, see sft.py) are packed whole per window
+    (`PackedConversations`, rendered with `template`, trained per `train_on`, overlong ones handled per
+    `overlong`); when any source is one, every window also has "labels" [seq_len] (the targets of
+    input_ids[:-1], -100 where not trained) and "position_ids" [seq_len] (0 where a document starts), text
+    windows included (every next token a target, positions restarting after each EOS).
 
     Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
     documents go round-robin to shards, or whole files of a hub stream that has enough (see sources.py), so
@@ -52,6 +59,10 @@ class TokenWindows(IterableDataset):
         seed: int = 0,
         endless: bool = True,
         strict: bool = False,
+        template: Any = None,
+        train_on: str = "assistant",
+        overlong: str = "truncate",
+        template_missing: str = "",
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
@@ -69,6 +80,14 @@ class TokenWindows(IterableDataset):
         self.seed = seed
         self.endless = endless
         self.strict = strict
+        if overlong not in OVERLONG:
+            raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
+        self.overlong = overlong
+        formats = [getattr(source, "format", "text") for source in self.sources]
+        self.encoders = [
+            None if f == "text" else SftEncoder(f, tokenizer, template, train_on, template_missing) for f in formats
+        ]
+        self.labelled = any(encoder is not None for encoder in self.encoders)
         self._state = {
             "format": STATE_FORMAT,
             "windows": 0,
@@ -91,9 +110,14 @@ class TokenWindows(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         shard, num_shards = self.shard()
         state = self._state
+        window = self.seq_len + 1
         packers = [
-            PackedSource(source, self.tokenizer, self.seq_len + 1, shard, num_shards, self.endless, self.strict, s)
-            for source, s in zip(self.sources, state["sources"])
+            PackedSource(source, self.tokenizer, window, shard, num_shards, self.endless, self.strict, s)
+            if encoder is None
+            else PackedConversations(
+                source, encoder, window, shard, num_shards, self.endless, self.strict, s, self.overlong
+            )
+            for source, encoder, s in zip(self.sources, self.encoders, state["sources"])
         ]
         windows = [packer.windows() for packer in packers]
         while True:
@@ -105,7 +129,21 @@ class TokenWindows(IterableDataset):
             if window is None:  # only a finite stream runs dry; its source is now marked done
                 continue
             state["windows"] += 1
-            yield {"input_ids": torch.tensor(window, dtype=torch.long)}
+            yield self._batch_item(window)
+
+    def _batch_item(self, window: Any) -> dict[str, torch.Tensor]:
+        if isinstance(window, tuple):  # a conversation window: (tokens, labels, positions)
+            tokens, labels, positions = window
+        elif self.labelled:
+            tokens = window
+            labels, positions = text_window_targets(tokens, self.tokenizer.eos_token_id)
+        else:
+            return {"input_ids": torch.tensor(window, dtype=torch.long)}
+        return {
+            "input_ids": torch.tensor(tokens, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "position_ids": torch.tensor(positions, dtype=torch.long),
+        }
 
     def _pick(self, shard: int, index: int, alive: list[int]) -> int:
         digest = hashlib.blake2b(f"{self.seed}:{shard}:{index}".encode(), digest_size=8).digest()

@@ -35,6 +35,7 @@ def validation_batches(
     weights: Optional[Sequence[float]] = None,
     seed: int = 0,
     strict: bool = False,
+    **stream_options: Any,
 ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
     """`num_batches` batches for this rank, and the bad records skipped per source.
 
@@ -43,19 +44,23 @@ def validation_batches(
     (unequal counts would hang the collectives at the end of validation). Each rank reads only as far as it
     needs, about num_batches * micro_batch_size * world_size windows. A held-out set smaller than that is read
     again from its start, with a warning; one too small for a single window is an error.
+    `stream_options` go to `TokenWindows` (the chat template, `train_on`, `overlong`): conversation batches
+    carry their labels and positions.
     """
     needed = num_batches * micro_batch_size
-    mine: list[torch.Tensor] = []
+    mine: list[dict[str, torch.Tensor]] = []
     skipped = [0] * len(sources)
     index = 0  # of the window in the held-out stream, counted across repeated passes
     passes = 0
     while len(mine) < needed:
-        stream = TokenWindows(sources, tokenizer, seq_len, weights, seed=seed, endless=False, strict=strict)
+        stream = TokenWindows(
+            sources, tokenizer, seq_len, weights, seed=seed, endless=False, strict=strict, **stream_options
+        )  # fmt: skip
         produced = 0
         for window in stream:
             produced += 1
             if index % world_size == rank:
-                mine.append(window["input_ids"])
+                mine.append(window)
             index += 1
             if len(mine) == needed:
                 break
@@ -74,5 +79,8 @@ def validation_batches(
                     stacklevel=2,
                 )
         passes += 1
-    batches = [{"input_ids": torch.stack(mine[i : i + micro_batch_size])} for i in range(0, needed, micro_batch_size)]
+    batches = [
+        {key: torch.stack([w[key] for w in mine[i : i + micro_batch_size]]) for key in mine[i]}
+        for i in range(0, needed, micro_batch_size)
+    ]
     return batches, skipped

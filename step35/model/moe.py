@@ -118,18 +118,24 @@ class RouterAuxLosses:
     or dataclass: FSDP2's input casting (its _apply_to_tensors helper) rebuilds lists
     and copies dataclasses but hands other objects through, so every layer adds to this one.
     Activation-checkpoint replays (in_backward_recompute) compute the loss again, so the recomputed
-    graph matches the saved one, but do not add it a second time."""
+    graph matches the saved one, but do not add it a second time.
 
-    def __init__(self) -> None:
+    sequence_weights [B] (optional): each sequence's weight in the mean over sequences (its share of
+    trained labels, so that the loss over a global batch does not depend on how it is split)."""
+
+    def __init__(self, sequence_weights: torch.Tensor | None = None) -> None:
         self.losses: list[torch.Tensor] = []
+        self.sequence_weights = sequence_weights
 
     def add(self, loss: torch.Tensor) -> None:
         if not in_backward_recompute():
             self.losses.append(loss)
 
 
-def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Sequence-level balance loss (DeepSeek-V3 style), before its coefficient, averaged over sequences.
+def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int,
+                          weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence-level balance loss (DeepSeek-V3 style), before its coefficient, averaged over sequences
+    (each multiplied by its entry of `weights` [B] first, when given).
 
     scores [T, E] sigmoid router scores (fp32), expert_ids [T, K] the chosen experts (biased top-k),
     tokens grouped by sequence (T = num_sequences * S). Per sequence, with S its tokens:
@@ -145,7 +151,8 @@ def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_se
     ids = expert_ids.reshape(num_sequences, S * K)
     routed = scores.new_zeros(num_sequences, E).scatter_add_(1, ids, scores.new_ones(ids.shape))  # [B, E]
     f = routed * (E / (K * S))
-    return (f * P).sum(-1).mean()
+    per_sequence = (f * P).sum(-1)  # [B]
+    return (per_sequence if weights is None else per_sequence * weights).mean()
 
 
 class MoE(nn.Module):
@@ -190,7 +197,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, H]
         scores, expert_ids, weights = self.route(x)
         if router_aux is not None:
-            router_aux.add(sequence_balance_loss(scores, expert_ids, shape[0] if len(shape) == 3 else 1))
+            router_aux.add(sequence_balance_loss(scores, expert_ids, shape[0] if len(shape) == 3 else 1,
+                                                 router_aux.sequence_weights))
         flat_ids = expert_ids.reshape(-1)  # [N]
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert
         token_of_row = order // self.top_k

@@ -154,11 +154,15 @@ class Step35Model(nn.Module):
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # what to backpropagate: lm_loss + mtp_weight * mean(mtp_losses) + aux_loss
+    loss: torch.Tensor  # this batch's loss: lm_loss + mtp_weight * mean(mtp_losses) + aux_loss
     lm_loss: torch.Tensor  # mean next-token loss of the main head
     mtp_losses: list[torch.Tensor] = field(default_factory=list)  # mean loss of MTP depth 1, 2, ...
     num_tokens: torch.Tensor | None = None  # tokens counted by the main loss
     aux_loss: torch.Tensor | None = None  # coef x sequence balance loss, mean over MoE layers (None: coef 0)
+    # The sums behind the means, for a loss over many micro-batches and ranks (module.py):
+    lm_sum: torch.Tensor | None = None  # summed next-token loss of the main head (fp32)
+    mtp_sums: list[torch.Tensor] = field(default_factory=list)  # summed loss of MTP depth 1, 2, ...
+    mtp_counts: list[torch.Tensor] = field(default_factory=list)  # targets counted by each depth
 
 
 class Step35ForCausalLM(nn.Module):
@@ -210,27 +214,36 @@ class Step35ForCausalLM(nn.Module):
         """input_ids [B, S], labels [B, S] (-100 = no loss) -> LossOutput; the [B, S, V] logits never
         exist at once (chunked_cross_entropy holds `loss_chunk_size` rows of them).
 
-        The MTP layers run only when mtp_loss_weight > 0. With moe_aux_loss_coef > 0 the loss adds
-        coef x the sequence balance loss averaged over the MoE layers (moe.sequence_balance_loss); 0
-        does not compute it. position_ids: as in `forward`.
+        The MTP layers run only when mtp_loss_weight > 0; depth k at position t predicts labels[t + k],
+        ignored where that label is -100 or, with position_ids, where position t + k lies in another
+        document than t. With moe_aux_loss_coef > 0 the loss adds coef x the sequence balance loss
+        averaged over the MoE layers (moe.sequence_balance_loss), each sequence's weighted by its share
+        of trained labels (1 without masked labels); 0 does not compute it. position_ids:
+        as in `forward`. Besides the means, the output holds the sums and counts behind them.
 
         A separate method, not a `forward` flag: under FSDP2 the sharding code registers it as a
         forward method (register_fsdp_forward_method), so the root's parameters are gathered for it."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-        router_aux = RouterAuxLosses() if moe_aux_loss_coef > 0 else None
+        router_aux = None
+        if moe_aux_loss_coef > 0:
+            # Each sequence's balance loss counts by its share of trained labels (1 for plain text).
+            trained = (labels != IGNORE_INDEX).sum(1)  # [B]
+            router_aux = RouterAuxLosses(trained / trained.new_full((), max(labels.shape[1], 1)))
         h, rope, documents = self._trunk(input_ids, position_ids, router_aux)
         total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
         lm_loss = total / count.clamp(min=1)
-        mtp_losses = []
+        mtp_sums, mtp_counts = [], []
         if mtp_loss_weight > 0:
-            mtp_losses = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size, documents)
+            mtp_sums, mtp_counts = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size, documents)
+        mtp_losses = [total / count.clamp(min=1) for total, count in zip(mtp_sums, mtp_counts)]
         loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
         aux_loss = None
         if router_aux is not None and router_aux.losses:
             aux_loss = moe_aux_loss_coef * torch.stack(router_aux.losses).mean()
             loss = loss + aux_loss
-        return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count, aux_loss=aux_loss)
+        return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count, aux_loss=aux_loss,
+                          lm_sum=total, mtp_sums=mtp_sums, mtp_counts=mtp_counts)
 
     def _trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                router_aux: RouterAuxLosses | None = None) -> tuple[torch.Tensor, dict, DocumentMask | None]:
@@ -242,19 +255,27 @@ class Step35ForCausalLM(nn.Module):
         return self.model(input_ids, rope, router_aux=router_aux, documents=documents), rope, documents
 
     def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
-                    chunk_size: int, documents: DocumentMask | None = None) -> list[torch.Tensor]:
-        # Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
-        # x_{t+k+1} = labels[t+k]; the last k positions have no target. The token read comes from
-        # input_ids, not labels: a masked label (-100: prompt, padding) still has its token there.
-        losses = []
+                    chunk_size: int, documents: DocumentMask | None = None) -> tuple[list, list]:
+        """(summed loss, counted targets) per MTP depth.
+
+        Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
+        x_{t+k+1} = labels[t+k]; the last k positions have no target. The token read comes from
+        input_ids, not labels: a masked label (-100: prompt, padding) still has its token there.
+        With packed documents, position t + k in another document than t gives no target: its
+        token is not in t's context (a document alone would end before it)."""
+        sums, counts = [], []
         for k, layer in enumerate(self.model.mtp_layers, start=1):
             next_ids = _shift_left(input_ids, k, fill=0)
             targets = _shift_left(labels, k, fill=IGNORE_INDEX)
+            if documents is not None:
+                crosses = _shift_left(documents.ids, k, fill=-1) != documents.ids  # [B, S]
+                targets = targets.masked_fill(crosses, IGNORE_INDEX)
             key = self.model.rope_keys[layer.spec.layer_id]
             h, total, count = layer(h, self.model.embed_tokens(next_ids), *rope[key], labels=targets,
                                     chunk_size=chunk_size, documents=documents)
-            losses.append(total / count.clamp(min=1))
-        return losses
+            sums.append(total)
+            counts.append(count)
+        return sums, counts
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -1,0 +1,166 @@
+"""Conversation and prompt/completion records: which format a source holds, and how one record becomes
+token ids with a trained flag per token.
+
+Formats (`data.format`, or `format` of a `data.sources` entry):
+
+* `text`: a text field per record, or plain text files (packing.py's `PackedSource`).
+* `chat`: records with `messages` (a list of {role, content, ...}; optional `tools`), rendered with the chat
+  template (chat.py), trained where `data.train_on` says.
+* `prompt_completion`: records with a string `prompt` and `completion`: ids(prompt) + ids(completion) + EOS,
+  trained on the completion and the EOS (`train_on: all` trains the prompt too). When both are lists of
+  messages, the record is the conversation prompt + completion, rendered with the template like `chat`.
+* `auto` (default): decided from the first records of the source, and said at start.
+
+An encoded record is an `Example`; `PackedConversations` (packing.py) packs whole examples into windows.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
+from step35.data.tokenizer import TextTokenizer
+
+FORMATS = ("auto", "text", "chat", "prompt_completion")
+TRAIN_ON = ("assistant", "last_assistant", "all")
+OVERLONG = ("truncate", "drop")
+PLAIN_TEXT_SUFFIXES = (".txt", ".md")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One conversation or prompt/completion pair as tokens: `trained[i]` says whether token i is a target
+    (unshifted: the label of token i - 1 is token i where `trained[i]`). `where` names the record."""
+
+    ids: list[int]
+    trained: list[bool]
+    where: str
+
+
+def format_of_fields(fields: Iterable[str], text_field: str) -> Optional[tuple[str, str]]:
+    """(format, reason) decided by a record's field names, or None when they decide nothing."""
+    names = set(fields)
+    if "messages" in names:
+        return "chat", "records have 'messages'"
+    if {"prompt", "completion"} <= names:
+        return "prompt_completion", "records have 'prompt' and 'completion'"
+    if text_field in names:
+        return "text", f"records have the text field {text_field!r}"
+    return None
+
+
+def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
+    """(format, reason) of local files: plain text files are text; columnar files by their column names;
+    json by the fields of the first record (of the first `FIELD_CHECK_RECORDS`) that decides. Nothing
+    decides: text (the text-field check then names the fields found)."""
+    looked = 0
+    for path in files:
+        if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
+            return "text", f"{path.suffix} files are plain text"
+        reader = reader_for(path, text_field, whole_records=True)
+        if hasattr(reader, "field_names"):
+            found = format_of_fields(reader.field_names(), text_field)
+            if found is not None:
+                return found[0], found[1].replace("records have", "columns include")
+            continue
+        for record in reader.records():
+            looked += 1
+            if looked > FIELD_CHECK_RECORDS:
+                return "text", f"none of the first {FIELD_CHECK_RECORDS} records tells"
+            try:
+                value = record.value()
+            except BadRecord:
+                continue
+            found = format_of_fields(value or {}, text_field)
+            if found is not None:
+                return found
+    return "text", "no record tells"
+
+
+class SftEncoder:
+    """Turns a record of a `chat` or `prompt_completion` source into an `Example` (the `read` of
+    `Source.documents`). Picklable: it travels to DataLoader workers with the stream.
+
+    `template` is a chat.ChatTemplate (or None when the tokenizer folder has none: then a conversation
+    record is an error naming `template_missing`, the message saying what to set)."""
+
+    def __init__(
+        self,
+        format: str,
+        tokenizer: TextTokenizer,
+        template: Any = None,
+        train_on: str = "assistant",
+        template_missing: str = "",
+    ) -> None:
+        if format not in ("chat", "prompt_completion"):
+            raise ValueError(f"SftEncoder encodes chat or prompt_completion records, not {format!r}")
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        self.format = format
+        self.tokenizer = tokenizer
+        self.template = template
+        self.train_on = train_on
+        self.template_missing = template_missing
+
+    def __call__(self, record: Record) -> Optional[Example]:
+        value = record.value()
+        if value is None:
+            return None
+        where = record.where()
+        if self.format == "chat":
+            if "messages" not in value:
+                raise MissingField("messages", sorted(value), what="field")
+            return self._conversation(value["messages"], value.get("tools"), where)
+        if "prompt" not in value or "completion" not in value:
+            raise MissingField("prompt" if "prompt" not in value else "completion", sorted(value), what="field")
+        prompt, completion = value["prompt"], value["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return self._conversation(prompt + completion, value.get("tools"), where)
+        for name, part in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(part, str):
+                raise BadRecord(
+                    f"{name!r} is {type(part).__name__}; prompt and completion are both strings or both message lists"
+                )
+        prompt_ids = self.tokenizer.encode(prompt)
+        completion_ids = self.tokenizer.encode(completion) + [self.tokenizer.eos_token_id]
+        trained_prompt = self.train_on == "all"
+        return Example(
+            prompt_ids + completion_ids, [trained_prompt] * len(prompt_ids) + [True] * len(completion_ids), where
+        )
+
+    def _conversation(self, messages: Any, tools: Any, where: str) -> Example:
+        """The record's conversation through the template. A bad conversation (no messages, an unknown role,
+        no assistant turn, ...) and a template that fails to render it (the Jinja error) are bad records:
+        skipped and counted, or refused when strict; the report names the record."""
+        from step35.data.chat import ChatTemplateError, check_messages
+
+        try:
+            check_messages(messages)
+            if self.template is None:
+                raise ValueError(f"{where}: a conversation, and {self.template_missing}")
+            ids, trained = self.template.encode(self.tokenizer, messages, train_on=self.train_on, tools=tools)
+        except ChatTemplateError as error:
+            raise BadRecord(str(error)) from None
+        return Example(list(ids), [bool(t) for t in trained], where)
+
+
+def resolve_template(tokenizer_folder: Path, chat_template: Optional[str], builtin_tokenizer: bool) -> tuple[Any, str]:
+    """(the chat template conversations are rendered with, or None; the error to give when one is needed and
+    there is none). `data.chat_template` wins; then the tokenizer folder's own; then, for the built-in
+    tokenizer only, step35's default template."""
+    from step35.data.chat import ChatTemplate
+
+    if chat_template:
+        path = Path(chat_template).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.chat_template {chat_template!r}: no such file (expected a .jinja file)")
+        return ChatTemplate.from_file(path), ""
+    template = ChatTemplate.from_folder(tokenizer_folder)
+    if template is None and builtin_tokenizer:
+        template = ChatTemplate.default()
+    missing = (
+        f"the tokenizer folder {str(tokenizer_folder)!r} has no chat template (no chat_template.jinja, no"
+        " chat_template in tokenizer_config.json): set data.chat_template to a .jinja file"
+    )
+    return template, missing

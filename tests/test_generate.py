@@ -11,6 +11,7 @@ import torch
 
 from step35.checkpoint.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
+from step35.data.chat import ChatTemplate
 from step35.run import checkpoint_of
 
 ROOT = Path(__file__).parent.parent
@@ -104,11 +105,14 @@ def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(
     proc = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(run), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # The built-in tokenizer ships no template: step35's default one, said on stderr with the checkpoint read.
-    assert "step35 generate: chat template: step35's default (the run's tokenizer" in proc.stderr, proc.stderr
+    # The template recorded with the run's tokenizer (the built-in one carries step35's default as
+    # chat_template.jinja), said on stderr with the checkpoint read.
+    assert "step35 generate: chat template: chat_template.jinja of the run's tokenizer (" in proc.stderr, proc.stderr
     assert f"model: {run / 'checkpoints' / 'step=000003.ckpt'}" in proc.stderr
     generator = load_generator(run)
-    ids = generator.chat_ids(generator.chat_template(), "How do loops work?", "Be brief.")
+    template = generator.chat_template()
+    assert template.source == ChatTemplate.default().source
+    ids = generator.chat_ids(template, "How do loops work?", "Be brief.")
     rendered = generator.tokenizer.decode(ids, skip_special_tokens=False)
     assert "<|system|>\nBe brief.\n<|user|>\nHow do loops work?\n<|assistant|>\n" in rendered, rendered
     reply_ids = generator.generate_ids(ids, max_new_tokens=12)
@@ -126,3 +130,13 @@ def test_system_without_chat_is_refused_before_anything_loads(tmp_path):
 
     with pytest.raises(SystemExit, match="--system needs --chat true"):
         generate(str(tmp_path / "nothing-here"), "Hi", system="Be brief.")
+
+
+def test_a_tokenizer_without_a_chat_template_gets_step35s_default(folders):
+    run, _ = folders
+    generator = load_generator(run)
+    generator.tokenizer_files = {name: content for name, content in generator.tokenizer_files.items()
+                                 if name != "chat_template.jinja"}
+    said = []
+    assert generator.chat_template(said.append).origin == "default"
+    assert said == [f"chat template: step35's default ({generator.tokenizer_origin} has none)"]

@@ -209,7 +209,7 @@ def home_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
     from step35.config import preset
 
     public = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                                "special_tokens_map.json")}
+                                                                "special_tokens_map.json", "chat_template.jinja")}
     public.update({"README.md": b"# my model\n", "LICENSE": b"MIT\n",
                    "generation_config.json": b'{"eos_token_id": 0}\n',
                    "configuration_step3p5.py": b"class Step3p5Config: ...\n",

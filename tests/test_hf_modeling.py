@@ -57,8 +57,9 @@ def test_a_from_scratch_export_loads_as_a_causal_lm_with_step35s_logits_and_gree
 
 
 def random_folder(path, sliding_window=16):
-    """A tiny random model (tests/hf_oracle.py: router biases that change the top-k, clamps that bite), saved with save_pretrained and given
-    the modeling file and auto_map as `step35 export` writes them. Returns the step35 model."""
+    """A tiny random model (tests/hf_oracle.py: router biases that change the top-k, clamps that bite),
+    saved with save_pretrained and given the modeling file and auto_map as `step35 export` writes them.
+    Returns the step35 model."""
     config = preset("tiny").with_overrides({"sliding_window": sliding_window})
     model = build_model(config, device="cpu")
     model.load_state_dict(random_state_dict(config.to_dict(), seed=1))  # O(1) activations: every part counts

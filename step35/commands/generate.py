@@ -13,8 +13,9 @@ attends to the kept keys (sliding layers keep their window), so a long sample is
 tokens are those of rerunning the whole context each time (`--cache false` does that). Past
 max_position_embeddings the context is cut to its last max_position_embeddings tokens and rerun at
 every token, as positions beyond the limit do not exist. This is a check for small models; serve a
-large model with vLLM or SGLang. temperature 0 (the default) is greedy decoding; otherwise the logits are divided
-by the temperature and sampled from the smallest set of tokens whose probability reaches top_p.
+large model with vLLM or SGLang. temperature 0 (the default) is greedy decoding; otherwise the
+logits are divided by the temperature and sampled from the smallest set of tokens whose probability
+reaches top_p.
 The prompt is preceded by the BOS token, or by the EOS (the document separator the data stream
 puts before every document) when the tokenizer has no BOS, so the model sees the start of a document.
 Generation stops at max_new_tokens or at one of config.json's eos_token_id (the tokenizer's EOS

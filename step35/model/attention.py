@@ -50,7 +50,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, past = cache.update(k, v)
         if past == 0:
-            o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)  # [B, Hq, S, D]
+            # [B, Hq, S, D]; the prompt of a decode takes this path too
+            o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)
         else:
             o = attention_after(q, k, v, past, self.window, scale=self.head_dim ** -0.5)
         o = o.transpose(1, 2)  # [B, S, Hq, D]

@@ -21,6 +21,7 @@ from torch import nn
 from step35.config import LayerSpec, Step35Config
 from step35.kernels import DocumentMask, SequenceShard
 from step35.model.attention import Attention
+from step35.model.cache import KVCache, LayerKV
 from step35.model.init import init_tensor
 from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from step35.model.mlp import SwiGLU
@@ -55,11 +56,13 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None,
+                cache: LayerKV | None = None) -> torch.Tensor:
         """router_aux: where an MoE layer adds its sequence balance loss (None: not computed);
         documents: packed documents that attention must keep apart (None: one document per row), or
-        this rank's SequenceShard under context parallelism."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
+        this rank's SequenceShard under context parallelism; cache: this layer's keys and values of
+        earlier tokens (decoding, see Step35ForCausalLM.step)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents, cache)
         x = self.post_attention_layernorm(h)
         ffn = self.moe(x, router_aux) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
         return h + ffn
@@ -134,17 +137,24 @@ class Step35Model(nn.Module):
         return {key: (cos[:, None], sin[:, None]) for key, (cos, sin) in tables.items()}
 
     def forward(self, input_ids: torch.Tensor, rope: dict | None = None,
-                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
         router_aux: collects the MoE layers' sequence balance losses (None: not computed);
-        documents: packed documents kept apart by attention (RoPE then comes from their positions)."""
+        documents: packed documents kept apart by attention (RoPE then comes from their positions);
+        cache: earlier tokens' keys and values, which the layers read and extend (`rope` must then
+        hold the new tokens' positions)."""
         if rope is None:
             position_ids = documents.position_ids if documents is not None else None
             rope = self.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         h = self.embed_tokens(input_ids)
-        for layer, key in zip(self.main_layers, self.rope_keys):
-            h = layer(h, *rope[key], router_aux=router_aux, documents=documents)
+        for i, (layer, key) in enumerate(zip(self.main_layers, self.rope_keys)):
+            kv = cache.layer(i, layer.self_attn.window) if cache is not None else None
+            if kv is None:  # the call training, FSDP and activation checkpointing see, unchanged
+                h = layer(h, *rope[key], router_aux=router_aux, documents=documents)
+            else:
+                h = layer(h, *rope[key], router_aux=router_aux, documents=documents, cache=kv)
         return h
 
 
@@ -194,6 +204,20 @@ class Step35ForCausalLM(nn.Module):
         position_ids [B, S] (packed documents, see step35.data.packing.document_positions): positions
         restarting at 0 where a document starts; attention then never crosses a document boundary."""
         h, _, _ = self._trunk(input_ids, position_ids)
+        return self.lm_head(self.model.norm(h))
+
+    def step(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Decoding: logits [B, S, V] (or [B, 1, V] with `last_only`) for input_ids [B, S], the tokens
+        that follow the `cache.length` tokens the cache holds (none at first: the prompt); the cache
+        then holds these as well. Each token costs attention over the kept keys only, so a long sample
+        is not quadratic. Equal to `forward` over the whole sequence (tests/test_generate_cache.py)."""
+        S = input_ids.shape[1]
+        positions = torch.arange(cache.length, cache.length + S, device=input_ids.device)
+        rope = {key: rotary_cos_sin(positions, inv) for key, inv in self.model._inv_freq.items()}
+        h = self.model(input_ids, rope, cache=cache)
+        cache.length += S
+        if last_only:
+            h = h[:, -1:]
         return self.lm_head(self.model.norm(h))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *, mtp_loss_weight: float = 0.0,

@@ -140,3 +140,13 @@ def test_a_tokenizer_without_a_chat_template_gets_step35s_default(folders):
     said = []
     assert generator.chat_template(said.append).origin == "default"
     assert said == [f"chat template: step35's default ({generator.tokenizer_origin} has none)"]
+
+
+def test_a_bool_option_given_alone_means_true():
+    from step35.commands.function_cli import bare_flags_as_true
+    from step35.commands.generate import generate
+
+    argv = ["--checkpoint", "run", "--chat", "--prompt", "hi", "--cache"]
+    assert bare_flags_as_true(generate, argv) == ["--checkpoint", "run", "--chat", "true", "--prompt", "hi",
+                                                  "--cache", "true"]
+    assert bare_flags_as_true(generate, ["--chat", "false", "--prompt", "--x"]) == ["--chat", "false", "--prompt", "--x"]

@@ -113,6 +113,7 @@ def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(
     template = generator.chat_template()
     assert template.source == ChatTemplate.default().source
     ids = generator.chat_ids(template, "How do loops work?", "Be brief.")
+    assert generator.eos_id in generator.stop_ids  # the default template ends a reply with EOS
     rendered = generator.tokenizer.decode(ids, skip_special_tokens=False)
     assert "<|system|>\nBe brief.\n<|user|>\nHow do loops work?\n<|assistant|>\n" in rendered, rendered
     reply_ids = generator.generate_ids(ids, max_new_tokens=12)

@@ -111,11 +111,17 @@ class Generator:
         return template if template is not None else ChatTemplate.default()
 
     def chat_ids(self, template: ChatTemplate, user: str, system: str | None = None) -> list[int]:
-        """The ids a reply is generated after: [system,] user turn and the generation prompt."""
+        """The ids a reply is generated after: [system,] user turn and the generation prompt. The
+        template's end-of-turn token joins the stop ids (a reply ends there even when config.json's
+        eos_token_id does not list it)."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         eos = self.eos_id if self.eos_id is not None else self.start_id
-        ids = template.prompt_ids(TextTokenizer(self.tokenizer, eos, Path(self.tokenizer_origin)), messages,
-                                  where="the conversation of --system and --prompt")
+        tokenizer = TextTokenizer(self.tokenizer, eos, Path(self.tokenizer_origin))
+        ids = template.prompt_ids(tokenizer, messages, where="the conversation of --system and --prompt")
+        try:
+            self.stop_ids = self.stop_ids | {template.end_of_turn_id(tokenizer)}
+        except ChatTemplateError:
+            pass  # no special token ends a reply: the EOS ids alone stop it
         return ids if ids[:1] == [self.start_id] else [self.start_id] + ids
 
 

@@ -58,8 +58,11 @@ def test_plan_predicts_the_measured_saved_bytes_at_cp2(tmp_path):
     assert abs(predicted[1] - measured["cp1"]) <= 0.05 * measured["cp1"], (predicted, measured)
     for got in measured["cp2_by_rank"]:
         assert abs(predicted[2] - got) <= 0.05 * got, (predicted, measured)
-    # The exchange is a real share of it: a plan that only halved cp 1 would be off by more than 5%.
-    assert abs(predicted[1] / 2 - measured["cp2_by_rank"][0]) > 0.05 * measured["cp2_by_rank"][0]
+    # The exchange's own share (cp 2 minus half of cp 1: gathered K/V, halos) is predicted too, not
+    # only the halving: it is ~1% of the total at this small shape, so check it on its own.
+    for got in measured["cp2_by_rank"]:
+        kept = got - measured["cp1"] / 2
+        assert kept > 0 and abs(predicted[2] - predicted[1] / 2 - kept) <= 0.05 * kept, (predicted, measured)
     print(f"saved bytes per rank at cp 2: predicted {predicted[2]}, measured {measured['cp2_by_rank']}")
 
 
@@ -99,8 +102,7 @@ def test_cp_divides_activations_and_counts_the_exchange(capsys):
     plan = json.loads(out)
     assert plan["layout"]["context_parallel_size"] == cp and plan["speed"]["tokens_per_rank_step"] == S // cp
     assert plan["speed"]["context_bytes"] == exchange * 3
-    rows = {ph["name"]: ph["rows"] for ph in plan["phases"]}
-    assert rows["block backward"]["cp K/V gradients"] == 2 * S * kv  # whole-sequence dK/dV + its reordered copy
+    assert plan["phases"]["block backward"]["cp K/V gradients"] == 2 * S * kv  # whole-sequence dK/dV + its reordered copy
     code, out, _ = run_plan(capsys, "--config", "configs/flash-196b-128k-gpu.yaml", *H200)
     assert "context parallel 8 (16384 tokens of each sequence per rank)" in out and "cp K/V per step" in out
 
@@ -120,7 +122,7 @@ def test_sizes_cp_makes_invalid_are_refused(capsys, cp, seq, message):
 H200 = ("--device", "h200")
 RECIPES = {"configs/flash-196b-32k-gpu.yaml": (32, 32, 2, 32768, H200, "NVIDIA H200 SXM", 10),
            "configs/flash-196b-128k-gpu.yaml": (32, 32, 8, 131072, H200, "NVIDIA H200 SXM", 10),
-           "configs/flash-196b-128k-npu.yaml": (192, 96, 16, 131072, (), "Ascend 910B", 10)}
+           "configs/flash-196b-128k-npu.yaml": (96, 96, 16, 131072, (), "Ascend 910B", 10)}
 
 
 @pytest.mark.timeout(600)
@@ -142,16 +144,15 @@ def test_long_context_recipe_fits_with_margin(capsys, path):
 
 @pytest.mark.timeout(600)
 def test_128k_gpu_recipe_and_128k_lora_are_the_fewest_devices_that_fit(capsys):
-    # Full fine-tune: half the nodes (16 H200, EP 16) does not fit at any cp.
-    code, _, _ = run_plan(capsys, "--config", "configs/flash-196b-128k-gpu.yaml", "--no-suggestions", *H200,
-                          "--trainer.num_nodes", "2", "--trainer.strategy.expert_parallel_size", "16",
-                          "--trainer.strategy.context_parallel_size", "16")
-    assert code == 1
-    # LoRA at 128K: the recipe's one node of 8 H200 with cp 8 fits; 4 H200 do not.
-    lora = ["--config", "configs/flash-196b-lora-h200.yaml", "--no-suggestions", "--data.seq_len", "131072",
-            "--trainer.strategy.context_parallel_size"]
-    code, out, err = run_plan(capsys, *lora, "8", "--device", "h200")
+    # Full fine-tune: one node fewer (24 H200, EP 24, cp 8) does not fit.
+    code, out, err = run_plan(capsys, "--config", "configs/flash-196b-128k-gpu.yaml", "--no-suggestions", *H200,
+                              "--trainer.num_nodes", "3", "--trainer.strategy.expert_parallel_size", "24")
+    assert code == 1 and "DOES NOT FIT" in out, err[-2000:]
+    # LoRA at 128K (the LoRA recipe with cp): 4 H200 fit (EP 4, cp 4), 2 do not.
+    lora = ["--config", "configs/flash-196b-lora-h200.yaml", "--no-suggestions", "--data.seq_len", "131072", *H200]
+    code, out, err = run_plan(capsys, *lora, "--trainer.devices", "4", "--trainer.strategy.expert_parallel_size", "4",
+                              "--trainer.strategy.context_parallel_size", "4")
     assert code == 0 and "FITS:" in out, err[-2000:] + out[-2000:]
-    code, _, _ = run_plan(capsys, *lora, "4", "--device", "h200", "--trainer.devices", "4",
-                          "--trainer.strategy.expert_parallel_size", "4")
-    assert code == 1
+    code, out, _ = run_plan(capsys, *lora, "--trainer.devices", "2", "--trainer.strategy.expert_parallel_size", "2",
+                            "--trainer.strategy.context_parallel_size", "2")
+    assert code == 1 and "DOES NOT FIT" in out

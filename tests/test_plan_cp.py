@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -140,6 +141,18 @@ def test_long_context_recipe_fits_with_margin(capsys, path):
     assert plan["device"]["name"] == device and plan["verdict"]["fits"] and plan["verdict"]["margin_pct"] >= margin
     code, out, _ = run_plan(capsys, "--config", path, "--no-suggestions", *flags)
     assert code == 0 and "FITS:" in out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", sorted(RECIPES))
+def test_long_context_recipe_parses_for_fit(path):
+    proc = subprocess.run([sys.executable, "-m", "step35", "fit", "--config", path, "--model.checkpoint=/ckpt",
+                           "--data.files=/corpus/*.jsonl", "--print_config"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["trainer"]["strategy"]["init_args"]["context_parallel_size"] == RECIPES[path][2]
+    assert printed["model"]["checkpoint"] == "/ckpt"
 
 
 @pytest.mark.timeout(600)

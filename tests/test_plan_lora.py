@@ -22,7 +22,6 @@ from torch import nn
 from step35.config import Step35Config, preset
 from step35.model import build_model
 from step35.plan.lora import DEFAULT_TARGETS, parse_lora, trained_tensors
-from step35.plan.memory import Phase
 from step35.plan.settings import read_settings
 from tests.helpers import tiny_config
 

@@ -46,8 +46,8 @@ _STATE_CACHE: dict[tuple, tuple[RankState, list[FsdpGroup]]] = {}
 def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGroup]]:
     """Local shards of `rank` (rank 0 holds the largest: FSDP gives the first ranks the rounded-up chunks)."""
     cfg = s.model_config
-    key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.context_parallel_size, s.replicate_size, s.sharded, s.stored_dtype,
-           s.num_mtp_layers, s.train_mtp, rank, s.lora, s.base_dtype)
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.context_parallel_size,
+           s.replicate_size, s.sharded, s.stored_dtype, s.num_mtp_layers, s.train_mtp, rank, s.lora, s.base_dtype)
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
     dims = parallel_dims(s)

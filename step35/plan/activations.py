@@ -5,7 +5,7 @@ Each function below mirrors one module's forward and lists the tensors autograd 
 the model code changes what it saves, change the matching function here; tests/test_plan.py compares
 the total against a count of the real saved tensors for none, selective and full checkpointing.
 
-Conventions: T tokens of the micro-batch (batch x seq), `a` bytes per element of the compute dtype
+Conventions: T tokens of the micro-batch one rank holds (batch x seq / cp under context parallelism), `a` bytes per element of the compute dtype
 (activations), fp32 = 4. A tensor that several ops save is counted once, by the first module that
 saves it (as the storage count does). Where the saved set depends on the kernel (the attention
 statistics) `device_type` picks the kernel's behaviour (step35/kernels.py).
@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from step35.config import LayerSpec, Step35Config
+from step35.plan.context import exchange_tokens
 
 FP32, INT64, INT32 = 4, 8, 4
 PARTS = ("embedding", "attention_norm", "attention", "ffn_norm", "router", "dispatch", "experts", "shared_expert",
@@ -34,10 +35,12 @@ class Shape:
     expert_parallel_size: int = 1
     autocast: bool = False  # bf16-mixed: ops cast their inputs themselves
     document_masking: bool = False  # per-sequence RoPE tables [B, 1, S, r]
+    context_parallel: int = 1  # cp: each rank holds seq / cp tokens of every sequence
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq
+        """Tokens of the micro-batch on one rank."""
+        return self.batch * self.seq // self.context_parallel
 
     @property
     def act_is_fp32(self) -> bool:
@@ -87,6 +90,8 @@ def attention(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape) -> 
     # sum, [B, N, S, 8] fp32 each.
     stats = 2 * 8 * FP32 if s.device_type == "npu" else FP32
     saved.add("attention", T * (nq + 2 * nkv + nq) * d * a + T * nq * stats)
+    # Context parallelism: the kernel also keeps the K/V the exchange brought (plan/context.py).
+    saved.add("attention", s.batch * exchange_tokens(config, spec, s.seq, s.context_parallel) * 2 * nkv * d * a)
     if config.use_head_wise_attn_gate:
         saved.add("attention", T * nq * a)  # sigmoid(g_proj(x)) [T, heads]; _GatedOutput recomputes o * gate
         if s.autocast:
@@ -155,8 +160,9 @@ def matmul_outputs(config: Step35Config, spec: LayerSpec, s: Shape) -> int:
     if config.use_head_wise_attn_gate:
         total += T * nq * a
     window = config.sliding_window if spec.sliding else None
-    if s.device_type == "cuda" and (window is None or window >= s.seq):
-        total += T * nq * d * a + T * nq * FP32  # flash SDPA output and log-sum-exp (FlexAttention is recomputed)
+    if s.device_type == "cuda" and s.context_parallel == 1 and (window is None or window >= s.seq):
+        # flash SDPA output and log-sum-exp (FlexAttention, which cp shares always use, is recomputed)
+        total += T * nq * d * a + T * nq * FP32
     if spec.is_moe:
         E, K, I = config.moe_num_experts, config.moe_top_k, config.moe_intermediate_size
         total += T * E * (FP32 if config.need_fp32_gate else a)  # router logits
@@ -182,7 +188,7 @@ class ActivationEstimate:
 def _rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int:
     """cos and sin [S, rotary_dim] fp32, one pair per distinct (rotary dim, theta, scaled), shared by layers."""
     keys = {(spec.rotary_dim, spec.rope_theta, spec.rope_scaled) for spec in layers if spec.uses_rope}
-    rows = s.tokens if s.document_masking else s.seq
+    rows = s.tokens if s.document_masking else s.seq // s.context_parallel  # a cp rank's own positions
     return sum(2 * rows * rd * FP32 for rd, _, _ in keys)
 
 

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return INVALID
     if not plan.verdict.fits and not args.no_suggestions:
         plan.suggestions = suggest(settings, evaluate)
-        plan.other_ways = other_ways(settings, plan, evaluate, allocator_margin=args.allocator_margin)
+        plan.other_ways = other_ways(settings, evaluate)
     print(as_json(plan) if args.json else text(plan))
     return FITS if plan.verdict.fits else DOES_NOT_FIT
 

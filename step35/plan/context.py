@@ -1,38 +1,63 @@
-"""Context parallelism as an estimate, until it lands in the trainer: the sequence of each
-micro-batch split over `cp` ranks that share it, with the full K and V gathered for attention."""
+"""Context parallelism counted (step35/parallel/context.py): every sequence of a micro-batch split over
+the `cp` ranks of its group, each rank holding S / cp tokens of it (two chunks of c = S / (2 cp)).
+
+What the exchange adds per attention layer, beyond the rank's share (the only formulas of it in the plan):
+- full layers, and sliding windows longer than c + 1 keys: the all-gathered K and V of the whole sequence.
+  The kernel keeps them for backward, so the rank keeps the other ranks' S - S / cp tokens of K/V;
+  in backward the gather's gradient is a whole-sequence dK/dV (and its chunk-reordered copy) before the
+  reduce-scatter hands each rank its share;
+- sliding windows of at most c + 1 keys: two halos of window - 1 keys (one before each local chunk),
+  kept by the kernel with the local K/V; their gradients go back point to point.
+Communication per layer and micro-batch: the gather receives (S - S / cp) tokens of K/V per rank in
+forward (again when full checkpointing replays it) and reduce-scatters as much in backward; a halo sends
+and receives 2 (window - 1) tokens of K/V each way, forward and backward.
+"""
 
 from __future__ import annotations
 
-from step35.plan.memory import Phase
-from step35.plan.settings import RunSettings
-
-SCALED = ("activations", "block backward work", "all-to-all buffers")  # per-token rows: 1 / cp of the tokens
+from step35.config import LayerSpec, Step35Config
 
 
-def context_parallel_phases(s: RunSettings, phase_list: list[Phase], cp: int) -> list[Phase]:
-    """The phases of the layout `s` with its sequence split over `cp` ranks (an ESTIMATE: step35 has
-    no context parallelism yet).
-
-    Each rank keeps 1/cp of the activations, of the block it rebuilds in backward and of the expert
-    all-to-all rows (all per token), and gathers the whole sequence's K and V of one layer for its
-    attention (batch x seq x 2 x kv heads x head dim, compute dtype, the widest layer), plus their
-    gradients of the same size in block backward. Parameters, gradients and optimizer states do not
-    change: FSDP shards them over the same ranks as before (the cp ranks are data-parallel ranks that
-    read the same micro-batch, so the global batch in tokens shrinks by cp)."""
-    cfg = s.model_config
-    a = _bytes(s)
-    kv = max(spec.num_kv_heads * spec.head_dim for spec in map(cfg.layer, range(cfg.num_hidden_layers)))
-    gathered = s.micro_batch_size * s.seq_len * 2 * kv * a
-    out = []
-    for ph in phase_list:
-        rows = {k: (v // cp if k in SCALED else v) for k, v in ph.rows.items()}
-        if "activations" in rows:
-            rows["cp gathered K/V"] = gathered * (2 if ph.name == "block backward" else 1)
-        out.append(Phase(ph.name, rows))
-    return out
+def halo_keys(config: Step35Config, spec: LayerSpec, seq: int, cp: int) -> int:
+    """Keys before each local chunk that a sliding layer exchanges (window - 1), or 0 when the layer
+    gathers the whole sequence instead (full attention, or a window longer than a chunk + 1)."""
+    window = config.sliding_window if spec.sliding else None
+    chunk = seq // (2 * cp)
+    if cp > 1 and window is not None and 1 < window <= chunk + 1:
+        return window - 1
+    return 0
 
 
-def _bytes(s: RunSettings) -> int:
-    import torch
+def exchange_tokens(config: Step35Config, spec: LayerSpec, seq: int, cp: int) -> int:
+    """Tokens of K/V per sequence one rank holds for a layer's attention beyond its own S / cp."""
+    if cp <= 1:
+        return 0
+    halo = halo_keys(config, spec, seq, cp)
+    return 2 * halo if halo else seq - seq // cp
 
-    return torch.empty((), dtype=s.compute_dtype).element_size()
+
+def kv_bytes_per_token(spec: LayerSpec, act_bytes: int) -> int:
+    """K and V of one token of a layer."""
+    return 2 * spec.num_kv_heads * spec.head_dim * act_bytes
+
+
+def gathered_gradient_bytes(config: Step35Config, layers: list[LayerSpec], batch: int, seq: int, cp: int,
+                            act_bytes: int) -> int:
+    """The largest whole-sequence dK/dV a gathering layer builds in backward (the gradient and its
+    reordered copy, parallel/context._GatherSequence.backward), before the reduce-scatter."""
+    gathering = [spec for spec in layers if cp > 1 and not halo_keys(config, spec, seq, cp)]
+    return max((2 * batch * seq * kv_bytes_per_token(spec, act_bytes) for spec in gathering), default=0)
+
+
+def communication_bytes(config: Step35Config, layers: list[LayerSpec], batch: int, seq: int, cp: int,
+                        act_bytes: int, *, replay: bool) -> int:
+    """Bytes one rank receives per micro-batch for the K/V exchange: all-gathers (forward, and the
+    replay under full checkpointing), the backward reduce-scatters, and the halos both ways."""
+    if cp <= 1:
+        return 0
+    total = 0
+    for spec in layers:
+        per_token = batch * kv_bytes_per_token(spec, act_bytes)
+        calls = 2 + (1 if replay else 0)  # forward, backward, replayed forward
+        total += exchange_tokens(config, spec, seq, cp) * per_token * calls
+    return total

@@ -5,7 +5,8 @@ The step is cut where the big transient buffers live (see docs/plan.md):
   loss bwd    state + root gathered + activations + the loss backward (fp32 [V, H] weight gradient)
   block bwd   state + gradients + root gathered + lm_head gradient + activations + two blocks gathered
               (prefetch) + one block's gradients and reduce-scatter input + one block rebuilt or its
-              activation gradients + the expert all-to-all receive buffers
+              activation gradients + the expert all-to-all receive buffers + under context parallelism
+              the whole-sequence dK/dV of a gathering layer before its reduce-scatter (plan/context.py)
   end of bwd  state + gradients + root gathered + root gradients and reduce-scatter input
   optimizer   state + gradients + the AdamW temporaries
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from step35.plan.activations import ActivationEstimate
+from step35.plan.context import gathered_gradient_bytes
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup, RankState
 
@@ -54,7 +56,7 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     cfg = s.model_config
     a, r = _bytes(s.compute_dtype), _bytes(s.reduce_dtype or s.compute_dtype)
     V, H = cfg.vocab_size, cfg.hidden_size
-    chunk = min(s.loss_chunk_size, s.micro_batch_size * s.seq_len)
+    chunk = min(s.loss_chunk_size, s.tokens_per_rank)
     root = next(g for g in groups if g.name == "root")
     by_layer: dict[str, list[FsdpGroup]] = {}
     for g in groups:
@@ -68,7 +70,7 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     # unsharded from the loss backward on, and the loss builds it in an fp32 accumulator.
     lm_head_trained = root.trainable if s.lora is None else s.lora.adapts("lm_head")
     lm_head = V * H if lm_head_trained else 0
-    tokens = s.micro_batch_size * s.seq_len
+    tokens = s.tokens_per_rank
     ep_rows = tokens * cfg.moe_top_k if cfg.use_moe and s.expert_parallel_size > 1 else 0
     loss_fwd = chunk * V * (a + 2 * 4)  # h @ W^T, its fp32 copy, the exp of logsumexp
     loss_bwd = (2 * V * H * 4 + V * H * a if lm_head_trained else 0) + chunk * V * (2 * a + 2 * 4)
@@ -96,6 +98,12 @@ def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstim
     grads_in_forward = state.grads if s.accumulate_grad_batches > 1 else 0
     acts = act.total
     block_work = act.recompute if act.mode != "none" else act.largest_layer
+    cp_rows = {}
+    if s.context_parallel_size > 1:
+        cfg = s.model_config
+        layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + (s.num_mtp_layers if s.train_mtp else 0))]
+        cp_rows["cp K/V gradients"] = gathered_gradient_bytes(cfg, layers, s.micro_batch_size, s.seq_len,
+                                                              s.context_parallel_size, _bytes(s.compute_dtype))
     return [
         Phase("forward", {**persistent, "gradients": grads_in_forward, "root gathered": t.root_gathered,
                           "activations": acts, "block all-gather": t.block_gather, "loss chunk": t.loss_forward}),
@@ -105,7 +113,7 @@ def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstim
                                  "lm_head gradient": t.lm_head_grad, "activations": acts,
                                  "block all-gather": t.gathered_blocks * t.block_gather,
                                  "block gradients": t.block_grads, "reduce-scatter": t.reduce_scatter,
-                                 "block backward work": block_work, "all-to-all buffers": t.all_to_all}),
+                                 "block backward work": block_work, "all-to-all buffers": t.all_to_all, **cp_rows}),
         Phase("end of backward", {**persistent, "gradients": state.grads, "root gathered": t.root_gathered,
                                   "root gradients + reduce-scatter": t.root_grads}),
         Phase("optimizer step", {**persistent, "gradients": state.grads, "optimizer temporaries": t.optimizer}),

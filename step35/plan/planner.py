@@ -46,8 +46,8 @@ _STATE_CACHE: dict[tuple, tuple[RankState, list[FsdpGroup]]] = {}
 def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGroup]]:
     """Local shards of `rank` (rank 0 holds the largest: FSDP gives the first ranks the rounded-up chunks)."""
     cfg = s.model_config
-    key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.replicate_size, s.sharded, s.stored_dtype,
-           s.num_mtp_layers, s.train_mtp, rank, s.lora, s.base_dtype)
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.context_parallel_size,
+           s.replicate_size, s.sharded, s.stored_dtype, s.num_mtp_layers, s.train_mtp, rank, s.lora, s.base_dtype)
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
     dims = parallel_dims(s)
@@ -76,18 +76,22 @@ def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGr
 
 def parallel_dims(s: RunSettings) -> ParallelDims:
     """The mesh sizes of the layout (one rank holding everything when it is not sharded); bad sizes
-    raise ParallelConfigError naming both values."""
+    raise ParallelConfigError naming both values (and a cp that does not split data.seq_len)."""
     cfg = s.model_config
     if not s.sharded:
-        return ParallelDims(1)
-    return ParallelDims(s.world_size, s.expert_parallel_size, s.replicate_size,
-                        num_experts=cfg.moe_num_experts if cfg.use_moe else None)
+        return ParallelDims(1, context_parallel_size=s.context_parallel_size)  # refuses cp > 1 on one device
+    dims = ParallelDims(s.world_size, s.expert_parallel_size, s.replicate_size,
+                        num_experts=cfg.moe_num_experts if cfg.use_moe else None,
+                        context_parallel_size=s.context_parallel_size)
+    dims.check_seq_len(s.seq_len)
+    return dims
 
 
 def activation_shape(s: RunSettings) -> Shape:
     return Shape(s.micro_batch_size, s.seq_len, torch.empty((), dtype=s.compute_dtype).element_size(),
                  s.accelerator, s.expert_parallel_size if s.sharded else 1,
-                 autocast=s.precision == "bf16-mixed" and s.param_dtype is None, document_masking=s.document_masking)
+                 autocast=s.precision == "bf16-mixed" and s.param_dtype is None, document_masking=s.document_masking,
+                 context_parallel=s.context_parallel_size)
 
 
 def with_adapter_activations(act: ActivationEstimate, s: RunSettings) -> ActivationEstimate:

@@ -26,7 +26,9 @@ def _dtype(d: torch.dtype | None) -> str:
 def layout_line(p: Plan) -> str:
     s = p.settings
     par = (f"FSDP over {s.world_size} ranks, EP {s.expert_parallel_size} (efsdp {p.efsdp})"
-           + (f", HSDP replicate {s.replicate_size}" if s.replicate_size > 1 else "")) if s.sharded else "1 device, unsharded"
+           + (f", HSDP replicate {s.replicate_size}" if s.replicate_size > 1 else "")
+           + (f", context parallel {s.context_parallel_size} ({s.seq_len // s.context_parallel_size} tokens of each "
+              "sequence per rank)" if s.context_parallel_size > 1 else "")) if s.sharded else "1 device, unsharded"
     return (f"{s.num_nodes} node(s) x {s.devices_per_node} devices; {par}; activation checkpointing "
             f"{s.activation_checkpointing}; micro-batch {s.micro_batch_size} x seq {s.seq_len}")
 
@@ -120,6 +122,8 @@ def text(p: Plan) -> str:
               f"  all-to-all per step     {sp.all_to_all_bytes / GiB:,.2f} GiB sent per rank",
               f"  FSDP per step           {sp.fsdp_gather_bytes / GiB:,.2f} GiB gathered + "
               f"{sp.fsdp_reduce_bytes / GiB:,.2f} GiB reduce-scattered per rank",
+              *([f"  cp K/V per step         {sp.context_bytes / GiB:,.2f} GiB received per rank "
+                 f"(all-gathers, reduce-scatters, halos)"] if s.context_parallel_size > 1 else []),
               f"  step time >=            {sp.step_seconds_overlapped:.3f} s (compute {sp.compute_seconds:.3f}, "
               f"intra-node {sp.intra_node_seconds:.3f}, inter-node {sp.inter_node_seconds:.3f}; "
               f"{p.device.peak_tflops:g} TFLOP/s, {p.device.intra_node_gbps:g}/{p.device.inter_node_gbps:g} GB/s)",
@@ -146,7 +150,8 @@ def _verdict(v) -> str:
 def _summary(p: Plan) -> dict:
     s = p.settings
     return {"num_nodes": s.num_nodes, "devices_per_node": s.devices_per_node, "world_size": s.world_size,
-            "expert_parallel_size": s.expert_parallel_size, "efsdp": p.efsdp, "replicate_size": s.replicate_size,
+            "expert_parallel_size": s.expert_parallel_size, "efsdp": p.efsdp,
+            "context_parallel_size": s.context_parallel_size, "replicate_size": s.replicate_size,
             "activation_checkpointing": s.activation_checkpointing, "micro_batch_size": s.micro_batch_size,
             "accumulate_grad_batches": s.accumulate_grad_batches, "seq_len": s.seq_len,
             "required_bytes": p.verdict.required, "margin_pct": round(p.verdict.margin_pct, 2),
@@ -169,7 +174,7 @@ def as_dict(p: Plan) -> dict:
         "verdict": asdict(p.verdict),
         "speed": asdict(p.speed),
         "suggestions": [_summary(alt) for alt in p.suggestions],
-        "other_ways": [{"what": w.what, "estimate": w.estimate, "fits": w.verdict.fits,
+        "other_ways": [{"what": w.what, "fits": w.verdict.fits,
                         "required_bytes": w.verdict.required, "margin_pct": round(w.verdict.margin_pct, 2)}
                        for w in p.other_ways],
         "lora": None if s.lora is None else {**asdict(s.lora), "adapter_params": p.state.adapters_total,

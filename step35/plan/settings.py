@@ -35,6 +35,7 @@ class RunSettings:
     num_nodes: int
     sharded: bool  # Step35Strategy (FSDP2 + EP); False: one device, unsharded
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1  # cp: ranks that split every sequence (trainer.strategy.context_parallel_size)
     replicate_size: int = 1
     reshard_after_forward: bool = True
     activation_checkpointing: str = "none"
@@ -53,6 +54,11 @@ class RunSettings:
     @property
     def world_size(self) -> int:
         return self.devices_per_node * self.num_nodes
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of one micro-batch a rank holds: its 1 / cp share of every sequence."""
+        return self.micro_batch_size * self.seq_len // self.context_parallel_size
 
     @property
     def stored_dtype(self) -> torch.dtype:
@@ -217,6 +223,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         args = strategy.init_args
         settings = settings.with_layout(
             expert_parallel_size=args.expert_parallel_size, replicate_size=args.replicate_size,
+            context_parallel_size=int(args.get("context_parallel_size", 1) or 1),
             reshard_after_forward=args.reshard_after_forward, activation_checkpointing=args.activation_checkpointing,
             param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
             reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None)

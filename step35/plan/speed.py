@@ -1,5 +1,5 @@
 """How fast the run could go: model FLOPs per token, the bytes each rank moves per optimizer step
-(expert all-to-all, FSDP all-gather and reduce-scatter), and an upper bound on MFU from the device's
+(expert all-to-all, FSDP all-gather and reduce-scatter, the context-parallel K/V exchange), and an upper bound on MFU from the device's
 peak and its link bandwidths. Balanced expert routing is assumed; kernels are taken to run at peak."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from step35.flops import attention_flops_per_token, training_flops_per_token
+from step35.plan.context import communication_bytes
 from step35.plan.devices import Device
 from step35.plan.lora import trained_tensors
 from step35.plan.settings import RunSettings
@@ -31,6 +32,7 @@ class Speed:
     mfu_bound: float
     mfu_serial: float
     tokens_per_second_per_device: float
+    context_bytes: float = 0.0  # per rank per step, received by the cp K/V all-gathers, reduce-scatters and halos
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -68,7 +70,7 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
     else:
         hw = fpt
     micro_batches = s.accumulate_grad_batches
-    tokens = s.micro_batch_size * s.seq_len
+    tokens = s.tokens_per_rank
     a, r = _bytes(s.compute_dtype), _bytes(s.reduce_dtype or s.compute_dtype)
     dpn, nodes = s.devices_per_node, s.num_nodes
     intra = inter = 0.0
@@ -85,6 +87,17 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
         remote = max(0, ep - dpn) / (ep - 1)  # share of the ep peers on other nodes (contiguous ranks)
         inter += a2a * remote / (device.inter_node_gbps * 1e9)
         intra += a2a * (1 - remote) / (device.intra_node_gbps * 1e9)
+
+    # Context parallelism: the K/V exchange of every attention layer (plan/context.py), within the cp
+    # group: cp consecutive ranks, on one node when cp <= devices per node.
+    cp = s.context_parallel_size
+    layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + mtp)]
+    context = communication_bytes(cfg, layers, s.micro_batch_size, s.seq_len, cp, a,
+                                  replay=s.activation_checkpointing == "full") * micro_batches
+    if cp > 1:
+        remote = max(0, cp - dpn) / (cp - 1)
+        inter += context * remote / (device.inter_node_gbps * 1e9)
+        intra += context * (1 - remote) / (device.intra_node_gbps * 1e9)
 
     gather = reduce = 0.0
     if s.sharded:
@@ -107,4 +120,4 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
     serial = compute + intra + inter
     useful = step_tokens * fpt / (device.peak_tflops * 1e12)
     return Speed(fpt, hw, step_tokens, a2a, gather, reduce, intra, inter, compute, overlapped, serial,
-                 useful / overlapped, useful / serial, step_tokens / overlapped)
+                 useful / overlapped, useful / serial, step_tokens / overlapped, context)

@@ -1,7 +1,7 @@
 """Nearest layouts that fit, when the asked one does not (or is invalid): other expert-parallel sizes,
 more activation checkpointing, smaller micro-batches on the same devices; failing those, more nodes.
 Beside them, other ways to train (`other_ways`): a LoRA fine-tune for a fine-tuning config, and a
-context-parallel size for a long sequence (an estimate until context parallelism lands)."""
+context-parallel size for a long sequence (a full plan at that size)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from step35.parallel import valid_ep_sizes
-from step35.plan.context import context_parallel_phases
 from step35.plan.lora import LoraInputError, parse_lora
-from step35.plan.memory import Verdict, verdict
+from step35.plan.memory import Verdict
 from step35.plan.settings import RunSettings
 
 AC_ORDER = ("none", "selective", "full")
@@ -93,7 +92,6 @@ class OtherWay:
 
     what: str  # the change, in the config's words
     verdict: Verdict
-    estimate: bool  # True: computed for a feature step35 does not have yet
 
 
 def lora_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
@@ -119,27 +117,26 @@ def lora_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
     ac = (f", activation_checkpointing {layout.activation_checkpointing}"
           if layout.activation_checkpointing != s.activation_checkpointing else "")
     return OtherWay(f"LoRA fine-tune (model.lora: {{rank: {lora.rank}}}: base frozen in bf16, "
-                    f"adapters of expert rank {lora.expert_rank} on the routed experts{ac})", plan.verdict, False)
+                    f"adapters of expert rank {lora.expert_rank} on the routed experts{ac})", plan.verdict)
 
 
-def context_parallel_way(s: RunSettings, plan, *, allocator_margin: float) -> OtherWay | None:
-    """The smallest context-parallel size (a power of two dividing the world and the sequence) whose
-    estimate fits (context.context_parallel_phases); else the largest tried, with its verdict."""
+def context_parallel_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
+    """The smallest larger context-parallel size (a power of two dividing the world and the sequence
+    in 2 x cp chunks) whose plan fits; else the largest tried, with its verdict."""
     if s.seq_len < LONG_SEQ or not s.sharded:
         return None
     found = None
-    cp = 2
+    cp = 2 * s.context_parallel_size
     while cp <= s.world_size and s.world_size % cp == 0 and s.seq_len % (2 * cp) == 0:
-        v = verdict(context_parallel_phases(s, plan.phases, cp), plan.verdict.device_memory, allocator_margin,
-                    plan.verdict.runtime_reserve)
-        found = OtherWay(f"context parallel size {cp} (seq {s.seq_len} over {cp} ranks: {s.seq_len // cp} "
-                         "tokens each; ESTIMATE until context parallelism lands)", v, True)
-        if v.fits:
+        plan = evaluate(s.with_layout(context_parallel_size=cp))
+        found = OtherWay(f"context parallel size {cp} (trainer.strategy.context_parallel_size: seq {s.seq_len} "
+                         f"over {cp} ranks, {s.seq_len // cp} tokens each)", plan.verdict)
+        if plan.verdict.fits:
             break
         cp *= 2
     return found
 
 
-def other_ways(s: RunSettings, plan, evaluate: Callable, *, allocator_margin: float) -> list[OtherWay]:
-    return [w for w in (lora_way(s, evaluate), context_parallel_way(s, plan, allocator_margin=allocator_margin))
+def other_ways(s: RunSettings, evaluate: Callable) -> list[OtherWay]:
+    return [w for w in (lora_way(s, evaluate), context_parallel_way(s, evaluate))
             if w is not None]

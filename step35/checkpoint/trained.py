@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -27,6 +27,7 @@ from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
 from step35.checkpoint.trainer_io import META_FILE, check_loadable, dcp_load, load_file, load_meta
 from step35.config import PRESETS, ConfigError, Step35Config, load_config
+from step35.model.lora import LoraConfig, LoraError, is_adapter, merged_weight
 
 _PREFIX = "model."  # the LightningModule's attribute holding Step35ForCausalLM
 
@@ -74,13 +75,15 @@ def named_config(value: object, where: Path) -> Step35Config:
         raise CheckpointError(f"{where}: its model config: {e}; pass --model_config") from None
 
 
-def _dcp_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _dcp_tensors(folder: Path, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     entries = safe_reader(folder).read_metadata().state_dict_metadata
     for key, info in entries.items():
         if not key.startswith("state_dict." + _PREFIX) or not isinstance(info, TensorStorageMetadata):
             continue
+        if not only(key[len("state_dict." + _PREFIX):]):
+            continue  # not read at all
         tensor = torch.empty(info.size, dtype=info.properties.dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
@@ -89,9 +92,9 @@ def _dcp_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield key[len("state_dict." + _PREFIX):], tensor
 
 
-def _file_tensors(meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _file_tensors(meta: dict, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     for key, tensor in meta["state_dict"].items():
-        if key.startswith(_PREFIX):
+        if key.startswith(_PREFIX) and only(key[len(_PREFIX):]):
             yield key[len(_PREFIX):], tensor
 
 
@@ -107,13 +110,47 @@ class TrainedCheckpoint:
     hyper_parameters: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, only: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the model's tensors as saved (a LoRA run's adapters included), those whose
+        name passes `only`; a sharded checkpoint reads no other."""
         found = False
-        for name, tensor in (_dcp_tensors(self.path) if self.path.is_dir() else _file_tensors(self.meta)):
+        for name, tensor in (_dcp_tensors(self.path, only) if self.path.is_dir() else _file_tensors(self.meta, only)):
             found = True
             yield name, tensor
         if not found:
             raise CheckpointError(f"{self.path}: holds no model weights (keys starting with '{_PREFIX}')")
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The run's LoRA options (`model.lora`), None for a run without adapters."""
+        try:
+            return LoraConfig.of(self.hyper_parameters.get("lora"))
+        except LoraError as e:
+            raise CheckpointError(f"{self.path}: its model.lora: {e}") from None
+
+    def merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors by HF name with every LoRA adapter merged into its weight as
+        W + (alpha / r) * BA in float32 (model/lora.py: merged_weight); the same as `tensors()` for a
+        run without adapters. The adapters (small) are read first, then the weights one by one."""
+        lora = self.lora
+        if lora is None:
+            yield from self.tensors()
+            return
+        adapters = dict(self.tensors(only=is_adapter))
+        prefixes = sorted({n.rsplit(".", 1)[0] for n in adapters})  # `...q_proj` of `...q_proj.lora_A`
+        for prefix in prefixes:
+            if f"{prefix}.lora_A" not in adapters or f"{prefix}.lora_B" not in adapters:
+                raise CheckpointError(f"{self.path}: the adapter of {prefix}.weight lacks its lora_A or lora_B")
+        pending = {f"{prefix}.weight" for prefix in prefixes}
+        for name, tensor in self.tensors(only=lambda n: not is_adapter(n)):
+            if name in pending:
+                prefix = name[:-len(".weight")]
+                tensor = merged_weight(name, tensor, adapters[f"{prefix}.lora_A"], adapters[f"{prefix}.lora_B"],
+                                       lora.scale_alpha)
+                pending.discard(name)
+            yield name, tensor
+        if pending:
+            raise CheckpointError(f"{self.path}: holds adapters of weights it lacks, e.g. {sorted(pending)[:3]}")
 
     def start_folder(self) -> str | None:
         """The HF folder the run started from (`model.checkpoint`), as the checkpoint names it."""

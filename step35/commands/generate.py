@@ -4,7 +4,8 @@
                     [--temperature 0.8 --top_p 0.95 --seed 0]
 
 `--checkpoint` is a run folder (its newest intact checkpoint), a `.ckpt` file, a sharded
-checkpoint folder, or an HF folder (`step35 export`'s output, the release). Checkpoints are read
+checkpoint folder, or an HF folder (`step35 export`'s output, the release). A LoRA run's checkpoint
+runs with its adapters merged into the weights, as `step35 export --merge` writes them. Checkpoints are read
 through the same verified, code-free readers as `step35 export`; the text is encoded with the
 tokenizer the run trained with (recorded in the checkpoint; an HF folder's own otherwise).
 
@@ -105,6 +106,8 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
         trained = open_checkpoint(checkpoint_of(path, say))
         for note in trained.notes:
             say(note)
+        if trained.lora is not None:
+            say(f"LoRA run: its adapters merged into the weights (alpha={trained.lora.scale_alpha:g})")
         model = _model_from(trained, dtype, device)
         if tokenizer:
             files, run_eos, origin = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
@@ -126,14 +129,15 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
 
 
 def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> Step35ForCausalLM:
-    """Build on meta, allocate on `device`, fill every tensor from the checkpoint (MTP ones skipped)."""
+    """Build on meta, allocate on `device`, fill every tensor from the checkpoint (MTP ones skipped;
+    LoRA adapters merged into their weights)."""
     model = build_model(trained.config, num_mtp_layers=0, device="meta")
     model.to(dtype)  # router_bias stays fp32 (MoE._apply)
     model.to_empty(device=device)
     state = model.state_dict()
     filled = set()
     with torch.no_grad():
-        for name, tensor in trained.tensors():
+        for name, tensor in trained.merged_tensors():
             if name not in state:
                 continue  # MTP layers
             if tuple(tensor.shape) != tuple(state[name].shape):

@@ -1,0 +1,115 @@
+"""A LoRA run's checkpoint out of the trainer: `step35 export --merge` writes W + (alpha/r)·BA as a full HF
+folder that loads like every other export and computes the LoRA model's logits and losses (MTP included);
+`step35 generate` runs on the LoRA run and on the merged export alike; exporting a LoRA run without --merge,
+or merging a run without adapters, is refused by name (docs/lora.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from step35.checkpoint.pretrained import load_pretrained
+from step35.cli import main
+from step35.commands.generate import load_generator
+from step35.model.lora import LoraError, merged_weight
+
+TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router"]
+MTP_WEIGHT = 0.3
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, builtin_cache):
+    """A tiny LoRA run of 3 steps (every adapter kind, MTP and a full-trained router; alpha != rank and
+    an expert rank of its own, so each scale differs), saved as a run folder. Returns (run, model)."""
+    from step35.callbacks import RunCheckpoint
+    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    run = tmp_path_factory.mktemp("lora-run")
+    module = Step35LightningModule(config="tiny", lora={"rank": 4, "alpha": 6.0, "expert_rank": 3, "targets": TARGETS},
+                                   mtp_loss_weight=MTP_WEIGHT, lr=2e-2, warmup_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=run,
+                         plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=3)])
+    trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)))
+    return run, module.model.eval()
+
+
+@pytest.fixture(scope="module")
+def merged(lora_run, tmp_path_factory):
+    run, _ = lora_run
+    out = tmp_path_factory.mktemp("lora-export") / "hf"
+    main(["export", "--checkpoint", str(run), "--out", str(out), "--merge", "true", "--max_shard_size", "1MB"])
+    return out
+
+
+def batch(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, 24), generator=g), torch.randint(0, vocab, (2, 24), generator=g)
+
+
+def test_merged_weight_is_w_plus_scaled_ba_per_expert():
+    """Against plain per-expert loops in float64: dense W + (alpha/r) B A, experts W_e + (alpha/r) (A_e B_e)^T."""
+    g = torch.Generator().manual_seed(0)
+    W, A, B = torch.randn(6, 5, generator=g), torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g)
+    want = W.double() + 3.0 / 2 * B.double() @ A.double()
+    torch.testing.assert_close(merged_weight("w", W, A, B, 3.0).double(), want, rtol=1e-6, atol=1e-6)
+    We, Ae, Be = torch.randn(4, 6, 5, generator=g), torch.randn(4, 5, 3, generator=g), torch.randn(4, 3, 6, generator=g)
+    x = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    merged = merged_weight("experts", We, Ae, Be, 6.0).double()
+    for e in range(4):  # what the forward computes for expert e: x W_e^T + (x A_e B_e) * alpha / r
+        forward = x @ We[e].double().T + (x @ Ae[e].double() @ Be[e].double()) * 6.0 / 3
+        torch.testing.assert_close(x @ merged[e].T, forward, rtol=1e-6, atol=1e-6)
+    with pytest.raises(LoraError, match=r"experts: adapter shapes A \[4, 5, 3\], B \[4, 6, 3\] do not fit weight"):
+        merged_weight("experts", We, Ae, Be.transpose(1, 2), 6.0)
+
+
+def test_merged_export_computes_the_lora_models_logits_and_losses(lora_run, merged):
+    _, model = lora_run
+    B = [p for n, p in model.named_parameters() if n.endswith("lora_B")]
+    assert B and all(p.abs().sum() > 0 for p in B)  # every adapter trained: merging matters
+    loaded = load_pretrained(merged).eval()
+    assert not any("lora" in n for n in loaded.state_dict())
+    assert loaded.num_mtp_layers == model.num_mtp_layers > 0
+    ids, labels = batch(model.config.vocab_size)
+    with torch.no_grad():
+        want = model(ids)
+        torch.testing.assert_close(loaded(ids), want, rtol=0, atol=1e-5)
+        got_loss = loaded.loss(ids, labels, mtp_loss_weight=MTP_WEIGHT)
+        want_loss = model.loss(ids, labels, mtp_loss_weight=MTP_WEIGHT)
+        torch.testing.assert_close(got_loss.lm_loss, want_loss.lm_loss, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.stack(got_loss.mtp_losses), torch.stack(want_loss.mtp_losses), rtol=0, atol=1e-5)
+        base = copy.deepcopy(model)
+        for n, p in base.named_parameters():
+            if n.endswith("lora_B"):
+                p.zero_()
+        assert (base(ids) - want).abs().max() > 1e-3  # the adapters move the logits: the check can fail
+
+
+def test_lora_run_exports_only_with_merge_and_merge_needs_lora(lora_run, tiny_run, tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"is a LoRA run's checkpoint: pass --merge to write the base with the "
+                                         r"adapters merged in"):
+        main(["export", "--checkpoint", str(lora_run[0]), "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match=r"--merge: .*step=000003.ckpt is not a LoRA run's checkpoint"):
+        main(["export", "--checkpoint", str(tiny_run[0]), "--out", str(tmp_path / "b"), "--merge", "true"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_generate_on_the_lora_run_and_its_merged_export(lora_run, merged):
+    run, model = lora_run
+    said = []
+    from_run, from_hf = load_generator(run, say=said.append), load_generator(merged)
+    assert any(line.startswith("LoRA run: its adapters merged into the weights (alpha=6)") for line in said), said
+    prompt = from_run.encode("The for statement")
+    greedy = from_run.generate_ids(prompt, max_new_tokens=8)
+    assert greedy == from_hf.generate_ids(prompt, max_new_tokens=8)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # the LoRA model's own argmax, step by step
+        torch.testing.assert_close(from_run.model(ids), model(ids), rtol=0, atol=1e-5)
+        for token in greedy:
+            assert token == int(model(ids)[0, -1].argmax())
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)

@@ -20,9 +20,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from step35.checkpoint import run_tokenizer
+from step35.checkpoint import lora_base, run_tokenizer
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE
+from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE, read_tensor_infos
 from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
 from step35.checkpoint.trainer_io import META_FILE, check_loadable, dcp_load, load_file, load_meta
@@ -110,15 +110,50 @@ class TrainedCheckpoint:
     hyper_parameters: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-    def tensors(self, only: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the model's tensors as saved (a LoRA run's adapters included), those whose
-        name passes `only`; a sharded checkpoint reads no other."""
-        found = False
-        for name, tensor in (_dcp_tensors(self.path, only) if self.path.is_dir() else _file_tensors(self.meta, only)):
-            found = True
+    def tensors(self, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the model's tensors (a LoRA run's adapters included), those whose name passes
+        `only`; a sharded checkpoint reads no other. A LoRA run's frozen base, which its checkpoints
+        leave out, comes after the saved tensors: from the base's HF folder (checked against the
+        fingerprint recorded) or the deterministic init, in the base dtype the run computed in."""
+        wanted = only or (lambda name: True)
+        saved = set()
+        for name, tensor in (_dcp_tensors(self.path, wanted) if self.path.is_dir() else _file_tensors(self.meta, wanted)):
+            saved.add(name)
             yield name, tensor
-        if not found:
+        if not saved and only is None:
             raise CheckpointError(f"{self.path}: holds no model weights (keys starting with '{_PREFIX}')")
+        if self.meta.get(lora_base.RECORD_KEY) is not None:
+            yield from self._base_tensors(lambda n: wanted(n) and n not in saved)
+
+    def _base_tensors(self, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The frozen base of a LoRA run's checkpoint, read again as the run read it."""
+        from safetensors import safe_open
+
+        from step35.checkpoint.materialize import checkpoint_state
+        from step35.model import build_model
+        from step35.model.init import init_tensor
+
+        record = self.meta[lora_base.RECORD_KEY]
+        num_mtp = self.hyper_parameters.get("num_mtp_layers")
+        model = build_model(self.config, num_mtp, device="meta")
+        names = {n: tuple(t.shape) for n, t in checkpoint_state(model).items() if only(n)}
+        dtype = self.lora.resolved_base_dtype(self.config) if self.lora else None
+        if record.get("folder") is None:
+            self.notes.append(f"the frozen base drawn from the init (model.init_seed={record.get('init_seed')})")
+            for name, shape in names.items():
+                yield name, init_tensor(name, shape, self.config, record["init_seed"]).to(dtype or torch.float32)
+            return
+        folder = record["folder"]
+        lora_base.check_base(record, lora_base.base_identity(folder, 0), self.path)
+        self.notes.append(f"the frozen base read from {folder} (named in {self.path}, fingerprint checked)")
+        infos = read_tensor_infos(folder)
+        for name, shape in names.items():
+            if name not in infos or infos[name].shape != shape:
+                raise CheckpointError(f"{folder}: the LoRA run's base lacks {name} of shape {list(shape)}")
+            with safe_open(infos[name].file, framework="pt") as f:
+                tensor = f.get_tensor(name)
+            check_finite([(name, tensor)], infos[name].file)
+            yield name, tensor.to(dtype) if dtype is not None and not name.endswith("router_bias") else tensor
 
     @property
     def lora(self) -> LoraConfig | None:

@@ -97,3 +97,70 @@ def test_a_base_from_the_init_is_recorded_by_its_seed(tmp_path, builtin_cache):
     assert torch.load(ckpt, weights_only=True)[RECORD_KEY] == {"folder": None, "init_seed": 0}
     with pytest.raises(CheckpointError, match=r"the run's base was drawn with model.init_seed=0, this run's is 5"):
         fit(tmp_path / "run", builtin_cache, 4, ckpt_path=ckpt, init_seed=5)
+
+
+# ------------------------------------------------------------------ killed runs, another EP size (subprocesses)
+
+def lora_config_text() -> str:
+    from tests.test_chaos import CONFIG
+
+    assert "  config: tiny\n" in CONFIG and "mtp_loss_weight: 0.3" in CONFIG
+    return CONFIG.replace("  config: tiny\n", "  config: tiny\n  decay_steps: 20\n  lora:\n    rank: 4\n"
+                          "    targets: [attention, mlp, shared_expert, experts, mtp, router]\n")
+
+
+@pytest.mark.timeout(1500)
+def test_lora_run_killed_twice_resumes_bitwise(tmp_path, builtin_cache):
+    """SIGKILL (once during a save), then --ckpt_path auto: the final adapters, router, buffers and optimizer
+    state are bitwise those of a run never killed (tests/test_chaos.py's chaos() with a LoRA config)."""
+    from tests.test_chaos import chaos
+
+    chaos(tmp_path, builtin_cache, max_steps=16, kills=2, seed=5, deadline_s=1200, config_text=lora_config_text())
+    final = torch.load(tmp_path / "chaos" / "checkpoints" / "step=000016.ckpt", weights_only=True)
+    assert final[RECORD_KEY] == {"folder": None, "init_seed": 0}
+    assert not [k for k in final["state_dict"] if k.endswith("self_attn.q_proj.weight")]  # no frozen base
+
+
+def torchrun_fit(config, run, cache, ep: int, max_steps: int, *extra: str) -> None:
+    import os
+    import sys
+
+    from tests.helpers import run_process_group
+    from tests.test_chaos import ROOT
+
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35", "fit",
+           "--config", str(config), f"--run_dir={run}", f"--trainer.max_steps={max_steps}", "--trainer.devices=2",
+           "--trainer.strategy=step35.strategy.Step35Strategy", f"--trainer.strategy.expert_parallel_size={ep}", *extra]
+    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def losses(run) -> dict[int, float]:
+    import csv
+
+    rows = {}
+    for file in sorted(run.rglob("metrics.csv")):
+        with open(file) as f:
+            rows.update({int(r["step"]): float(r["train/lm_loss"]) for r in csv.DictReader(f) if r.get("train/lm_loss")})
+    return rows
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1800)
+def test_lora_run_saved_at_ep2_resumes_at_ep1(tmp_path, builtin_cache):
+    """2 gloo ranks: a sharded LoRA checkpoint saved at EP 2 resumes at EP 1 (FSDP only) and continues with
+    the losses of the run that stayed at EP 2, within 1e-5 (adapters and their optimizer state are saved
+    EP-independent; the base is re-read)."""
+    config = tmp_path / "lora.yaml"
+    config.write_text(lora_config_text())
+    torchrun_fit(config, tmp_path / "straight", builtin_cache, 2, 8)
+    torchrun_fit(config, tmp_path / "run", builtin_cache, 2, 5)
+    saved = tmp_path / "run" / "checkpoints" / "step=000005.ckpt"
+    assert saved.is_dir()
+    torchrun_fit(config, tmp_path / "resumed", builtin_cache, 1, 8, f"--ckpt_path={saved}")
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert set(range(5, 8)) <= set(resumed), resumed
+    for step in range(5, 8):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-5), (step, resumed[step], straight[step])
+    print("EP 2 -> EP 1 losses", {s: (straight[s], resumed[s]) for s in range(5, 8)})

@@ -1,19 +1,26 @@
 """A LoRA run's checkpoint out of the trainer: `step35 export --merge` writes W + (alpha/r)·BA as a full HF
 folder that loads like every other export and computes the LoRA model's logits and losses (MTP included);
-`step35 generate` runs on the LoRA run and on the merged export alike; exporting a LoRA run without --merge,
-or merging a run without adapters, is refused by name (docs/lora.md)."""
+`step35 generate` runs on the LoRA run and on the merged export alike; without --merge the export is a PEFT
+adapter folder (PEFT 0.21.2's layout, expert adapters stacked per expert) that gives the merged export's
+logits on its base and refuses another base; merging a run without adapters is refused (docs/lora.md)."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from step35.checkpoint.pretrained import load_pretrained
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.materialize import materialize
+from step35.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, apply_peft_folder
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.commands.generate import load_generator
+from step35.model import build_model
 from step35.model.lora import LoraError, merged_weight
 
 TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router"]
@@ -90,13 +97,65 @@ def test_merged_export_computes_the_lora_models_logits_and_losses(lora_run, merg
         assert (base(ids) - want).abs().max() > 1e-3  # the adapters move the logits: the check can fail
 
 
-def test_lora_run_exports_only_with_merge_and_merge_needs_lora(lora_run, tiny_run, tmp_path, capsys):
-    with pytest.raises(SystemExit, match=r"is a LoRA run's checkpoint: pass --merge to write the base with the "
-                                         r"adapters merged in"):
-        main(["export", "--checkpoint", str(lora_run[0]), "--out", str(tmp_path / "a")])
+def test_merge_needs_a_lora_run(tiny_run, tmp_path):
     with pytest.raises(SystemExit, match=r"--merge: .*step=000003.ckpt is not a LoRA run's checkpoint"):
         main(["export", "--checkpoint", str(tiny_run[0]), "--out", str(tmp_path / "b"), "--merge", "true"])
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.fixture(scope="module")
+def peft_folder(lora_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora-peft") / "adapter"
+    main(["export", "--checkpoint", str(lora_run[0]), "--out", str(out)])  # a LoRA run without --merge
+    return out
+
+
+def test_peft_folder_has_peft_names_and_expert_layout(lora_run, peft_folder):
+    _, model = lora_run
+    config = json.loads((peft_folder / CONFIG_FILE).read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 6.0
+    assert config["rank_pattern"] == {f"moe.{p}.weight": 3 for p in ("gate_proj", "up_proj", "down_proj")}
+    assert config["alpha_pattern"] == {f"moe.{p}.weight": 6.0 for p in ("gate_proj", "up_proj", "down_proj")}
+    assert "model.layers.0.self_attn.q_proj" in config["target_modules"]
+    assert "model.layers.1.moe.up_proj.weight" in config["target_parameters"]
+    assert "model.layers.1.moe.gate" in config["modules_to_save"]  # the router, trained in full
+    tensors = load_file(peft_folder / WEIGHTS_FILE)
+    assert not [k for k in tensors if not k.startswith("base_model.model.model.layers.")]
+    E, out_f, in_f = model.get_parameter("model.layers.1.moe.up_proj.weight").shape
+    A, B = (tensors[f"base_model.model.model.layers.1.moe.up_proj.lora_{x}.weight"] for x in "AB")
+    assert A.shape == (E * 3, in_f) and B.shape == (out_f, 3 * E)
+    # PEFT 0.21.2's ParamWrapper.get_delta_weight for (experts, out, in) parameters, on the stacked tensors:
+    peft_delta = torch.einsum("o r e, e r i -> e o i", B.reshape(out_f, 3, E), A.reshape(E, 3, in_f)) * 6.0 / 3
+    ours_A, ours_B = (model.get_parameter(f"model.layers.1.moe.up_proj.lora_{x}") for x in "AB")
+    torch.testing.assert_close(peft_delta, torch.bmm(ours_A, ours_B).transpose(1, 2) * 6.0 / 3, rtol=1e-6, atol=1e-7)
+    q_A = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    assert torch.equal(q_A, model.get_parameter("model.layers.0.self_attn.q_proj.lora_A"))
+
+
+def test_peft_folder_on_its_base_gives_the_merged_exports_logits(lora_run, merged, peft_folder, tmp_path):
+    _, model = lora_run
+    base = build_model(model.config)
+    materialize(base, "cpu", seed=0)  # the run's base: the init of model.init_seed 0
+    save_pretrained(base, tmp_path / "base")
+    adapted = load_pretrained(tmp_path / "base")
+    apply_peft_folder(adapted, peft_folder, tmp_path / "base")
+    ids, _ = batch(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids), load_pretrained(merged)(ids), rtol=0, atol=1e-5)
+
+
+def test_peft_folder_refuses_another_base(tmp_path, builtin_cache):
+    from tests.test_lora_checkpoint import fit, hf_base
+
+    base = hf_base(tmp_path / "base", seed=1)
+    fit(tmp_path / "run", builtin_cache, 2, base=base)
+    main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")])
+    model = load_pretrained(base)
+    apply_peft_folder(model, tmp_path / "adapter", base)
+    other = hf_base(tmp_path / "other", seed=2)
+    with pytest.raises(CheckpointError, match=r"adapter: a LoRA checkpoint of another base: .*other \(model.checkpoint\) "
+                                              r"is not the base .*base the run trained on: .* has crc32"):
+        apply_peft_folder(load_pretrained(other), tmp_path / "adapter", other)
 
 
 def test_generate_on_the_lora_run_and_its_merged_export(lora_run, merged):

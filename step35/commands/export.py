@@ -2,7 +2,7 @@
 
     step35 export --checkpoint runs/tiny --out hf_out/ [--dtype bfloat16] [--max_shard_size 5GB]
                   [--source <the HF folder the run started from>] [--tokenizer <folder>]
-                  [--merge true]  (a LoRA run: the adapters merged into the weights)
+                  [--merge true]  (a LoRA run: the adapters merged into the weights; without: a PEFT folder)
 
 The work is `step35.checkpoint.export.export_checkpoint` (what lands in the folder is described
 there); this command parses the options and prints each file written besides the weights, with
@@ -39,7 +39,8 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
             licence and auto_map remote code are copied (default: the model.checkpoint the checkpoint names).
         model_config: the model config (preset, config.json or folder) for checkpoints that record none.
         merge: for a LoRA run (model.lora): write the full model with the adapters merged into the weights,
-            W + (alpha/r)·BA (docs/lora.md); refused for a run without adapters.
+            W + (alpha/r)·BA (docs/lora.md); without it a LoRA run is written as a PEFT adapter folder. Refused
+            for a run without adapters.
     """
     say = lambda line: print(f"step35 export: {line}", file=sys.stderr)  # noqa: E731
     done = export_checkpoint(checkpoint_of(checkpoint, say), out, getattr(torch, dtype) if dtype else None, max_shard_size,

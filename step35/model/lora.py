@@ -254,6 +254,11 @@ def _adapt_layer(layer: nn.Module, prefix: str, lora: LoraConfig, config: Step35
                            alpha / expert_rank, lora.dropout)
 
 
+def is_full_target(name: str, targets: set[str]) -> bool:
+    """True for a parameter the expanded `targets` train in full (router, lm_head, embed)."""
+    return _full_target(name, targets)
+
+
 def _full_target(name: str, targets: set[str]) -> bool:
     if name.endswith("moe.gate.weight"):
         return "router" in targets

@@ -172,3 +172,16 @@ def test_generate_on_the_lora_run_and_its_merged_export(lora_run, merged):
         for token in greedy:
             assert token == int(model(ids)[0, -1].argmax())
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+
+
+def test_generate_on_the_peft_folder_gives_the_runs_tokens(lora_run, peft_folder, builtin_cache):
+    from step35.data.builtin import builtin_tokenizer_dir
+
+    run, _ = lora_run
+    with pytest.raises(CheckpointError, match=r"adapter folder over a base drawn from the init.*--tokenizer"):
+        load_generator(peft_folder)
+    from_run = load_generator(run)
+    from_peft = load_generator(peft_folder, tokenizer=builtin_tokenizer_dir(cache_dir=builtin_cache))
+    prompt = from_run.encode("The for statement")
+    assert from_peft.encode("The for statement") == prompt
+    assert from_peft.generate_ids(prompt, max_new_tokens=8) == from_run.generate_ids(prompt, max_new_tokens=8)

@@ -27,6 +27,7 @@ import torch
 from step35.checkpoint import lora_base
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import write_manifest
+from step35.checkpoint.materialize import ignored_mtp_tensors
 from step35.checkpoint.publish import partial_path, publish
 from step35.model.lora import is_adapter, is_full_target
 
@@ -143,8 +144,12 @@ def apply_peft_folder(model: torch.nn.Module, adapter: str | Path, base: str | P
     state = model.state_dict()
     alpha = float(config["lora_alpha"])
     experts = set(config.get("target_parameters") or [])
+    unbuilt = ignored_mtp_tensors(model.config, model.num_mtp_layers,
+                                  [f"{n}.weight" for n in config.get("target_modules") or []] + list(experts))
     for name in list(config.get("target_modules") or []) + [p[:-len(".weight")] for p in experts]:
         weight_name = f"{name}.weight"
+        if weight_name in unbuilt:
+            continue  # an MTP layer the model was built without
         if weight_name not in state:
             raise CheckpointError(f"{adapter}: adapts {name}, which the model has no weight of")
         A, B = tensors[f"{PREFIX}{name}.lora_A.weight"], tensors[f"{PREFIX}{name}.lora_B.weight"]
@@ -154,7 +159,41 @@ def apply_peft_folder(model: torch.nn.Module, adapter: str | Path, base: str | P
         weight.copy_(merged)
     for name in config.get("modules_to_save") or []:
         for key in [k for k in tensors if k.startswith(f"{PREFIX}{name}.") and ".lora_" not in k]:
-            state[key[len(PREFIX):]].copy_(tensors[key])
+            if key[len(PREFIX):] in state:  # (not: an MTP layer the model was built without)
+                state[key[len(PREFIX):]].copy_(tensors[key])
+
+
+def peft_base(adapter: str | Path) -> str | None:
+    """The base folder a PEFT adapter folder names (base_model_name_or_path), None if none."""
+    return json.loads((Path(adapter) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or None
+
+
+def peft_model(adapter: str | Path, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, str | None]:
+    """(the main model of a step35 PEFT folder's base with the adapters merged in, the base folder or
+    None for a base drawn from the init). The base is the folder adapter_config.json names (its
+    fingerprint checked), else the init of the seed recorded, with the model config recorded."""
+    from safetensors import safe_open
+
+    from step35.checkpoint.pretrained import load_pretrained
+    from step35.config import Step35Config
+    from step35.model import build_model
+
+    adapter = Path(adapter)
+    base = peft_base(adapter)
+    if base:
+        model = load_pretrained(base, dtype=torch.float32, num_mtp_layers=0)
+    else:
+        with safe_open(adapter / WEIGHTS_FILE, framework="pt") as f:
+            metadata = f.metadata() or {}
+        record = json.loads(metadata.get(lora_base.RECORD_KEY) or "null")
+        if record is None or "step35_config" not in metadata:
+            raise CheckpointError(f"{adapter}: names no base (base_model_name_or_path) and records no step35 base")
+        from step35.checkpoint.materialize import materialize
+
+        model = build_model(Step35Config.from_dict(json.loads(metadata["step35_config"])), 0)
+        materialize(model, "cpu", seed=record["init_seed"])
+    apply_peft_folder(model, adapter, base)  # merged in fp32, then cast
+    return model.to(device=device, dtype=dtype), base
 
 
 def _alpha(config: dict, key: str, alpha: float) -> float:

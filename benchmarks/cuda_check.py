@@ -5,6 +5,8 @@ against the CPU ones, then speed. Writes a JSON report to $OUT (or ./cuda_check.
 
 1. kernels: torch._grouped_mm (bf16) vs the per-expert loop; FlexAttention sliding window and
    packed-document block masks vs SDPA with a dense mask, forward and backward.
+   Context parallelism's attention (cp 4 simulated in one process: gathered and halo keys, with and
+   without documents) vs whole-sequence attention, forward and backward.
 2. the tiny model: CUDA bf16 logits vs CPU fp32 logits of the same weights.
 3. speed: a wider config (hidden 2048, 8 layers, 64 experts top-8) at 4K tokens in bf16: step time,
    tokens/s, model TFLOP/s (FLOPs formula of docs/architecture.md §5) and MFU against the H100/H200 dense bf16 peak.
@@ -62,6 +64,55 @@ def check_kernels(report: dict) -> None:
             "out": rel(out, dense), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)}}
 
 
+def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int, windows, documents: bool) -> dict:
+    """Context parallelism's attention (kernels.SequenceShard) on `device`, every cp rank simulated in
+    this process (the exchanges read the whole K/V): the ranks' outputs and the gradients of q, k, v
+    summed over ranks against whole-sequence attention. Relative errors per window."""
+    from step35.parallel.context import chunk_size, local_positions
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 8, seq, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(1, 1, seq, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(1, 1, seq, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+    go = torch.randn(1, 8, seq, 64, device=device, dtype=dtype, generator=g)
+    lens = (seq // 3, seq // 2, seq - seq // 3 - seq // 2)
+    docs = kernels.DocumentMask(torch.cat([torch.arange(n, device=device) for n in lens])[None]) if documents else None
+    c = chunk_size(seq, cp)
+    errors = {}
+    for window in windows:
+        whole = kernels.attention(q, k, v, window, 0.125, documents=docs)
+        ref = torch.autograd.grad(whole, (q, k, v), go)
+        kv = torch.stack([k, v])
+        outs, total = [], 0
+        for r in range(cp):
+            p = local_positions(seq, cp, r, device)
+
+            def halo(x, n, p=p):
+                pieces = []
+                for start in (p[0], p[c]):
+                    idx = start + torch.arange(-n, 0, device=device)
+                    pieces.append(kv[..., idx.clamp(min=0), :] * (idx >= 0).to(dtype)[:, None])
+                return torch.cat(pieces, dim=-2)
+
+            shard = kernels.SequenceShard(p, seq, c, docs.ids if docs else None, gather=lambda x: kv, halo=halo)
+            out = kernels.attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.125, documents=shard)
+            outs.append((p, out))
+            total = total + (out.float() * go[:, :, p].float()).sum()
+        got = torch.autograd.grad(total, (q, k, v))
+        out = torch.empty_like(whole)
+        for p, o in outs:
+            out[:, :, p] = o.detach()
+        errors[f"window{window}"] = {"out": rel(out, whole), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", got, ref)}}
+    return errors
+
+
+def check_context_parallel(report: dict) -> None:
+    """The cp attention's CUDA path (FlexAttention with PositionMask block masks), forward and backward."""
+    for documents in (False, True):
+        report[f"cp4_share_attention_documents{int(documents)}_rel_err"] = cp_share_attention_errors(
+            "cuda", torch.bfloat16, 2048, 4, (None, 129, 512), documents)
+
+
 def check_tiny(report: dict) -> None:
     model = build_model(preset("tiny"), device="cpu")
     model.init_weights(0)
@@ -106,7 +157,7 @@ def bench_wide(report: dict) -> None:
 
 def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for check in (check_kernels, check_tiny, bench_wide):
+    for check in (check_kernels, check_context_parallel, check_tiny, bench_wide):
         try:
             check(report)
         except Exception as e:  # keep going: one broken path must not hide the others

@@ -333,10 +333,12 @@ class Step35LightningModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------- optimizer
     def _group_settings(self) -> list[dict]:
-        """AdamW settings of the two param groups (decayed, then norms without decay)."""
+        """AdamW settings of the two param groups (decayed, then norms without decay); the names make
+        LearningRateMonitor log `lr/decay` and `lr/no_decay`."""
         hp = self.hparams
         common = {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps}
-        return [{**common, "weight_decay": hp.weight_decay}, {**common, "weight_decay": 0.0}]
+        return [{**common, "weight_decay": hp.weight_decay, "name": "decay"},
+                {**common, "weight_decay": 0.0, "name": "no_decay"}]
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -355,7 +357,7 @@ class Step35LightningModule(pl.LightningModule):
         # A resumed run keeps the length its checkpoint was started with, unless decay_steps is set.
         scheduler = WarmupCosineLR(optimizer, hp.warmup_steps, total, hp.min_lr_ratio,
                                    length_from_option=hp.decay_steps is not None)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
 
 
 # Above this peak lr a warning is printed (see _check_options).

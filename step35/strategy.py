@@ -3,6 +3,9 @@
 `configure_model`, per-rank lazy loading, one grad norm across meshes, atomic checkpoints.
 
     --trainer.strategy step35.strategy.Step35Strategy --trainer.strategy.expert_parallel_size 8
+
+Context parallelism (`context_parallel_size`, cp): every sequence is split over cp consecutive ranks
+(step35/parallel/context.py); those ranks are one data-parallel rank and read the same batches.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ def default_backend(device: torch.device) -> str:
     return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
 
 
+def _data_seq_len(module) -> int | None:
+    """data.seq_len of the trainer's datamodule, when there is one (checked against the cp split)."""
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    return getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+
+
 def num_routed_experts(module) -> int | None:
     """The routed experts per MoE layer of the module's model, asked through the one call the strategy
     makes on its module: `module.num_routed_experts()` (step35's LightningModule has it). A module
@@ -50,6 +59,7 @@ class Step35Strategy(ModelParallelStrategy):
         process_group_backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto",
         timeout_minutes: float = 10.0,
         save_distributed_checkpoint: bool = True,
+        context_parallel_size: int = 1,
     ):
         """
         Args:
@@ -69,6 +79,8 @@ class Step35Strategy(ModelParallelStrategy):
                 phase it waited in (the process group's own timeout is 30 s longer, a backstop). Must
                 exceed the slowest single phase (first-step compile, a checkpoint save or load).
             save_distributed_checkpoint: each rank writes its shards (DCP); False gathers on rank 0.
+            context_parallel_size: ranks that split every sequence (cp); must divide the world size,
+                and data.seq_len must divide into 2 x cp chunks. 1 = each rank holds whole sequences.
         """
         if timeout_minutes <= 0:
             raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
@@ -81,6 +93,7 @@ class Step35Strategy(ModelParallelStrategy):
             raise ValueError(f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}")
         self.expert_parallel_size = expert_parallel_size
         self.replicate_size = replicate_size
+        self.context_parallel_size = context_parallel_size
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = _DTYPES[param_dtype] if param_dtype else None
         self.reduce_dtype = _DTYPES[reduce_dtype] if reduce_dtype else None
@@ -106,7 +119,11 @@ class Step35Strategy(ModelParallelStrategy):
         faults.watch_launcher()  # (the rank is known after _setup_distributed)
         world = self.num_nodes * self.num_processes
         dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
-                            num_experts=num_routed_experts(self.lightning_module))
+                            num_experts=num_routed_experts(self.lightning_module),
+                            context_parallel_size=self.context_parallel_size)
+        seq_len = _data_seq_len(self.lightning_module)
+        if seq_len is not None:
+            dims.check_seq_len(seq_len)
         self._init_process_group_of_restart()
         self._setup_distributed()  # (Lightning's init is skipped when the group exists)
         faults.watch_launcher(self.global_rank)
@@ -134,15 +151,18 @@ class Step35Strategy(ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # dp2ep: every rank is a data-parallel rank.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # dp2ep: every rank is a data-parallel rank, except that the cp consecutive ranks of a
+        # context-parallel group share one (each reads the whole window and keeps its share).
+        cp = self.context_parallel_size
+        return {"num_replicas": self.world_size // cp, "rank": self.global_rank // cp}
 
     @property
     def data_parallel_group(self):
         """The process group of the ranks that read different data and whose gradients are averaged
-        (None: the world). The loss over the global batch sums its trained-token counts over it. Every
-        rank today (dp2ep); ranks that would share data (context parallel) must not be in it twice."""
-        return None
+        (None: the world). The loss over the global batch sums its trained-token counts over it: every
+        rank (dp2ep), but only one rank per context-parallel group, whose ranks share their data (and
+        whose loss sums are already those of the whole rows)."""
+        return self.meshes.data_parallel_group() if self.meshes is not None else None
 
     def parallelize_model(self, model) -> None:
         """Called by the LightningModule's configure_model on the meta-device model."""

@@ -7,6 +7,69 @@ os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network from t
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+# The quick tier, `python -m pytest -m quick` (README, "for people changing the code"): every test of the
+# default run that runs in this one process and in seconds, which still covers each package. Left out,
+# besides `slow` and `multiprocess` tests: the files and tests below, each for the reason given. CI runs
+# the full default run (.ci/run).
+NOT_QUICK_FILES = {
+    # step35 started as a subprocess (the CLI, torchrun, launchers), signals, timeouts
+    "test_cli.py", "test_chaos.py", "test_process_timeouts.py", "test_resume.py",
+    "test_short_run.py", "test_wandb.py", "test_configs.py", "test_skipped_records.py",
+    "test_data_long_documents.py", "test_strategy_save.py",
+    # compiles FlexAttention for the CPU (tens of seconds)
+    "test_flex_attention_cpu.py",
+    # a fixture trains under several processes
+    "test_distributed_equivalence.py",
+}
+NOT_QUICK_TESTS = {
+    # the main job or early stopping through the CLI, as a subprocess
+    "test_papercuts.py": ("test_main_job_first_screen", "test_early_stopping_says_why", "test_help_lists"),
+    # the CLI as a subprocess, or a sharded run
+    "test_validation.py": ("test_cli_",),
+    "test_generate.py": ("test_generate_command", "test_sharded_run"),
+    # the `checkpoints` fixture trains and saves single-file and sharded checkpoints (2 minutes)
+    "test_checkpoint_safety.py": ("test_crafted_checkpoint", "test_metadata_pointing_outside",
+                                  "test_flipped_byte_refused_by_resume", "test_damaged_checkpoint_refused_by_resume",
+                                  "test_nan_weights_refused_by_resume", "test_step35strategy_full_file",
+                                  "test_payloads_are_live", "test_bytes_item_refused", "test_damaged_sharded",
+                                  "test_manifest_records", "test_checkpoint_without_manifest"),
+    # the 196B model sharded for many simulated ranks; the wider model's activations
+    "test_plan.py": ("test_recipes_fit", "test_too_few_ranks", "test_invalid_expert_parallel_size",
+                     "test_predicted_activations_match_saved_tensors[wider"),
+    "test_module.py": ("test_precisions_train",),
+    "test_data_module.py": ("test_builtin_cache_survives", "test_two_workers", "test_lightning_resume"),
+    # the remaining ones take 10 s or more each (measured in a run of the tier)
+    "test_run.py": ("test_a_second_run_is_refused", "test_auto_falls_back", "test_an_abbreviated_option",
+                    "test_a_trainer_built_without_the_cli", "test_lock_refuses", "test_a_forked_child"),
+    "test_callbacks.py": ("test_metrics_reach_csv_and_offline_wandb",),
+    "test_schedule.py": ("test_resume_with_other_max_steps",),
+    "test_model_imports.py": ("test_importing_the_model_loads_no_higher_layer",),  # a subprocess; test_layers stays
+    "test_balancing.py": ("test_bias_update_evens_out_a_skewed_router",),
+    "test_activation_memory.py": ("test_issue10_shape_within_budget",),
+    "test_data_stream.py": ("test_resume_exact_for_arrow_save_to_disk",),
+}
+
+
+# Files of process-level tests of which only these are quick (so that the tier still covers step35.faults).
+QUICK_ONLY = {"test_fail_fast.py": ("test_watchdog_names_the_phase_and_exits_76",)}
+
+
+def is_quick(item) -> bool:
+    if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess"):
+        return False
+    file = item.path.name
+    if file in QUICK_ONLY:
+        return item.name.startswith(QUICK_ONLY[file])
+    return file not in NOT_QUICK_FILES and not item.name.startswith(NOT_QUICK_TESTS.get(file, ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_quick(item):
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(scope="session")
 def builtin_cache(tmp_path_factory):
     """A cache folder holding the built-in corpus and tokenizer, built once per test session."""

@@ -134,3 +134,18 @@ def run_process_group(cmd: list[str], timeout: float, **kwargs):
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_dist_script(script, out, nproc: int | None, *args: str, timeout: float) -> dict:
+    """Run a tests/dist script in one plain process (nproc None) or under torchrun with nproc ranks;
+    it writes its results to `out` (`--out`), which is returned loaded."""
+    import os
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = run_process_group([sys.executable, *launcher, str(script), "--out", str(out), *args], env=env,
+                             timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out)

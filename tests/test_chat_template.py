@@ -589,3 +589,105 @@ def test_last_assistant_with_several_blocks_per_turn(tokenizers):
     assert trained_text(ours, ids, mask) == "Four.<|im_end|>"
     ids, mask = ChatTemplate(source, "t").encode(ours, messages)
     assert trained_text(ours, ids, mask) == "Let me look.<tool_call>get_weather</tool_call><|im_end|>Four.<|im_end|>"
+
+
+# ------------------------------------------------------------------------------------ train_reasoning=False
+
+
+def reasoning_outside(name: str) -> str:
+    """The marked copy of template `name` with the reasoning text itself rendered outside the generation blocks
+    (its `<think>`/`</think>` wrappers inside): transformers' mask on it is the independent reference for
+    train_reasoning=False. It renders the same text as the template."""
+    source = SOURCES[name]
+    if name == "chatml":
+        old = "[[GEN]]{%- if m.reasoning_content -%}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n' }}"
+        old += "{%- endif -%}"
+        new = (
+            "{%- if m.reasoning_content -%}[[GEN]]{{ '<think>\\n' }}[[/GEN]]{{ m.reasoning_content }}"
+            "[[GEN]]{{ '\\n</think>\\n' }}[[/GEN]]{%- endif -%}[[GEN]]"
+        )
+    else:
+        opener = "" if name in ("step-b", "step-c") else "{{ '<think>\\n' }}"
+        old = "[[GEN]]{%- if recent -%}" + opener + "{{ reasoning + '\\n</think>\\n' }}{%- endif -%}"
+        new = (
+            "{%- if recent -%}" + ("[[GEN]]" + opener + "[[/GEN]]" if opener else "")
+            + "{{ reasoning }}[[GEN]]{{ '\\n</think>\\n' }}[[/GEN]]{%- endif -%}[[GEN]]"
+        )  # fmt: skip
+    assert source.count(old) == 1
+    return source.replace(old, new).replace("[[GEN]]", "{% generation %}").replace("[[/GEN]]", "{% endgeneration %}")
+
+
+def as_fields(messages: list) -> list:
+    """`messages` with a `<think>` block at the start of an assistant content moved to reasoning_content."""
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m["role"] == "assistant" and content.startswith("<think>\n"):
+            reasoning, content = content[len("<think>\n") :].split("\n</think>\n", 1)
+            m = {**m, "reasoning_content": reasoning, "content": content}
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("messages", [CONVERSATION, TOOL_ROUNDS], ids=["conversation", "tool-rounds"])
+def test_untrained_reasoning_equals_transformers_with_reasoning_outside_the_blocks(tokenizers, name, messages):
+    """train_reasoning=False, on the plain template (sentinels) and the marked one (generation marks), gives
+    transformers' mask on a copy that renders the reasoning outside its generation blocks; reasoning given as
+    a field (under two names) and inline in the content (whose reference is the same conversation with the
+    block moved to a field: it renders the same text)."""
+    ours, theirs = tokenizers
+    expected_ids, reference = reference_mask(theirs, reasoning_outside(name), as_fields(messages))
+    last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+    start = len(ChatTemplate(plain(name), "t").prompt_ids(ours, messages[:last]))  # the final turn's reply
+    for train_on in ("assistant", "last_assistant"):
+        expected_mask = [m and (train_on == "assistant" or k >= start) for k, m in enumerate(reference)]
+        for source in (plain(name), marked(name)):
+            template = ChatTemplate(source, "test")
+            ids, mask = template.encode(ours, messages, train_on=train_on, train_reasoning=False)
+            assert ids == expected_ids
+            assert mask == expected_mask, f"{name} {train_on}: {trained_text(ours, ids, mask)!r}"
+    _, with_reasoning = ChatTemplate(plain(name), "test").encode(ours, messages)
+    text, full = trained_text(ours, expected_ids, reference), trained_text(ours, expected_ids, with_reasoning)
+    thoughts = ("Add the two numbers.", "I need the weather", "The tool says 18.", "Both answered.", "A third city")
+    assert not any(t in text for t in thoughts) and any(t in full for t in thoughts)
+    assert "</think>" in text and text.count("<|im_end|>") == full.count("<|im_end|>")
+    assert ("get_weather" in text) and ("Paris 18, Rome 24." in text or "18 degrees and clear" in text)
+
+
+@pytest.mark.parametrize("name", ["chatml", "step-b"])
+def test_untrained_reasoning_with_train_on_all_and_in_text_parts(tokenizers, name):
+    """With train_on="all" only the reasoning's tokens are untrained: exactly the tokens an assistant mask loses
+    to train_reasoning=False. A `<think>` block inside a text part counts as reasoning too."""
+    ours, _ = tokenizers
+    template = ChatTemplate(plain(name), "test")
+    ids, every = template.encode(ours, CONVERSATION, train_on="all", train_reasoning=False)
+    _, assistant = template.encode(ours, CONVERSATION)
+    _, thoughtless = template.encode(ours, CONVERSATION, train_reasoning=False)
+    assert [not m for m in every] == [a and not t for a, t in zip(assistant, thoughtless)]
+    assert 0 < every.count(False) < len(ids)
+
+    parts = [*CONVERSATION[:6], {"role": "assistant", "content": "x"}]
+    parts[6] = {**CONVERSATION[6], "content": [{"type": "text", "text": CONVERSATION[6]["content"]}]}
+    flat = "{% for m in messages %}{% generation %}{% if m.content is string %}{{ m.content }}{% else %}"
+    flat += "{{ m.content[0].text }}{% endif %}<|im_end|>{% endgeneration %}{% endfor %}"  # renders parts verbatim
+    _, mask = ChatTemplate(flat, "test").encode(ours, parts, train_on="last_assistant", train_reasoning=False)
+    _, kept = ChatTemplate(flat, "test").encode(ours, parts, train_on="last_assistant")
+    full_ids = ours.tokenizer.encode(ChatTemplate(flat, "t").render(parts), add_special_tokens=False).ids
+    assert "The tool says 18." in trained_text(ours, full_ids, kept)
+    assert trained_text(ours, full_ids, mask).startswith("<think>\n\n</think>\nIt is 18 degrees")
+
+
+def test_untrained_reasoning_errors(tokenizers):
+    ours, _ = tokenizers
+    template = ChatTemplate(plain("chatml"), "test")
+    with pytest.raises(ChatTemplateError, match=r"data.jsonl:4: train_reasoning='no'; expected true or false"):
+        template.encode(ours, CONVERSATION, train_reasoning="no", where="data.jsonl:4")
+    # A template that renders something the reasoning decides besides the reasoning: located by no rule, so an error.
+    counted = plain("chatml").replace(
+        "m.reasoning_content + '\\n</think>\\n'",
+        "m.reasoning_content + '\\n</think>' + (m.reasoning_content | length | string)",
+    )
+    with pytest.raises(ChatTemplateError, match=r"r.jsonl:2: assistant message 2: replacing its reasoning changes"):
+        ChatTemplate(counted, "test").encode(ours, CONVERSATION, train_reasoning=False, where="r.jsonl:2")
+    assert ChatTemplate(counted, "test").encode(ours, CONVERSATION)  # trained reasoning needs no location

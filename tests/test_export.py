@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.export import export_checkpoint
+from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
 from step35.run import checkpoint_of
 from step35.checkpoint.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
@@ -85,7 +86,8 @@ def test_exported_tokenizer_is_the_runs_and_agrees_with_config(tiny_run, exporte
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (exported / name).read_bytes() == (builtin / name).read_bytes(), name
     config = json.loads((exported / "config.json").read_text())
-    assert "auto_map" not in config  # no remote code in the folder, so nothing may point at it
+    # no start folder: our own modeling file, which auto_map points at (tests/test_hf_modeling.py loads it)
+    assert config["auto_map"] == AUTO_MAP and (exported / MODELING_FILE.name).read_bytes() == MODELING_FILE.read_bytes()
     tokenizer = AutoTokenizer.from_pretrained(exported)
     assert tokenizer.eos_token_id == 0 and config["eos_token_id"] == [0]  # the preset said [1]
     assert tokenizer.bos_token_id is None and config["bos_token_id"] is None  # the preset said 0
@@ -207,7 +209,7 @@ def home_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
     from step35.config import preset
 
     public = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                                "special_tokens_map.json")}
+                                                                "special_tokens_map.json", "chat_template.jinja")}
     public.update({"README.md": b"# my model\n", "LICENSE": b"MIT\n",
                    "generation_config.json": b'{"eos_token_id": 0}\n',
                    "configuration_step3p5.py": b"class Step3p5Config: ...\n",

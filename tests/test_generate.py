@@ -11,6 +11,7 @@ import torch
 
 from step35.checkpoint.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
+from step35.data.chat import ChatTemplate
 from step35.run import checkpoint_of
 
 ROOT = Path(__file__).parent.parent
@@ -94,3 +95,59 @@ def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cac
     from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
     from_export = step35(["generate", "--checkpoint", str(tmp_path / "hf"), *args], builtin_cache)
     assert from_run.startswith(PROMPT) and from_run == from_export
+
+
+@pytest.mark.timeout(600)
+def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(folders, builtin_cache):
+    run, hf = folders
+    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    args = ["--chat", "true", "--prompt", "How do loops work?", "--system", "Be brief.", "--max_new_tokens", "12"]
+    proc = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(run), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The template recorded with the run's tokenizer (the built-in one carries step35's default as
+    # chat_template.jinja), said on stderr with the checkpoint read.
+    assert "step35 generate: chat template: chat_template.jinja of the run's tokenizer (" in proc.stderr, proc.stderr
+    assert f"model: {run / 'checkpoints' / 'step=000003.ckpt'}" in proc.stderr
+    generator = load_generator(run)
+    template = generator.chat_template()
+    assert template.source == ChatTemplate.default().source
+    ids = generator.chat_ids(template, "How do loops work?", "Be brief.")
+    assert generator.eos_id in generator.stop_ids  # the default template ends a reply with EOS
+    rendered = generator.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|system|>\nBe brief.\n<|user|>\nHow do loops work?\n<|assistant|>\n" in rendered, rendered
+    reply_ids = generator.generate_ids(ids, max_new_tokens=12)
+    assert len(reply_ids) >= 2
+    assert proc.stdout == generator.decode(reply_ids) + "\n"  # the reply alone: no prompt, no headers
+    assert "How do loops work?" not in proc.stdout and "<|assistant|>" not in proc.stdout
+    # The export carries the same tokenizer files, so its chat gives the same reply.
+    from_hf = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(hf), *args], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert from_hf.returncode == 0 and from_hf.stdout == proc.stdout, from_hf.stderr[-3000:]
+
+
+def test_system_without_chat_is_refused_before_anything_loads(tmp_path):
+    from step35.commands.generate import generate
+
+    with pytest.raises(SystemExit, match="--system needs --chat true"):
+        generate(str(tmp_path / "nothing-here"), "Hi", system="Be brief.")
+
+
+def test_a_tokenizer_without_a_chat_template_gets_step35s_default(folders):
+    run, _ = folders
+    generator = load_generator(run)
+    generator.tokenizer_files = {name: content for name, content in generator.tokenizer_files.items()
+                                 if name != "chat_template.jinja"}
+    said = []
+    assert generator.chat_template(said.append).origin == "default"
+    assert said == [f"chat template: step35's default ({generator.tokenizer_origin} has none)"]
+
+
+def test_a_bool_option_given_alone_means_true():
+    from step35.commands.function_cli import bare_flags_as_true
+    from step35.commands.generate import generate
+
+    argv = ["--checkpoint", "run", "--chat", "--prompt", "hi", "--cache"]
+    assert bare_flags_as_true(generate, argv) == ["--checkpoint", "run", "--chat", "true", "--prompt", "hi",
+                                                  "--cache", "true"]
+    assert bare_flags_as_true(generate, ["--chat", "false", "--prompt", "--x"]) == ["--chat", "false", "--prompt", "--x"]

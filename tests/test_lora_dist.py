@@ -5,30 +5,19 @@ per-step losses and every adapter / full-target gradient at every step (relative
 trained parameters after the steps; and in every run the frozen base is bitwise unchanged, has no
 gradient and no optimizer state (tests/dist/lora_steps.py)."""
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import run_process_group
+from tests.helpers import run_dist_script
 
 SCRIPT = Path(__file__).parent / "dist" / "lora_steps.py"
-ROOT = Path(__file__).parent.parent
 REL = 1e-5
 
 
 def run(tmp_path: Path, name: str, nproc: int | None, *args: str, timeout: int = 300) -> dict:
-    out = tmp_path / f"{name}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    if nproc is None:
-        cmd = [sys.executable, str(SCRIPT)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
-    proc = run_process_group(cmd + ["--out", str(out), *args], env=env, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out)
+    return run_dist_script(SCRIPT, tmp_path / f"{name}.pt", nproc, *args, timeout=timeout)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,6 +1,7 @@
 """The NPU kernel calls (step35/accelerators.py) checked on CPU, without an NPU:
 
-- `npu_attention` (full, sliding window, document-masked varlen) with `torch_npu.npu_fusion_attention`
+- `npu_attention` (full, sliding window, document-masked varlen) and, under context parallelism,
+  `kernels.npu_position_attention` (a rank's chunks against gathered or halo keys) with `torch_npu.npu_fusion_attention`
   replaced by Huawei's own CPU reference of that kernel, `msprobe.pytorch.bench_functions.
   npu_fusion_attention` from the `mindstudio-probe` package, against our CPU attention path. The
   reference decodes the compressed 2048 x 2048 mask for sparse modes 2/3/4 and applies
@@ -77,17 +78,20 @@ def _reference_kernel(reference, calls: list):
     def npu_fusion_attention(q, k, v, head_num, input_layout, *, atten_mask=None, scale=1.0, pre_tockens=2147483647,
                              next_tockens=2147483647, sparse_mode=0, actual_seq_qlen=None, actual_seq_kvlen=None):
         calls.append({"layout": input_layout, "sparse_mode": sparse_mode, "pre_tockens": pre_tockens,
-                      "next_tockens": next_tockens, "actual_seq_qlen": actual_seq_qlen})
+                      "next_tockens": next_tockens, "actual_seq_qlen": actual_seq_qlen,
+                      "actual_seq_kvlen": actual_seq_kvlen})
         kw = dict(atten_mask=atten_mask, scale=scale, pre_tockens=pre_tockens, next_tockens=next_tockens,
                   sparse_mode=sparse_mode)
         if input_layout == "BNSD":
             return reference.npu_fusion_attention(q, k, v, head_num, "BNSD", **kw)
-        assert input_layout == "TND" and actual_seq_qlen == actual_seq_kvlen and actual_seq_qlen[-1] == q.shape[0]
-        outs, start = [], 0
-        for end in actual_seq_qlen:
-            seg = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # [1, N, T_i, D]
+        assert input_layout == "TND" and actual_seq_qlen[-1] == q.shape[0] and actual_seq_kvlen[-1] == k.shape[0]
+        assert len(actual_seq_qlen) == len(actual_seq_kvlen)
+        outs, q_start, kv_start = [], 0, 0
+        for q_end, kv_end in zip(actual_seq_qlen, actual_seq_kvlen):  # segment i: its queries, its keys
+            seg = [t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q_start, q_end), (k, kv_start, kv_end),
+                                                                  (v, kv_start, kv_end))]  # [1, N, T_i, D]
             outs.append(reference.npu_fusion_attention(*seg, head_num, "BNSD", **kw)[0][0].transpose(0, 1))
-            start = end
+            q_start, kv_start = q_end, kv_end
         return (torch.cat(outs),)
 
     return npu_fusion_attention
@@ -135,6 +139,74 @@ def test_reference_band_semantics_directly(reference):
     assert torch.equal(~masked, kernels.causal_mask(S, window))
     causal = reference.generate_atten_mask(3, compressed, 1, 1, S, S, 2147483647, 2147483647, torch.float64).bool()
     assert torch.equal(~causal, kernels.causal_mask(S, None))
+
+
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_matches_huawei_reference(reference, fake_torch_npu, cp, docs):
+    """Under context parallelism each rank's two chunks of queries (global positions) against the
+    gathered or halo keys: the NPU calls (kernels.npu_position_attention: varlen TND with causal
+    offsets for full layers, an explicit mask for sliding windows) give, through Huawei's reference,
+    the CPU path's cp attention and the whole sequence's, and the CPU path's gradients. Windows: itself only, shorter than a chunk,
+    chunk + 1 (the largest halo), longer than a chunk (gathered), full; documents cross chunk borders."""
+    from step35.parallel.context import chunk_size, local_positions
+    from tests.test_context_parallel import simulated_shard
+
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, S, D = 2, 4, 2, 32, 8
+    q, k, v = (torch.randn(B, h, S, D, generator=g, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    pos_ids = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in ([5, 13, 9, 5], [20, 12])])
+    documents = kernels.DocumentMask(pos_ids) if docs else None
+    c = chunk_size(S, cp)
+    calls: list = []
+    fake_torch_npu.npu_fusion_attention = _reference_kernel(reference, calls)
+    for window in (1, 3, c + 1, 12, None):
+        whole = kernels.attention(q, k, v, window, 0.3, documents=documents)
+        for r in range(cp):
+            p = local_positions(S, cp, r)
+            shard = simulated_shard(k, v, p, S, c, documents.ids if docs else None)
+            expected = kernels.attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)  # CPU
+            whole_p = whole[:, :, p].detach()
+            calls.clear()
+            w, keys, values, mask = shard.keys(k[:, :, p], v[:, :, p], window)
+            got = kernels.npu_position_attention(q[:, :, p], keys, values, w, 0.3, mask, {})
+            where = f"cp {cp} rank {r} window {window}"
+            torch.testing.assert_close(got.float(), expected, atol=2e-6, rtol=1e-5, msg=where)
+            torch.testing.assert_close(got.float(), whole_p, atol=2e-6, rtol=1e-5, msg=where)
+            # backward: the reference is plain torch ops (float64), so autograd runs through it and through
+            # our key selection (index_select / halo assembly) back to the whole sequence's q, k, v
+            cot = torch.randn(got.shape, generator=g)
+            grads = torch.autograd.grad((got.float() * cot).sum(), (q, k, v))
+            expected_grads = torch.autograd.grad((expected * cot).sum(), (q, k, v))
+            for name, a, b in zip("qkv", grads, expected_grads):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{where}: d{name}")
+            (call,) = calls
+            assert (call["layout"], call["sparse_mode"]) == (("TND", 3) if w is None else ("BNSD", 0)), where
+            if w is None and not docs:  # per row, one segment per run of positions (the last rank's chunks are
+                # adjacent: one run), each reading the keys from 0 to its last query (causal offset = its start)
+                runs = [c, 2 * c] if p[c] != p[c - 1] + 1 else [2 * c]
+                ends = [int(p[e - 1]) + 1 for e in runs]
+                assert call["actual_seq_qlen"] == runs + [2 * c + e for e in runs], where
+                assert call["actual_seq_kvlen"] == [sum(ends[:i + 1]) for i in range(len(ends))] + [
+                    sum(ends) + sum(ends[:i + 1]) for i in range(len(ends))], where
+
+
+def test_context_parallel_varlen_segments_follow_documents():
+    """The full layer's TND segments on cp rank 0 of 2 (chunks 0..7 and 24..31), documents [5, 13, 9, 5]:
+    runs split at document starts, each reading its document from its first token."""
+    from step35.parallel.context import local_positions
+    from tests.test_context_parallel import simulated_shard
+
+    S, c = 32, 8
+    doc_ids = kernels.DocumentMask(torch.cat([torch.arange(n) for n in (5, 13, 9, 5)])[None]).ids
+    p = local_positions(S, 2, 0)
+    k = torch.zeros(1, 1, S, 2)
+    _, keys, _, mask = simulated_shard(k, k, p, S, c, doc_ids).keys(k[:, :, p], k[:, :, p], None)
+    q_ends, kv_ends, index = kernels._varlen_segments(mask, 1)
+    # queries 0-4 (doc 0), 5-7 (doc 1), 24-26 (doc 2: 18..26), 27-31 (doc 3)
+    assert q_ends == [5, 8, 11, 16]
+    assert kv_ends == [5, 5 + 3, 8 + 9, 17 + 5]
+    assert index.tolist() == list(range(5)) + list(range(5, 8)) + list(range(18, 27)) + list(range(27, 32))
 
 
 def _documented_grouped_matmul(x_list, weight_list, *, group_list, split_item, group_type, group_list_type):

@@ -1,5 +1,5 @@
-"""The step progress bar after a resume: step/max_steps from the resumed step on, loss, tokens/s and
-memory; no epoch counter, no logger version."""
+"""The step progress bar after a resume: step/max_steps from the resumed step on, the next-token loss
+(lm_loss, not the MTP-weighted total), tokens/s and memory; no epoch counter, no logger version."""
 
 import lightning.pytorch as pl
 
@@ -24,10 +24,10 @@ def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, bu
     assert shown.initial == 3 and shown.n == 5 and shown.total == 5  # from the resumed step to max_steps
     rendered = str(shown)
     assert rendered.startswith("step: ") and "5/5" in rendered, rendered
-    for item in ("loss=", "tok/s=", "mem="):
+    for item in ("lm_loss=", "tok/s=", "mem="):
         assert item in rendered, rendered
     assert "v_num" not in rendered and "Epoch" not in capsys.readouterr().out
     metrics = bar.get_metrics(trainer, module)
-    assert set(metrics) == {"loss", "tok/s", "mem"}  # no monitors configured: the bar's own rate and memory
-    assert abs(float(metrics["loss"]) - trainer.progress_bar_metrics["train/loss"]) <= 5e-4  # printed with 3 decimals
+    assert set(metrics) == {"lm_loss", "tok/s", "mem"}  # no monitors configured: the bar's own rate and memory
+    assert abs(float(metrics["lm_loss"]) - trainer.callback_metrics["train/lm_loss"]) <= 5e-4  # printed with 3 decimals
     assert float(metrics["tok/s"].replace(",", "")) > 0 and float(metrics["mem"].split()[0]) > 0

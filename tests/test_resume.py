@@ -167,7 +167,7 @@ def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, built
     resumed = fit(config, run, builtin_cache, *strategy, "--ckpt_path=last", "--trainer.max_steps=15",
                   "--model.lr=0.001", "--model.mtp_loss_weight=0.1", "--model.decay_steps=15")
     assert "lr: 0.003 -> 0.001" in resumed.stdout and "mtp_loss_weight: 0.3 -> 0.1" in resumed.stdout
-    lrs = steps_of(metric_rows(run / "csv" / "version_1"), "lr-AdamW/pg1")
+    lrs = steps_of(metric_rows(run / "csv" / "version_1"), "lr/decay")
     assert set(range(10, 15)) <= set(lrs), sorted(lrs)
     for step in range(10, 15):  # the new peak lr, on the new schedule length that decay_steps asks for
         assert lrs[step] == pytest.approx(expected_lr(1e-3, step, warmup=4, total=15), rel=1e-6), step

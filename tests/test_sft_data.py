@@ -180,6 +180,8 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
         Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
     with pytest.raises(ValueError, match="data.train_on must be one of"):
         Step35DataModule(train_on="assistants")
+    with pytest.raises(ValueError, match="data.train_reasoning must be true or false, got 'no'"):
+        Step35DataModule(train_reasoning="no")
 
 
 # -- tokens, labels, positions -----------------------------------------------------------------------------
@@ -486,6 +488,36 @@ def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_
     assert "conversations truncated, all ranks and workers: " in dm._skipped_log.summary()
     assert len(batches) == 12
     dm.teardown("fit")
+
+
+# Reasoning between c0 and c1 (standing in for <think> and </think>), inside the generation block.
+REASONING_TEMPLATE = WORD_TEMPLATE.replace(
+    "{% generation %}", "{% generation %}{% if m.reasoning_content %}c0 {{ m.reasoning_content }} c1 {% endif %}"
+)
+
+
+@pytest.mark.parametrize("train_reasoning", [True, False])
+def test_train_reasoning_reaches_the_batches(tmp_path, tok_dir, train_reasoning):
+    """data.train_reasoning goes through the datamodule to the stream: with false, no label is a reasoning word
+    (w10..w19), while the wrappers (c0, c1), the answers (w1..w9) and the EOS stay labels."""
+    rng = random.Random(11)
+    records = []
+    for i in range(12):
+        thought = " ".join(f"w{rng.randrange(10, 20)}" for _ in range(3))
+        records.append({"messages": [{"role": "user", "content": f"c{i + 2} w30"},
+                                     {"role": "assistant", "reasoning_content": thought, "content": f"w{i % 9 + 1}"}]})
+    write_jsonl(tmp_path / "c.jsonl", records)
+    (tmp_path / "r.jinja").write_text(REASONING_TEMPLATE)
+    dm = Step35DataModule(files=str(tmp_path / "c.jsonl"), tokenizer=str(tok_dir), seq_len=31, micro_batch_size=2,
+                          chat_template=str(tmp_path / "r.jinja"), val_batches=0, train_reasoning=train_reasoning)  # fmt: skip
+    dm.setup("fit")
+    labels = torch.cat([b["labels"].flatten() for _, b in zip(range(4), dm.train_dataloader())])
+    dm.teardown("fit")
+    labelled = set(labels[labels != IGNORE].tolist())
+    thoughts = {ID[f"w{k}"] for k in range(10, 20)}
+    assert {ID["c0"], ID["c1"], EOS} <= labelled and labelled & {ID[f"w{k}"] for k in range(1, 10)}
+    assert bool(labelled & thoughts) == train_reasoning
+    assert ID["w30"] not in labelled
 
 
 def test_the_datamodule_checkpoint_entry_resumes_conversations_exactly(tmp_path, tok_dir):

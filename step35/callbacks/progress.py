@@ -1,9 +1,11 @@
-"""The training progress bar in optimizer steps: `step:  16%|█▌  | 64/400 [loss=4.412, tok/s=8,192, mem=1.20 GiB]`.
+"""The training progress bar in optimizer steps: `step:  16%|█▌  | 64/400 [lm_loss=4.412, tok/s=8,192, mem=1.20 GiB]`.
 
 Lightning's TQDMProgressBar counts batches of an epoch: on step35's endless stream (max_epochs=-1)
 that shows `Epoch 0/-2`, and after a resume `64/3` (batches of this attempt against the steps left),
 plus a logger `v_num`. This bar counts optimizer steps from the run's start to `trainer.max_steps`,
 so a resumed run continues where it stopped, and shows the training loss, tokens/s and peak memory.
+The loss shown is `train/lm_loss`, the next-token loss the README and the validation loss quote;
+`train/loss`, which adds the weighted MTP losses (and the balance loss), is in the loggers.
 
 Tokens/s and memory come from SpeedMonitor and MemoryMonitor when they are configured (window
 averages with a device sync, max over ranks); without them the bar measures its own: tokens of this
@@ -22,7 +24,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from step35.callbacks.memory import GiB, device_memory_stats
-from step35.callbacks.throughput import batch_tokens
+from step35.callbacks.throughput import batch_tokens, context_parallel_size
 
 
 class Step35ProgressBar(TQDMProgressBar):
@@ -58,7 +60,7 @@ class Step35ProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        self._tokens += batch_tokens(batch)[0]
+        self._tokens += batch_tokens(batch)[0] // context_parallel_size(trainer)  # a cp rank computes its share
         step = trainer.global_step
         if step == self._step:  # within gradient accumulation: the step has not ended
             return
@@ -74,10 +76,14 @@ class Step35ProgressBar(TQDMProgressBar):
         bar.refresh()
 
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
-        """loss, val_loss, tok/s, mfu and mem, formatted; no logger version number."""
+        """lm_loss (`loss` for a module that logs no train/lm_loss), val_loss, tok/s, mfu and mem, formatted;
+        no logger version number."""
         found = trainer.progress_bar_metrics
         shown: dict[str, Any] = {}
-        if "train/loss" in found:
+        lm_loss = trainer.callback_metrics.get("train/lm_loss")  # logged each step, not as a bar metric
+        if lm_loss is not None:
+            shown["lm_loss"] = f"{float(lm_loss):.3f}"
+        elif "train/loss" in found:
             shown["loss"] = f"{found['train/loss']:.3f}"
         if "val/loss" in found:
             shown["val_loss"] = f"{found['val/loss']:.3f}"

@@ -61,6 +61,11 @@ def synchronize(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
+def context_parallel_size(trainer) -> int:
+    """Ranks that share each sequence (Step35Strategy.context_parallel_size; 1 for other strategies)."""
+    return int(getattr(trainer.strategy, "context_parallel_size", 1))
+
+
 def batch_tokens(batch) -> tuple[int, int]:
     """(trained tokens, sequence length) of one micro-batch of {"input_ids": [B, S + 1]} windows."""
     ids = batch["input_ids"] if isinstance(batch, dict) else batch
@@ -118,6 +123,7 @@ class SpeedMonitor(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         tokens, seq_len = batch_tokens(batch)
+        tokens //= context_parallel_size(trainer)  # under cp this rank computes its share of each row
         self._tokens += tokens
         self._flops += tokens * self._model_flops_per_token(seq_len)
         if not self._step_ends(trainer):

@@ -11,8 +11,11 @@ into the weights (`TrainedCheckpoint.merged_tensors`), or without it as a PEFT a
   `auto_map` names (with the modules that code imports relatively). The folder is named by a file
   from elsewhere; a checkpoint naming a home folder must not publish its `id_rsa`. config.json keeps
   the start folder's fields (auto_map included), as training read them.
-- Without a start folder, `auto_map` is dropped from config.json: there is no remote code to point
-  at (vLLM and SGLang load `Step3p5ForCausalLM` natively; see the README for transformers).
+- Our own transformers modeling file (`hf_modeling/modeling_step35.py`, config and causal LM in one
+  file) with config.json's `auto_map` pointing at it, unless the start folder brings the remote code
+  its `auto_map` names (the release's, copied as above): so that `AutoModelForCausalLM.from_pretrained(
+  out, trust_remote_code=True)` loads every export. `architectures` stays `Step3p5ForCausalLM`, which
+  vLLM and SGLang load natively.
 - Always the tokenizer the run trained with: the files recorded in the checkpoint (`run_tokenizer`),
   or `tokenizer`. config.json's bos/eos/pad ids are then made to agree with it: EOS must be among
   `eos_token_id` (else the list becomes the tokenizer's EOS, plus the run's document separator if it
@@ -33,6 +36,7 @@ import torch
 
 from step35.checkpoint import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.hf import write_hf_folder
 from step35.checkpoint.trained import open_checkpoint
 from step35.config import Step35Config
@@ -90,6 +94,23 @@ def _remote_code(folder: Path, modules: list[str]) -> tuple[dict[str, Path], lis
         found[name] = file
         todo += [a.decode() or b.decode() for a, b in _RELATIVE_IMPORT.findall(file.read_bytes())]
     return found, missing
+
+
+def _release_model_code(source: Path | None, auto_map: object) -> dict[str, Path] | None:
+    """{name.py: file} of the remote code config.json's `auto_map` names in `source` (the release's
+    configuration/modeling files, and what they import relatively), or None when `source` brings none
+    of its own: no source, no `AutoModelForCausalLM` entry, or a module named but absent."""
+    if source is None or not isinstance(auto_map, dict) or "AutoModelForCausalLM" not in auto_map:
+        return None
+    code, missing = _remote_code(source, remote_code_modules([auto_map]))
+    return None if missing or not code else code
+
+
+def _our_modeling_note(source: Path | None, old: object) -> str:
+    """The line saying that our modeling file is written, why, and what became of config.json's auto_map."""
+    why = "the run did not start from an HF folder" if source is None else f"{source} brings no modeling code"
+    return (f"{MODELING_FILE.name} written ({why}; transformers loads it with trust_remote_code); "
+            + (f"auto_map {old} -> {AUTO_MAP}" if old else f"auto_map {AUTO_MAP} added"))
 
 
 def companion_files(folder: Path) -> dict[str, Path]:
@@ -191,10 +212,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     source = Path(source).expanduser() if source else None
     files: dict[str, Path | bytes] = dict(companion_files(source)) if source else {}
     copied = {name: str(file) for name, file in files.items()}
-    if source is None and "auto_map" in exported.extra:
-        exported.extra.pop("auto_map")
-        notes.append("auto_map dropped: the run did not start from an HF folder, so there is no remote code to "
-                     "point at (vLLM/SGLang load Step3p5ForCausalLM natively)")
 
     if tokenizer:
         tok_files, run_eos, tok_from = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
@@ -208,14 +225,21 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     copied.update({name: tok_from for name in tok_files if name not in copied or name in replaced})
     notes += align_special_ids(exported, run_tokenizer.special_ids(tok_files, tok_from), run_eos)
 
+    model_code = _release_model_code(source, exported.extra.get("auto_map"))
+    if model_code is None:  # the source brings no modeling code: ours, which computes what step35.model does
+        files[MODELING_FILE.name] = MODELING_FILE.read_bytes()
+        copied[MODELING_FILE.name] = "step35 (its transformers modeling file)"
+        notes.append(_our_modeling_note(source, exported.extra.get("auto_map")))
+        exported.extra["auto_map"] = dict(AUTO_MAP)
     if source is not None:  # remote code for the config.json and tokenizer_config.json written
-        code, missing = _remote_code(source, remote_code_modules([exported.extra.get("auto_map"),
-                                                                  _auto_map(files.get("tokenizer_config.json"))]))
+        code, missing = _remote_code(source, remote_code_modules([_auto_map(files.get("tokenizer_config.json"))]))
+        code.update(model_code or {})
         files.update(code)
         copied.update({name: str(file) for name, file in code.items()})
         if missing:
-            notes.append(f"remote code {', '.join(m + '.py' for m in missing)} (named by auto_map or imported by "
-                         f"its code) is not in {source}: loading with trust_remote_code will fail")
+            notes.append(f"remote code {', '.join(m + '.py' for m in missing)} (named by tokenizer_config.json's "
+                         f"auto_map or imported by its code) is not in {source}: loading the tokenizer with "
+                         "trust_remote_code will fail")
         left = _left_out(source, files)
         if left:
             notes.append(left)

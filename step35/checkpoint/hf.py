@@ -11,6 +11,7 @@ manifest of the weight files, then an atomic publish.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -129,6 +130,13 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base ** power)
 
 
+def default_file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the process's umask (0644 under the usual 022)."""
+    mask = os.umask(0)  # the umask can only be read by setting it; put back at once
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: Step35Config,
                     max_shard_size: int | str = "5GB", copy_files: Mapping[str, Path | bytes] | None = None) -> Path:
     """Write an HF folder at `path` from (name, tensor) pairs, streamed: a shard is written as soon as
@@ -151,7 +159,9 @@ def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
             nonlocal shard, size
             if shard:
                 files.append(list(shard))
-                save_file(shard, tmp / f"shard-{len(files):05d}.safetensors", metadata={"format": "pt"})
+                shard_path = tmp / f"shard-{len(files):05d}.safetensors"
+                save_file(shard, shard_path, metadata={"format": "pt"})
+                shard_path.chmod(default_file_mode())  # safetensors creates its files 0600
                 shard, size = {}, 0
 
         for name, tensor in tensors:

@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
+import step35.strategy  # noqa: F401  (imported before the parser is built: --help then lists Step35Strategy)
 from step35 import run as runs
 from step35.checkpoint.errors import CheckpointError
 from step35.module import Step35LightningModule
@@ -99,7 +100,9 @@ def _did_you_mean(words: list[str], parser) -> str:
 
 class Step35CLI(LightningCLI):
     """LightningCLI for fit and validate: whole option names only, `--run_dir`, and the run resolved
-    (lock, checkpoint, resume rule) between building the module and building the Trainer."""
+    (lock, checkpoint, resume rule) between building the module and building the Trainer. It adds the
+    step progress bar, the model summary and FaultTolerance unless configured, counts an integer
+    `trainer.val_check_interval` in optimizer steps, and says why an EarlyStopping ended a fit."""
 
     def __init__(self, *args, parser_class=Step35ArgumentParser, **kwargs):
         super().__init__(*args, parser_class=parser_class, **kwargs)
@@ -162,10 +165,11 @@ class Step35CLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         from lightning.fabric.plugins import CheckpointIO
-        from lightning.pytorch.callbacks import ProgressBar
+        from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 
         from step35.callbacks import FaultTolerance
         from step35.callbacks.progress import Step35ProgressBar
+        from step35.callbacks.summary import Step35ModelSummary
         from step35.checkpoint.trainer_io import Step35CheckpointIO
 
         trainer = self._get(self.config_init, "trainer", default={})
@@ -180,12 +184,18 @@ class Step35CLI(LightningCLI):
         # Unless one is configured (or bars are off), the step/max_steps bar (step35/callbacks/progress.py).
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             added.append(Step35ProgressBar())
+        # Lightning's summary has a FLOPs column that reads 0 for this module (step35/callbacks/summary.py).
+        if trainer.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+            added.append(Step35ModelSummary())
         # Pre-emption handling and the hang watchdog belong to every run (see step35.faults);
         # listing FaultTolerance under trainer.callbacks sets its options.
         if not any(isinstance(c, FaultTolerance) for c in callbacks):
             added.append(FaultTolerance())
         if added:
             kwargs.setdefault("callbacks", [*callbacks, *added])
+        interval = optimizer_step_interval(trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches"))
+        if interval is not None:
+            kwargs.setdefault("val_check_interval", interval)
         return super().instantiate_trainer(**kwargs)
 
     def _resolve_run(self, callbacks: list) -> runs.Resume | str | None:
@@ -225,6 +235,10 @@ class Step35CLI(LightningCLI):
     def before_fit(self) -> None:
         self._hand_over_checkpoint()
 
+    def after_fit(self) -> None:
+        for note in early_stopping_notes(self.trainer):
+            say(note)
+
     def before_validate(self) -> None:
         self._hand_over_checkpoint()
 
@@ -238,6 +252,44 @@ class Step35CLI(LightningCLI):
         # Lightning starts loading it.
         self.trainer.ckpt_path = str(self.resume.path)
         kwargs["ckpt_path"] = None
+
+
+def optimizer_step_interval(val_check_interval, accumulate_grad_batches) -> int | None:
+    """`trainer.val_check_interval` as an integer counts optimizer steps under step35 (the stream has no
+    epochs): Lightning counts training batches, so with gradient accumulation the Trainer is given the
+    interval times `accumulate_grad_batches`. None when there is nothing to translate (no accumulation,
+    a fraction, a time)."""
+    accumulate = accumulate_grad_batches or 1
+    if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, int) or accumulate == 1:
+        return None
+    return val_check_interval * accumulate
+
+
+def early_stopping_notes(trainer) -> list[str]:
+    """One line per EarlyStopping callback that stopped the run: at which step, the metric, its last and
+    best values and the rule (patience, min_delta, or the threshold) that ended it. Lightning's own
+    message needs `verbose` and counts epochs."""
+    from lightning.pytorch.callbacks import EarlyStopping
+    from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
+
+    notes = []
+    for callback in trainer.callbacks:
+        if not isinstance(callback, EarlyStopping) or callback.stopping_reason == EarlyStoppingReason.NOT_STOPPED:
+            continue
+        last = trainer.callback_metrics.get(callback.monitor)
+        last = f"{float(last):.4f}" if last is not None else "?"
+        best = f"{float(callback.best_score):.4f}"
+        rule = {
+            EarlyStoppingReason.PATIENCE_EXHAUSTED:
+                f"not better than the best by more than min_delta={abs(callback.min_delta):g} in "
+                f"{callback.wait_count} validations (patience={callback.patience})",
+            EarlyStoppingReason.STOPPING_THRESHOLD: f"stopping_threshold={callback.stopping_threshold} reached",
+            EarlyStoppingReason.DIVERGENCE_THRESHOLD: f"divergence_threshold={callback.divergence_threshold} crossed",
+            EarlyStoppingReason.NON_FINITE_METRIC: "the value is not finite",
+        }.get(callback.stopping_reason, callback.stopping_reason.value)
+        notes.append(f"early stopping at step {trainer.global_step}: {callback.monitor}={last} (best {best}, mode "
+                     f"{callback.mode}): {rule}")
+    return notes
 
 
 def _strategy_class_path_to_class(config) -> None:
@@ -264,17 +316,19 @@ def _strategy_class_path_to_class(config) -> None:
 def run(args: list[str] | None = None) -> None:
     """`step35 fit|validate <args>`; the run folder's lock is released however it ends."""
     from step35 import faults
+    from step35.commands.console import step35_console
     from step35.data import Step35DataModule
 
     try:
-        Step35CLI(
-            Step35LightningModule,
-            Step35DataModule,
-            save_config_callback=Step35SaveConfig,
-            save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
-            args=args,
-            auto_configure_optimizers=False,
-        )
+        with step35_console():  # libraries' notices not meant for the user dropped; step35's warnings as step35's
+            Step35CLI(
+                Step35LightningModule,
+                Step35DataModule,
+                save_config_callback=Step35SaveConfig,
+                save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+                args=args,
+                auto_configure_optimizers=False,
+            )
     except Exception as error:
         if faults.was_reported(error):  # already printed with its rank and traceback
             raise SystemExit(faults.EXIT_FAILED) from None

@@ -10,21 +10,34 @@ runs with its adapters merged into the weights, as `step35 export --merge` write
 through the same verified, code-free readers as `step35 export`; the text is encoded with the
 tokenizer the run trained with (recorded in the checkpoint; an HF folder's own otherwise).
 
-One process, no KV cache: each new token runs the model over the whole context (capped at
-max_position_embeddings), which is fine for the small models this is meant for; serve a large model
-with vLLM or SGLang. temperature 0 (the default) is greedy decoding; otherwise the logits are divided
-by the temperature and sampled from the smallest set of tokens whose probability reaches top_p.
+One process with a KV cache (Step35ForCausalLM.step): the prompt runs once, then each new token
+attends to the kept keys (sliding layers keep their window), so a long sample is not quadratic; the
+tokens are those of rerunning the whole context each time (`--cache false` does that). Past
+max_position_embeddings the context is cut to its last max_position_embeddings tokens and rerun at
+every token, as positions beyond the limit do not exist. This is a check for small models; serve a
+large model with vLLM or SGLang. temperature 0 (the default) is greedy decoding; otherwise the
+logits are divided by the temperature and sampled from the smallest set of tokens whose probability
+reaches top_p.
 The prompt is preceded by the BOS token, or by the EOS (the document separator the data stream
 puts before every document) when the tokenizer has no BOS, so the model sees the start of a document.
 Generation stops at max_new_tokens or at one of config.json's eos_token_id (the tokenizer's EOS
 for a run checkpoint, as `step35 export` would write it). stdout holds the text alone; where the
 model, config and tokenizer were read from goes to stderr.
+
+    step35 generate --checkpoint runs/tiny --chat true --prompt "Hi" [--system "Be brief."]
+
+`--chat` renders the prompt as the user's turn (after `--system`, if given) with the chat template,
+plus the generation prompt, and prints only the assistant's reply. The template is the tokenizer's
+(chat_template.jinja, else tokenizer_config.json's chat_template: for a run checkpoint, of the
+tokenizer files it records), else step35's default one (step35.data.chat); stderr says which. The
+rendered ids are preceded by the start token as above unless the template already begins with it.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -38,8 +51,10 @@ from step35.commands.function_cli import run_function
 from step35.checkpoint.peft import is_peft_folder, peft_base, peft_model
 from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
+from step35.data.chat import ChatTemplate, ChatTemplateError
+from step35.data.tokenizer import TextTokenizer
 from step35.run import checkpoint_of
-from step35.model import Step35ForCausalLM, build_model
+from step35.model import KVCache, Step35ForCausalLM, build_model
 
 
 @dataclass
@@ -50,6 +65,10 @@ class Generator:
     tokenizer: object  # tokenizers.Tokenizer
     start_id: int  # put before the prompt: BOS, else the document separator (EOS)
     stop_ids: set[int]
+    use_cache: bool = True  # False: rerun the whole context for every token
+    eos_id: int | None = None  # the tokenizer's EOS (a template's eos_token when it names none)
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)  # where a chat template is looked up
+    tokenizer_origin: str = ""
 
     def encode(self, prompt: str) -> list[int]:
         return [self.start_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -65,9 +84,13 @@ class Generator:
         rng = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=device)
         limit = self.model.config.max_position_embeddings
+        cache = KVCache() if self.use_cache else None
         new: list[int] = []
         for _ in range(max_new_tokens):
-            logits = self.model(ids[:, -limit:])[0, -1].float()  # [V]
+            if cache is not None and ids.shape[1] <= limit:  # the tokens the cache has not seen yet
+                logits = self.model.step(ids[:, cache.length:], cache, last_only=True)[0, -1].float()  # [V]
+            else:
+                logits = self.model(ids[:, -limit:])[0, -1].float()
             token = next_token(logits, temperature, top_p, rng)
             new.append(token)
             if token in self.stop_ids:
@@ -77,6 +100,32 @@ class Generator:
 
     def __call__(self, prompt: str, **kwargs) -> str:
         return self.decode(self.generate_ids(self.encode(prompt), **kwargs))
+
+    def chat_template(self, say: Callable[[str], None] | None = None) -> ChatTemplate:
+        """The tokenizer's chat template, else step35's default; `say` hears which."""
+        with tempfile.TemporaryDirectory() as folder:  # from_folder reads the files the checkpoint records
+            for name in ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json"):
+                if name in self.tokenizer_files:
+                    (Path(folder) / name).write_bytes(self.tokenizer_files[name])
+            template = ChatTemplate.from_folder(folder)
+        if say is not None:
+            say(f"chat template: {template.origin} of {self.tokenizer_origin}" if template is not None else
+                f"chat template: step35's default ({self.tokenizer_origin} has none)")
+        return template if template is not None else ChatTemplate.default()
+
+    def chat_ids(self, template: ChatTemplate, user: str, system: str | None = None) -> list[int]:
+        """The ids a reply is generated after: [system,] user turn and the generation prompt. The
+        template's end-of-turn token joins the stop ids (a reply ends there even when config.json's
+        eos_token_id does not list it)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        eos = self.eos_id if self.eos_id is not None else self.start_id
+        tokenizer = TextTokenizer(self.tokenizer, eos, Path(self.tokenizer_origin))
+        ids = template.prompt_ids(tokenizer, messages, where="the conversation of --system and --prompt")
+        try:
+            self.stop_ids = self.stop_ids | {template.end_of_turn_id(tokenizer)}
+        except ChatTemplateError:
+            pass  # no special token ends a reply: the EOS ids alone stop it
+        return ids if ids[:1] == [self.start_id] else [self.start_id] + ids
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> int:
@@ -135,7 +184,8 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
     text_tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
     text_tokenizer.no_truncation()
     text_tokenizer.no_padding()
-    return Generator(model.eval(), text_tokenizer, start, stop_ids)
+    return Generator(model.eval(), text_tokenizer, start, stop_ids, eos_id=ids.eos, tokenizer_files=files,
+                     tokenizer_origin=str(tokenizer or path) if is_hf_folder(path) else origin)
 
 
 def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> Step35ForCausalLM:
@@ -163,8 +213,9 @@ def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> 
 
 def generate(checkpoint: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, dtype: Literal["float32", "bfloat16", "float16"] = "float32", device: str = "cpu",
-             tokenizer: str | None = None) -> None:
-    """Continue a prompt with a trained model and print prompt + continuation.
+             tokenizer: str | None = None, chat: bool = False, system: str | None = None,
+             cache: bool = True) -> None:
+    """Continue a prompt with a trained model and print prompt + continuation (with --chat: the reply).
 
     Args:
         checkpoint: a run folder (its newest complete checkpoint), a .ckpt file, a sharded checkpoint folder,
@@ -177,13 +228,30 @@ def generate(checkpoint: str, prompt: str, max_new_tokens: int = 64, temperature
         dtype: dtype of the weights in memory.
         device: where the model runs: cpu, cuda, npu (one device).
         tokenizer: a tokenizer folder instead of the checkpoint's.
+        chat: the prompt is the user's turn of a conversation, rendered with the chat template; print
+            only the assistant's reply.
+        system: with chat: a system message before the user's turn.
+        cache: keep a KV cache (false: rerun the whole context for every token, the same tokens slower).
     """
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise SystemExit("step35 generate: need max_new_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
-    generator = load_generator(checkpoint, getattr(torch, dtype), device, tokenizer,
-                               say=lambda line: print(f"step35 generate: {line}", file=sys.stderr))
-    text = generator(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    print(prompt + text, flush=True)
+    if system is not None and not chat:
+        raise SystemExit("step35 generate: --system needs --chat true (a system message opens a conversation)")
+
+    def say(line: str) -> None:
+        print(f"step35 generate: {line}", file=sys.stderr)
+
+    generator = load_generator(checkpoint, getattr(torch, dtype), device, tokenizer, say=say)
+    generator.use_cache = cache
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    if not chat:
+        print(prompt + generator(prompt, **sampling), flush=True)
+        return
+    try:
+        ids = generator.chat_ids(generator.chat_template(say), prompt, system)
+    except ChatTemplateError as e:
+        raise SystemExit(f"step35 generate: {e}") from None
+    print(generator.decode(generator.generate_ids(ids, **sampling)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

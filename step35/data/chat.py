@@ -28,6 +28,12 @@ uses for `return_assistant_tokens_mask`), so a token straddling a span border is
   messages on either side bound both searches; each is found by a sentinel inserted in the middle of its text,
   which keeps what templates test about a message (how its text starts and ends). When a turn cannot be
   located this way, `encode` raises `ChatTemplateError`; it never guesses.
+
+With `train_reasoning=False` the reasoning of the trained turns is taken out of those spans. Each piece of a
+turn's reasoning (the field, or a `<think>` block inline in the content, split off as templates split it: before
+the first `</think>`, after the last `<think>`) is replaced alone by a sentinel; the rendering must then differ
+only where the sentinel stands, and the text it stands for in the real rendering is the reasoning. The
+`<think>`/`</think>` wrappers and the whitespace the template puts around the reasoning stay trained.
 """
 
 from __future__ import annotations
@@ -357,29 +363,40 @@ class ChatTemplate:
 
     # ------------------------------------------------------------------------------------ masking
 
-    def encode(self, tokenizer, messages: list, *, train_on: str = "assistant", tools: Optional[list] = None,
-               where: str = "", **extra) -> tuple[list[int], list[bool]]:
+    def encode(self, tokenizer, messages: list, *, train_on: str = "assistant", train_reasoning: bool = True,
+               tools: Optional[list] = None, where: str = "", **extra) -> tuple[list[int], list[bool]]:
         """(token ids of the whole rendered conversation, per token whether its loss is trained).
 
         `train_on`: "assistant" every assistant turn, "last_assistant" the final one, "all" every token. A
         trained turn covers what the model emits after the generation prompt: the reasoning as the template
-        renders it, the content, tool calls and the end-of-turn token. The caller shifts the mask to labels.
+        renders it, the content, tool calls and the end-of-turn token. With `train_reasoning` false, the
+        reasoning text of the trained assistant turns (of every assistant turn for "all") is left out, as the
+        template renders it (a field or a `<think>` block inline in the content); the `<think>`/`</think>`
+        wrappers around it stay trained, so the model still learns to open and close the block. A token holding
+        both reasoning and other trained text stays trained. The caller shifts the mask to labels.
         """
         if train_on not in TRAIN_ON:
             raise ChatTemplateError(f"{_at(where)}train_on={train_on!r}; expected one of {', '.join(TRAIN_ON)}")
+        if not isinstance(train_reasoning, bool):
+            raise ChatTemplateError(f"{_at(where)}train_reasoning={train_reasoning!r}; expected true or false")
         check_messages(messages, where)
         conversation = _Conversation(self, messages, tools, where, self._tokens(tokenizer, extra))
         encoding = tokenizer.tokenizer.encode(conversation.text, add_special_tokens=False)
-        if train_on == "all":
-            return encoding.ids, [True] * len(encoding.ids)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if train_on == "last_assistant":
-            turns = turns[-1:]
-        if self.has_generation_marks:
-            spans = conversation.marked_spans(turns)
+        if train_on == "all":
+            if train_reasoning:
+                return encoding.ids, [True] * len(encoding.ids)
+            spans = [(0, len(conversation.text))]
         else:
-            end_of_turn = functools.partial(self.end_of_turn_id, tokenizer, tools=tools, where=where, **extra)
-            spans = conversation.located_spans(turns, encoding, end_of_turn)
+            if train_on == "last_assistant":
+                turns = turns[-1:]
+            if self.has_generation_marks:
+                spans = conversation.marked_spans(turns)
+            else:
+                end_of_turn = functools.partial(self.end_of_turn_id, tokenizer, tools=tools, where=where, **extra)
+                spans = conversation.located_spans(turns, encoding, end_of_turn)
+        if not train_reasoning:
+            spans = _subtract(spans, conversation.reasoning_spans(turns))
         return encoding.ids, token_mask(encoding.offsets, spans)
 
     def end_of_turn_id(self, tokenizer, *, tools: Optional[list] = None, where: str = "", **extra) -> int:
@@ -479,6 +496,45 @@ class _Conversation:
             if end is None or (following is not None and end > following):
                 raise ChatTemplateError(f"{at}: no end-of-turn token (id {eot}) between its text and the next message")
             spans.append((start, end))
+        return spans
+
+    def reasoning_spans(self, turns: list[int]) -> list[tuple[int, int]]:
+        """Where the reasoning of each of `turns` lies in the rendering, sorted: for each piece of reasoning (the
+        field, and a `<think>` block inline in the content or a text part), the text that changes when the
+        piece alone is replaced by a sentinel. A piece the template does not render (dropped history) has
+        none; a piece whose replacement changes anything else raises ChatTemplateError."""
+        spans: list[tuple[int, int]] = []
+        for i in turns:
+            for replaced, sentinel in _reasoning_sentinels(self.messages, i):
+                spans += self._rendered_as(replaced, sentinel, f"{_at(self.where)}assistant message {i}")
+        return sorted(spans)
+
+    def _rendered_as(self, replaced: list, sentinel: str, at: str) -> list[tuple[int, int]]:
+        """The spans of this text that `replaced` (these messages with one piece of text replaced by
+        `sentinel`) renders as the sentinel. Every occurrence must stand for the same text, and the renderings
+        must agree everywhere else; that fixes the spans exactly (no search that could match elsewhere)."""
+        other = self.render(replaced, False)
+        n = other.count(sentinel)
+        if n == 0:
+            if other == self.text:
+                return []  # the template leaves this reasoning out (e.g. a turn before the last user message)
+            raise ChatTemplateError(f"{at}: its reasoning is not rendered as given, so it cannot be located")
+        pieces = other.split(sentinel)
+        grown = len(self.text) - (len(other) - n * len(sentinel))
+        length = grown // n
+        spans, pos, seen = [], 0, None
+        for k, piece in enumerate(pieces):
+            if grown < 0 or grown % n or self.text[pos : pos + len(piece)] != piece:
+                raise ChatTemplateError(f"{at}: replacing its reasoning changes other text, so it cannot be located")
+            pos += len(piece)
+            if k < n:
+                found = self.text[pos : pos + length]
+                if seen is not None and found != seen:
+                    raise ChatTemplateError(f"{at}: its reasoning is rendered differently in different places")
+                seen = found
+                if length:
+                    spans.append((pos, pos + length))
+                pos += length
         return spans
 
     def region(self, index: int) -> tuple[Optional[int], Optional[int]]:
@@ -650,6 +706,67 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
             calls.append(call)
         message["tool_calls"] = calls
     return [*messages[:index], message, *messages[index + 1:]], sentinels
+
+
+def _inline_reasoning(text: str) -> Optional[tuple[int, int]]:
+    """Where the reasoning of a `<think>...</think>` block inline in `text` lies, without the whitespace around it
+    (as templates find it: before the first `</think>`, after the last `<think>` before that, or from the start
+    when the generation prompt opened the block); None when there is none."""
+    end = text.find("</think>")
+    if end < 0:
+        return None
+    start = text.rfind("<think>", 0, end)
+    start = 0 if start < 0 else start + len("<think>")
+    inner = text[start:end]
+    if not inner.strip():
+        return None
+    start += len(inner) - len(inner.lstrip())
+    return start, start + len(inner.strip())
+
+
+def _reasoning_sentinels(messages: list, index: int) -> list[tuple[list, str]]:
+    """For each piece of reasoning of message `index` (its reasoning field under all the names given, a
+    `<think>` block inline in its content or in one of its text parts): a copy of `messages` with that piece
+    alone replaced by a unique sentinel, and the sentinel."""
+    message = messages[index]
+    copies = []
+
+    def replaced(**changes) -> list:
+        return [*messages[:index], {**message, **changes}, *messages[index + 1 :]]
+
+    def sentinel() -> str:
+        return f"\ue000step35thought{len(copies)}x{uuid.uuid4().hex}\ue001"
+
+    fields = [key for key in REASONING_FIELDS if message.get(key)]
+    if fields:
+        value = sentinel()
+        copies.append((replaced(**{key: value for key in fields}), value))
+    content = message.get("content")
+    if isinstance(content, str) and (found := _inline_reasoning(content)):
+        value = sentinel()
+        copies.append((replaced(content=content[: found[0]] + value + content[found[1] :]), value))
+    for k, part in enumerate(content if isinstance(content, list) else []):
+        text = part.get("text") if isinstance(part, dict) else None
+        if isinstance(text, str) and (found := _inline_reasoning(text)):
+            value = sentinel()
+            parts = [*content[:k], {**part, "text": text[: found[0]] + value + text[found[1] :]}, *content[k + 1 :]]
+            copies.append((replaced(content=parts), value))
+    return copies
+
+
+def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `spans` (sorted, disjoint) outside every one of `holes`."""
+    out = []
+    for a, b in spans:
+        for h, e in holes:
+            if e <= a or h >= b:
+                continue
+            if h > a:
+                out.append((a, h))
+            a = max(a, e)
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def _with_inserted(messages: list, index: int, sentinel: str) -> Optional[list]:

@@ -83,6 +83,10 @@ class Step35DataModule(pl.LightningDataModule):
             "labels" [micro_batch_size, seq_len] (-100 where not trained) and "position_ids" (docs/data.md).
         train_on: Which tokens of a conversation are trained: "assistant" (every assistant turn), "last_assistant"
             (the final one), "all" (every token; for prompt/completion pairs, the prompt too).
+        train_reasoning: False: the reasoning text of the trained assistant turns (a reasoning field, or a
+            `<think>` block inline in the content, as the chat template renders it) is not trained; its
+            `<think>`/`</think>` wrappers, the content, tool calls and end-of-turn token stay trained. Reasoning
+            the template drops (earlier turns, for some templates) is never in the tokens either way.
         chat_template: A .jinja file to render conversations with, instead of the tokenizer folder's template.
             Neither: step35's default template, for the built-in tokenizer only.
         overlong: A conversation longer than seq_len + 1 tokens is cut to the window ("truncate") or dropped
@@ -114,6 +118,7 @@ class Step35DataModule(pl.LightningDataModule):
         document_masking: bool = False,
         format: str = "auto",
         train_on: str = "assistant",
+        train_reasoning: bool = True,
         chat_template: Optional[str] = None,
         overlong: str = "truncate",
     ) -> None:
@@ -149,6 +154,8 @@ class Step35DataModule(pl.LightningDataModule):
                                        ("overlong", overlong, OVERLONG)):  # fmt: skip
             if value not in allowed:
                 raise ValueError(f"data.{option} must be one of {allowed}, got {value!r}")
+        if not isinstance(train_reasoning, bool):
+            raise ValueError(f"data.train_reasoning must be true or false, got {train_reasoning!r}")
         specs = [SourceSpec.parse(entry, i) for i, entry in enumerate(sources)] if sources is not None else None
         if specs is not None and sum(s.weight for s in specs) <= 0:
             raise ValueError(f"the sources' weights must have a positive sum, got {[s.weight for s in specs]}")
@@ -178,6 +185,7 @@ class Step35DataModule(pl.LightningDataModule):
         self.document_masking = document_masking
         self.format = format
         self.train_on = train_on
+        self.train_reasoning = train_reasoning
         self.chat_template = chat_template
         self.overlong = overlong
         self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
@@ -262,7 +270,9 @@ class Step35DataModule(pl.LightningDataModule):
     def _chat_options(self, tokenizer_folder: Any, sources: list[Source]) -> dict[str, Any]:
         """The stream options for conversation sources: the chat template (resolved only when a source needs
         it; a chat source without one is an error naming the tokenizer folder and data.chat_template)."""
-        options: dict[str, Any] = {"train_on": self.train_on, "overlong": self.overlong}
+        options: dict[str, Any] = {
+            "train_on": self.train_on, "train_reasoning": self.train_reasoning, "overlong": self.overlong
+        }
         if all(source.format == "text" for source in sources):
             return options
         from pathlib import Path

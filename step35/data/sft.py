@@ -93,16 +93,20 @@ class SftEncoder:
         template: Any = None,
         train_on: str = "assistant",
         template_missing: str = "",
+        train_reasoning: bool = True,
     ) -> None:
         if format not in ("chat", "prompt_completion"):
             raise ValueError(f"SftEncoder encodes chat or prompt_completion records, not {format!r}")
         if train_on not in TRAIN_ON:
             raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        if not isinstance(train_reasoning, bool):
+            raise ValueError(f"data.train_reasoning must be true or false, got {train_reasoning!r}")
         self.format = format
         self.tokenizer = tokenizer
         self.template = template
         self.train_on = train_on
         self.template_missing = template_missing
+        self.train_reasoning = train_reasoning
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -151,7 +155,9 @@ class SftEncoder:
             check_messages(messages)
             if self.template is None:
                 raise ValueError(f"{where}: a conversation, and {self.template_missing}")
-            ids, trained = self.template.encode(self.tokenizer, messages, train_on=self.train_on, tools=tools)
+            ids, trained = self.template.encode(
+                self.tokenizer, messages, train_on=self.train_on, train_reasoning=self.train_reasoning, tools=tools
+            )
         except ChatTemplateError as error:
             raise BadRecord(str(error)) from None
         return Example(list(ids), [bool(t) for t in trained], where)

@@ -20,8 +20,8 @@ class TokenWindows(IterableDataset):
     """Yields {"input_ids": LongTensor [seq_len + 1]} windows packed from the documents of `sources`.
 
     Conversation and prompt/completion sources (`source.format`, see sft.py) are packed whole per window
-    (`PackedConversations`, rendered with `template`, trained per `train_on`, overlong ones handled per
-    `overlong`); when any source is one, every window also has "labels" [seq_len] (the targets of
+    (`PackedConversations`, rendered with `template`, trained per `train_on` and `train_reasoning`, overlong
+    ones handled per `overlong`); when any source is one, every window also has "labels" [seq_len] (the targets of
     input_ids[:-1], -100 where not trained) and "position_ids" [seq_len] (0 where a document starts), text
     windows included (every next token a target, positions restarting after each EOS).
 
@@ -63,6 +63,7 @@ class TokenWindows(IterableDataset):
         train_on: str = "assistant",
         overlong: str = "truncate",
         template_missing: str = "",
+        train_reasoning: bool = True,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
@@ -85,7 +86,8 @@ class TokenWindows(IterableDataset):
         self.overlong = overlong
         formats = [getattr(source, "format", "text") for source in self.sources]
         self.encoders = [
-            None if f == "text" else SftEncoder(f, tokenizer, template, train_on, template_missing) for f in formats
+            None if f == "text" else SftEncoder(f, tokenizer, template, train_on, template_missing, train_reasoning)
+            for f in formats
         ]
         self.labelled = any(encoder is not None for encoder in self.encoders)
         self._state = {

@@ -13,6 +13,7 @@ from torch import nn
 
 from step35 import kernels
 from step35.config import LayerSpec
+from step35.model.cache import LayerKV
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary
 
@@ -33,8 +34,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: kernels.DocumentMask | None = None) -> torch.Tensor:
-        # x: [B, S, H]; cos, sin: [S, r] or [B, 1, S, r] (per-document positions)
+                documents: kernels.DocumentMask | kernels.SequenceShard | None = None,
+                cache: LayerKV | None = None) -> torch.Tensor:
+        """x: [B, S, H]; cos, sin: [S, r] or [B, 1, S, r] (per-document positions). With `cache` (decoding,
+        no documents), x holds the tokens that follow the cached ones, which they read as well."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
@@ -44,7 +47,14 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         if self.uses_rope:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)  # [B, Hq, S, D]
+        past = 0
+        if cache is not None:
+            k, v, past = cache.update(k, v)
+        if past == 0:
+            # [B, Hq, S, D]; the prompt of a decode takes this path too
+            o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)
+        else:
+            o = attention_after(q, k, v, past, self.window, scale=self.head_dim ** -0.5)
         o = o.transpose(1, 2)  # [B, S, Hq, D]
         if self.g_proj is None:
             return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
@@ -55,6 +65,22 @@ class Attention(nn.Module):
         if hasattr(self.o_proj, "delta"):  # a LoRA adapter on o_proj (model/lora.py) reads the gated product
             out = out + self.o_proj.delta((o * gate.unsqueeze(-1)).reshape(B, S, self.num_heads * self.head_dim))
         return out
+
+
+def attention_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window: int | None,
+                    scale: float) -> torch.Tensor:
+    """Attention of S new queries at positions past..past+S-1 over keys [B, Hkv, K, D] that are the
+    latest K tokens, the new ones last (a cache's kept keys, then the step's): causal, and within the
+    window on sliding layers. q: [B, Hq, S, D] -> [B, Hq, S, D]."""
+    S, K = q.shape[-2], k.shape[-2]
+    query_pos = torch.arange(past, past + S, device=q.device)[:, None]
+    key_pos = torch.arange(past + S - K, past + S, device=q.device)[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    groups = q.shape[1] // k.shape[1]  # query head h reads KV head h // groups
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
 
 
 class _GatedOutput(torch.autograd.Function):

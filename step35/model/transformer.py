@@ -19,14 +19,19 @@ import torch
 from torch import nn
 
 from step35.config import LayerSpec, Step35Config
-from step35.kernels import DocumentMask
+from step35.kernels import DocumentMask, SequenceShard
 from step35.model.attention import Attention
+from step35.model.cache import KVCache, LayerKV
 from step35.model.init import init_tensor
 from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from step35.model.mlp import SwiGLU
 from step35.model.moe import MoE, RouterAuxLosses
 from step35.model.norm import RMSNorm
 from step35.model.rope import inverse_frequencies, rotary_cos_sin
+
+# What attention is told about the rows besides causality: packed documents, or (context
+# parallelism) this rank's share of each row and how to reach the other shares' keys.
+Documents = DocumentMask | SequenceShard
 
 
 class DecoderLayer(nn.Module):
@@ -51,10 +56,13 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                router_aux: RouterAuxLosses | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None,
+                cache: LayerKV | None = None) -> torch.Tensor:
         """router_aux: where an MoE layer adds its sequence balance loss (None: not computed);
-        documents: packed documents that attention must keep apart (None: one document per row)."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
+        documents: packed documents that attention must keep apart (None: one document per row), or
+        this rank's SequenceShard under context parallelism; cache: this layer's keys and values of
+        earlier tokens (decoding, see Step35ForCausalLM.step)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents, cache)
         x = self.post_attention_layernorm(h)
         ffn = self.moe(x, router_aux) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
         return h + ffn
@@ -80,7 +88,7 @@ class MTPLayer(DecoderLayer):
         self.transformer = nn.ModuleDict({"shared_head": SharedHead(config)})
 
     def forward(self, h: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                labels: torch.Tensor | None = None, chunk_size: int = 1024, documents: DocumentMask | None = None):
+                labels: torch.Tensor | None = None, chunk_size: int = 1024, documents: Documents | None = None):
         """Returns (block output [B, S, H], summed loss, counted tokens); loss parts are None without labels."""
         u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h)], dim=-1))
         out = super().forward(u, cos, sin, documents=documents)
@@ -120,25 +128,33 @@ class Step35Model(nn.Module):
         return list(self.layers)[self.config.num_hidden_layers:]
 
     def rotary_tables(self, seq_len: int, device: torch.device, position_ids: torch.Tensor | None = None) -> dict:
-        """(cos, sin) per RoPE kind: [S, r] for positions 0..S-1, or [B, 1, S, r] for `position_ids` [B, S]."""
-        if position_ids is None:
-            positions = torch.arange(seq_len, device=device)
+        """(cos, sin) per RoPE kind: [S, r] for positions 0..S-1 or for `position_ids` [S] (one
+        sequence's positions, e.g. a context-parallel share), or [B, 1, S, r] for `position_ids` [B, S]."""
+        if position_ids is None or position_ids.dim() == 1:
+            positions = torch.arange(seq_len, device=device) if position_ids is None else position_ids
             return {key: rotary_cos_sin(positions, inv) for key, inv in self._inv_freq.items()}
         tables = {key: rotary_cos_sin(position_ids, inv) for key, inv in self._inv_freq.items()}
         return {key: (cos[:, None], sin[:, None]) for key, (cos, sin) in tables.items()}
 
     def forward(self, input_ids: torch.Tensor, rope: dict | None = None,
-                router_aux: RouterAuxLosses | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
+                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
         router_aux: collects the MoE layers' sequence balance losses (None: not computed);
-        documents: packed documents kept apart by attention (RoPE then comes from their positions)."""
+        documents: packed documents kept apart by attention (RoPE then comes from their positions);
+        cache: earlier tokens' keys and values, which the layers read and extend (`rope` must then
+        hold the new tokens' positions)."""
         if rope is None:
             position_ids = documents.position_ids if documents is not None else None
             rope = self.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         h = self.embed_tokens(input_ids)
-        for layer, key in zip(self.main_layers, self.rope_keys):
-            h = layer(h, *rope[key], router_aux=router_aux, documents=documents)
+        for i, (layer, key) in enumerate(zip(self.main_layers, self.rope_keys)):
+            kv = cache.layer(i, layer.self_attn.window) if cache is not None else None
+            if kv is None:  # the call training, FSDP and activation checkpointing see, unchanged
+                h = layer(h, *rope[key], router_aux=router_aux, documents=documents)
+            else:
+                h = layer(h, *rope[key], router_aux=router_aux, documents=documents, cache=kv)
         return h
 
 
@@ -162,6 +178,12 @@ class Step35ForCausalLM(nn.Module):
     then ignores the checkpoint's MTP tensors).
     """
 
+    # Context parallelism (step35.parallel.context.ContextParallel), installed by `parallelize` when
+    # cp > 1: `loss` then takes whole rows and computes on this rank's share of each (split, take)
+    # and sums loss parts over the cp ranks (sum). None: the whole sequence is local. `forward`
+    # (logits, e.g. for generation) is not split.
+    context_parallel = None
+
     def __init__(self, config: Step35Config, num_mtp_layers: int | None = None):
         super().__init__()
         if num_mtp_layers is None:
@@ -184,6 +206,20 @@ class Step35ForCausalLM(nn.Module):
         h, _, _ = self._trunk(input_ids, position_ids)
         return self.lm_head(self.model.norm(h))
 
+    def step(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Decoding: logits [B, S, V] (or [B, 1, V] with `last_only`) for input_ids [B, S], the tokens
+        that follow the `cache.length` tokens the cache holds (none at first: the prompt); the cache
+        then holds these as well. Each token costs attention over the kept keys only, so a long sample
+        is not quadratic. Equal to `forward` over the whole sequence (tests/test_generate_cache.py)."""
+        S = input_ids.shape[1]
+        positions = torch.arange(cache.length, cache.length + S, device=input_ids.device)
+        rope = {key: rotary_cos_sin(positions, inv) for key, inv in self.model._inv_freq.items()}
+        h = self.model(input_ids, rope, cache=cache)
+        cache.length += S
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.model.norm(h))
+
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *, mtp_loss_weight: float = 0.0,
              moe_aux_loss_coef: float = 0.0, loss_chunk_size: int = 1024,
              position_ids: torch.Tensor | None = None) -> LossOutput:
@@ -197,22 +233,43 @@ class Step35ForCausalLM(nn.Module):
         of trained labels (1 without masked labels); 0 does not compute it. position_ids:
         as in `forward`. Besides the means, the output holds the sums and counts behind them.
 
+        Under context parallelism (`context_parallel` set) every rank of a cp group passes the same
+        whole rows; each computes its share and the returned losses and count are those of the
+        whole rows (sums over the cp group), identical on its ranks.
+
         A separate method, not a `forward` flag: under FSDP2 the sharding code registers it as a
         forward method (register_fsdp_forward_method), so the root's parameters are gathered for it."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        cp = self.context_parallel
+        shard = None
+        if cp is not None:
+            if moe_aux_loss_coef > 0:
+                raise ValueError("moe_aux_loss_coef > 0 with context parallelism: the sequence balance loss needs "
+                                 "each whole sequence on one rank; set it to 0 or context_parallel_size to 1")
+            if position_ids is not None and position_ids.shape != input_ids.shape:
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, "
+                                 f"input_ids {tuple(input_ids.shape)}")
+            shard = cp.split(input_ids, position_ids)
+        take = (lambda x: x) if shard is None else (lambda x: cp.take(shard, x))
+        parts = (lambda t: t) if cp is None else cp.sum  # loss sums and counts of the whole rows
         router_aux = None
         if moe_aux_loss_coef > 0:
             # Each sequence's balance loss counts by its share of trained labels (1 for plain text).
             trained = (labels != IGNORE_INDEX).sum(1)  # [B]
             router_aux = RouterAuxLosses(trained / trained.new_full((), max(labels.shape[1], 1)))
-        h, rope, documents = self._trunk(input_ids, position_ids, router_aux)
-        total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
+        h, rope, documents = self._trunk(take(input_ids), None if position_ids is None else take(position_ids),
+                                         router_aux, shard)
+        total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, take(labels), loss_chunk_size)
+        total, count = parts(total), parts(count)
         lm_loss = total / count.clamp(min=1)
         mtp_sums, mtp_counts = [], []
         if mtp_loss_weight > 0:
-            mtp_sums, mtp_counts = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size, documents)
-        mtp_losses = [total / count.clamp(min=1) for total, count in zip(mtp_sums, mtp_counts)]
+            # Document ids of the whole rows (the MTP shift runs on whole rows, also under cp).
+            document_ids = DocumentMask(position_ids).ids if position_ids is not None else None
+            mtp_sums, mtp_counts = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size, documents,
+                                                    document_ids, take, parts)
+        mtp_losses = [s / c.clamp(min=1) for s, c in zip(mtp_sums, mtp_counts)]
         loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
         aux_loss = None
         if router_aux is not None and router_aux.losses:
@@ -222,35 +279,46 @@ class Step35ForCausalLM(nn.Module):
                           lm_sum=total, mtp_sums=mtp_sums, mtp_counts=mtp_counts)
 
     def _trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-               router_aux: RouterAuxLosses | None = None) -> tuple[torch.Tensor, dict, DocumentMask | None]:
-        """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask)."""
+               router_aux: RouterAuxLosses | None = None,
+               shard: SequenceShard | None = None) -> tuple[torch.Tensor, dict, Documents | None]:
+        """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask).
+        shard: this rank's share under context parallelism (input_ids and position_ids are then the
+        local tokens; RoPE takes their global positions, attention the shard's exchanges)."""
         if position_ids is not None and position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")
+        if shard is not None:
+            rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device,
+                                            shard.positions if position_ids is None else position_ids)
+            return self.model(input_ids, rope, router_aux=router_aux, documents=shard), rope, shard
         documents = DocumentMask(position_ids) if position_ids is not None else None
         rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         return self.model(input_ids, rope, router_aux=router_aux, documents=documents), rope, documents
 
     def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
-                    chunk_size: int, documents: DocumentMask | None = None) -> tuple[list, list]:
+                    chunk_size: int, documents: Documents | None = None, document_ids: torch.Tensor | None = None,
+                    take=lambda x: x, parts=lambda t: t) -> tuple[list, list]:
         """(summed loss, counted targets) per MTP depth.
 
         Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
         x_{t+k+1} = labels[t+k]; the last k positions have no target. The token read comes from
         input_ids, not labels: a masked label (-100: prompt, padding) still has its token there.
-        With packed documents, position t + k in another document than t gives no target: its
-        token is not in t's context (a document alone would end before it)."""
+        With packed documents (`document_ids` [B, S] of the whole rows), position t + k in another
+        document than t gives no target: its token is not in t's context (a document alone would end
+        before it). Under context parallelism input_ids and labels are the whole rows: the shift is
+        done on them and the result taken (`take`), so a token k ahead on another rank needs no
+        exchange; `parts` sums the loss sum and count over the cp ranks."""
         sums, counts = [], []
         for k, layer in enumerate(self.model.mtp_layers, start=1):
             next_ids = _shift_left(input_ids, k, fill=0)
             targets = _shift_left(labels, k, fill=IGNORE_INDEX)
-            if documents is not None:
-                crosses = _shift_left(documents.ids, k, fill=-1) != documents.ids  # [B, S]
+            if document_ids is not None:
+                crosses = _shift_left(document_ids, k, fill=-1) != document_ids  # [B, S]
                 targets = targets.masked_fill(crosses, IGNORE_INDEX)
             key = self.model.rope_keys[layer.spec.layer_id]
-            h, total, count = layer(h, self.model.embed_tokens(next_ids), *rope[key], labels=targets,
+            h, total, count = layer(h, self.model.embed_tokens(take(next_ids)), *rope[key], labels=take(targets),
                                     chunk_size=chunk_size, documents=documents)
-            sums.append(total)
-            counts.append(count)
+            sums.append(parts(total))
+            counts.append(parts(count))
         return sums, counts
 
     @torch.no_grad()

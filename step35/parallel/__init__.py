@@ -4,8 +4,8 @@ Nothing here knows about data; the model knows nothing of this package (the expe
 injected into each MoE module by `parallelize`)."""
 
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
-from step35.parallel.mesh import Meshes, ParallelConfigError, ParallelDims, valid_ep_sizes
+from step35.parallel.mesh import Meshes, ParallelConfigError, ParallelDims, valid_cp_sizes, valid_ep_sizes
 from step35.parallel.parallelize import parallelize
 
 __all__ = ["Meshes", "ParallelConfigError", "ParallelDims", "clip_grad_norm_", "global_grad_norm", "parallelize",
-           "valid_ep_sizes"]
+           "valid_cp_sizes", "valid_ep_sizes"]

@@ -3,7 +3,12 @@
 - dense part: FSDP over all ranks, or HSDP as (replicate, shard) when replicate_size > 1;
 - routed experts: the same ranks as (efsdp, ep): experts `Shard(0)` over `ep` (contiguous ranks),
   FSDP over `efsdp` = world / ep.
-Every rank is a data-parallel rank: each reads its own micro-batches.
+- context parallelism (cp > 1): the same ranks as (dp, cp), cp contiguous ranks sharing each
+  sequence (step35/parallel/context.py). The dense FSDP mesh and the expert meshes above still span
+  every rank, so the dense mesh is dp x cp, EP draws from the same ranks and gradients are reduced
+  over dp x cp.
+Without cp every rank is a data-parallel rank and reads its own micro-batches; with cp the ranks of
+one cp group are one data-parallel rank and read the same ones.
 """
 
 from __future__ import annotations
@@ -23,17 +28,30 @@ def valid_ep_sizes(world_size: int, num_experts: int | None = None) -> list[int]
             if world_size % d == 0 and (num_experts is None or num_experts % d == 0)]
 
 
+def valid_cp_sizes(world_size: int, seq_len: int | None = None) -> list[int]:
+    """Context-parallel sizes that divide the world size and, when given, split `seq_len` into 2 x cp
+    equal chunks (the load-balanced split), ascending."""
+    return [d for d in range(1, world_size + 1)
+            if world_size % d == 0 and (seq_len is None or seq_len % (2 * d) == 0 or d == 1)]
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
     expert_parallel_size: int = 1
     replicate_size: int = 1
     num_experts: int | None = None
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         ws, ep, rep = self.world_size, self.expert_parallel_size, self.replicate_size
         if ws < 1:
             raise ParallelConfigError(f"world size must be >= 1, got {ws}")
+        cp = self.context_parallel_size
+        if cp < 1 or cp > ws or ws % cp:
+            why = "is larger than" if cp > ws else "must divide"
+            raise ParallelConfigError(f"context_parallel_size={cp} {why} the world size {ws} (valid: "
+                                      f"{valid_cp_sizes(ws)})")
         if ep < 1 or ws % ep:
             raise ParallelConfigError(f"expert_parallel_size={ep} must divide the world size {ws}")
         if self.num_experts is not None and self.num_experts % ep:
@@ -42,6 +60,22 @@ class ParallelDims:
                                       f"{valid_ep_sizes(ws, self.num_experts)})")
         if rep < 1 or ws % rep:
             raise ParallelConfigError(f"replicate_size={rep} must divide the world size {ws}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: groups of cp ranks that read different micro-batches."""
+        return self.world_size // self.context_parallel_size
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        return global_rank // self.context_parallel_size
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Refuse a sequence length the cp split cannot cut in 2 x cp equal chunks, listing valid cp sizes."""
+        cp = self.context_parallel_size
+        if cp > 1 and seq_len % (2 * cp):
+            raise ParallelConfigError(f"context_parallel_size={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} "
+                                      f"(two chunks per rank); data.seq_len={seq_len} (valid cp sizes for this "
+                                      f"world size {self.world_size}: {valid_cp_sizes(self.world_size, seq_len)})")
 
     @property
     def efsdp(self) -> int:
@@ -65,7 +99,11 @@ class ParallelDims:
         if self.expert_parallel_size > 1:
             experts = init_device_mesh(device_type, (self.efsdp, self.expert_parallel_size),
                                        mesh_dim_names=("efsdp", "ep"))
-        return Meshes(self, dense, experts)
+        context = None
+        if self.context_parallel_size > 1:
+            context = init_device_mesh(device_type, (self.data_parallel_size, self.context_parallel_size),
+                                       mesh_dim_names=("dp", "cp"))
+        return Meshes(self, dense, experts, context)
 
 
 @dataclass
@@ -73,3 +111,9 @@ class Meshes:
     dims: ParallelDims
     dense: "torch.distributed.device_mesh.DeviceMesh"
     experts: "torch.distributed.device_mesh.DeviceMesh | None"  # (efsdp, ep), None when ep == 1
+    context: "torch.distributed.device_mesh.DeviceMesh | None" = None  # (dp, cp), None when cp == 1
+
+    def data_parallel_group(self):
+        """The ranks over which a per-batch quantity (a token count) is summed once per data-parallel
+        rank: those at this rank's cp position, one per cp group; None (the world) without cp."""
+        return self.context["dp"].get_group() if self.context is not None else None

@@ -14,6 +14,7 @@ from torch import nn
 
 from step35.model import Step35ForCausalLM
 from step35.model.lora import is_adapter
+from step35.parallel.context import ContextParallel
 from step35.parallel.expert_parallel import shard_experts
 from step35.parallel.mesh import Meshes
 
@@ -24,6 +25,8 @@ def parallelize(model: Step35ForCausalLM, meshes: Meshes, *, activation_checkpoi
                 compile: bool = False, reshard_after_forward: bool = True,
                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32) -> None:
     layers = list(model.model.layers)
+    if meshes.context is not None:  # the model computes its share of each sequence (parallel/context.py)
+        model.context_parallel = ContextParallel(meshes.context["cp"].get_group())
     if meshes.experts is not None:
         for layer in layers:
             if layer.spec.is_moe:

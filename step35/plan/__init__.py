@@ -1,7 +1,8 @@
 """`step35 plan`: will a training config fit on its devices, and how fast could it go.
 
 settings (the fit parser) -> world (fake process group, meta model, real sharding) -> state, activations,
-memory phases, speed -> report; suggest tries nearby layouts. See docs/plan.md.
+memory phases, speed -> report; suggest tries nearby layouts, a LoRA fine-tune and context parallelism.
+A LoRA run (model.lora) is counted by lora.py: frozen base, adapters, their activations. See docs/plan.md.
 """
 
 from step35.plan.planner import Plan, make_plan

@@ -20,7 +20,7 @@ from step35.plan.devices import DEFAULT_FOR_ACCELERATOR, DEVICES, Device
 from step35.plan.planner import make_plan
 from step35.plan.report import as_json, text
 from step35.plan.settings import PlanInputError, read_settings
-from step35.plan.suggest import suggest
+from step35.plan.suggest import other_ways, suggest
 
 FITS, DOES_NOT_FIT, INVALID = 0, 1, 2
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return INVALID
     if not plan.verdict.fits and not args.no_suggestions:
         plan.suggestions = suggest(settings, evaluate)
+        plan.other_ways = other_ways(settings, plan, evaluate, allocator_margin=args.allocator_margin)
     print(as_json(plan) if args.json else text(plan))
     return FITS if plan.verdict.fits else DOES_NOT_FIT
 

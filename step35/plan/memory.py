@@ -61,14 +61,17 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
         if g.name != "root" and g.runs:
             by_layer.setdefault(g.name.split(".moe")[0], []).append(g)
     blocks = [sum(g.unsharded_numel for g in gs) for gs in by_layer.values()]
-    trainable_blocks = [sum(g.unsharded_numel for g in gs if g.trainable) for gs in by_layer.values()]
+    trainable_blocks = [sum(g.grad_numel for g in gs) for gs in by_layer.values()]
     biggest = max(blocks, default=0)
     rs_copy = r if r != a else 0
-    lm_head = V * H if root.trainable else 0  # the lm_head gradient, unsharded from the loss backward on
+    # lm_head trained (always in a full fine-tune; under LoRA only when named): its gradient is
+    # unsharded from the loss backward on, and the loss builds it in an fp32 accumulator.
+    lm_head_trained = root.trainable if s.lora is None else s.lora.adapts("lm_head")
+    lm_head = V * H if lm_head_trained else 0
     tokens = s.micro_batch_size * s.seq_len
     ep_rows = tokens * cfg.moe_top_k if cfg.use_moe and s.expert_parallel_size > 1 else 0
     loss_fwd = chunk * V * (a + 2 * 4)  # h @ W^T, its fp32 copy, the exp of logsumexp
-    loss_bwd = 2 * V * H * 4 + V * H * a + chunk * V * (2 * a + 2 * 4)
+    loss_bwd = (2 * V * H * 4 + V * H * a if lm_head_trained else 0) + chunk * V * (2 * a + 2 * 4)
     trainable_local = state.grads
     foreach = s.expert_parallel_size == 1  # module._foreach_ok: one mesh only
     optimizer = trainable_local if foreach else 2 * state.largest_local_param
@@ -82,7 +85,7 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
         gathered_blocks=gathered,
         block_grads=max(trainable_blocks, default=0) * a,
         reduce_scatter=max(trainable_blocks, default=0) * rs_copy,
-        root_grads=(root.unsharded_numel * (a + rs_copy)) if root.trainable else 0,
+        root_grads=root.grad_numel * (a + rs_copy),
         lm_head_grad=lm_head * a,
         all_to_all=2 * ep_rows * H * a,
         loss_forward=loss_fwd, loss_backward=loss_bwd, optimizer=optimizer)

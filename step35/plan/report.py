@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 import torch
 
-from step35.plan.planner import GiB, Plan
+from step35.plan.lora import activations_per_token
+from step35.plan.planner import GiB, Plan, activation_shape
 
 
 def _gib(n: float) -> str:
@@ -30,6 +31,23 @@ def layout_line(p: Plan) -> str:
             f"{s.activation_checkpointing}; micro-batch {s.micro_batch_size} x seq {s.seq_len}")
 
 
+def adapter_activation_line(p: Plan) -> str:
+    """Bytes per token the adapters keep, by layer kind (per layer, and how many layers), and the total."""
+    s = p.settings
+    mtp = s.num_mtp_layers if s.train_mtp else 0
+    per_layer = activations_per_token(s.model_config, s.lora, activation_shape(s).act_bytes,
+                                      s.activation_checkpointing, num_mtp_layers=mtp)
+    kinds: dict[str, list[float]] = {}
+    for by_kind in per_layer.values():
+        for kind, per_token in by_kind.items():
+            kinds.setdefault(kind, []).append(per_token)
+    total = sum(sum(v) for v in kinds.values()) * activation_shape(s).tokens
+    where = {"none": "kept", "selective": "kept (with their matmul results)",
+             "full": "not kept: rebuilt block by block in backward"}
+    return (", ".join(f"{k} {max(v):,.0f} B/token x {len(v)} layers" for k, v in kinds.items())
+            + f"; {total / GiB:.2f} GiB per micro-batch over all layers, {where[s.activation_checkpointing]}")
+
+
 def text(p: Plan) -> str:
     s, st, t, v, sp = p.settings, p.state, p.transients, p.verdict, p.speed
     cfg = s.model_config
@@ -44,12 +62,21 @@ def text(p: Plan) -> str:
         f"gradient reduce {_dtype(s.reduce_dtype)}",
         f"device     {p.device.name}: {v.device_memory / GiB:.1f} GiB",
     ]
+    if s.lora is not None:
+        lines.append(f"lora       {s.lora.describe()}; {_count(st.adapters_total)} adapter parameters, base frozen "
+                     f"in {_dtype(s.base_dtype)} (no gradients, no optimizer state)")
     lines += [f"note       {n}" for n in s.notes]
     lines += ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
     lines += [f"    parameters          {_gib(st.params)}   {st.params_local / 1e6:,.1f} M local values",
               f"    gradients           {_gib(st.grads)}   trainable shards",
               f"    optimizer states    {_gib(st.optimizer)}   AdamW exp_avg + exp_avg_sq",
               f"    buffers             {_gib(st.buffers)}   router biases, token counters"]
+    if s.lora is not None:
+        full = st.params - st.frozen - st.adapter_params
+        lines[-4:-3] = [f"    frozen base         {_gib(st.frozen)}   {_dtype(s.base_dtype)} shards, no gradients",
+                        f"    LoRA adapters       {_gib(st.adapter_params)}   {_dtype(s.stored_dtype)} local shards"]
+        if full:
+            lines.insert(len(lines) - 3, f"    full targets        {_gib(full)}   {_dtype(s.stored_dtype)}, trained whole")
     if st.expert_shapes:
         shapes = ", ".join(f"{k.removesuffix('.weight')} {v}" for k, v in st.expert_shapes.items())
         lines.append(f"    local experts of one MoE layer: {shapes}")
@@ -63,13 +90,15 @@ def text(p: Plan) -> str:
                   f"({_dtype(s.compute_dtype)}) + {_dtype(s.reduce_dtype)} copy"]
     if s.sharded and s.expert_parallel_size > 1:
         lines.append(f"    EP all-to-all       {_gib(t.all_to_all)}   receive + regrouped rows, one MoE layer")
-    lines += [f"    loss backward       {_gib(t.loss_backward)}   fp32 [vocab, hidden] gradient + chunk of "
-              f"{s.loss_chunk_size} logits",
+    lm_head_grad = "fp32 [vocab, hidden] gradient + " if s.lora is None or s.lora.adapts("lm_head") else ""
+    lines += [f"    loss backward       {_gib(t.loss_backward)}   {lm_head_grad}chunk of {s.loss_chunk_size} logits",
               f"  activations         {_gib(p.activations.total)}   {s.activation_checkpointing} checkpointing, "
               f"one micro-batch" + (f" (+{_gib(p.activations.recompute).strip()} rebuilt per block in backward)"
                                      if p.activations.recompute else "")]
     parts = sorted(p.activations.parts.items(), key=lambda kv: -kv[1])[:6]
     lines.append("    largest parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts) + " GiB")
+    if s.lora is not None:
+        lines.append("    LoRA adapters add: " + adapter_activation_line(p))
     lines += ["", "  peak by phase"]
     for ph in p.phases:
         mark = "  <- peak" if ph.name == v.peak_phase else ""
@@ -103,7 +132,15 @@ def text(p: Plan) -> str:
                          f"({alt.verdict.required / GiB:.1f} of {alt.verdict.device_memory / GiB:.1f} GiB)")
     elif not v.fits:
         lines += ["", "No layout with up to 64x the nodes fits this device."]
+    if p.other_ways:
+        lines += ["", "Other ways on the same devices:"]
+        lines += [f"  {w.what}: {_verdict(w.verdict)}" for w in p.other_ways]
     return "\n".join(lines)
+
+
+def _verdict(v) -> str:
+    return (f"FITS, {v.margin_pct:.0f}% margin" if v.fits else "DOES NOT FIT") + \
+        f" ({v.required / GiB:.1f} of {v.device_memory / GiB:.1f} GiB)"
 
 
 def _summary(p: Plan) -> dict:
@@ -132,6 +169,11 @@ def as_dict(p: Plan) -> dict:
         "verdict": asdict(p.verdict),
         "speed": asdict(p.speed),
         "suggestions": [_summary(alt) for alt in p.suggestions],
+        "other_ways": [{"what": w.what, "estimate": w.estimate, "fits": w.verdict.fits,
+                        "required_bytes": w.verdict.required, "margin_pct": round(w.verdict.margin_pct, 2)}
+                       for w in p.other_ways],
+        "lora": None if s.lora is None else {**asdict(s.lora), "adapter_params": p.state.adapters_total,
+                                             "base_dtype": _dtype(s.base_dtype)},
         "notes": s.notes,
         "seconds": round(p.seconds, 3),
     }

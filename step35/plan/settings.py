@@ -4,6 +4,7 @@ same defaults), without instantiating the trainer, the model or the data."""
 from __future__ import annotations
 
 import logging
+import tempfile
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from step35.config import Step35Config, load_config
+from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 STEP35_STRATEGY = "step35.strategy.Step35Strategy"
@@ -44,6 +46,8 @@ class RunSettings:
     loss_chunk_size: int = 1024
     accumulate_grad_batches: int = 1
     document_masking: bool = False
+    lora: LoraSettings | None = None  # model.lora: frozen base in the compute dtype, adapters trained
+    finetune: bool = False  # model.checkpoint given: the run starts from trained weights
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -52,8 +56,13 @@ class RunSettings:
 
     @property
     def stored_dtype(self) -> torch.dtype:
-        """The dtype parameters, gradients and AdamW states are kept in (Lightning's precision)."""
+        """The dtype trained parameters, their gradients and AdamW states are kept in (Lightning's precision)."""
         return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(self.precision, torch.float32)
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The dtype of the parameters held: the stored dtype, or under LoRA the compute dtype of the frozen base."""
+        return self.compute_dtype if self.lora is not None else self.stored_dtype
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -66,6 +75,57 @@ class RunSettings:
 
     def with_layout(self, **changes: Any) -> "RunSettings":
         return replace(self, notes=list(self.notes), **changes)
+
+
+def _yaml(text: str, where: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise PlanInputError(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from None
+
+
+def split_lora_args(args: list[str], folder: str) -> tuple[list[str], Any]:
+    """`args` without model.lora, and model.lora's value (None when absent). The plan reads and checks
+    model.lora itself (lora.parse_lora), so that its messages are the same whether or not the trainer's
+    parser knows the option (a parser without it would refuse the key). A YAML given by --config that holds
+    model.lora is copied into `folder` without it; --model.lora / --model.lora.<key> overrides are
+    taken out and applied over the YAML's value (last one wins, as in the fit parser)."""
+    out: list[str] = []
+    lora: Any = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, inline = arg.partition("=")
+        takes_value = not eq and i + 1 < len(args)
+        if name in ("--config", "-c") and (eq or takes_value):
+            path = inline if eq else args[i + 1]
+            i += 1 if eq else 2
+            raw = _yaml(Path(path).read_text(), f"--config {path}") if Path(path).is_file() else None
+            model = raw.get("model") if isinstance(raw, dict) else None
+            if isinstance(model, dict) and "lora" in model:
+                lora = model.pop("lora")
+                import yaml
+
+                path = str(Path(folder) / f"{len(out)}-{Path(path).name}")
+                Path(path).write_text(yaml.safe_dump(raw, sort_keys=False))
+            out += ["--config", path]
+            continue
+        if name == "--model.lora" or name.startswith("--model.lora."):
+            if not (eq or takes_value):
+                raise PlanInputError(f"{name}: needs a value")
+            value = _yaml(inline if eq else args[i + 1], name)
+            i += 1 if eq else 2
+            if name == "--model.lora":
+                lora = value
+            else:
+                lora = dict(lora) if isinstance(lora, dict) else {}
+                lora[name.removeprefix("--model.lora.")] = value
+            continue
+        out.append(arg)
+        i += 1
+    return out, lora
 
 
 def parse_fit_args(args: list[str]):
@@ -128,9 +188,14 @@ def _count(value, name: str) -> int:
     raise PlanInputError(f"{name}={value!r}: the plan needs an explicit count (e.g. --{name} 8)")
 
 
-def settings_from_namespace(cfg) -> RunSettings:
+def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
+    """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
     config, source, notes = _model_config(model)
+    try:
+        lora = parse_lora(lora, config)
+    except LoraInputError as err:
+        raise PlanInputError(str(err)) from None
     accelerator = str(trainer.accelerator)
     device = {"gpu": "cuda", "cuda": "cuda", "npu": "npu", "cpu": "cpu"}.get(accelerator)
     if device is None:
@@ -146,7 +211,8 @@ def settings_from_namespace(cfg) -> RunSettings:
         accelerator=device, devices_per_node=devices, num_nodes=nodes, sharded=class_path == STEP35_STRATEGY,
         precision=str(trainer.precision), seq_len=data.seq_len, micro_batch_size=data.micro_batch_size,
         loss_chunk_size=model.loss_chunk_size, accumulate_grad_batches=int(trainer.accumulate_grad_batches or 1),
-        document_masking=bool(data.get("document_masking", False)), notes=notes)
+        document_masking=bool(data.get("document_masking", False)), lora=lora, finetune=bool(model.get("checkpoint")),
+        notes=notes)
     if settings.sharded:
         args = strategy.init_args
         settings = settings.with_layout(
@@ -158,10 +224,15 @@ def settings_from_namespace(cfg) -> RunSettings:
     elif settings.world_size > 1:
         raise PlanInputError(f"trainer.strategy={class_path or strategy!r} on {settings.world_size} devices: the plan "
                              f"models {STEP35_STRATEGY} (FSDP2 + expert parallel), or one unsharded device")
+    if lora is not None and lora.adapts("mtp") and not settings.train_mtp:
+        settings.notes.append("model.lora.targets names mtp but no MTP loss is trained (model.mtp_loss_weight 0 "
+                              "or no MTP layers): their adapters are held but get no gradient")
     if settings.precision not in ("32-true", "32", "bf16-true", "bf16-mixed", "16-true"):
         raise PlanInputError(f"trainer.precision={settings.precision!r}: plan knows 32-true, bf16-true, bf16-mixed, 16-true")
     return settings
 
 
 def read_settings(args: list[str]) -> RunSettings:
-    return settings_from_namespace(parse_fit_args(args))
+    with tempfile.TemporaryDirectory(prefix="step35-plan-") as folder:
+        args, lora = split_lora_args(args, folder)
+        return settings_from_namespace(parse_fit_args(args), lora)

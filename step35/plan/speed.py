@@ -10,6 +10,7 @@ import torch
 
 from step35.flops import attention_flops_per_token, training_flops_per_token
 from step35.plan.devices import Device
+from step35.plan.lora import trained_tensors
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup
 
@@ -36,13 +37,32 @@ def _bytes(dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def adapter_params_per_token(s: RunSettings) -> float:
+    """Adapter parameters one token passes through in a LoRA run (a routed expert's adapters for top-k
+    of the experts; MTP layers only when they run). Each costs 2 FLOPs forward and 4 backward, while
+    the frozen base's matmuls skip their weight gradients (4 of their 6 FLOPs per parameter remain)."""
+    cfg = s.model_config
+    mtp = s.num_mtp_layers if s.train_mtp else 0
+    active = 0.0
+    for t in trained_tensors(cfg, s.lora, s.num_mtp_layers):
+        if not t.adapter or (t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp):
+            continue  # full targets are in the base count; MTP layers that do not run
+        active += t.numel * (cfg.moe_top_k / cfg.moe_num_experts if t.expert else 1.0)
+    return active
+
+
 def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
     attention = attention_flops_per_token(cfg, s.seq_len, mtp)
+    forward = fpt / 3
+    if s.lora is not None:
+        adapters = adapter_params_per_token(s)
+        fpt = attention + (fpt - attention) * 4 / 6 + 6 * adapters
+        forward += 2 * adapters
     if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)
-        hw = fpt + (fpt - 6 * cfg.vocab_size * cfg.hidden_size) / 3
+        hw = fpt + forward - 2 * cfg.vocab_size * cfg.hidden_size
     elif s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
         hw = fpt + attention / 3
     else:
@@ -74,8 +94,7 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
             share = (g.ranks - 1) / g.ranks
             times = 2 if (s.reshard_after_forward and g.name != "root") else 1
             gather += g.unsharded_numel * a * share * times * micro_batches
-            if g.trainable:
-                reduce += g.unsharded_numel * r * share * micro_batches
+            reduce += g.grad_numel * r * share * micro_batches  # LoRA: adapters and full targets only
         link = device.inter_node_gbps if nodes > 1 else device.intra_node_gbps
         t = (gather + reduce) / (link * 1e9)
         if nodes > 1:

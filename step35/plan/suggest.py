@@ -1,11 +1,17 @@
 """Nearest layouts that fit, when the asked one does not (or is invalid): other expert-parallel sizes,
-more activation checkpointing, smaller micro-batches on the same devices; failing those, more nodes."""
+more activation checkpointing, smaller micro-batches on the same devices; failing those, more nodes.
+Beside them, other ways to train (`other_ways`): a LoRA fine-tune for a fine-tuning config, and a
+context-parallel size for a long sequence (an estimate until context parallelism lands)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from step35.parallel import valid_ep_sizes
+from step35.plan.context import context_parallel_phases
+from step35.plan.lora import LoraInputError, parse_lora
+from step35.plan.memory import Verdict, verdict
 from step35.plan.settings import RunSettings
 
 AC_ORDER = ("none", "selective", "full")
@@ -75,3 +81,65 @@ def suggest(s: RunSettings, evaluate: Callable, limit: int = 5) -> list:
         if plan.verdict.fits:
             return [plan]
     return []
+
+
+LORA_RANKS = (32, 16, 8, 4, 2, 1)  # the suggested rank: 32, or the largest every adapted layer allows
+LONG_SEQ = 8192  # from here on a sequence is long enough to suggest context parallelism
+
+
+@dataclass
+class OtherWay:
+    """Another way to train the same model on the same devices, with its verdict."""
+
+    what: str  # the change, in the config's words
+    verdict: Verdict
+    estimate: bool  # True: computed for a feature step35 does not have yet
+
+
+def lora_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
+    """A LoRA fine-tune (default targets, rank 32 or the largest that fits every layer) of a config
+    that fine-tunes (model.checkpoint) in full; with full checkpointing too when that is what fits."""
+    if s.lora is not None or not s.finetune:
+        return None
+    for rank in LORA_RANKS:
+        try:
+            lora = parse_lora({"rank": rank}, s.model_config)
+            break
+        except LoraInputError:
+            continue
+    else:
+        return None
+    tries = [s.with_layout(lora=lora)]
+    if s.activation_checkpointing != "full":
+        tries.append(s.with_layout(lora=lora, activation_checkpointing="full"))
+    for layout in tries:
+        plan = evaluate(layout)
+        if plan.verdict.fits:
+            break
+    ac = (f", activation_checkpointing {layout.activation_checkpointing}"
+          if layout.activation_checkpointing != s.activation_checkpointing else "")
+    return OtherWay(f"LoRA fine-tune (model.lora: {{rank: {lora.rank}}}: base frozen in bf16, "
+                    f"adapters of expert rank {lora.expert_rank} on the routed experts{ac})", plan.verdict, False)
+
+
+def context_parallel_way(s: RunSettings, plan, *, allocator_margin: float) -> OtherWay | None:
+    """The smallest context-parallel size (a power of two dividing the world and the sequence) whose
+    estimate fits (context.context_parallel_phases); else the largest tried, with its verdict."""
+    if s.seq_len < LONG_SEQ or not s.sharded:
+        return None
+    found = None
+    cp = 2
+    while cp <= s.world_size and s.world_size % cp == 0 and s.seq_len % (2 * cp) == 0:
+        v = verdict(context_parallel_phases(s, plan.phases, cp), plan.verdict.device_memory, allocator_margin,
+                    plan.verdict.runtime_reserve)
+        found = OtherWay(f"context parallel size {cp} (seq {s.seq_len} over {cp} ranks: {s.seq_len // cp} "
+                         "tokens each; ESTIMATE until context parallelism lands)", v, True)
+        if v.fits:
+            break
+        cp *= 2
+    return found
+
+
+def other_ways(s: RunSettings, plan, evaluate: Callable, *, allocator_margin: float) -> list[OtherWay]:
+    return [w for w in (lora_way(s, evaluate), context_parallel_way(s, plan, allocator_margin=allocator_margin))
+            if w is not None]

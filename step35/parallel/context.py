@@ -1,0 +1,216 @@
+"""Context parallelism: every sequence of a micro-batch split over the `cp` ranks of its group.
+
+Split (load-balanced for causal attention): the S tokens are cut in 2 cp chunks of c = S / (2 cp);
+cp rank r holds chunk r and chunk 2 cp - 1 - r, so every rank has one cheap (early) and one
+expensive (late) chunk and the same attention work. Deterministic: a function of (S, cp, r) only.
+
+All ranks of a cp group read the same window from the data stream (they are one data-parallel
+rank) and each takes its share here, before the first layer: no scatter is needed.
+
+Attention, per layer (step35.kernels.SequenceShard.attend decides which):
+- full layers and sliding windows longer than a chunk: all-gather of K/V over the cp group (small
+  under GQA; docs/parallelism.md has the bytes), backward reduce-scatters dK/dV to their owners;
+- sliding windows of at most chunk + 1 keys: a halo exchange of the window - 1 keys that precede
+  each local chunk, point to point with the neighbouring cp ranks, never the whole sequence.
+MTP depth k: its shifted inputs and targets are built on the whole rows before the split
+(Step35ForCausalLM.loss), so no token has to cross ranks. Loss sums and token counts are summed
+over the cp group (`sum`), so the mean is that of one process holding the whole sequence.
+
+Shape legend: B batch, S sequence, L = 2 c local tokens, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from step35.kernels import SequenceShard
+from step35.parallel.mesh import ParallelConfigError
+
+
+def chunk_size(seq_len: int, cp: int) -> int:
+    """Tokens per chunk (each rank holds two), or a one-line error naming the valid cp sizes."""
+    if seq_len % (2 * cp):
+        valid = [d for d in range(1, min(seq_len // 2, 64) + 1) if seq_len % (2 * d) == 0]
+        raise ParallelConfigError(f"context_parallel_size={cp} needs a sequence length divisible by 2 x cp = "
+                                  f"{2 * cp} (two chunks per rank); got {seq_len} tokens (cp sizes up to 64 that "
+                                  f"split it: {valid})")
+    return seq_len // (2 * cp)
+
+
+def chunk_owner(j: int, cp: int) -> tuple[int, int]:
+    """(rank, slot) holding global chunk j: chunks 0..cp-1 are the ranks' first slots, the rest their
+    second slots in reverse (chunk 2 cp - 1 - r on rank r)."""
+    return (j, 0) if j < cp else (2 * cp - 1 - j, 1)
+
+
+def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """[2 c] global positions of rank `rank`'s tokens: chunk r, then chunk 2 cp - 1 - r."""
+    c = chunk_size(seq_len, cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
+
+
+class ContextParallel:
+    """Installed on the model as `model.context_parallel` by `parallelize` when cp > 1; the model
+    calls `split` once per loss, `take` on each whole-row tensor and `sum` on its loss sums and counts
+    (it never sees a process group)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.peers = [dist.get_global_rank(group, i) for i in range(self.size)]
+
+    def split(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> SequenceShard:
+        """The SequenceShard of rows [B, S] (the same rows on every rank of the cp group)."""
+        S = input_ids.shape[1]
+        c = chunk_size(S, self.size)
+        positions = local_positions(S, self.size, self.rank, input_ids.device)
+        doc_ids = torch.cumsum(position_ids == 0, dim=1) if position_ids is not None else None  # as DocumentMask
+        return SequenceShard(positions, S, c, doc_ids, gather=self.gather, halo=self.halo)
+
+    @staticmethod
+    def take(shard: SequenceShard, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens [B, L] of whole rows x [B, S]."""
+        return x[:, shard.positions]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the cp group; differentiable: every cp rank backpropagates the same whole-row loss,
+        so a share's gradient is the sum of the ranks' upstream gradients (cp times one). That factor
+        cancels FSDP's division by dp x cp: the reduced gradient is the mean over data-parallel groups."""
+        if t.requires_grad:
+            return _AllReduceSum.apply(t, self.group)
+        t = t.clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., L, D] local -> [..., S, D] the whole sequence in global order."""
+        return _GatherSequence.apply(x, self.group, self.size)
+
+    def halo(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """[..., L, D] local -> [..., 2 n, D]: the n tokens before the first local chunk, then the n
+        before the second (zeros before the sequence's start, and before the last rank's second chunk,
+        whose preceding keys are its own first chunk)."""
+        c = x.shape[-2] // 2
+        if not 0 < n <= c:
+            raise ParallelConfigError(f"a halo of {n} keys does not fit in one chunk of {c} tokens: a sliding "
+                                      f"window longer than chunk + 1 = {c + 1} must gather the whole sequence")
+        return _Halo.apply(x, n, self)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every cp rank's loss depends on every rank's part through this sum: the part's gradient is
+        # the sum of all ranks' upstream gradients.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _chunk_order(cp: int) -> list[int]:
+    """For each global chunk j, its index in the rank-major gathered layout [rank, slot]."""
+    order = []
+    for j in range(2 * cp):
+        rank, slot = chunk_owner(j, cp)
+        order.append(2 * rank + slot)
+    return order
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim -2 then reorder chunks to global order; backward: reorder back and
+    reduce-scatter (each rank gets the sum over ranks of the gradient of its own chunks)."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp):
+        ctx.group, ctx.cp = group, cp
+        L = x.shape[-2]
+        seq_first = x.movedim(-2, 0).contiguous()  # [L, ...]
+        out = seq_first.new_empty((cp * L, *seq_first.shape[1:]))
+        dist.all_gather_single(out, seq_first, group=group)
+        chunks = out.view(2 * cp, L // 2, *seq_first.shape[1:])
+        ordered = chunks[_chunk_order(cp)].reshape(cp * L, *seq_first.shape[1:])
+        return ordered.movedim(0, -2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        seq_first = grad.movedim(-2, 0)
+        S = seq_first.shape[0]
+        c = S // (2 * cp)
+        chunks = seq_first.reshape(2 * cp, c, *seq_first.shape[1:])
+        inverse = [0] * (2 * cp)
+        for j, idx in enumerate(_chunk_order(cp)):
+            inverse[idx] = j
+        rank_major = chunks[inverse].reshape(S, *seq_first.shape[1:]).contiguous()
+        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce_scatter: sum everywhere, keep mine
+            dist.all_reduce(rank_major, group=ctx.group)
+            rank = dist.get_rank(ctx.group)
+            mine = rank_major[rank * 2 * c:(rank + 1) * 2 * c]
+        else:
+            mine = rank_major.new_empty((2 * c, *seq_first.shape[1:]))
+            dist.reduce_scatter_single(mine, rank_major, group=ctx.group)
+        return mine.movedim(0, -2), None, None
+
+
+class _Halo(torch.autograd.Function):
+    """Point-to-point halo exchange along dim -2. Rank r's first chunk (r) is preceded by chunk r - 1,
+    the first chunk of rank r - 1; its second chunk (2 cp - 1 - r) by chunk 2 cp - 2 - r, the second
+    chunk of rank r + 1, or for r = cp - 1 its own first chunk (that halo is left empty: attention
+    reads those keys in place, SequenceShard.attend). So each rank sends the tail of its first chunk
+    to r + 1 and the tail of its second to r - 1, and receives from both."""
+
+    @staticmethod
+    def forward(ctx, x, n, cp_: ContextParallel):
+        ctx.n, ctx.cp, ctx.x_shape = n, cp_, x.shape
+        r, size, c = cp_.rank, cp_.size, x.shape[-2] // 2
+        tail_first = x[..., c - n:c, :].contiguous()
+        tail_second = x[..., 2 * c - n:, :].contiguous()
+        before_first = torch.zeros_like(tail_first)
+        before_second = torch.zeros_like(tail_second)
+        ops = []
+        if r + 1 < size:
+            ops += [dist.P2POp(dist.isend, tail_first, cp_.peers[r + 1], cp_.group),
+                    dist.P2POp(dist.irecv, before_second, cp_.peers[r + 1], cp_.group)]
+        if r > 0:
+            ops += [dist.P2POp(dist.isend, tail_second, cp_.peers[r - 1], cp_.group),
+                    dist.P2POp(dist.irecv, before_first, cp_.peers[r - 1], cp_.group)]
+        _exchange(ops)
+        return torch.cat([before_first, before_second], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, cp_ = ctx.n, ctx.cp
+        r, size = cp_.rank, cp_.size
+        grad_before_first = grad[..., :n, :].contiguous()
+        grad_before_second = grad[..., n:, :].contiguous()
+        grad_tail_first = torch.zeros_like(grad_before_first)  # from rank r + 1's first chunk's halo
+        grad_tail_second = torch.zeros_like(grad_before_second)  # from rank r - 1's second chunk's halo
+        ops = []
+        if r + 1 < size:
+            ops += [dist.P2POp(dist.isend, grad_before_second, cp_.peers[r + 1], cp_.group),
+                    dist.P2POp(dist.irecv, grad_tail_first, cp_.peers[r + 1], cp_.group)]
+        if r > 0:
+            ops += [dist.P2POp(dist.isend, grad_before_first, cp_.peers[r - 1], cp_.group),
+                    dist.P2POp(dist.irecv, grad_tail_second, cp_.peers[r - 1], cp_.group)]
+        _exchange(ops)
+        grad_x = grad.new_zeros(ctx.x_shape)
+        c = ctx.x_shape[-2] // 2
+        grad_x[..., c - n:c, :] = grad_tail_first
+        grad_x[..., 2 * c - n:, :] = grad_tail_second
+        return grad_x, None, None
+
+
+def _exchange(ops: list) -> None:
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()

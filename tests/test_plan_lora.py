@@ -1,0 +1,352 @@
+"""`step35 plan` for LoRA runs and its suggestions (LoRA, context parallelism) for layouts that do not fit.
+
+- the adapter tensors the plan counts equal adapters built on every targeted layer of a real (meta) model;
+- the per-rank bytes of the LoRA recipe equal a hand computation from the model's shape;
+- the recipe configs/flash-196b-lora-h200.yaml FITS on an H200 (and on 8 H100 / 16 NPUs of 64 GB);
+- a fine-tuning config that does not fit is offered a LoRA fine-tune and, for a long sequence, a
+  context-parallel size, each with its verdict;
+- bad `model.lora` values are refused with a message naming the field.
+"""
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from step35.config import Step35Config, preset
+from step35.model import build_model
+from step35.plan.context import context_parallel_phases
+from step35.plan.lora import DEFAULT_TARGETS, parse_lora, trained_tensors
+from step35.plan.memory import Phase
+from step35.plan.settings import read_settings
+from tests.helpers import tiny_config
+
+ROOT = Path(__file__).parent.parent
+RECIPE = str(ROOT / "configs" / "flash-196b-lora-h200.yaml")
+GiB = 1024**3
+
+
+def run_plan(capsys, *args: str) -> tuple[int, str, str]:
+    from step35.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *args])
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+# ------------------------------------------------------------------------------ adapter counts
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj"}
+
+
+def adapters_built_on(model, config: Step35Config, targets: set[str], rank: int, expert_rank: int) -> dict[str, int]:
+    """Attach real adapter parameters to every targeted module of `model` (meta) and count them by
+    base weight name: [r, in] + [out, r] per nn.Linear, [E, in, r] + [E, r, out] per stacked expert
+    projection. Full targets count their weight."""
+    attention = ATTENTION if "attention" in targets else ATTENTION & targets
+    counts = {}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        layer = int(parts[2]) if name.startswith("model.layers.") and len(parts) > 2 else None
+        mtp = layer is not None and layer >= config.num_hidden_layers
+        if mtp and "mtp" not in targets:
+            continue
+        leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
+        if isinstance(module, nn.Linear):
+            out_f, in_f = module.weight.shape
+            adapted = ((parent == "self_attn" and leaf in attention)
+                       or (parent == "mlp" and "mlp" in targets)
+                       or (parent == "share_expert" and "shared_expert" in targets)
+                       or leaf == "eh_proj")  # MTP layers only, which are skipped unless targeted
+            if parent == "moe" and leaf == "gate":  # the router: trained whole when named
+                if "router" in targets:
+                    counts[f"{name}.weight"] = module.weight.numel()
+                continue
+            if adapted:
+                a = nn.Parameter(torch.empty(rank, in_f, device="meta"))
+                b = nn.Parameter(torch.empty(out_f, rank, device="meta"))
+                counts[f"{name}.weight"] = a.numel() + b.numel()
+        elif parent == "moe" and leaf in ("gate_proj", "up_proj", "down_proj") and "experts" in targets:
+            E, out_f, in_f = module.weight.shape
+            a = nn.Parameter(torch.empty(E, in_f, expert_rank, device="meta"))
+            b = nn.Parameter(torch.empty(E, expert_rank, out_f, device="meta"))
+            counts[f"{name}.weight"] = a.numel() + b.numel()
+    if "embed" in targets:
+        counts["model.embed_tokens.weight"] = model.model.embed_tokens.weight.numel()
+    if "lm_head" in targets:
+        counts["lm_head.weight"] = model.lm_head.weight.numel()
+    return counts
+
+
+@pytest.mark.parametrize("targets", [list(DEFAULT_TARGETS), ["q_proj", "o_proj", "experts"],
+                                     ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head",
+                                      "embed"]])
+def test_adapter_tensors_match_adapters_built_on_the_model(targets):
+    config = tiny_config()
+    lora = parse_lora({"rank": 4, "targets": targets}, config)
+    assert lora.expert_rank == max(1, 4 // config.moe_top_k)
+    model = build_model(config, device="meta")
+    built = adapters_built_on(model, config, set(targets), lora.rank, lora.expert_rank)
+    planned: dict[str, int] = {}
+    for t in trained_tensors(config, lora, config.num_nextn_predict_layers):
+        base = t.name.removesuffix(".lora_A").removesuffix(".lora_B")
+        base = base if base.endswith(".weight") else f"{base}.weight"
+        planned[base] = planned.get(base, 0) + t.numel
+    assert planned == built
+    assert sum(built.values()) > 0
+
+
+def test_unsharded_tiny_plan_counts_base_in_compute_dtype_and_adapters_in_fp32():
+    from step35.plan.planner import sharded_state
+
+    base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lora", "{rank: 4}"]
+    config = tiny_config()
+    lora = parse_lora({"rank": 4}, config)
+    n_adapters = sum(t.numel for t in trained_tensors(config, lora, config.num_nextn_predict_layers))
+    n_base = sum(p.numel() for p in build_model(config, device="meta").parameters())
+    for precision, base_bytes in (("32-true", 4), ("bf16-mixed", 2)):
+        s = read_settings([*base, "--trainer.precision", precision])
+        assert s.lora == lora
+        state, _ = sharded_state(s)
+        assert state.frozen == n_base * base_bytes, precision  # the frozen base in the compute dtype
+        assert state.adapter_params == state.grads == n_adapters * 4, precision  # fp32 master + fp32 grads
+        assert state.optimizer == 2 * n_adapters * 4
+        assert state.params == state.frozen + state.adapter_params
+    # The override of one key changes the count like the fit parser would.
+    s = read_settings([*base, "--model.lora.rank", "2"])
+    assert s.lora.rank == 2 and s.lora.targets == DEFAULT_TARGETS
+    # MTP adapters without an MTP loss would never learn: the plan says so.
+    s = read_settings([*base, "--model.lora.targets", "[attention, mtp]", "--model.mtp_loss_weight", "0"])
+    assert any("names mtp but no MTP loss is trained" in n for n in s.notes)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_rank0_adapter_shards_equal_fully_shard_of_real_adapter_parameters(world):
+    """Adapters attached as real parameters to the tiny model's modules, sharded by the real
+    `parallelize` (FSDP2, EP 1) for `world` simulated ranks: rank 0's local elements equal the plan's
+    rule (ceil chunks of dim 0; 3 ranks make the chunks uneven)."""
+    from step35.parallel import ParallelDims, parallelize
+    from step35.plan.lora import local_numel
+    from step35.plan.world import close_world, simulated_world
+
+    config = tiny_config()
+    lora = parse_lora({"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "mtp"]}, config)
+    simulated_world(world, 0)
+    try:
+        model = build_model(config, device="meta")
+        modules = dict(model.named_modules())
+        for t in trained_tensors(config, lora, config.num_nextn_predict_layers):
+            owner, _, leaf = t.name.rpartition(".")
+            owner = owner.removesuffix(".weight")
+            modules[owner].register_parameter(leaf, nn.Parameter(torch.empty(t.shape, device="meta")))
+        parallelize(model, ParallelDims(world, 1, num_experts=config.moe_num_experts).build("cpu"))
+        real = sum(p.to_local().numel() for name, p in model.named_parameters() if ".lora_" in name)
+    finally:
+        close_world()
+    planned = sum(local_numel(t, world=world, shard_size=world, ep=1, sharded=True)
+                  for t in trained_tensors(config, lora, config.num_nextn_predict_layers))
+    assert real == planned
+    assert planned > sum(t.numel for t in trained_tensors(config, lora, config.num_nextn_predict_layers)) // world
+
+
+# ------------------------------------------------------------------------------ the 196B recipe
+def hand_lora(rank: int, expert_rank: int, tokens: int) -> dict[str, float]:
+    """Global adapter elements and the adapter activations (bf16, no checkpointing) of the default
+    targets on Step-3.5-Flash, from the release's shape: 45 layers, 3 dense then 42 MoE; full attention
+    (64 heads) on every fourth layer from 0, sliding (96 heads) otherwise; 8 KV heads of 128."""
+    H, d, nkv, E, K, I, S, Id = 4096, 128, 8, 288, 8, 1280, 1280, 11264
+    r, re = rank, expert_rank
+    dense = experts = act = 0
+    for i in range(45):
+        nq = 64 if i % 4 == 0 else 96
+        dense += r * (H + nq * d) * 2 + r * (H + nkv * d) * 2 + r * (H + nq)  # q, o; k, v; head gate
+        act += 5 * r * 2
+        if i < 3:
+            dense += 3 * r * (H + Id)
+            act += 3 * r * 2
+        else:
+            experts += 3 * E * re * (H + I)
+            dense += 3 * r * (H + S)
+            act += 3 * K * re * 2 + 3 * r * 2
+    return {"adapters": dense + experts, "activations": act * tokens,
+            "per_token": dense + experts * K / E}  # adapter parameters a token passes through
+
+
+@pytest.mark.timeout(300)
+def test_recipe_lora_bytes_equal_a_hand_computation(capsys):
+    code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "h200", "--json",
+                              "--trainer.strategy.activation_checkpointing", "none")
+    assert code == 0, err[-3000:]
+    plan = json.loads(out)
+    assert plan["lora"]["rank"] == 32 and plan["lora"]["expert_rank"] == 4 and plan["lora"]["base_dtype"] == "bfloat16"
+    hand = hand_lora(32, 4, tokens=4096)
+    assert plan["lora"]["adapter_params"] == pytest.approx(hand["adapters"], rel=1e-9)
+    # Per rank of 8: the release's 196.96 B parameters (router biases are buffers) and the three MTP layers
+    # (test_plan.test_recipes_fit_with_margin spells them out) in bf16; adapters fp32 with fp32 grads and 2 AdamW states.
+    H, V, q, kv = 4096, 128896, 96 * 128, 8 * 128
+    mtp_layer = 2 * H * q + 2 * H * kv + H * 96 + 2 * 128 + 3 * H * 11264 + 2 * H + 2 * H + 2 * H * H + H + V * H
+    base = 196_956_130_368 - 42 * 288 + 3 * mtp_layer
+    state = plan["state"]
+    assert state["frozen"] == pytest.approx(base * 2 / 8, rel=0.01)
+    assert state["adapter_params"] == pytest.approx(hand["adapters"] * 4 / 8, rel=0.01)
+    assert state["grads"] == pytest.approx(hand["adapters"] * 4 / 8, rel=0.01)
+    assert state["optimizer"] == pytest.approx(2 * hand["adapters"] * 4 / 8, rel=0.01)
+    lora_act = sum(v for k, v in plan["activations"]["parts"].items() if k.startswith("lora "))
+    assert lora_act == pytest.approx(hand["activations"], rel=0.01)
+    # FLOPs: the frozen base keeps 4 of its 6 FLOPs per parameter, attention is unchanged, adapters cost 6.
+    from step35.flops import attention_flops_per_token
+
+    attention = attention_flops_per_token(preset("flash-196b"), 4096)
+    flops = attention + (73.506e9 - attention) * 4 / 6 + 6 * hand["per_token"]
+    assert plan["speed"]["flops_per_token"] == pytest.approx(flops, rel=1e-4)
+    # No base gradient anywhere: only adapters are reduce-scattered, and the lm_head is not trained.
+    assert plan["transients"]["lm_head_grad"] == 0 and plan["transients"]["root_grads"] == 0
+    assert plan["speed"]["fsdp_reduce_bytes"] < 0.05 * plan["speed"]["fsdp_gather_bytes"]  # full: 2x the gather
+
+
+def test_recipe_is_one_node_of_eight_with_valid_ep_and_parses_for_fit(tmp_path):
+    from step35.module import Step35LightningModule
+    from step35.parallel import ParallelDims
+    from step35.plan.settings import parse_fit_args, split_lora_args
+
+    cfg = yaml.safe_load(Path(RECIPE).read_text())
+    trainer, model = cfg["trainer"], cfg["model"]
+    assert (trainer["num_nodes"], trainer["devices"], trainer["accelerator"]) == (1, 8, "gpu")
+    ep = trainer["strategy"]["init_args"]["expert_parallel_size"]
+    ParallelDims(8, ep, num_experts=preset("flash-196b").moe_num_experts)  # raises if inconsistent
+    assert cfg["data"]["seq_len"] == 4096 and model["checkpoint"] == "/data/Step-3.5-Flash"
+    assert parse_lora(model["lora"], preset("flash-196b")).rank == 32
+    # Everything but model.lora is a valid `step35 fit` config today ...
+    args, lora = split_lora_args(["--config", RECIPE], str(tmp_path))
+    assert lora == model["lora"] and parse_fit_args(args).model.checkpoint == "/data/Step-3.5-Flash"
+    # ... and all of it once the trainer has the option.
+    if "lora" in inspect.signature(Step35LightningModule.__init__).parameters:
+        proc = subprocess.run([sys.executable, "-m", "step35", "fit", "--config", RECIPE, "--print_config"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert yaml.safe_load(proc.stdout)["model"]["lora"]["rank"] == 32
+
+
+@pytest.mark.timeout(300)
+def test_recipe_fits_h200_and_the_smaller_setups(capsys):
+    code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "h200")
+    assert code == 0, err[-3000:]
+    assert "FITS:" in out and "margin" in out and "LoRA adapters" in out and "frozen base" in out
+    margin = float(out.split("margin ")[-1].split("%")[0])
+    assert margin >= 30
+    # 8 x H100 80 GB, and one node of 16 NPUs of 64 GB (EP 16), with the same recipe.
+    code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "h100", "--json")
+    assert code == 0 and json.loads(out)["verdict"]["fits"], err[-2000:]
+    code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "910b", "--trainer.accelerator", "npu",
+                              "--trainer.devices", "16", "--trainer.strategy.expert_parallel_size", "16", "--json")
+    assert code == 0 and json.loads(out)["verdict"]["fits"], err[-2000:]
+
+
+# ------------------------------------------------------------------------------ suggestions
+FINETUNE_YAML = """\
+trainer:
+  accelerator: cpu
+  devices: 4
+  precision: 32-true
+  strategy:
+    class_path: step35.strategy.Step35Strategy
+    init_args:
+      expert_parallel_size: 2
+      param_dtype: bfloat16
+      activation_checkpointing: none
+model:
+  checkpoint: {checkpoint}
+  mtp_loss_weight: 0.0
+data:
+  seq_len: 8192
+  micro_batch_size: 1
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_fine_tune_that_does_not_fit_is_offered_lora_and_context_parallelism(capsys, tmp_path):
+    tiny_config().save(tmp_path)  # a fine-tuning config: model.checkpoint with a config.json
+    config = tmp_path / "run.yaml"
+    config.write_text(FINETUNE_YAML.format(checkpoint=tmp_path))
+    common = ["--config", str(config), "--no-suggestions", "--json", "--runtime-reserve-gib", "0"]
+    full = json.loads(run_plan(capsys, *common, "--device-memory-gib", "1000")[1])
+    lora = json.loads(run_plan(capsys, *common, "--device-memory-gib", "1000", "--model.lora", "{rank: 4}")[1])
+    # A device between the two: the full fine-tune does not fit, its LoRA fine-tune does.
+    full_gib, lora_gib = full["verdict"]["required"] / GiB, lora["verdict"]["required"] / GiB
+    assert lora_gib < full_gib
+    memory = f"{(full_gib + lora_gib) / 2:.6f}"
+    code, out, err = run_plan(capsys, "--config", str(config), "--device-memory-gib", memory, "--runtime-reserve-gib", "0")
+    assert code == 1, err[-3000:]
+    ways = out.split("Other ways on the same devices:")[1]
+    assert "LoRA fine-tune (model.lora: {rank: 4}" in ways and "FITS" in ways.split("\n")[1]
+    assert "context parallel size" in ways and "ESTIMATE" in ways
+    code, out, _ = run_plan(capsys, "--config", str(config), "--device-memory-gib", memory, "--runtime-reserve-gib", "0",
+                            "--json")
+    plan = json.loads(out)
+    (lora_way,) = [w for w in plan["other_ways"] if w["what"].startswith("LoRA")]
+    assert lora_way["fits"] and not lora_way["estimate"]
+    assert lora_way["required_bytes"] == pytest.approx(lora["verdict"]["required"], rel=1e-9)
+    (cp_way,) = [w for w in plan["other_ways"] if w["what"].startswith("context parallel")]
+    assert cp_way["estimate"]
+    # No LoRA offer for a run from scratch, no context parallelism for a short sequence.
+    scratch = tmp_path / "scratch.yaml"
+    scratch.write_text(FINETUNE_YAML.format(checkpoint="null").replace("model:\n", "model:\n  config: tiny\n")
+                       .replace("seq_len: 8192", "seq_len: 256"))
+    code, out, _ = run_plan(capsys, "--config", str(scratch), "--device-memory-gib", "0.001")
+    assert code == 1 and "Other ways" not in out
+
+
+def test_context_parallel_estimate_divides_per_token_rows_and_adds_gathered_kv():
+    s = read_settings(["--config", str(ROOT / "configs" / "flash-196b-4k-gpu.yaml"), "--data.seq_len", "32768"])
+    rows = {"parameters": 100, "activations": 4000, "block backward work": 800, "all-to-all buffers": 40}
+    out = context_parallel_phases(s, [Phase("forward", dict(rows)), Phase("block backward", dict(rows)),
+                                      Phase("optimizer step", {"parameters": 100})], 4)
+    kv = 1 * 32768 * 2 * 8 * 128 * 2  # batch x seq x (K, V) x kv heads x head dim x bf16
+    assert out[0].rows == {"parameters": 100, "activations": 1000, "block backward work": 200,
+                           "all-to-all buffers": 10, "cp gathered K/V": kv}
+    assert out[1].rows["cp gathered K/V"] == 2 * kv  # and their gradients in backward
+    assert out[2].rows == {"parameters": 100}
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("lora,message", [
+    ("{rank: 0}", "model.lora.rank=0: must be an integer >= 1"),
+    ("{rank: -8}", "model.lora.rank=-8: must be an integer >= 1"),
+    ("{rank: eight}", "model.lora.rank='eight': must be an integer >= 1"),
+    ("{alpha: 16}", "model.lora: `rank` is required"),
+    ("{rank: 4, ranks: 8}", "model.lora: unknown field(s) ['ranks']"),
+    ("{rank: 4, targets: [attention, ffn]}", "model.lora.targets: unknown target(s) ['ffn']"),
+    ("{rank: 4, targets: attention}", "model.lora.targets='attention': must be a non-empty list"),
+    ("{rank: 4, targets: []}", "model.lora.targets=[]: must be a non-empty list"),
+    ("{rank: 4, dropout: 1.5}", "model.lora.dropout=1.5: must be in [0, 1)"),
+    ("{rank: 4, alpha: 0}", "model.lora.alpha=0: must be > 0"),
+    ("{rank: 4, expert_rank: 0}", "model.lora.expert_rank=0: must be an integer >= 1"),
+    ("{rank: 64}", "model.lora rank 64 is larger than model.layers.0.self_attn.g_proj [4, 128]"),
+    ("{rank: 4, expert_rank: 100, targets: [experts]}", "model.lora.expert_rank 100 is larger than model.layers.1.moe"),
+    ("{rank: 4, targets: [lm_head], lora: 1}", "model.lora: unknown field(s) ['lora']"),
+    ("[4]", "model.lora must be a mapping of LoRA options or null"),
+])
+def test_bad_lora_values_are_refused_naming_the_field(capsys, tmp_path, lora, message):
+    config = tmp_path / "run.yaml"
+    config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("  config: tiny\n",
+                                                                           f"  config: tiny\n  lora: {lora}\n"))
+    code, _, err = run_plan(capsys, "--config", str(config))
+    assert code == 2, err[-2000:]
+    assert err.startswith("step35 plan: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_lora_on_only_a_flash_layer_kind_counts_that_kind():
+    config = preset("flash-196b")
+    lora = parse_lora({"rank": 16, "targets": ["experts"]}, config)
+    assert lora.expert_rank == 2
+    kinds = {t.kind for t in trained_tensors(config, lora, 0)}
+    assert kinds == {"experts"}
+    assert sum(t.numel for t in trained_tensors(config, lora, 0)) == 42 * 3 * 288 * 2 * (4096 + 1280)

@@ -154,8 +154,8 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
                                   "tokenizer; pass --tokenizer <folder>")
         model, base = peft_model(path, dtype, device)
         files = run_tokenizer.folder_files(tokenizer or base)
-        config, run_eos = Step35Config.from_dict(model.config.to_dict()), None
-        say(f"model: {base or 'the init'} with the adapters of {path} merged in; tokenizer: {tokenizer or base}")
+        config, run_eos, origin = Step35Config.from_dict(model.config.to_dict()), None, str(tokenizer or base)
+        say(f"model: {base or 'the init'} with the adapters of {path} merged in; tokenizer: {origin}")
     elif is_hf_folder(path):
         model = load_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
         files = run_tokenizer.folder_files(tokenizer or path)

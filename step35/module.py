@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from step35.balancing import ExpertCounter, update_router_bias
-from step35.checkpoint import run_tokenizer
+from step35.checkpoint import lora_base, run_tokenizer
 from step35.checkpoint.materialize import materialize
+from step35.checkpoint.trainer_io import frozen_state_keys
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import LossOutput, Step35ForCausalLM, build_model
 from step35.model.lora import LoraConfig, apply_lora, check_sizes
@@ -118,6 +119,8 @@ class Step35LightningModule(pl.LightningModule):
                              "model config has use_moe_router_bias=false")
         self.lora = lora_config
         if self.lora is not None:
+            # Its checkpoints leave the frozen base out: loaded non-strictly, the keys checked in on_load_checkpoint.
+            self.strict_loading = False
             self.lora.validate(self.model_config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
             check_sizes(self.lora, self.model_config, num_mtp_layers)  # a too-large rank: now, not at setup
         # True once the checkpoint to resume was checked against this module's options (the CLI does
@@ -168,7 +171,8 @@ class Step35LightningModule(pl.LightningModule):
         if hasattr(strategy, "parallelize_model"):  # Step35Strategy: EP, checkpointing, compile, FSDP2
             strategy.parallelize_model(model)
         resuming = checkpoint_to_load(self.trainer) is not None  # weights come from the Lightning checkpoint
-        checkpoint = None if resuming else self.hparams.checkpoint
+        # ... except a LoRA run's frozen base, which its checkpoints do not hold: read again from its folder.
+        checkpoint = None if resuming and self.lora is None else self.hparams.checkpoint
         materialize(model, strategy.root_device, checkpoint=checkpoint, seed=self.hparams.init_seed)
         if self.hparams.mtp_loss_weight == 0:
             # MTP layers are kept (and exported) but get no gradient: freeze them, so the optimizer
@@ -187,8 +191,19 @@ class Step35LightningModule(pl.LightningModule):
             apply_optimizer_settings(self.trainer.optimizers[0], self._group_settings(),
                                      schedulers[0].scheduler if schedulers else None)
 
+    def _lora_base(self) -> dict:
+        """The identity of this LoRA run's base (checkpoint/lora_base.py), computed once."""
+        if getattr(self, "_lora_base_identity", None) is None:
+            self._lora_base_identity = lora_base.base_identity(self.hparams.checkpoint, self.hparams.init_seed)
+        return self._lora_base_identity
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._restored = True
+        if self.lora is not None:
+            where = checkpoint_to_load(self.trainer) or "the checkpoint"
+            lora_base.check_base(checkpoint.get(lora_base.RECORD_KEY), self._lora_base(), where)
+            if "state_dict" in checkpoint and lora_base.RECORD_KEY in checkpoint:  # a file: loaded non-strictly
+                _check_lora_state(checkpoint["state_dict"], self, where)
         # Without the CLI (`trainer.fit(ckpt_path=...)`) nobody checked the checkpoint yet: for a
         # single-file checkpoint this is still before the weights are loaded (a sharded one has loaded
         # them and failed on a shape).
@@ -199,6 +214,10 @@ class Step35LightningModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's own config.json travels with every checkpoint: `step35 export` needs no other source.
         checkpoint["step35_config"] = self.model_config.to_dict()
+        if self.lora is not None:  # adapters, full targets and buffers; the frozen base only by its identity
+            frozen = frozen_state_keys(self)
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+            checkpoint[lora_base.RECORD_KEY] = self._lora_base()
         # So does the tokenizer the data was encoded with (files, not a path: caches get cleaned).
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
         if getattr(tokenizer, "path", None) is not None:
@@ -459,3 +478,17 @@ class StepTotals:
         if over_ranks:
             torch.distributed.all_reduce(self.values, group=group)
         return StepMeans(self.values.tolist(), self.depths)
+
+
+def _check_lora_state(saved: dict, module: pl.LightningModule, where) -> None:
+    """A LoRA checkpoint file must hold every state-dict key of `module` but the frozen base, and no other."""
+    from step35.checkpoint.errors import CheckpointError
+    from step35.checkpoint.trainer_io import _bare_name
+
+    expected = {_bare_name(k) for k in module.state_dict()} - frozen_state_keys(module)
+    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: a LoRA checkpoint that does not fit this model: "
+                              + (f"lacks {missing[:3]} " if missing else "")
+                              + (f"holds unknown {unexpected[:3]}" if unexpected else "")
+                              + f" ({len(missing)} missing, {len(unexpected)} unknown; same model.lora options?)")

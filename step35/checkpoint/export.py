@@ -1,7 +1,9 @@
 """A training checkpoint -> an HF folder that loads as it is (the library behind `step35 export`).
 
 The weights come from `trained.open_checkpoint` and are written by `hf.write_hf_folder` (shards,
-index, manifest, one atomic publish). What lands next to them:
+index, manifest, one atomic publish); a LoRA run's are exported with `merge`, its adapters merged
+into the weights (`TrainedCheckpoint.merged_tensors`), or without it as a PEFT adapter folder
+(`peft.write_peft_folder`, nothing else written). What lands next to a full export's weights:
 - From the HF folder the run started from (`--source`, else the `model.checkpoint` the checkpoint
   names), only files of the kinds an HF model folder publishes, looked up by name at its top level,
   never by walking it: the tokenizer files, chat template and generation config
@@ -173,16 +175,35 @@ class ExportReport:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                       max_shard_size: int | str = "5GB", config: Step35Config | None = None,
-                      tokenizer: str | Path | None = None, source: str | Path | None = None) -> ExportReport:
+                      tokenizer: str | Path | None = None, source: str | Path | None = None,
+                      merge: bool = False) -> ExportReport:
     """Write `out` as an HF checkpoint folder; router_bias stays fp32, other weights take `dtype`
     (default: the config's torch_dtype). `config`: for checkpoints that record none; `tokenizer`: a
     tokenizer folder instead of the run's; `source`: the HF folder the run started from (default: the
-    one the checkpoint names). Returns what was written and every change made to config.json."""
+    one the checkpoint names); `merge`: a LoRA run's adapters merged into the weights, W + (alpha/r)·BA
+    computed in fp32 (refused for a run without adapters); a LoRA run without `merge` writes a PEFT
+    adapter folder instead (checkpoint/peft.py). Returns what was written and every change made to
+    config.json."""
     trained = open_checkpoint(checkpoint, config)
+    lora = trained.lora
+    if merge and lora is None:
+        raise CheckpointError(f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
+                              "export it without --merge")
+    if lora is not None and not merge:  # the adapters alone, as a PEFT folder over the run's base
+        from step35.checkpoint.peft import write_peft_folder
+
+        dtype = dtype or getattr(torch, trained.config.torch_dtype)
+        notes = list(trained.notes) + write_peft_folder(trained, out, dtype)
+        notes.append(f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
+                     f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead")
+        return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)
     exported = Step35Config.from_dict(trained.config.to_dict())
     dtype = dtype or getattr(torch, exported.torch_dtype)
     exported.torch_dtype = str(dtype).removeprefix("torch.")
     notes = list(trained.notes)
+    if lora is not None:
+        notes.append(f"LoRA adapters merged into their weights: W + (alpha/r)·BA with alpha={lora.scale_alpha:g}, "
+                     f"r each adapter's rank, computed in float32")
 
     if source is None and trained.start_folder():
         source = trained.start_folder()
@@ -224,7 +245,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
             notes.append(left)
 
     def cast() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in trained.tensors():
+        for name, tensor in trained.merged_tensors():  # = tensors() without adapters
             yield name, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
 
     write_hf_folder(out, cast(), exported, max_shard_size, copy_files=files)

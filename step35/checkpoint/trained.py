@@ -16,17 +16,18 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from step35.checkpoint import run_tokenizer
+from step35.checkpoint import lora_base, run_tokenizer
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE
+from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE, read_tensor_infos
 from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
 from step35.checkpoint.trainer_io import META_FILE, check_loadable, dcp_load, load_file, load_meta
 from step35.config import PRESETS, ConfigError, Step35Config, load_config
+from step35.model.lora import LoraConfig, LoraError, is_adapter, merged_weight
 
 _PREFIX = "model."  # the LightningModule's attribute holding Step35ForCausalLM
 
@@ -74,13 +75,15 @@ def named_config(value: object, where: Path) -> Step35Config:
         raise CheckpointError(f"{where}: its model config: {e}; pass --model_config") from None
 
 
-def _dcp_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _dcp_tensors(folder: Path, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     entries = safe_reader(folder).read_metadata().state_dict_metadata
     for key, info in entries.items():
         if not key.startswith("state_dict." + _PREFIX) or not isinstance(info, TensorStorageMetadata):
             continue
+        if not only(key[len("state_dict." + _PREFIX):]):
+            continue  # not read at all
         tensor = torch.empty(info.size, dtype=info.properties.dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
@@ -89,9 +92,9 @@ def _dcp_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield key[len("state_dict." + _PREFIX):], tensor
 
 
-def _file_tensors(meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _file_tensors(meta: dict, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     for key, tensor in meta["state_dict"].items():
-        if key.startswith(_PREFIX):
+        if key.startswith(_PREFIX) and only(key[len(_PREFIX):]):
             yield key[len(_PREFIX):], tensor
 
 
@@ -107,13 +110,82 @@ class TrainedCheckpoint:
     hyper_parameters: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        found = False
-        for name, tensor in (_dcp_tensors(self.path) if self.path.is_dir() else _file_tensors(self.meta)):
-            found = True
+    def tensors(self, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the model's tensors (a LoRA run's adapters included), those whose name passes
+        `only`; a sharded checkpoint reads no other. A LoRA run's frozen base, which its checkpoints
+        leave out, comes after the saved tensors: from the base's HF folder (checked against the
+        fingerprint recorded) or the deterministic init, in the base dtype the run computed in."""
+        wanted = only or (lambda name: True)
+        saved = set()
+        for name, tensor in (_dcp_tensors(self.path, wanted) if self.path.is_dir() else _file_tensors(self.meta, wanted)):
+            saved.add(name)
             yield name, tensor
-        if not found:
+        if not saved and only is None:
             raise CheckpointError(f"{self.path}: holds no model weights (keys starting with '{_PREFIX}')")
+        if self.meta.get(lora_base.RECORD_KEY) is not None:
+            yield from self._base_tensors(lambda n: wanted(n) and n not in saved)
+
+    def _base_tensors(self, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The frozen base of a LoRA run's checkpoint, read again as the run read it."""
+        from safetensors import safe_open
+
+        from step35.checkpoint.materialize import checkpoint_state
+        from step35.model import build_model
+        from step35.model.init import init_tensor
+
+        record = self.meta[lora_base.RECORD_KEY]
+        num_mtp = self.hyper_parameters.get("num_mtp_layers")
+        model = build_model(self.config, num_mtp, device="meta")
+        names = {n: tuple(t.shape) for n, t in checkpoint_state(model).items() if only(n)}
+        dtype = self.lora.resolved_base_dtype(self.config) if self.lora else None
+        if record.get("folder") is None:
+            self.notes.append(f"the frozen base drawn from the init (model.init_seed={record.get('init_seed')})")
+            for name, shape in names.items():
+                yield name, init_tensor(name, shape, self.config, record["init_seed"]).to(dtype or torch.float32)
+            return
+        folder = record["folder"]
+        lora_base.check_base(record, lora_base.base_identity(folder, 0), self.path)
+        self.notes.append(f"the frozen base read from {folder} (named in {self.path}, fingerprint checked)")
+        infos = read_tensor_infos(folder)
+        for name, shape in names.items():
+            if name not in infos or infos[name].shape != shape:
+                raise CheckpointError(f"{folder}: the LoRA run's base lacks {name} of shape {list(shape)}")
+            with safe_open(infos[name].file, framework="pt") as f:
+                tensor = f.get_tensor(name)
+            check_finite([(name, tensor)], infos[name].file)
+            yield name, tensor.to(dtype) if dtype is not None and not name.endswith("router_bias") else tensor
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The run's LoRA options (`model.lora`), None for a run without adapters."""
+        try:
+            return LoraConfig.of(self.hyper_parameters.get("lora"))
+        except LoraError as e:
+            raise CheckpointError(f"{self.path}: its model.lora: {e}") from None
+
+    def merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors by HF name with every LoRA adapter merged into its weight as
+        W + (alpha / r) * BA in float32 (model/lora.py: merged_weight); the same as `tensors()` for a
+        run without adapters. The adapters (small) are read first, then the weights one by one."""
+        lora = self.lora
+        if lora is None:
+            yield from self.tensors()
+            return
+        adapters = dict(self.tensors(only=is_adapter))
+        prefixes = sorted({n.rsplit(".", 1)[0] for n in adapters})  # `...q_proj` of `...q_proj.lora_A`
+        for prefix in prefixes:
+            if f"{prefix}.lora_A" not in adapters or f"{prefix}.lora_B" not in adapters:
+                raise CheckpointError(f"{self.path}: the adapter of {prefix}.weight lacks its lora_A or lora_B")
+        pending = {f"{prefix}.weight" for prefix in prefixes}
+        for name, tensor in self.tensors(only=lambda n: not is_adapter(n)):
+            if name in pending:
+                prefix = name[:-len(".weight")]
+                tensor = merged_weight(name, tensor, adapters[f"{prefix}.lora_A"], adapters[f"{prefix}.lora_B"],
+                                       lora.scale_alpha)
+                pending.discard(name)
+            yield name, tensor
+        if pending:
+            raise CheckpointError(f"{self.path}: holds adapters of weights it lacks, e.g. {sorted(pending)[:3]}")
 
     def start_folder(self) -> str | None:
         """The HF folder the run started from (`model.checkpoint`), as the checkpoint names it."""

@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from step35.checkpoint.errors import CheckpointError, raise_together
+from step35.checkpoint.lora_base import RECORD_KEY as LORA_BASE_KEY
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, damage_record, verify_for_load, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
 from step35.checkpoint.safe_load import check_bytes_items, check_finite, load_torch, safe_reader
@@ -171,9 +172,13 @@ def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, 
 
     folder = Path(folder)
     meta = load_meta(folder)  # first: a crafted meta.pt is refused before any collective
-    module_state = {"state_dict": get_model_state_dict(module)}
-    dcp_load(module_state, folder)
-    module.load_state_dict(module_state["state_dict"], strict=strict)
+    state = get_model_state_dict(module)
+    if meta.get(LORA_BASE_KEY) is not None:  # a LoRA run's: the frozen base was read from its folder
+        frozen = frozen_state_keys(module)
+        state = {k: v for k, v in state.items() if k not in frozen}
+    module_state = {"state_dict": state}
+    dcp_load(module_state, folder)  # every key of `state` must be in the folder
+    module.load_state_dict(module_state["state_dict"], strict=strict and meta.get(LORA_BASE_KEY) is None)
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
@@ -192,6 +197,12 @@ def _bare_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
+
+
+def frozen_state_keys(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of `module`'s frozen parameters (requires_grad False, tied names included):
+    what a LoRA run's checkpoints leave out (the base, read again from its folder)."""
+    return {_bare_name(n) for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path: Path, index: int = 0) -> dict:

@@ -4,7 +4,9 @@
                     [--temperature 0.8 --top_p 0.95 --seed 0]
 
 `--checkpoint` is a run folder (its newest intact checkpoint), a `.ckpt` file, a sharded
-checkpoint folder, or an HF folder (`step35 export`'s output, the release). Checkpoints are read
+checkpoint folder, an HF folder (`step35 export`'s output, the release) or a PEFT adapter folder
+(`step35 export` of a LoRA run without --merge; run on the base it names). A LoRA run's checkpoint
+runs with its adapters merged into the weights, as `step35 export --merge` writes them. Checkpoints are read
 through the same verified, code-free readers as `step35 export`; the text is encoded with the
 tokenizer the run trained with (recorded in the checkpoint; an HF folder's own otherwise).
 
@@ -46,6 +48,7 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.export import align_special_ids
 from step35.checkpoint.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
 from step35.commands.function_cli import run_function
+from step35.checkpoint.peft import is_peft_folder, peft_base, peft_model
 from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
 from step35.data.chat import ChatTemplate, ChatTemplateError
@@ -145,7 +148,15 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
 
     say = say or (lambda line: None)
     path = Path(checkpoint)
-    if is_hf_folder(path):
+    if is_peft_folder(path):  # a LoRA run's adapter export: on the base it names
+        if peft_base(path) is None and tokenizer is None:
+            raise CheckpointError(f"{path}: an adapter folder over a base drawn from the init, which has no "
+                                  "tokenizer; pass --tokenizer <folder>")
+        model, base = peft_model(path, dtype, device)
+        files = run_tokenizer.folder_files(tokenizer or base)
+        config, run_eos, origin = Step35Config.from_dict(model.config.to_dict()), None, str(tokenizer or base)
+        say(f"model: {base or 'the init'} with the adapters of {path} merged in; tokenizer: {origin}")
+    elif is_hf_folder(path):
         model = load_pretrained(path, dtype=dtype, device=device, num_mtp_layers=0)
         files = run_tokenizer.folder_files(tokenizer or path)
         config, run_eos = model.config, None
@@ -154,6 +165,8 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
         trained = open_checkpoint(checkpoint_of(path, say))
         for note in trained.notes:
             say(note)
+        if trained.lora is not None:
+            say(f"LoRA run: its adapters merged into the weights (alpha={trained.lora.scale_alpha:g})")
         model = _model_from(trained, dtype, device)
         if tokenizer:
             files, run_eos, origin = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
@@ -176,14 +189,15 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
 
 
 def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> Step35ForCausalLM:
-    """Build on meta, allocate on `device`, fill every tensor from the checkpoint (MTP ones skipped)."""
+    """Build on meta, allocate on `device`, fill every tensor from the checkpoint (MTP ones skipped;
+    LoRA adapters merged into their weights)."""
     model = build_model(trained.config, num_mtp_layers=0, device="meta")
     model.to(dtype)  # router_bias stays fp32 (MoE._apply)
     model.to_empty(device=device)
     state = model.state_dict()
     filled = set()
     with torch.no_grad():
-        for name, tensor in trained.tensors():
+        for name, tensor in trained.merged_tensors():
             if name not in state:
                 continue  # MTP layers
             if tuple(tensor.shape) != tuple(state[name].shape):
@@ -205,7 +219,7 @@ def generate(checkpoint: str, prompt: str, max_new_tokens: int = 64, temperature
 
     Args:
         checkpoint: a run folder (its newest complete checkpoint), a .ckpt file, a sharded checkpoint folder,
-            or an HF folder.
+            an HF folder, or a PEFT adapter folder (on the base folder it names).
         prompt: the text to continue.
         max_new_tokens: the most tokens to generate (fewer when an EOS comes first).
         temperature: 0: greedy; else the softmax temperature of sampling.

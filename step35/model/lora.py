@@ -254,6 +254,11 @@ def _adapt_layer(layer: nn.Module, prefix: str, lora: LoraConfig, config: Step35
                            alpha / expert_rank, lora.dropout)
 
 
+def is_full_target(name: str, targets: set[str]) -> bool:
+    """True for a parameter the expanded `targets` train in full (router, lm_head, embed)."""
+    return _full_target(name, targets)
+
+
 def _full_target(name: str, targets: set[str]) -> bool:
     if name.endswith("moe.gate.weight"):
         return "router" in targets
@@ -297,3 +302,20 @@ def _freeze_base(model: nn.Module, targets: set[str], base_dtype: torch.dtype) -
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """name -> parameter of every LoRA adapter of `model` (in model order)."""
     return {n: p for n, p in model.named_parameters() if is_adapter(n)}
+
+
+@torch.no_grad()
+def merged_weight(name: str, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float) -> torch.Tensor:
+    """W + (alpha / r) * (the adapter's B A), in float32, for `step35 export --merge`.
+
+    Dense: weight [out, in], A [r, in], B [out, r] -> W + s * B @ A. Routed experts: weight
+    [E, out, in], A [E, in, r], B [E, r, out] -> per expert W_e + s * (A_e @ B_e)^T (the forward
+    computes x @ A_e @ B_e beside x @ W_e^T), as one batched matmul. r is read from A's shape;
+    `name` (the weight's) is for the error on shapes that do not fit."""
+    W, A, B = weight.float(), A.float(), B.float()
+    if W.dim() == 2 and A.dim() == 2 and B.shape == (W.shape[0], A.shape[0]) and A.shape[1] == W.shape[1]:
+        return W + (alpha / A.shape[0]) * (B @ A)
+    if (W.dim() == 3 and A.dim() == 3 and A.shape[:2] == (W.shape[0], W.shape[2])
+            and B.shape == (W.shape[0], A.shape[2], W.shape[1])):
+        return W + (alpha / A.shape[2]) * torch.bmm(A, B).transpose(1, 2)
+    raise LoraError(f"{name}: adapter shapes A {list(A.shape)}, B {list(B.shape)} do not fit weight {list(weight.shape)}")

@@ -15,7 +15,7 @@ import torch
 from step35 import kernels
 from step35.parallel import ParallelConfigError, ParallelDims, valid_cp_sizes
 from step35.parallel.context import chunk_owner, chunk_size, local_positions
-from tests.helpers import run_process_group
+from tests.helpers import run_dist_script, run_process_group
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "cp_equivalence.py"
@@ -160,13 +160,8 @@ def test_cp_with_ep_matches_one_process(tmp_path, cp, ac):
     (the exchanges replayed in backward): loss and every parameter's gradient as one process, for
     sliding windows shorter than a chunk, of chunk + 1 keys and longer, documents crossing chunk
     borders, MTP on."""
-    out = tmp_path / f"cp{cp}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT),
-           "--cp", str(cp), "--ep", "2", "--ac", ac, "--out", str(out)]
-    proc = run_process_group(cmd, timeout=500, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = torch.load(out)
+    results = run_dist_script(SCRIPT, tmp_path / f"cp{cp}.pt", 4, "--cp", str(cp), "--ep", "2", "--ac", ac,
+                              timeout=500)
     assert len(results) == 4
     for case, r in results.items():
         assert r["missing"] == [], (case, r["missing"])
@@ -233,16 +228,10 @@ def test_speed_monitor_counts_a_cp_ranks_share_of_the_tokens():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(tmp_path):
+def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(cp_saved_bytes):
     """Saved-tensor bytes per rank at cp 2 (2 gloo ranks, release head ratio) are half of cp 1's
     plus what the exchange keeps (the other rank's K/V on full layers, the halos on sliding ones)."""
-    out = tmp_path / "bytes.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "cp_activation_bytes.py"), "--out", str(out)]
-    proc = run_process_group(cmd, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = torch.load(out)
+    r = cp_saved_bytes
     assert r["exchange"] > 0
     for got in r["cp2_by_rank"]:
         predicted = r["cp1"] / 2 + r["exchange"]

@@ -17,14 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from benchmarks.activation_memory import _config
 from step35.config import preset
 from step35.parallel import ParallelDims
 from step35.plan.activations import Shape, model_activations
-from tests.helpers import run_process_group
 
 ROOT = Path(__file__).parent.parent
 GiB = 1024**3
@@ -46,14 +44,8 @@ def run_plan(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_plan_predicts_the_measured_saved_bytes_at_cp2(tmp_path):
-    out = tmp_path / "bytes.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "cp_activation_bytes.py"), "--out", str(out)]
-    proc = run_process_group(cmd, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    measured = torch.load(out)
+def test_plan_predicts_the_measured_saved_bytes_at_cp2(cp_saved_bytes):
+    measured = cp_saved_bytes
     config = _config("issue10", RELEASE_RATIO)
     predicted = {cp: model_activations(config, Shape(1, 256, 4, "cpu", context_parallel=cp)).total for cp in (1, 2)}
     assert abs(predicted[1] - measured["cp1"]) <= 0.05 * measured["cp1"], (predicted, measured)

@@ -26,7 +26,6 @@ NOT_QUICK_TESTS = {
     "test_papercuts.py": ("test_main_job_first_screen", "test_early_stopping_says_why", "test_help_lists"),
     # the CLI as a subprocess, or a sharded run
     "test_validation.py": ("test_cli_",),
-    "test_generate.py": ("test_generate_command", "test_sharded_run"),
     # the `checkpoints` fixture trains and saves single-file and sharded checkpoints (2 minutes)
     "test_checkpoint_safety.py": ("test_crafted_checkpoint", "test_metadata_pointing_outside",
                                   "test_flipped_byte_refused_by_resume", "test_damaged_checkpoint_refused_by_resume",
@@ -47,6 +46,15 @@ NOT_QUICK_TESTS = {
     "test_balancing.py": ("test_bias_update_evens_out_a_skewed_router",),
     "test_activation_memory.py": ("test_issue10_shape_within_budget",),
     "test_data_stream.py": ("test_resume_exact_for_arrow_save_to_disk",),
+    # the CLI or a chaos supervisor as a subprocess; a short training run; the built-in conversation set
+    "test_lora_checkpoint.py": ("test_lora_run_killed_twice",),
+    "test_lora.py": ("test_cli_fit_with_lora",),
+    "test_generate.py": ("test_generate_command", "test_sharded_run", "test_chat_renders"),
+    "test_plan_cp.py": ("test_long_context_recipe_parses_for_fit",),
+    "test_plan_lora.py": ("test_recipe_is_one_node_of_eight",),
+    "test_context_parallel.py": ("test_fit_refuses",),
+    "test_sft_training.py": ("test_assistant_only_loss",),
+    "test_builtin_chat.py": ("test_conversations_are_well_formed",),
 }
 
 

@@ -157,11 +157,19 @@ data:
 """
 
 
+LORA_RUN_YAML = RUN_YAML.replace("  mtp_loss_weight: 0.0   # the MTP layer is held but frozen: no gradient, no AdamW state\n",
+                                 "  mtp_loss_weight: 0.0\n  lora:\n    rank: 4\n    base_dtype: bfloat16\n")
+assert "lora:" in LORA_RUN_YAML  # the replacement above matched
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_predicted_state_matches_four_rank_run(tmp_path):
+@pytest.mark.parametrize("run_yaml", [RUN_YAML, LORA_RUN_YAML], ids=["full", "lora"])
+def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
+    """Per-rank parameter, gradient and AdamW bytes of a real 4-rank step equal the plan's, for a full
+    fine-tune and for LoRA (a frozen bf16 base, fp32 adapters sharded like their layers)."""
     config = tmp_path / "run.yaml"
-    config.write_text(RUN_YAML)
+    config.write_text(run_yaml)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            str(ROOT / "tests" / "dist" / "plan_state_run.py"), "--config", str(config), "--out", str(tmp_path)]

@@ -71,6 +71,8 @@ class LoraConfig:
         """A LoraConfig from a LoraConfig, a dict of its fields, or None (LoRA off)."""
         if value is None or isinstance(value, LoraConfig):
             return value
+        if hasattr(value, "as_dict"):  # a jsonargparse Namespace (a config parsed without instantiation)
+            value = value.as_dict()
         if isinstance(value, dict):
             unknown = sorted(set(value) - set(cls.__dataclass_fields__))
             if unknown:

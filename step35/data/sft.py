@@ -14,7 +14,6 @@ Formats (`data.format`, or `format` of a `data.sources` entry):
 An encoded record is an `Example`; `PackedConversations` (packing.py) packs whole examples into windows.
 """
 
-import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,17 +106,6 @@ class SftEncoder:
         self.train_on = train_on
         self.template_missing = template_missing
         self.train_reasoning = train_reasoning
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        template = state["template"]
-        if getattr(template, "_compiled", None) is not None:
-            # A compiled Jinja template does not pickle (its filters are closures): DataLoader workers get the
-            # template uncompiled and compile their own.
-            template = copy.copy(template)
-            template._compiled = None
-            state["template"] = template
-        return state
 
     def __call__(self, record: Record) -> Optional[Example]:
         value = record.value()

@@ -88,7 +88,7 @@ class Step35DataModule(pl.LightningDataModule):
             `<think>`/`</think>` wrappers, the content, tool calls and end-of-turn token stay trained. Reasoning
             the template drops (earlier turns, for some templates) is never in the tokens either way.
         chat_template: A .jinja file to render conversations with, instead of the tokenizer folder's template.
-            Neither: step35's default template, for the built-in tokenizer only.
+            (The built-in tokenizer's folder carries step35's default template.)
         overlong: A conversation longer than seq_len + 1 tokens is cut to the window ("truncate") or dropped
             ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported.
     """
@@ -277,7 +277,7 @@ class Step35DataModule(pl.LightningDataModule):
             return options
         from pathlib import Path
 
-        template, missing = resolve_template(Path(tokenizer_folder), self.chat_template, self.tokenizer_path is None)
+        template, missing = resolve_template(Path(tokenizer_folder), self.chat_template)
         chat = sorted({source.name for source in sources if source.format == "chat"})
         if template is None and chat:
             raise ValueError(f"source(s) {chat} hold conversations, but {missing}")

@@ -151,10 +151,10 @@ class SftEncoder:
         return Example(list(ids), [bool(t) for t in trained], where)
 
 
-def resolve_template(tokenizer_folder: Path, chat_template: Optional[str], builtin_tokenizer: bool) -> tuple[Any, str]:
+def resolve_template(tokenizer_folder: Path, chat_template: Optional[str]) -> tuple[Any, str]:
     """(the chat template conversations are rendered with, or None; the error to give when one is needed and
-    there is none). `data.chat_template` wins; then the tokenizer folder's own; then, for the built-in
-    tokenizer only, step35's default template."""
+    there is none). `data.chat_template` wins; then the tokenizer folder's own (the built-in tokenizer's
+    folder carries step35's default template: builtin.py)."""
     from step35.data.chat import ChatTemplate
 
     if chat_template:
@@ -163,8 +163,6 @@ def resolve_template(tokenizer_folder: Path, chat_template: Optional[str], built
             raise FileNotFoundError(f"data.chat_template {chat_template!r}: no such file (expected a .jinja file)")
         return ChatTemplate.from_file(path), ""
     template = ChatTemplate.from_folder(tokenizer_folder)
-    if template is None and builtin_tokenizer:
-        template = ChatTemplate.default()
     missing = (
         f"the tokenizer folder {str(tokenizer_folder)!r} has no chat template (no chat_template.jinja, no"
         " chat_template in tokenizer_config.json): set data.chat_template to a .jinja file"

@@ -7,6 +7,7 @@ update after each optimizer step."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -191,17 +192,16 @@ class Step35LightningModule(pl.LightningModule):
             apply_optimizer_settings(self.trainer.optimizers[0], self._group_settings(),
                                      schedulers[0].scheduler if schedulers else None)
 
+    @functools.cached_property
     def _lora_base(self) -> dict:
         """The identity of this LoRA run's base (checkpoint/lora_base.py), computed once."""
-        if getattr(self, "_lora_base_identity", None) is None:
-            self._lora_base_identity = lora_base.base_identity(self.hparams.checkpoint, self.hparams.init_seed)
-        return self._lora_base_identity
+        return lora_base.base_identity(self.hparams.checkpoint, self.hparams.init_seed)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._restored = True
         if self.lora is not None:
             where = checkpoint_to_load(self.trainer) or "the checkpoint"
-            lora_base.check_base(checkpoint.get(lora_base.RECORD_KEY), self._lora_base(), where)
+            lora_base.check_base(checkpoint.get(lora_base.RECORD_KEY), self._lora_base, where)
             if "state_dict" in checkpoint and lora_base.RECORD_KEY in checkpoint:  # a file: loaded non-strictly
                 _check_lora_state(checkpoint["state_dict"], self, where)
         # Without the CLI (`trainer.fit(ckpt_path=...)`) nobody checked the checkpoint yet: for a
@@ -217,7 +217,7 @@ class Step35LightningModule(pl.LightningModule):
         if self.lora is not None:  # adapters, full targets and buffers; the frozen base only by its identity
             frozen = frozen_state_keys(self)
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
-            checkpoint[lora_base.RECORD_KEY] = self._lora_base()
+            checkpoint[lora_base.RECORD_KEY] = self._lora_base
         # So does the tokenizer the data was encoded with (files, not a path: caches get cleaned).
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
         if getattr(tokenizer, "path", None) is not None:

@@ -6,7 +6,10 @@ The supervisor follows the run through its checkpoint folder: a kill "at a step"
 checkpoint at or after that step is complete (and one saved by this attempt), then a random
 fraction of a second more; a kill
 "during a save" waits for a save in progress (a temporary `.partial` entry, or a checkpoint whose
-manifest is not written yet) and kills at once. Kill plans come from a seeded generator."""
+manifest is not written yet), freezes the job (SIGSTOP), looks again and kills it only if the save is
+still unfinished; otherwise it lets the job go on and waits for the next save. So a kill counted as
+"during a save" really cut one short, however fast the save and however loaded the machine. Kill
+plans come from a seeded generator."""
 
 from __future__ import annotations
 
@@ -106,13 +109,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the whole job at once, as a node failure would: every rank, then the launcher."""
-    for pid in descendants(proc.pid):
+def signal_job(proc: subprocess.Popen, signum: int) -> None:
+    """Send `signum` to the launcher and every process below it (torchrun starts each rank in a
+    session of its own, so the launcher's process group does not hold them)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole job at once, as a node failure would: every rank, then the launcher."""
+    signal_job(proc, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -149,8 +158,12 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
                     if not save_in_progress(folder, newest):
                         time.sleep(0.0005)
                         continue
+                    signal_job(proc, signal.SIGSTOP)  # frozen, the job cannot finish the save behind our back
+                    if not save_in_progress(folder, newest):  # it finished before the freeze: try the next one
+                        signal_job(proc, signal.SIGCONT)
+                        continue
                     kill(proc)
-                    stats["mid_save"] += save_in_progress(folder, newest)  # the save really was cut short
+                    stats["mid_save"] += 1
                 else:
                     time.sleep(rng.uniform(0.0, 0.3))
                     kill(proc)

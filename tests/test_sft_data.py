@@ -178,9 +178,9 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
             dm.setup("fit")
     with pytest.raises(ValueError, match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion'\)"):
         Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
-    with pytest.raises(ValueError, match="data.train_on must be one of"):
+    with pytest.raises(ValueError, match=r"data: train_on='assistants'; expected one of assistant, last_assistant, all"):
         Step35DataModule(train_on="assistants")
-    with pytest.raises(ValueError, match="data.train_reasoning must be true or false, got 'no'"):
+    with pytest.raises(ValueError, match="data: train_reasoning='no'; expected true or false"):
         Step35DataModule(train_reasoning="no")
 
 

@@ -93,6 +93,15 @@ def _at(where: str) -> str:
     return f"{where}: " if where else ""
 
 
+def check_train_choice(train_on: Any, train_reasoning: Any, where: str = "") -> None:
+    """The one rule for `train_on` and `train_reasoning`, wherever they are given (the DataModule's options,
+    an SftEncoder, ChatTemplate.encode); `where` names the place (`data`, a record's file and line)."""
+    if train_on not in TRAIN_ON:
+        raise ChatTemplateError(f"{_at(where)}train_on={train_on!r}; expected one of {', '.join(TRAIN_ON)}")
+    if not isinstance(train_reasoning, bool):
+        raise ChatTemplateError(f"{_at(where)}train_reasoning={train_reasoning!r}; expected true or false")
+
+
 def check_messages(messages: Any, where: str = "", *, require_assistant: bool = True) -> None:
     """Raise ChatTemplateError naming `where` (e.g. "data.jsonl:3") unless `messages` is a non-empty list of
     {role, content} objects with known roles and, when `require_assistant`, at least one assistant turn.
@@ -375,10 +384,7 @@ class ChatTemplate:
         wrappers around it stay trained, so the model still learns to open and close the block. A token holding
         both reasoning and other trained text stays trained. The caller shifts the mask to labels.
         """
-        if train_on not in TRAIN_ON:
-            raise ChatTemplateError(f"{_at(where)}train_on={train_on!r}; expected one of {', '.join(TRAIN_ON)}")
-        if not isinstance(train_reasoning, bool):
-            raise ChatTemplateError(f"{_at(where)}train_reasoning={train_reasoning!r}; expected true or false")
+        check_train_choice(train_on, train_reasoning, where)
         check_messages(messages, where)
         conversation = _Conversation(self, messages, tools, where, self._tokens(tokenizer, extra))
         encoding = tokenizer.tokenizer.encode(conversation.text, add_special_tokens=False)

@@ -17,7 +17,8 @@ from step35.data.builtin_chat import builtin_chat_path
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
-from step35.data.sft import FORMATS, OVERLONG, TRAIN_ON, resolve_template
+from step35.data.chat import check_train_choice
+from step35.data.sft import FORMATS, OVERLONG, resolve_template
 from step35.data.sources import Holdout, Source
 from step35.data.spec import TXT_MODES, SourceSpec, open_source
 from step35.data.stream import TokenWindows
@@ -150,12 +151,10 @@ class Step35DataModule(pl.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_files and val_fraction:
             raise ValueError("give either val_files or val_fraction, not both")
-        for option, value, allowed in (("format", format, FORMATS), ("train_on", train_on, TRAIN_ON),
-                                       ("overlong", overlong, OVERLONG)):  # fmt: skip
+        for option, value, allowed in (("format", format, FORMATS), ("overlong", overlong, OVERLONG)):
             if value not in allowed:
                 raise ValueError(f"data.{option} must be one of {allowed}, got {value!r}")
-        if not isinstance(train_reasoning, bool):
-            raise ValueError(f"data.train_reasoning must be true or false, got {train_reasoning!r}")
+        check_train_choice(train_on, train_reasoning, "data")
         specs = [SourceSpec.parse(entry, i) for i, entry in enumerate(sources)] if sources is not None else None
         if specs is not None and sum(s.weight for s in specs) <= 0:
             raise ValueError(f"the sources' weights must have a positive sum, got {[s.weight for s in specs]}")

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from step35.data.chat import check_train_choice
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
 from step35.data.tokenizer import TextTokenizer
 
 FORMATS = ("auto", "text", "chat", "prompt_completion")
-TRAIN_ON = ("assistant", "last_assistant", "all")
 OVERLONG = ("truncate", "drop")
 PLAIN_TEXT_SUFFIXES = (".txt", ".md")
 
@@ -96,10 +96,7 @@ class SftEncoder:
     ) -> None:
         if format not in ("chat", "prompt_completion"):
             raise ValueError(f"SftEncoder encodes chat or prompt_completion records, not {format!r}")
-        if train_on not in TRAIN_ON:
-            raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
-        if not isinstance(train_reasoning, bool):
-            raise ValueError(f"data.train_reasoning must be true or false, got {train_reasoning!r}")
+        check_train_choice(train_on, train_reasoning, "data")
         self.format = format
         self.tokenizer = tokenizer
         self.template = template

@@ -7,7 +7,9 @@ logits on its base and refuses another base; merging a run without adapters is r
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import shutil
 
 import lightning.pytorch as pl
 import pytest
@@ -142,6 +144,38 @@ def test_peft_folder_on_its_base_gives_the_merged_exports_logits(lora_run, merge
     ids, _ = batch(model.config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids), load_pretrained(merged)(ids), rtol=0, atol=1e-5)
+
+
+def test_peft_itself_attaches_the_folder_to_the_transformers_model_and_gives_the_merged_logits(lora_run, merged,
+                                                                                                peft_folder, tmp_path):
+    """The PEFT library (0.21.2) loads the folder onto the base loaded by transformers with the exported remote code:
+    every adapter kind lands (expert adapters at their own rank, the router as modules_to_save), and the model
+    computes the transformers-loaded merged export's logits within 1e-5 (fp32); the adapters move them by > 1e-3."""
+    import transformers
+    from peft import PeftModel
+
+    _, model = lora_run
+    base = build_model(model.config)
+    materialize(base, "cpu", seed=0)  # the run's base
+    save_pretrained(base, tmp_path / "base")
+    for name in ("config.json", "modeling_step35.py"):  # the export's remote code, pointed at by its auto_map
+        shutil.copy(merged / name, tmp_path / "base" / name)
+    load = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, trust_remote_code=True,
+                             dtype=torch.float32)
+    hf_base, hf_merged = load(tmp_path / "base").eval(), load(merged).eval()
+    ids, _ = batch(model.config.vocab_size)
+    with torch.no_grad():
+        want, before = hf_merged(ids).logits, hf_base(ids).logits
+    adapted = PeftModel.from_pretrained(hf_base, peft_folder).eval()
+    layer = adapted.base_model.model.model.layers[1]
+    assert layer.moe.gate_proj.lora_A["default"].weight.shape == (3 * model.config.moe_num_experts,
+                                                                   model.config.hidden_size)
+    assert layer.self_attn.q_proj.lora_A["default"].weight.shape[0] == 4
+    assert type(layer.moe.gate).__name__ == "ModulesToSaveWrapper"
+    with torch.no_grad():
+        got = adapted(ids).logits
+    assert (before - want).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_peft_folder_refuses_another_base(tmp_path, builtin_cache):

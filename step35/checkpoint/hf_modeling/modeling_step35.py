@@ -228,11 +228,20 @@ class Step3p5MLP(nn.Module):
 
 
 class Step3p5ExpertWeight(nn.Module):
-    """One projection of every routed expert, stacked: weight [E, out, in] (nn.Linear layout per expert)."""
+    """One projection of every routed expert, stacked: weight [E, out, in] (nn.Linear layout per expert).
+
+    The weight is read only inside this module's forward, so that a wrapper of the parameter (PEFT's
+    `target_parameters`, which adds the LoRA delta while the owning module runs) takes effect."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [N, in], grouped by expert (counts[e] rows for expert e, in order) -> [N, out]."""
+        weight = self.weight
+        out = [group @ weight[e].T for e, group in enumerate(rows.split(counts)) if counts[e]]
+        return torch.cat(out) if out else rows.new_zeros(0, weight.shape[1])
 
 
 class Step3p5MoE(nn.Module):
@@ -265,13 +274,14 @@ class Step3p5MoE(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
+        order = expert_ids.flatten().argsort(stable=True)  # token-slot pairs grouped by expert
+        token, slot = order // self.top_k, order % self.top_k
+        counts = torch.bincount(expert_ids.flatten(), minlength=scores.shape[-1]).tolist()
+        rows = x[token]  # [T*K, H]
+        hidden = clamped_swiglu(self.gate_proj(rows, counts), self.up_proj(rows, counts), self.limit)
+        y = self.down_proj(hidden, counts)
         out = torch.zeros_like(x)
-        for e in expert_ids.unique().tolist():
-            token, slot = (expert_ids == e).nonzero(as_tuple=True)
-            rows = x[token]
-            hidden = clamped_swiglu(rows @ self.gate_proj.weight[e].T, rows @ self.up_proj.weight[e].T, self.limit)
-            y = hidden @ self.down_proj.weight[e].T
-            out.index_add_(0, token, (y.float() * weights[token, slot, None]).to(x.dtype))
+        out.index_add_(0, token, (y.float() * weights[token, slot, None]).to(x.dtype))
         return out.view(shape)
 
 

@@ -140,3 +140,26 @@ def test_export_writes_our_file_unless_the_source_brings_its_own_modeling_code(t
     export_checkpoint(checkpoint_of(run), tmp_path / "b", source=source)
     assert json.loads((tmp_path / "b" / "config.json").read_text())["auto_map"] == release_map
     assert (tmp_path / "b" / "modeling_step3p5.py").is_file() and not (tmp_path / "b" / MODELING_FILE.name).exists()
+
+
+def test_left_padded_rows_give_each_rows_own_logits_and_greedy_tokens(exported):
+    """A batch of two prompts, the shorter one left-padded: the logits at each row's real tokens equal the row's
+    alone (within 1e-5, fp32, sliding-window layers included), all finite, and `generate` on the batch (with the
+    attention mask, positions from it) continues each row with the tokens it gets alone."""
+    hf = load_hf(exported)
+    window = hf.config.sliding_window
+    g = torch.Generator().manual_seed(1)
+    long, short = (torch.randint(3, hf.config.vocab_size, (1, n), generator=g) for n in (window + 9, 6))
+    pad = long.shape[1] - short.shape[1]
+    ids = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        both = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        assert torch.isfinite(both[mask.bool()]).all()
+        torch.testing.assert_close(both[0], hf(long).logits[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(both[1, pad:], hf(short).logits[0], rtol=0, atol=1e-5)
+        new = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        batched = hf.generate(ids, attention_mask=mask, **new)[:, ids.shape[1]:]
+        alone = [hf.generate(row, **new)[0, row.shape[1]:] for row in (long, short)]
+    assert batched[0].tolist() == alone[0].tolist() and batched[1].tolist() == alone[1].tolist()

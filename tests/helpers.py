@@ -1,17 +1,25 @@
-"""Shared tiny-model builders for the step35 tests: the one tiny config dict every test starts from,
-and the one hand computation of RoPE inverse frequencies with llama3 scaling (docs/architecture.md
-§2.4-2.5), which the model tests and the reference forward share. Other reference math stays in the
-test that needs it, written from docs/architecture.md."""
+"""Shared helpers of the step35 tests: the one tiny config dict every test starts from, the one hand
+computation of RoPE inverse frequencies with llama3 scaling (docs/architecture.md §2.4-2.5), which the
+model tests and the reference forward share, and the ways to run step35 (a subprocess, a process group,
+torchrun, `plan` in this process). Other reference math stays in the test that needs it, written from
+docs/architecture.md."""
 
 from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from step35.config import PRESETS, Step35Config
 from step35.model import Step35ForCausalLM
+
+ROOT = Path(__file__).parent.parent
 
 
 def tiny_config_dict(**overrides) -> dict:
@@ -149,3 +157,25 @@ def run_dist_script(script, out, nproc: int | None, *args: str, timeout: float) 
                              timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
+
+
+def run_plan(capsys, *args: str) -> tuple[int, str, str]:
+    """`step35 plan <args>` in this process: (exit code, stdout, stderr). The fake process group the plan
+    opens is closed again when it returns."""
+    from step35.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *args])
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def step35(args: list[str], cache, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m step35 <args>` in a subprocess with the builtin cache at `cache`; it must succeed (the output's
+    tails are the assertion's message)."""
+    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc

@@ -13,6 +13,7 @@ from step35.checkpoint.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
 from step35.data.chat import ChatTemplate
 from step35.run import checkpoint_of
+from tests.helpers import step35 as run_step35
 
 ROOT = Path(__file__).parent.parent
 PROMPT = "The for statement"
@@ -63,11 +64,7 @@ def test_top_p_samples_the_nucleus_with_renormalised_probabilities():
 
 
 def step35(args: list[str], cache: Path) -> str:
-    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_step35(args, cache, timeout=300).stdout
 
 
 @pytest.mark.timeout(600)

@@ -5,26 +5,18 @@ the early-stopping message and the learning-rate names."""
 import csv
 import os
 import stat
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import step35
 
 ROOT = Path(__file__).parent.parent
 
 # Fast settings of the main job: a short sequence, a small batch, one validation batch.
 SMALL = ["--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1",
          "--data.val_batches=1", "--trainer.log_every_n_steps=1"]
-
-
-def step35(args: list[str], cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 def metric_rows(run: Path) -> list[dict]:

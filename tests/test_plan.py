@@ -21,7 +21,7 @@ from step35.config import Step35Config, preset
 from step35.model import Step35ForCausalLM
 from step35.parallel.parallelize import apply_activation_checkpointing
 from step35.plan.activations import Shape, model_activations
-from tests.helpers import run_process_group, tiny_config_dict
+from tests.helpers import run_plan, run_process_group, tiny_config_dict
 
 ROOT = Path(__file__).parent.parent
 
@@ -191,21 +191,11 @@ def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
 
 
 # ------------------------------------------------------------------------------ the CLI on real recipes
-def run_plan(capsys, *args: str) -> tuple[int, str, str]:
-    """`step35 <args>` in this process (the fake process group is closed again when the plan returns)."""
-    from step35.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(list(args))
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
-
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe,device,min_margin", [("npu", "Ascend 910B", 20), ("gpu", "NVIDIA H100 SXM", 10)])
 def test_recipes_fit_with_margin(capsys, recipe, device, min_margin):
-    code, out, err = run_plan(capsys, "plan", "--config", f"configs/flash-196b-4k-{recipe}.yaml", "--json")
+    code, out, err = run_plan(capsys, "--config", f"configs/flash-196b-4k-{recipe}.yaml", "--json")
     assert code == 0, err[-3000:]
     plan = json.loads(out)
     assert plan["verdict"]["fits"] and plan["verdict"]["margin_pct"] >= min_margin
@@ -226,13 +216,13 @@ def test_recipes_fit_with_margin(capsys, recipe, device, min_margin):
         assert plan["state"]["expert_shapes"] == {"gate_proj.weight": [3, 640, 4096],
                                                   "up_proj.weight": [3, 640, 4096],
                                                   "down_proj.weight": [3, 2048, 1280]}
-        code, out, _ = run_plan(capsys, "plan", "--config", f"configs/flash-196b-4k-{recipe}.yaml")
+        code, out, _ = run_plan(capsys, "--config", f"configs/flash-196b-4k-{recipe}.yaml")
         assert code == 0 and "FITS:" in out and "MFU <=" in out
 
 
 @pytest.mark.timeout(600)
 def test_too_few_ranks_does_not_fit_and_suggests_more_nodes(capsys):
-    code, out, err = run_plan(capsys, "plan", "--config", "configs/flash-196b-4k-gpu.yaml", "--trainer.num_nodes", "1",
+    code, out, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--trainer.num_nodes", "1",
                               "--trainer.strategy.expert_parallel_size", "8", "--json")
     assert code == 1, err[-3000:]
     plan = json.loads(out)
@@ -242,12 +232,12 @@ def test_too_few_ranks_does_not_fit_and_suggests_more_nodes(capsys):
 
 
 def test_invalid_expert_parallel_size_is_refused_with_valid_sizes(capsys):
-    code, _, err = run_plan(capsys, "plan", "--config", "configs/flash-196b-4k-gpu.yaml",
+    code, _, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml",
                             "--trainer.strategy.expert_parallel_size", "64")
     assert code == 2
     assert "expert_parallel_size=64 is invalid" in err and "Valid sizes: 1, 2, 4, 8, 16, 32" in err
     # 0 is refused the same way (it used to divide by zero in the check).
-    code, _, err = run_plan(capsys, "plan", "--config", "configs/flash-196b-4k-gpu.yaml", "--no-suggestions",
+    code, _, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--no-suggestions",
                             "--trainer.strategy.expert_parallel_size", "0")
     assert code == 2 and "expert_parallel_size=0 is invalid" in err, err[-2000:]
 
@@ -261,7 +251,7 @@ def test_step35_help_lists_plan_and_export():
 
 
 def test_unreadable_inputs_name_the_field(capsys, tmp_path):
-    code, _, err = run_plan(capsys, "plan", "--model.checkpoint", str(tmp_path / "missing"), "--trainer.devices", "1")
+    code, _, err = run_plan(capsys, "--model.checkpoint", str(tmp_path / "missing"), "--trainer.devices", "1")
     assert code == 2 and "model.checkpoint" in err and "--model.config" in err
-    code, _, err = run_plan(capsys, "plan", "--model.config", "tiny")  # trainer.devices defaults to "auto"
+    code, _, err = run_plan(capsys, "--model.config", "tiny")  # trainer.devices defaults to "auto"
     assert code == 2 and "trainer.devices='auto'" in err

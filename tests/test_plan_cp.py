@@ -23,6 +23,7 @@ from benchmarks.activation_memory import _config
 from step35.config import preset
 from step35.parallel import ParallelDims
 from step35.plan.activations import Shape, model_activations
+from tests.helpers import run_plan
 
 ROOT = Path(__file__).parent.parent
 GiB = 1024**3
@@ -30,16 +31,6 @@ GiB = 1024**3
 RELEASE_RATIO = ('{"num_attention_groups": 1, "attention_other_setting": {"attention_type": "sliding_attention", '
                  '"num_attention_heads": 12, "num_attention_groups": 1, "head_dim": 32, "true_head_dim": 32}}')
 
-
-def run_plan(capsys, *args: str) -> tuple[int, str, str]:
-    """`step35 plan <args>` in this process."""
-    from step35.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(["plan", *args])
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 @pytest.mark.multiprocess

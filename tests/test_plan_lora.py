@@ -23,21 +23,12 @@ from step35.config import Step35Config, preset
 from step35.model import build_model
 from step35.plan.lora import DEFAULT_TARGETS, parse_lora, trained_tensors
 from step35.plan.settings import read_settings
-from tests.helpers import tiny_config
+from tests.helpers import run_plan, tiny_config
 
 ROOT = Path(__file__).parent.parent
 RECIPE = str(ROOT / "configs" / "flash-196b-lora-h200.yaml")
 GiB = 1024**3
 
-
-def run_plan(capsys, *args: str) -> tuple[int, str, str]:
-    from step35.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(["plan", *args])
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 # ------------------------------------------------------------------------------ adapter counts

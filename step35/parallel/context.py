@@ -172,37 +172,25 @@ class _Halo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, n, cp_: ContextParallel):
         ctx.n, ctx.cp, ctx.x_shape = n, cp_, x.shape
-        r, size, c = cp_.rank, cp_.size, x.shape[-2] // 2
+        c = x.shape[-2] // 2
         tail_first = x[..., c - n:c, :].contiguous()
         tail_second = x[..., 2 * c - n:, :].contiguous()
         before_first = torch.zeros_like(tail_first)
         before_second = torch.zeros_like(tail_second)
-        ops = []
-        if r + 1 < size:
-            ops += [dist.P2POp(dist.isend, tail_first, cp_.peers[r + 1], cp_.group),
-                    dist.P2POp(dist.irecv, before_second, cp_.peers[r + 1], cp_.group)]
-        if r > 0:
-            ops += [dist.P2POp(dist.isend, tail_second, cp_.peers[r - 1], cp_.group),
-                    dist.P2POp(dist.irecv, before_first, cp_.peers[r - 1], cp_.group)]
-        _exchange(ops)
+        _swap_with_neighbours(cp_, to_next=tail_first, from_next=before_second, to_previous=tail_second,
+                              from_previous=before_first)
         return torch.cat([before_first, before_second], dim=-2)
 
     @staticmethod
     def backward(ctx, grad):
         n, cp_ = ctx.n, ctx.cp
-        r, size = cp_.rank, cp_.size
         grad_before_first = grad[..., :n, :].contiguous()
         grad_before_second = grad[..., n:, :].contiguous()
         grad_tail_first = torch.zeros_like(grad_before_first)  # from rank r + 1's first chunk's halo
         grad_tail_second = torch.zeros_like(grad_before_second)  # from rank r - 1's second chunk's halo
-        ops = []
-        if r + 1 < size:
-            ops += [dist.P2POp(dist.isend, grad_before_second, cp_.peers[r + 1], cp_.group),
-                    dist.P2POp(dist.irecv, grad_tail_first, cp_.peers[r + 1], cp_.group)]
-        if r > 0:
-            ops += [dist.P2POp(dist.isend, grad_before_first, cp_.peers[r - 1], cp_.group),
-                    dist.P2POp(dist.irecv, grad_tail_second, cp_.peers[r - 1], cp_.group)]
-        _exchange(ops)
+        # The forward's exchange run backwards: each gradient goes back to the rank its halo came from.
+        _swap_with_neighbours(cp_, to_next=grad_before_second, from_next=grad_tail_first,
+                              to_previous=grad_before_first, from_previous=grad_tail_second)
         grad_x = grad.new_zeros(ctx.x_shape)
         c = ctx.x_shape[-2] // 2
         grad_x[..., c - n:c, :] = grad_tail_first
@@ -210,7 +198,17 @@ class _Halo(torch.autograd.Function):
         return grad_x, None, None
 
 
-def _exchange(ops: list) -> None:
+def _swap_with_neighbours(cp_: ContextParallel, to_next: torch.Tensor, from_next: torch.Tensor,
+                          to_previous: torch.Tensor, from_previous: torch.Tensor) -> None:
+    """Send to / receive from ranks r + 1 and r - 1 of the cp group in one batch (the ends of the group
+    have one neighbour; a receive buffer without a sender keeps its contents)."""
+    r, ops = cp_.rank, []
+    if r + 1 < cp_.size:
+        ops += [dist.P2POp(dist.isend, to_next, cp_.peers[r + 1], cp_.group),
+                dist.P2POp(dist.irecv, from_next, cp_.peers[r + 1], cp_.group)]
+    if r > 0:
+        ops += [dist.P2POp(dist.isend, to_previous, cp_.peers[r - 1], cp_.group),
+                dist.P2POp(dist.irecv, from_previous, cp_.peers[r - 1], cp_.group)]
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()

@@ -305,8 +305,10 @@ def test_a_fine_tune_that_does_not_fit_is_offered_lora_and_context_parallelism(c
     ("{rank: 4, dropout: 1.5}", "model.lora.dropout=1.5: must be in [0, 1)"),
     ("{rank: 4, alpha: 0}", "model.lora.alpha=0: must be > 0"),
     ("{rank: 4, expert_rank: 0}", "model.lora.expert_rank=0: must be an integer >= 1"),
-    ("{rank: 64}", "model.lora rank 64 is larger than model.layers.0.self_attn.g_proj [4, 128]"),
-    ("{rank: 4, expert_rank: 100, targets: [experts]}", "model.lora.expert_rank 100 is larger than model.layers.1.moe"),
+    ("{rank: 64}", "model.lora.rank=64 is larger than layer model.layers.0.self_attn.g_proj (128 -> 4) can use (at "
+                   "most 4)"),
+    ("{rank: 4, expert_rank: 100, targets: [experts]}", "model.lora.expert_rank=100 is larger than layer "
+                                                        "model.layers.1.moe.gate_proj (128 -> 64) can use (at most 64)"),
     ("{rank: 4, targets: [lm_head], lora: 1}", "model.lora: unknown field(s) ['lora']"),
     ("[4]", "model.lora must be a mapping of LoRA options or null"),
 ])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from step35.config import Step35Config
-from step35.model.lora import ATTENTION_TARGETS, FULL_TARGETS, VALID_TARGETS, LoraConfig, LoraError
+from step35.model.lora import ATTENTION_TARGETS, FULL_TARGETS, VALID_TARGETS, LoraConfig, LoraError, check_sizes
 from step35.model.lora import DEFAULT_TARGETS as MODEL_DEFAULT_TARGETS
 
 ATTENTION = ATTENTION_TARGETS
@@ -58,21 +58,21 @@ class LoraSettings:
 
 def parse_lora(value: Any, config: Step35Config) -> LoraSettings | None:
     """`model.lora` as read from the YAML or an override (a mapping, or None for a full fine-tune),
-    checked by the model's own LoraConfig (step35.model.lora: one owner of the option's rules) and
-    against the model shape; raises LoraInputError naming the field."""
+    checked by the model's own rules (step35.model.lora: the options, and each rank against the layers it
+    adapts); raises LoraInputError naming the field."""
     if value is None:
         return None
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace
         value = value.as_dict()
     try:
         options = LoraConfig.of(value)
-        options.validate(config)
+        check_sizes(options, config)
         # A field of the wrong type (e.g. dropout "x") surfaces as a TypeError in the comparisons above.
     except (LoraError, TypeError) as err:
         raise LoraInputError(str(err) if isinstance(err, LoraError) else f"model.lora={value!r}: {err}") from None
     lora = LoraSettings(options.rank, options.scale_alpha, float(options.dropout), tuple(dict.fromkeys(options.targets)),
                         options.resolved_expert_rank(config) if config.use_moe else options.expert_rank or options.rank)
-    if not list(trained_tensors(config, lora, config.num_nextn_predict_layers)):  # also checks every rank
+    if not list(trained_tensors(config, lora, config.num_nextn_predict_layers)):
         raise LoraInputError(f"model.lora.targets={list(options.targets)!r}: adapts nothing in this model")
     return lora
 
@@ -95,16 +95,11 @@ class Trained:
 
 
 def _pair(name: str, layer: int, kind: str, out: int, inp: int, r: int) -> Iterator[Trained]:
-    if r > min(out, inp):
-        raise LoraInputError(f"model.lora rank {r} is larger than {name} [{out}, {inp}] (at most {min(out, inp)})")
     yield Trained(f"{name}.lora_A", layer, kind, (r, inp), False, True)
     yield Trained(f"{name}.lora_B", layer, kind, (out, r), False, True)
 
 
 def _expert_pair(name: str, layer: int, E: int, out: int, inp: int, r: int) -> Iterator[Trained]:
-    if r > min(out, inp):
-        raise LoraInputError(f"model.lora.expert_rank {r} is larger than {name} [{E}, {out}, {inp}] "
-                             f"(at most {min(out, inp)})")
     yield Trained(f"{name}.lora_A", layer, "experts", (E, inp, r), True, True)
     yield Trained(f"{name}.lora_B", layer, "experts", (E, r, out), True, True)
 
@@ -118,7 +113,7 @@ def _swiglu(prefix: str, layer: int, kind: str, H: int, I: int, r: int) -> Itera
 def trained_tensors(config: Step35Config, lora: LoraSettings, num_mtp_layers: int) -> Iterator[Trained]:
     """Every tensor a LoRA run trains, with its global shape, built from the config alone. MTP layers
     (named `mtp`) get the adapters of the other targets and one on eh_proj; without `mtp` they stay
-    frozen whole. Raises LoraInputError for a rank larger than a layer it adapts."""
+    frozen whole. The ranks fit every layer: parse_lora checked them."""
     H, r, re = config.hidden_size, lora.rank, lora.expert_rank
     for i in range(config.num_hidden_layers + num_mtp_layers):
         spec = config.layer(i)

@@ -122,8 +122,8 @@ class Step35LightningModule(pl.LightningModule):
         if self.lora is not None:
             # Its checkpoints leave the frozen base out: loaded non-strictly, the keys checked in on_load_checkpoint.
             self.strict_loading = False
-            self.lora.validate(self.model_config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
-            check_sizes(self.lora, self.model_config, num_mtp_layers)  # a too-large rank: now, not at setup
+            # The options and a too-large rank: now, not at setup.
+            check_sizes(self.lora, self.model_config, num_mtp_layers, mtp_loss_weight)
         # True once the checkpoint to resume was checked against this module's options (the CLI does
         # it before the Trainer exists); otherwise on_load_checkpoint checks what it is given.
         self.resume_checked = False
@@ -446,10 +446,11 @@ class StepMeans:
         mtp_sums, mtp_counts = values[6:6 + depths], values[6 + depths:6 + 2 * depths]
         per = max(self.trained, 1)
         # The objective whose gradient is applied: the sum of the micro-batch losses times the factor
-        # of on_before_optimizer_step over accumulate_grad_batches * ranks.
-        self.loss = objective * self.slots / (self.micro_batches * per) if self.micro_batches else 0.0
+        # of on_before_optimizer_step over accumulate_grad_batches * ranks (the aux loss: its part of it).
+        factor = self.slots / (self.micro_batches * per) if self.micro_batches else 0.0
+        self.loss = objective * factor
         self.lm_loss = lm_sum / per
-        self.aux_loss = aux_sum * self.slots / (self.micro_batches * per) if self.micro_batches else 0.0  # its part of loss
+        self.aux_loss = aux_sum * factor
         self.mtp_losses = [total / max(n, 1) for total, n in zip(mtp_sums, mtp_counts)]  # each depth's own mean
 
 

@@ -224,12 +224,14 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     _freeze_base(model, targets, lora.resolved_base_dtype(config))
 
 
-def check_sizes(lora: LoraConfig, config: Step35Config, num_mtp_layers: int | None = None) -> None:
-    """Raise the LoraError apply_lora would raise for a too-large rank, without building the model:
-    one meta layer of each distinct kind (dense / MoE / MTP, head counts) is adapted instead."""
+def check_sizes(lora: LoraConfig, config: Step35Config, num_mtp_layers: int | None = None,
+                mtp_loss_weight: float | None = None) -> None:
+    """Check the options (`LoraConfig.validate`), then raise the LoraError apply_lora would raise for a
+    too-large rank, without building the model: one meta layer of each distinct kind (dense / MoE / MTP,
+    head counts) is adapted instead."""
     from step35.model.transformer import DecoderLayer, MTPLayer  # the layers this module adapts
 
-    lora.validate(config, num_mtp_layers=num_mtp_layers)
+    lora.validate(config, num_mtp_layers=num_mtp_layers, mtp_loss_weight=mtp_loss_weight)
     targets = lora.expanded_targets()
     built = config.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
     seen = set()

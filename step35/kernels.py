@@ -247,16 +247,20 @@ class PositionMask:
                  k_doc: torch.Tensor | None = None):
         self.q_pos, self.k_pos, self.q_doc, self.k_doc = q_pos, k_pos, q_doc, k_doc
 
-    def dense(self, window: int | None) -> torch.Tensor:
-        """[B or 1, 1, Lq, Lk] boolean, True where query i may read key j."""
-        q, k = self.q_pos[:, None], self.k_pos[None, :]
+    @staticmethod
+    def reads(q: torch.Tensor, k: torch.Tensor, window: int | None, q_doc=None, k_doc=None) -> torch.Tensor:
+        """The rule, elementwise (broadcasting): a query at position q reads a key at position k."""
         keep = (k >= 0) & (k <= q)
         if window is not None:
             keep = keep & (k > q - window)
-        keep = keep[None, None]
-        if self.q_doc is not None:
-            keep = keep & (self.q_doc[:, None, :, None] == self.k_doc[:, None, None, :])
+        if q_doc is not None:
+            keep = keep & (q_doc == k_doc)
         return keep
+
+    def dense(self, window: int | None) -> torch.Tensor:
+        """[B or 1, 1, Lq, Lk] boolean, True where query i may read key j."""
+        docs = () if self.q_doc is None else (self.q_doc[:, None, :, None], self.k_doc[:, None, None, :])
+        return self.reads(self.q_pos[None, None, :, None], self.k_pos[None, None, None, :], window, *docs)
 
     def block_mask(self, window: int | None):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -264,13 +268,8 @@ class PositionMask:
         q_pos, k_pos, q_doc, k_doc = self.q_pos, self.k_pos, self.q_doc, self.k_doc
 
         def keep(b, h, q_idx, kv_idx):
-            q, k = q_pos[q_idx], k_pos[kv_idx]
-            inside = (k >= 0) & (k <= q)
-            if window is not None:
-                inside = inside & (k > q - window)
-            if q_doc is not None:
-                inside = inside & (q_doc[b, q_idx] == k_doc[b, kv_idx])
-            return inside
+            docs = () if q_doc is None else (q_doc[b, q_idx], k_doc[b, kv_idx])
+            return self.reads(q_pos[q_idx], k_pos[kv_idx], window, *docs)
 
         B = q_doc.shape[0] if q_doc is not None else None
         return create_block_mask(keep, B=B, H=None, Q_LEN=q_pos.shape[0], KV_LEN=k_pos.shape[0],

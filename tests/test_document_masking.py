@@ -142,3 +142,13 @@ def test_datamodule_delivers_positions_and_module_uses_them(tmp_path, builtin_ca
         plain = module.model.loss(tokens[:, :-1], tokens[:, 1:]).loss
     assert record.losses[0] == pytest.approx(direct.item(), rel=1e-6)
     assert abs(direct.item() - plain.item()) > 1e-4  # positions and masking changed the loss
+
+
+def test_position_ids_of_another_shape_are_refused_by_forward_and_loss():
+    model = tiny_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    positions = document_positions(ids, [0])[:, :8]
+    with pytest.raises(ValueError, match=r"position_ids has shape \(2, 8\), input_ids \(2, 16\)"):
+        model(ids, position_ids=positions)
+    with pytest.raises(ValueError, match=r"position_ids has shape \(2, 8\), input_ids \(2, 16\)"):
+        model.loss(ids, ids, position_ids=positions)

@@ -203,6 +203,7 @@ class Step35ForCausalLM(nn.Module):
 
         position_ids [B, S] (packed documents, see step35.data.packing.document_positions): positions
         restarting at 0 where a document starts; attention then never crosses a document boundary."""
+        _check_positions(input_ids, position_ids)
         h, _, _ = self._trunk(input_ids, position_ids)
         return self.lm_head(self.model.norm(h))
 
@@ -241,15 +242,13 @@ class Step35ForCausalLM(nn.Module):
         forward method (register_fsdp_forward_method), so the root's parameters are gathered for it."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        _check_positions(input_ids, position_ids)
         cp = self.context_parallel
         shard = None
         if cp is not None:
             if moe_aux_loss_coef > 0:
                 raise ValueError("moe_aux_loss_coef > 0 with context parallelism: the sequence balance loss needs "
                                  "each whole sequence on one rank; set it to 0 or context_parallel_size to 1")
-            if position_ids is not None and position_ids.shape != input_ids.shape:
-                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, "
-                                 f"input_ids {tuple(input_ids.shape)}")
             shard = cp.split(input_ids, position_ids)
         take = (lambda x: x) if shard is None else (lambda x: cp.take(shard, x))
         parts = (lambda t: t) if cp is None else cp.sum  # loss sums and counts of the whole rows
@@ -284,8 +283,6 @@ class Step35ForCausalLM(nn.Module):
         """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask).
         shard: this rank's share under context parallelism (input_ids and position_ids are then the
         local tokens; RoPE takes their global positions, attention the shard's exchanges)."""
-        if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")
         if shard is not None:
             rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device,
                                             shard.positions if position_ids is None else position_ids)
@@ -337,3 +334,8 @@ def _shift_left(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
     if n == 0:
         return x
     return torch.cat([x[:, n:], x.new_full((x.shape[0], min(n, x.shape[1])), fill)], dim=1)
+
+
+def _check_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+    if position_ids is not None and position_ids.shape != input_ids.shape:
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, input_ids {tuple(input_ids.shape)}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from step35.data.chat import check_train_choice
+from step35.data.chat import ChatTemplateError, check_messages, check_train_choice
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
 from step35.data.tokenizer import TextTokenizer
 
@@ -134,13 +134,11 @@ class SftEncoder:
         """The record's conversation through the template. A bad conversation (no messages, an unknown role,
         no assistant turn, ...) and a template that fails to render it (the Jinja error) are bad records:
         skipped and counted, or refused when strict; the report names the record."""
-        from step35.data.chat import ChatTemplateError, check_messages
-
         try:
-            check_messages(messages)
             if self.template is None:
+                check_messages(messages)  # a bad record is still only skipped; a good one cannot be rendered
                 raise ValueError(f"{where}: a conversation, and {self.template_missing}")
-            ids, trained = self.template.encode(
+            ids, trained = self.template.encode(  # checks the messages first
                 self.tokenizer, messages, train_on=self.train_on, train_reasoning=self.train_reasoning, tools=tools
             )
         except ChatTemplateError as error:

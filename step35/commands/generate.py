@@ -36,7 +36,6 @@ rendered ids are preceded by the start token as above unless the template alread
 from __future__ import annotations
 
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
@@ -103,11 +102,7 @@ class Generator:
 
     def chat_template(self, say: Callable[[str], None] | None = None) -> ChatTemplate:
         """The tokenizer's chat template, else step35's default; `say` hears which."""
-        with tempfile.TemporaryDirectory() as folder:  # from_folder reads the files the checkpoint records
-            for name in ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json"):
-                if name in self.tokenizer_files:
-                    (Path(folder) / name).write_bytes(self.tokenizer_files[name])
-            template = ChatTemplate.from_folder(folder)
+        template = ChatTemplate.from_files(self.tokenizer_files, self.tokenizer_origin)
         if say is not None:
             say(f"chat template: {template.origin} of {self.tokenizer_origin}" if template is not None else
                 f"chat template: step35's default ({self.tokenizer_origin} has none)")

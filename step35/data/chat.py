@@ -53,6 +53,8 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 TEMPLATE_FILE = "chat_template.jinja"
+# The tokenizer files a template and its special tokens are read from.
+TEMPLATE_SOURCES = (TEMPLATE_FILE, "tokenizer_config.json", "special_tokens_map.json")
 
 # Our template for tokenizers without one (the built-in tokenizer knows no chat tokens, so the headers are
 # plain text it encodes byte by byte). Every assistant turn ends with the tokenizer's EOS, inside the
@@ -204,12 +206,13 @@ def _special_token(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
+def _read_json(data: bytes | None, file: Path) -> dict:
+    """The JSON object in `data` (the contents of `file`, which errors name), {} when absent or not an object."""
+    if data is None:
         return {}
     try:
-        content = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        content = json.loads(data.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ChatTemplateError(f"{file}: not valid JSON ({e})") from None
     return content if isinstance(content, dict) else {}
 
@@ -256,22 +259,29 @@ class ChatTemplate:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Optional["ChatTemplate"]:
-        """The template of a tokenizer or model folder, or None when it has none.
+        """The template of a tokenizer or model folder, or None when it has none (see `from_files`)."""
+        folder = Path(folder).expanduser()
+        return cls.from_files({name: (folder / name).read_bytes() for name in TEMPLATE_SOURCES
+                               if (folder / name).is_file()}, folder)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], folder: str | Path) -> Optional["ChatTemplate"]:
+        """The template held by a tokenizer's files (`files`: name -> contents, e.g. those a checkpoint
+        records; `folder` names where they come from in errors), or None when they hold none.
 
         `chat_template.jinja` wins over `chat_template` in `tokenizer_config.json` (as in transformers); the
         latter may be a string or a list of {name, template}, of which "default" is taken. BOS and EOS tokens
         come from tokenizer_config.json, else special_tokens_map.json.
         """
-        folder = Path(folder).expanduser()
-        config = _read_json(folder / "tokenizer_config.json")
-        special = _read_json(folder / "special_tokens_map.json")
+        folder = Path(folder)
+        config = _read_json(files.get("tokenizer_config.json"), folder / "tokenizer_config.json")
+        special = _read_json(files.get("special_tokens_map.json"), folder / "special_tokens_map.json")
         tokens = {
             name: _special_token(config.get(name)) or _special_token(special.get(name))
             for name in ("bos_token", "eos_token")
         }
-        file = folder / TEMPLATE_FILE
-        if file.is_file():
-            return cls(file.read_text(encoding="utf-8"), TEMPLATE_FILE, **tokens)
+        if TEMPLATE_FILE in files:
+            return cls(files[TEMPLATE_FILE].decode("utf-8"), TEMPLATE_FILE, **tokens)
         template = config.get("chat_template")
         if template is None:
             return None

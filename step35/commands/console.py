@@ -67,8 +67,15 @@ def warning_author(frame=None) -> str | None:
     return None
 
 
-def _rank_prefix() -> str:
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+def global_rank() -> int:
+    """This process's global rank as the launcher set it (torchrun: RANK, SLURM: SLURM_PROCID), before
+    any process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def rank_prefix() -> str:
+    """`[rank N] ` before a line printed by a rank other than 0 (ranks share one terminal)."""
+    rank = global_rank()
     return f"[rank {rank}] " if rank else ""
 
 
@@ -92,7 +99,7 @@ def step35_console() -> Iterator[None]:
                 stream = file if file is not None else sys.stderr
                 text = str(message) if issubclass(category, UserWarning) else f"{category.__name__}: {message}"
                 try:
-                    print(f"{_rank_prefix()}step35: warning: {text}", file=stream, flush=True)
+                    print(f"{rank_prefix()}step35: warning: {text}", file=stream, flush=True)
                 except OSError:  # as Python's own showwarning: a closed stream loses the warning
                     pass
             else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
 import step35.strategy  # noqa: F401  (imported before the parser is built: --help then lists Step35Strategy)
 from step35 import run as runs
 from step35.checkpoint.errors import CheckpointError
+from step35.commands.console import global_rank, rank_prefix, step35_console
 from step35.module import Step35LightningModule
 from step35.run import lock
 
@@ -65,12 +65,6 @@ def _as_list(value) -> list:
 
 def _logger_configs(logger) -> list:
     return [entry for entry in _as_list(logger) if isinstance(entry, (Namespace, dict))]
-
-
-def global_rank() -> int:
-    """This process's global rank as the launcher set it (torchrun: RANK, SLURM: SLURM_PROCID), before
-    any process group exists."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 @rank_zero_only
@@ -229,8 +223,7 @@ class Step35CLI(LightningCLI):
             return resume
         except (runs.RunFolderBusy, runs.NoCheckpoint, runs.ResumeMismatchError, CheckpointError) as error:
             lock.release(folder)
-            prefix = f"[rank {global_rank()}] " if global_rank() else ""
-            raise SystemExit(f"{prefix}step35: {error}") from None
+            raise SystemExit(f"{rank_prefix()}step35: {error}") from None
 
     def before_fit(self) -> None:
         self._hand_over_checkpoint()
@@ -316,7 +309,6 @@ def _strategy_class_path_to_class(config) -> None:
 def run(args: list[str] | None = None) -> None:
     """`step35 fit|validate <args>`; the run folder's lock is released however it ends."""
     from step35 import faults
-    from step35.commands.console import step35_console
     from step35.data import Step35DataModule
 
     try:

@@ -43,9 +43,7 @@ def base_identity(folder: str | Path | None, init_seed: int) -> dict:
 def base_difference(saved: dict, current: dict) -> str | None:
     """One line naming how the base `current` differs from the recorded `saved`, or None if it is the same."""
     if (saved.get("folder") is None) != (current.get("folder") is None):
-        was = f"the HF folder {saved['folder']}" if saved.get("folder") else f"the init (seed {saved.get('init_seed')})"
-        now = f"the HF folder {current['folder']}" if current.get("folder") else f"the init (seed {current.get('init_seed')})"
-        return f"the run's base was {was}, this one is {now} (model.checkpoint)"
+        return f"the run's base was {_described(saved)}, this one is {_described(current)} (model.checkpoint)"
     if saved.get("folder") is None:
         if saved.get("init_seed") != current.get("init_seed"):
             return f"the run's base was drawn with model.init_seed={saved.get('init_seed')}, this run's is " \
@@ -63,6 +61,11 @@ def base_difference(saved: dict, current: dict) -> str | None:
         if crc[name] != crc_now[name]:
             return f"{where}: {name} has crc32 {crc_now[name]} in its manifest, was {crc[name]}"
     return None
+
+
+def _described(identity: dict) -> str:
+    folder = identity.get("folder")
+    return f"the HF folder {folder}" if folder else f"the init (seed {identity.get('init_seed')})"
 
 
 def check_base(saved: dict | None, current: dict, where: str | Path) -> None:

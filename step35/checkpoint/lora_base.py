@@ -2,16 +2,36 @@
 
 A LoRA run's training checkpoint holds the adapters, the full-trained targets, the buffers and the
 optimizer state, not the frozen base weights (docs/lora.md). It records the base's identity under
-RECORD_KEY: the HF folder it was read from (`model.checkpoint`) with a fingerprint of that folder
-(the sha256 of its safetensors index, each top-level .safetensors file's size, and the crc32 its
-step35 manifest records when it has one), or, for a base drawn from the deterministic init, the
-init seed. Resume and `step35 export` / `generate` read the base again and refuse a different one,
-naming what differs; a folder that moved but is the same is accepted (the fingerprint decides).
+RECORD_KEY: the HF folder it was read from (`model.checkpoint`) with a fingerprint of that folder,
+or, for a base drawn from the deterministic init, the init seed. Resume and `step35 export` /
+`generate` read the base again and refuse a different one, naming the file that differs; a folder
+that moved but is the same is accepted (the fingerprint decides, not the path).
+
+The fingerprint of a folder:
+- `index_sha256`, `sizes`: the sha256 of its safetensors index and each top-level .safetensors file's
+  size. Two checkpoints of one architecture (every HF release of a model and its fine-tunes) have
+  the same of both: these alone tell a layout apart, not weights.
+- `crc32`: each file's crc32 as the folder's step35 manifest records it (a folder step35 wrote);
+  the whole file's content, for free. HF releases carry no manifest.
+- `sampled_crc32`: per file, the zlib CRC-32 of its safetensors header (tensor names, offsets,
+  metadata) and of three SAMPLE_BYTES spans of its data (just after the header, the middle, the
+  end; the whole data when it is shorter than the three). Bounded cost (the header and 3 MiB a
+  shard, whatever the shard's size) and it tells apart any two trained checkpoints, whose weights
+  differ everywhere; it can miss an edit confined to bytes it does not read, which is
+  what the manifest's crc32 is for. `sample_scheme` names the sampling, so a later change of it
+  is not mistaken for another base.
+
+What an old record (written before `sampled_crc32`) can tell: folder versus init, the index, file
+names and sizes, and, when the base had a step35 manifest, every file's content. What it cannot:
+two same-shaped bases without a manifest (an HF release and its fine-tune); such a record is
+accepted with a warning that says so (refusing would strand every old run on the same base).
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
+import zlib
 from pathlib import Path
 
 from step35.checkpoint.errors import CheckpointError
@@ -19,6 +39,8 @@ from step35.checkpoint.hf import INDEX_FILE
 from step35.checkpoint.integrity import manifest_info
 
 RECORD_KEY = "step35_lora_base"
+SAMPLE_BYTES = 1 << 20  # each of the three spans read from a shard's data
+SAMPLE_SCHEME = f"crc32(header + 3 x {SAMPLE_BYTES} bytes: start, middle, end of the data)"
 
 
 def base_identity(folder: str | Path | None, init_seed: int) -> dict:
@@ -34,10 +56,43 @@ def base_identity(folder: str | Path | None, init_seed: int) -> dict:
                  if name.endswith(".safetensors")}
     except CheckpointError:
         crc32 = {}
+    files = sorted(path.glob("*.safetensors"))
     return {"folder": str(path),
             "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None,
-            "sizes": {p.name: p.stat().st_size for p in sorted(path.glob("*.safetensors"))},
-            "crc32": crc32}
+            "sizes": {p.name: p.stat().st_size for p in files},
+            "crc32": crc32,
+            "sample_scheme": SAMPLE_SCHEME,
+            "sampled_crc32": {p.name: sampled_crc32(p) for p in files}}
+
+
+def sampled_crc32(file: Path) -> str:
+    """The CRC-32 (8 hex digits) of a safetensors file's header and of the spans `sample_spans` picks
+    from its data: what tells two same-shaped files apart without reading them whole."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = _read_span(f, 0, 8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else size
+        if 8 + header_len > size:
+            raise CheckpointError(f"{file}: not a safetensors file (no header of its {size} bytes)")
+        crc = zlib.crc32(head)
+        crc = zlib.crc32(_read_span(f, 8, header_len), crc)
+        for offset, length in sample_spans(8 + header_len, size):
+            crc = zlib.crc32(_read_span(f, offset, length), crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def sample_spans(start: int, end: int, span: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
+    """(offset, length) of the data bytes [start, end) that the fingerprint reads: all of them when
+    they fit in three spans, else one span at the start, one in the middle and one at the end."""
+    if end - start <= 3 * span:
+        return [(start, end - start)]
+    return [(start, span), (start + (end - start - span) // 2, span), (end - span, span)]
+
+
+def _read_span(f, offset: int, length: int) -> bytes:
+    """`length` bytes of the open file `f` at `offset` (the one place the fingerprint reads data)."""
+    f.seek(offset)
+    return f.read(length)
 
 
 def base_difference(saved: dict, current: dict) -> str | None:
@@ -60,7 +115,31 @@ def base_difference(saved: dict, current: dict) -> str | None:
     for name in sorted(set(crc) & set(crc_now)):
         if crc[name] != crc_now[name]:
             return f"{where}: {name} has crc32 {crc_now[name]} in its manifest, was {crc[name]}"
+    if _comparable_samples(saved, current):
+        sampled, sampled_now = saved["sampled_crc32"], current["sampled_crc32"]
+        for name in sorted(set(sampled) | set(sampled_now)):
+            if sampled.get(name) != sampled_now.get(name):
+                return f"{where}: {name} has other content (sampled crc32 {sampled_now.get(name, 'missing')}, " \
+                       f"was {sampled.get(name, 'absent')}); same layout, other weights"
     return None
+
+
+def _comparable_samples(saved: dict, current: dict) -> bool:
+    return bool(saved.get("sampled_crc32")) and saved.get("sample_scheme") == current.get("sample_scheme")
+
+
+def unverified_content(saved: dict, current: dict) -> str | None:
+    """Why a base that `base_difference` accepts may still hold other weights, or None: a record
+    without a comparable content fingerprint, for files no manifest checksum covered either."""
+    if saved.get("folder") is None or _comparable_samples(saved, current):
+        return None
+    covered = set(saved.get("crc32") or {}) & set(current.get("crc32") or {})
+    unchecked = sorted(set(saved.get("sizes") or {}) - covered)
+    if not unchecked:
+        return None
+    return (f"the record of the base {saved['folder']} predates content fingerprints: {unchecked[0]}"
+            f"{f' (and {len(unchecked) - 1} more)' if len(unchecked) > 1 else ''} compared by size only, so a "
+            f"base of the same shape with other weights is not told apart; make sure model.checkpoint is that base")
 
 
 def _described(identity: dict) -> str:
@@ -69,9 +148,13 @@ def _described(identity: dict) -> str:
 
 
 def check_base(saved: dict | None, current: dict, where: str | Path) -> None:
-    """Refuse a base that is not the one checkpoint `where` recorded (CheckpointError naming what differs)."""
+    """Refuse a base that is not the one checkpoint `where` recorded (CheckpointError naming what differs);
+    warn when an old record can compare the base's layout only."""
     if saved is None:
         return  # a checkpoint that holds the whole model: nothing to compare
     difference = base_difference(saved, current)
     if difference:
         raise CheckpointError(f"{where}: a LoRA checkpoint of another base: {difference}")
+    caveat = unverified_content(saved, current)
+    if caveat:
+        warnings.warn(f"{where}: {caveat}", stacklevel=2)

@@ -119,3 +119,195 @@ def test_a_file_that_is_no_safetensors_is_named(tmp_path):
     (folder / SHARD).write_bytes(b"\xff" * 16)
     with pytest.raises(CheckpointError, match=rf"{SHARD}: not a safetensors file \(no header of its 16 bytes\)"):
         lora_base.base_identity(folder, 0)
+
+
+# ------------------------------------------------------------------------------------------ 2. the PEFT reader
+
+P = "base_model.model."
+Q, UP = "model.layers.0.self_attn.q_proj", "model.layers.1.moe.up_proj"
+
+
+@pytest.fixture(scope="module")
+def tiny_base():
+    from step35.checkpoint.materialize import materialize
+    from step35.config import preset
+    from step35.model import build_model
+
+    model = build_model(preset("tiny"))
+    materialize(model, "cpu", seed=0)
+    return model
+
+
+def base_model(tiny_base):
+    import copy
+
+    return copy.deepcopy(tiny_base)
+
+
+def write_peft(folder, model, config_changes=None, tensor_changes=None, scale=0.1):
+    """A PEFT folder over `model` as PEFT 0.21.2 writes one: a dense adapter (q_proj of layer 0, r 4), a routed
+    experts' one (up_proj of layer 1, rank 2 and alpha 3 by rank_pattern / alpha_pattern) and lm_head as a module
+    to save. `config_changes` / `tensor_changes` replace entries (a value None drops the entry)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    E, out_features, in_features = model.get_parameter(f"{UP}.weight").shape
+    q_out, q_in = model.get_parameter(f"{Q}.weight").shape
+    tensors = {f"{P}{Q}.lora_A.weight": torch.randn(4, q_in, generator=g) * scale,
+               f"{P}{Q}.lora_B.weight": torch.randn(q_out, 4, generator=g) * scale,
+               f"{P}{UP}.lora_A.weight": torch.randn(E * 2, in_features, generator=g) * scale,
+               f"{P}{UP}.lora_B.weight": torch.randn(out_features, 2 * E, generator=g) * scale,
+               f"{P}lm_head.weight": torch.randn(*model.lm_head.weight.shape, generator=g)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": [Q],
+              "target_parameters": [f"{UP}.weight"], "rank_pattern": {"moe.up_proj.weight": 2},
+              "alpha_pattern": {"moe.up_proj.weight": 3.0}, "modules_to_save": ["lm_head"], "bias": "none",
+              "use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "layers_to_transform": None}
+    for changes, target in ((config_changes, config), (tensor_changes, tensors)):
+        for key, value in (changes or {}).items():
+            if value is None:
+                target.pop(key, None)
+            else:
+                target[key] = value
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder, tensors
+
+
+def test_a_valid_folder_merges_as_peft_computes(tmp_path, tiny_base):
+    """The checks refuse nothing PEFT's own layout holds: W + 8/4 B A for q_proj, PEFT's per-expert delta at
+    the pattern's rank 2 and alpha 3 for up_proj, lm_head copied; literal suffix keys apply as PEFT's regex."""
+    from step35.checkpoint.peft import apply_peft_folder
+
+    folder, tensors = write_peft(tmp_path / "adapter", tiny_base)
+    model = base_model(tiny_base)
+    apply_peft_folder(model, folder)
+    q = tiny_base.get_parameter(f"{Q}.weight")
+    want = q + 8.0 / 4 * tensors[f"{P}{Q}.lora_B.weight"] @ tensors[f"{P}{Q}.lora_A.weight"]
+    torch.testing.assert_close(model.get_parameter(f"{Q}.weight"), want)
+    E, out_features, in_features = q_up = tiny_base.get_parameter(f"{UP}.weight").shape
+    A, B = tensors[f"{P}{UP}.lora_A.weight"], tensors[f"{P}{UP}.lora_B.weight"]
+    delta = torch.einsum("o r e, e r i -> e o i", B.reshape(out_features, 2, E), A.reshape(E, 2, in_features)) * 3 / 2
+    torch.testing.assert_close(model.get_parameter(f"{UP}.weight"), tiny_base.get_parameter(f"{UP}.weight") + delta)
+    assert torch.equal(model.lm_head.weight, tensors[f"{P}lm_head.weight"]) and q_up[0] > 1
+
+
+CONFIG_CASES = {
+    "catastrophic regex": ({"alpha_pattern": {"(.|.)*!": 2.0}}, r"alpha_pattern key '\(\.\|\.\)\*!' is a regex, "
+                                                                 r"which this reader does not run"),
+    "the issue's regex": ({"alpha_pattern": {"(a+)+$": 2.0}}, r"alpha_pattern key '\(a\+\)\+\$' is a regex"),
+    "a pattern key for nothing": ({"alpha_pattern": {"k_proj": 2.0}}, r"alpha_pattern key 'k_proj' applies to no "
+                                                                       r"adapted module"),
+    "r a string": ({"r": "4"}, r"r='4': must be an integer >= 1"),
+    "r 0": ({"r": 0}, r"r=0: must be an integer >= 1"),
+    "r missing": ({"r": None}, r"r=None: must be an integer >= 1"),
+    "alpha negative": ({"lora_alpha": -1}, r"lora_alpha=-1: must be a finite number > 0"),
+    "alpha a list": ({"lora_alpha": [1]}, r"lora_alpha=\[1\]: must be a finite number > 0"),
+    "rank_pattern 0": ({"rank_pattern": {"moe.up_proj.weight": 0}}, r"rank_pattern\['moe.up_proj.weight'\]=0: must be "
+                                                                     r"an integer >= 1"),
+    "regex target_modules": ({"target_modules": ".*q_proj"}, r"target_modules='\.\*q_proj': a regex"),
+    "a target the model lacks": ({"target_modules": ["model.layers.0.self_attn.z_proj"]},
+                                 r"target_modules names 'model.layers.0.self_attn.z_proj', which matches nothing"),
+    "dora": ({"use_dora": True}, r"use_dora=True: not supported by step35's merge"),
+    "another method": ({"peft_type": "IA3"}, r"peft_type='IA3': only LoRA adapters can be merged"),
+    "2-D target_parameters": ({"target_parameters": [f"{Q}.weight"], "rank_pattern": {}, "alpha_pattern": {}},
+                              r"target_parameters matches model.layers.0.self_attn.q_proj.weight \[128, 128\], not a "
+                              r"routed experts'"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_a_bad_adapter_config_is_one_line_naming_the_file(tmp_path, tiny_base, case):
+    """Before: the patterns ran as regexes on every module name (`(.|.)*!` backtracks ~2^38 steps on a layer's
+    name: generate hung), a string r raised a raw TypeError, other cases merged something else or KeyError'd."""
+    from step35.checkpoint.peft import apply_peft_folder
+
+    changes, message = CONFIG_CASES[case]
+    folder, _ = write_peft(tmp_path / "adapter", tiny_base, config_changes=changes)
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match=rf"^\S*adapter/adapter_config.json: {message}") as refused:
+        apply_peft_folder(base_model(tiny_base), folder)
+    assert "\n" not in str(refused.value) and time.perf_counter() - started < 5
+
+
+def test_an_overflowing_alpha_is_refused_naming_the_config(tmp_path, tiny_base):
+    """lora_alpha 1e38 with adapters of size ~10: W + 2.5e37 B A overflows float32. Before: merged into inf."""
+    from step35.checkpoint.peft import apply_peft_folder
+
+    folder, _ = write_peft(tmp_path / "adapter", tiny_base, config_changes={"lora_alpha": 1e38}, scale=10.0)
+    model = base_model(tiny_base)
+    with pytest.raises(CheckpointError, match=rf"adapter/adapter_config.json: alpha 1e\+38 / r 4 merges {Q}.weight into "
+                                              r"non-finite values \(lora_alpha or alpha_pattern too large\)"):
+        apply_peft_folder(model, folder)
+
+
+def test_peft_model_refuses_a_merge_that_overflows_the_dtype(tmp_path, tiny_base):
+    """Finite in float32, the merge runs before the cast: lora_alpha 1e6 fits float32 but not float16."""
+    from step35.checkpoint.peft import peft_model
+    from step35.checkpoint.pretrained import save_pretrained
+
+    save_pretrained(tiny_base, tmp_path / "base")
+    folder, _ = write_peft(tmp_path / "adapter", tiny_base, scale=10.0,
+                           config_changes={"lora_alpha": 1e6, "base_model_name_or_path": str(tmp_path / "base")})
+    with pytest.raises(CheckpointError, match=rf"adapter/adapter_config.json: the merged {Q}.weight overflows float16"):
+        peft_model(folder, torch.float16, "cpu")
+
+
+TENSOR_CASES = {
+    "a [1, H] module to save": ({f"{P}lm_head.weight": torch.zeros(1, 128)},
+                                r"base_model.model.lm_head.weight is float32 \[1, 128\], the model needs a "
+                                r"floating-point \[1024, 128\]"),
+    "a missing adapter": ({f"{P}{Q}.lora_B.weight": None}, rf"lacks base_model.model.{Q}.lora_B.weight \[128, 4\], "
+                                                           r"which adapter_config.json asks for"),
+    "an extra tensor": ({f"{P}model.layers.0.self_attn.k_proj.lora_A.weight": torch.zeros(4, 128)},
+                        r"holds base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight, which "
+                        r"adapter_config.json does not target in this model"),
+    "a tensor outside the prefix": ({"lm_head.weight": torch.zeros(1024, 128)},
+                                    r"holds lm_head.weight, not under PEFT's prefix"),
+    "a wrong expert rank": ({f"{P}{UP}.lora_A.weight": torch.zeros(8 * 3, 128)},
+                            rf"base_model.model.{UP}.lora_A.weight is float32 \[24, 128\], the model needs a "
+                            r"floating-point \[16, 128\]"),
+    "integer adapters": ({f"{P}{Q}.lora_A.weight": torch.zeros(4, 128, dtype=torch.int32)},
+                         rf"base_model.model.{Q}.lora_A.weight is int32 \[4, 128\]"),
+    "NaN": ({f"{P}{Q}.lora_A.weight": torch.full((4, 128), float("nan"))},
+            rf"tensor base_model.model.{Q}.lora_A.weight holds NaN"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(TENSOR_CASES))
+def test_a_bad_adapter_tensor_is_one_line_naming_the_file(tmp_path, tiny_base, case):
+    """Before: a [1, H] lm_head was broadcast into lm_head by copy_, an extra tensor ignored, a missing one a raw
+    KeyError, a wrong shape a LoraError naming no file, NaN merged in."""
+    from step35.checkpoint.peft import apply_peft_folder
+
+    changes, message = TENSOR_CASES[case]
+    folder, _ = write_peft(tmp_path / "adapter", tiny_base, tensor_changes=changes)
+    model = base_model(tiny_base)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError, match=rf"^\S*adapter/adapter_model.safetensors: {message}") as refused:
+        apply_peft_folder(model, folder)
+    assert "\n" not in str(refused.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before anything merged
+
+
+@pytest.mark.parametrize("damage", ["config", "weights", "record"])
+def test_unreadable_files_are_named(tmp_path, tiny_base, damage):
+    from safetensors.torch import save_file
+
+    from step35.checkpoint.peft import apply_peft_folder
+
+    folder, tensors = write_peft(tmp_path / "adapter", tiny_base)
+    if damage == "config":
+        (folder / "adapter_config.json").write_text("{not json")
+        message = r"adapter_config.json: not a readable JSON file \(JSONDecodeError"
+    elif damage == "weights":
+        (folder / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+        message = r"adapter_model.safetensors: not a readable safetensors file"
+    else:
+        save_file(tensors, folder / "adapter_model.safetensors", metadata={"step35_lora_base": "[1, 2]"})
+        message = r"adapter_model.safetensors: its metadata step35_lora_base is not a base identity"
+    with pytest.raises(CheckpointError, match=message) as refused:
+        apply_peft_folder(base_model(tiny_base), folder)
+    assert "\n" not in str(refused.value)

@@ -114,7 +114,7 @@ def tiny_run(tmp_path_factory, builtin_cache):
 # process): left in os.environ they would be inherited by every later subprocess test, which would
 # then all try to listen on that one port.
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "STEP35_JOB")
 
 
 @pytest.fixture(autouse=True)

@@ -509,7 +509,8 @@ else:
 """
 
 
-@pytest.mark.parametrize("launcher_env", [{"TORCHELASTIC_RUN_ID": "test"}, {"LOCAL_RANK": "1"}, {}],
+@pytest.mark.parametrize("launcher_env", [{"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0",
+                                          "WORLD_SIZE": "1"}, {"LOCAL_RANK": "1"}, {}],
                          ids=["torchrun", "lightning", "shell"])
 def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shell_does_not(launcher_env):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
@@ -522,7 +523,8 @@ def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shel
     match = re.fullmatch(r"watched=True exit=(\d+) after=([\d.]+)", proc.stdout.strip())
     assert match and int(match.group(1)) == EXIT_ORPHANED, proc.stdout + proc.stderr
     assert float(match.group(2)) < 2.0  # the watch polls every 0.5 s
-    assert re.search(rf"\[rank 0\] step35: the launcher \(pid \d+\) is gone \(this rank's parent is now pid \d+\) "
+    rank = launcher_env.get("RANK", launcher_env.get("LOCAL_RANK"))  # Lightning's launcher sets LOCAL_RANK only
+    assert re.search(rf"\[rank {rank}\] step35: the launcher \(pid \d+\) is gone \(this rank's parent is now pid \d+\) "
                      rf"while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", proc.stderr), proc.stderr
 
 

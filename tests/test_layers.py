@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first; a file may import its own layer and those below. The longest matching prefix wins.
 LAYERS: dict[str, int] = {
     "step35/__init__.py": 1,
-    "step35/config.py": 1, "step35/faults.py": 1, "step35/schedule.py": 1, "step35/data/": 1,
+    "step35/config.py": 1, "step35/faults.py": 1, "step35/job.py": 1, "step35/schedule.py": 1, "step35/data/": 1,
     "step35/kernels.py": 2, "step35/accelerators.py": 2, "step35/flops.py": 2,
     "step35/model/": 3,
     "step35/parallel/": 4, "step35/checkpoint/": 4, "step35/balancing.py": 4,

@@ -159,7 +159,7 @@ def test_two_ranks_refused_together_then_take_over_a_dead_holders_lock(tmp_path,
     assert f"in use by a live run (pid {holder.pid}" in refused.stderr, refused.stderr[-4000:]
     # Rank 1 says why it stopped when it reached its wait for rank 0; when rank 0 is refused before
     # rank 1 has finished importing, the launcher's SIGTERM ends it first (torchrun reports that).
-    rank1_said = "[rank 1] step35: stopped before training: rank 0 did not take the lock" in refused.stderr
+    rank1_said = "[rank 1] step35: stopped before training: the job's rank 0 did not take the lock" in refused.stderr
     rank1_ended_early = re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -15", refused.stderr)
     assert rank1_said or rank1_ended_early, refused.stderr[-4000:]
     assert not (run / "checkpoints").exists() and not (run / "csv").exists()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Iterator
+
+from step35 import job
 
 # Regular expressions matched against the start of a warning's message.
 IGNORED_WARNINGS = (
@@ -67,16 +68,11 @@ def warning_author(frame=None) -> str | None:
     return None
 
 
-def global_rank() -> int:
-    """This process's global rank as the launcher set it (torchrun: RANK, SLURM: SLURM_PROCID), before
-    any process group exists."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
 def rank_prefix() -> str:
-    """`[rank N] ` before a line printed by a rank other than 0 (ranks share one terminal)."""
-    rank = global_rank()
-    return f"[rank {rank}] " if rank else ""
+    """`[rank N] ` before a line printed by a rank other than the job's 0 (ranks share one terminal); the
+    rank as the launcher set it (step35.job), before any process group exists."""
+    place = job.this_process()
+    return "" if place.is_rank_zero else f"[{place.describe()}] "
 
 
 @contextlib.contextmanager

@@ -18,13 +18,13 @@ from pathlib import Path
 
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
 import step35.strategy  # noqa: F401  (imported before the parser is built: --help then lists Step35Strategy)
+from step35 import job
 from step35 import run as runs
 from step35.checkpoint.errors import CheckpointError
-from step35.commands.console import global_rank, rank_prefix, step35_console
+from step35.commands.console import rank_prefix, step35_console
 from step35.module import Step35LightningModule
 from step35.run import lock
 
@@ -67,9 +67,23 @@ def _logger_configs(logger) -> list:
     return [entry for entry in _as_list(logger) if isinstance(entry, (Namespace, dict))]
 
 
-@rank_zero_only
 def say(message: str, stream=sys.stderr) -> None:
-    print(f"step35: {message}", file=stream, flush=True)
+    """A line of the job, printed by its rank 0 only (step35.job: known before the Trainer sets
+    Lightning's rank_zero_only)."""
+    if job.this_process().is_rank_zero:
+        print(f"step35: {message}", file=stream, flush=True)
+
+
+def devices_per_node(devices) -> int | None:
+    """The processes per node that `trainer.devices` asks for (2, "2", "0,1", [0, 1]); None for "auto"/-1."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str):
+        text = devices.strip().rstrip(",")
+        if "," in text:
+            return len([d for d in text.split(",") if d.strip()])
+        devices = int(text) if text.lstrip("-").isdigit() else None
+    return devices if isinstance(devices, int) and devices > 0 else None
 
 
 class Step35ArgumentParser(LightningArgumentParser):
@@ -193,37 +207,50 @@ class Step35CLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def _resolve_run(self, callbacks: list) -> runs.Resume | str | None:
-        """Before the Trainer exists: the run folder's lock (fit), the checkpoint to resume, and the
-        resume rule applied to the module. A refusal ends the process with one line."""
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
+        """Before the Trainer exists, once per job: the run folder's lock (fit), the checkpoint to resume,
+        and the resume rule applied to the module. For fit, the job's rank 0 (step35.job, whichever launcher
+        started the job) takes the lock and resolves `--ckpt_path`; the other ranks wait for its lock and
+        take its answer from the lock file. A refusal ends the process with one line."""
         config = self._subcommand_config()
         folder = runs.RunFolder(config.run_dir)
-        value = self._ckpt_arg
+        place = job.this_process(devices_per_node(config.trainer.get("devices")))
         try:
-            if self.subcommand == "fit":
-                rank = global_rank()
-                if rank == 0:
-                    note = lock.acquire(folder)  # before anything is tidied, logged or saved
-                    if note:
-                        say(note)
-                else:
-                    lock.wait_for_rank0(folder, rank)
-            if value is None or runs.is_lightning_value(value):
-                return value  # a fresh start, or one of Lightning's own values
-            dirpaths = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-            resume = runs.resolve(value, folder.checkpoint_folders(dirpaths), config.get(runs.ALLOW_UNVERIFIED[2:]),
-                                  say=say)
-            if resume is not None:
-                notes = resume.check(self.model.model_config, dict(self.model.hparams))
-                self.model.resume_checked = True
-                if notes:
-                    say(f"resuming {resume.path} with these settings changed by this run's options (the "
-                        f"checkpoint's are ignored): " + "; ".join(notes), stream=sys.stdout)
+            if self.subcommand != "fit":
+                return self._resume_of(self._ckpt_arg, folder, callbacks)
+            if not place.is_rank_zero:
+                record = lock.wait_for_rank0(folder, until="resume")
+                return self._resume_of(record["resume"], folder, callbacks, decided=True)
+            note = lock.acquire(folder)  # before anything is tidied, logged or saved
+            if note:
+                say(note)
+            resume = self._resume_of(self._ckpt_arg, folder, callbacks)
+            lock.publish(folder, resume=str(resume.path) if isinstance(resume, runs.Resume) else resume)
             return resume
         except (runs.RunFolderBusy, runs.NoCheckpoint, runs.ResumeMismatchError, CheckpointError) as error:
             lock.release(folder)
             raise SystemExit(f"{rank_prefix()}step35: {error}") from None
+
+    def _resume_of(self, value, folder: runs.RunFolder, callbacks: list, decided: bool = False):
+        """`value` (a --ckpt_path, or rank 0's answer when `decided`) resolved, and the module checked
+        against the checkpoint's saved options."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        config = self._subcommand_config()
+        if value is None or runs.is_lightning_value(value):
+            return value  # a fresh start, or one of Lightning's own values
+        if decided:  # rank 0 found it and checked its files; read its saved options only
+            resume = runs.resolve(value, [], allow_unverified=True, say=lambda line: None)
+        else:
+            dirpaths = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+            resume = runs.resolve(value, folder.checkpoint_folders(dirpaths), config.get(runs.ALLOW_UNVERIFIED[2:]),
+                                  say=say)
+        if resume is not None:
+            notes = resume.check(self.model.model_config, dict(self.model.hparams))
+            self.model.resume_checked = True
+            if notes:
+                say(f"resuming {resume.path} with these settings changed by this run's options (the "
+                    f"checkpoint's are ignored): " + "; ".join(notes), stream=sys.stdout)
+        return resume
 
     def before_fit(self) -> None:
         self._hand_over_checkpoint()
@@ -311,6 +338,7 @@ def run(args: list[str] | None = None) -> None:
     from step35 import faults
     from step35.data import Step35DataModule
 
+    job.this_process(fresh=True)  # where this process stands in its job, read before the Trainer changes it
     try:
         with step35_console():  # libraries' notices not meant for the user dropped; step35's warnings as step35's
             Step35CLI(
@@ -322,7 +350,9 @@ def run(args: list[str] | None = None) -> None:
                 auto_configure_optimizers=False,
             )
     except Exception as error:
-        if faults.was_reported(error):  # already printed with its rank and traceback
+        # Already printed with its rank and traceback, or raised while ending after such a failure
+        # (then said in one line): no second traceback.
+        if faults.was_reported(error) or faults.report_aftermath(error):
             raise SystemExit(faults.EXIT_FAILED) from None
         raise
     finally:

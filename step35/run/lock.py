@@ -3,14 +3,16 @@
 Two jobs in one folder destroy each other: the newcomer's start-up tidy deletes the other's save in
 progress, retention prunes the other's checkpoints and `last.ckpt` flips between them. So:
 
-- rank 0 takes the lock before the Trainer exists (before any tidy-up, log or config is written);
-  the lock file then names the holder: host, pid, start time and the launcher's job key;
+- the job's global rank 0 (step35.job: however the job was started) takes the lock before the Trainer
+  exists (before any tidy-up, log or config is written); the lock file then names the holder: host, pid,
+  start time, the launcher and the variables that identify its job;
 - a second job is refused at start, naming the live holder and `--run_dir`;
 - the kernel drops a flock when its holder dies (any death, SIGKILL included), so a lock whose
   holder is gone is simply free; the file still names that holder (a clean exit empties it), and
   taking it over says so;
-- the other ranks do not start until the lock file names their own job (`wait_for_rank0`): rank 0
-  was refused or failed when it never does, and they end with a message saying so.
+- the other ranks do not start until the lock file names their own job and holds what rank 0 decided
+  for the job (`publish`, `wait_for_rank0`: the checkpoint to resume): rank 0 was refused or failed when
+  it never does, and they end with a message saying so.
 
 flock works on local filesystems and on NFS (Linux emulates it with POSIX byte-range locks); on a
 filesystem without working locks (some FUSE mounts) two jobs are not kept apart.
@@ -28,11 +30,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from step35 import job
 from step35.run.layout import RunFolder
 
-# The launcher's variables that are the same on every rank of one job and differ between jobs.
-_JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT",
-                  "SLURM_JOB_ID", "SLURM_RESTART_COUNT")
 _HELD: dict[Path, "RunLock"] = {}  # this process's locks (a second flock from the same process would fail)
 
 
@@ -57,12 +57,6 @@ class RunFolderBusy(RuntimeError):
     """Another live job owns the run folder."""
 
 
-def job_key() -> str:
-    """What identifies this job on every one of its ranks (the launcher's variables), e.g.
-    'MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 TORCHELASTIC_RESTART_COUNT=0 ...'."""
-    return " ".join(f"{k}={os.environ[k]}" for k in _JOB_VARIABLES if os.environ.get(k))
-
-
 def describe(holder: dict) -> str:
     """'pid 123 on host n1, started 2026-01-01 10:00:00 UTC' from a lock file's record."""
     return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
@@ -83,6 +77,7 @@ class RunLock:
     def __init__(self, folder: RunFolder):
         self.folder = folder
         self.fd: int | None = None
+        self.record: dict = {}
 
     def acquire(self) -> str | None:
         """Take the lock; raise RunFolderBusy naming the live holder. Returns a line to print when a
@@ -101,17 +96,26 @@ class RunLock:
                 f"would delete its saves in progress and its checkpoints. Wait for it to end or stop it, or give "
                 f"this run its own folder with --run_dir") from None
         previous = read_holder(path)
-        record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-                  "job": job_key(), "command": " ".join(sys.argv)[:500]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(),
+                       "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                       "launcher": job.this_process().launcher, "job": job.start_job_identity(),
+                       "command": " ".join(sys.argv)[:500]}
         self.fd = fd
+        self._write()
         if previous:
             return (f"took over the lock of {self.folder.root} from a run that is no longer running "
                     f"({describe(previous)}; it did not end cleanly)")
         return None
+
+    def _write(self) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(self.record).encode(), 0)
+        os.fsync(self.fd)
+
+    def publish(self, **items) -> None:
+        """Add items to the record for the job's other ranks (`wait_for_rank0` returns the record)."""
+        self.record.update(items)
+        self._write()
 
     def release(self) -> None:
         """Empty the record (a clean end) and drop the lock."""
@@ -140,19 +144,25 @@ def held(folder: RunFolder) -> bool:
     return folder.root.resolve() in _HELD
 
 
+def publish(folder: RunFolder, **items) -> None:
+    """On the job's rank 0, holding `folder`'s lock: hand `items` (JSON values) to the job's other ranks."""
+    _HELD[folder.root.resolve()].publish(**items)
+
+
 def release(folder: RunFolder) -> None:
     lock = _HELD.pop(folder.root.resolve(), None)
     if lock is not None:
         lock.release()
 
 
-def wait_for_rank0(folder: RunFolder, rank: int, timeout_s: float = 300.0, poll_s: float = 0.2) -> None:
-    """On a rank other than 0: return once the lock file names this job (rank 0 holds the folder).
-    When rank 0 was refused (or died) it never does: the launcher's SIGTERM (torchrun ends the other
-    ranks when one fails) or the timeout then ends this rank with a line saying why."""
-    key = job_key()
-    message = (f"[rank {rank}] step35: stopped before training: rank 0 did not take the lock of the run folder "
-               f"{folder.root} (its own message says why, e.g. another live run owns the folder)")
+def wait_for_rank0(folder: RunFolder, until: str, timeout_s: float = 300.0, poll_s: float = 0.2) -> dict:
+    """On a rank other than the job's rank 0: wait until the lock file names this process's own job (rank 0
+    holds the folder) and holds the item `until` that rank 0 publishes (`publish`), and return the record.
+    When rank 0 was refused (or died) it never does: the launcher's SIGTERM (torchrun ends the other ranks
+    when one fails) or the timeout then ends this rank with a line saying why."""
+    place = job.this_process()
+    message = (f"[{place.describe()}] step35: stopped before training: the job's rank 0 did not take the lock of "
+               f"the run folder {folder.root} (its own message says why, e.g. another live run owns the folder)")
 
     def stop(signum, frame):
         sys.stderr.write(f"{message}; ended by {signal.Signals(signum).name}\n")
@@ -164,8 +174,8 @@ def wait_for_rank0(folder: RunFolder, rank: int, timeout_s: float = 300.0, poll_
         deadline = time.monotonic() + timeout_s
         while True:
             holder = read_holder(folder.lock_file)
-            if holder is not None and holder.get("job") == key:
-                return
+            if holder is not None and until in holder and place.same_job(holder.get("job") or {}):
+                return holder
             if time.monotonic() > deadline:
                 raise SystemExit(f"{message}; waited {timeout_s:.0f} s")
             time.sleep(poll_s)

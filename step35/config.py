@@ -4,6 +4,10 @@ The per-layer lists (`layer_types`, `rope_theta`, `partial_rotary_factors`, `swi
 `swiglu_limits_shared`) hold one entry per *global* layer id: the `num_hidden_layers` main layers
 followed by the `num_nextn_predict_layers` MTP layers (45 + 3 = 48 in the release).
 Every field is described in docs/architecture.md §1.
+
+A config.json of another model (its `model_type` / `architectures` not in MODEL_FAMILIES) is refused
+before its fields are read; `from_json` warns, in one line each, about a file without model_type and
+about the keys that no field uses (HF bookkeeping keys aside).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,9 +24,28 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_RMS_NORM_EPS = 1e-5  # absent from the released config.json; the HF remote class default
 FLOAT_DTYPE_NAMES = ("bfloat16", "float32", "float16", "float64")  # torch_dtype values (torch.<name>)
 
+# The model families step35 trains: config.json `model_type` -> the `architectures` entries it accepts.
+# The one place to add a family. Step-3.7-Flash (transformers' `step3p7`: model_type "step3p7",
+# architectures ["Step3p7ForConditionalGeneration"], its text model under `text_config`) is not
+# supported yet; it is added here, with its reader, when it is.
+MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
+    "step3p5": ("Step3p5ForCausalLM",),
+}
+# Keys that transformers (or the hub) writes into any config.json and that mean nothing to step35's
+# model: kept and written back, but not worth a warning. Any other key that is no field is named.
+HF_BOOKKEEPING_KEYS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "use_cache",
+    "pad_token_id", "initializer_range", "return_dict", "output_attentions", "output_hidden_states",
+    "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
+})
+
 
 class ConfigError(ValueError):
     """A config.json (or preset) that cannot describe a working model; the message names the field."""
+
+
+class ConfigWarning(UserWarning):
+    """A config.json that is read, but with something the user should know (keys step35 does not use)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +136,7 @@ class Step35Config:
     # ----------------------------------------------------------------------------- reading/writing
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Step35Config":
+        check_model_family(raw)  # before the fields: another model's config fails here, not on layer_types
         raw = copy.deepcopy(raw)
         key_order = list(raw.keys())  # the source's keys, aliases included, before they are resolved
         names = {f.name for f in fields(cls)} - {"extra", "key_order"}
@@ -157,12 +182,16 @@ class Step35Config:
             raise ConfigError(f"{path}: no config.json there") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: holds a JSON {type(raw).__name__}, not an object of config fields")
         try:
-            return cls.from_dict(raw)
+            config = cls.from_dict(raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
         except TypeError as e:
             raise ConfigError(f"{path}: {e}") from None
+        _warn_about_file(raw, path)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "key_order")}
@@ -350,6 +379,54 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"config field {field_name}: {message}")
+
+
+def _accepted_families() -> str:
+    return "; ".join(f"model_type {name!r} with architectures {list(archs)}" for name, archs in MODEL_FAMILIES.items())
+
+
+def check_model_family(raw: dict[str, Any]) -> None:
+    """Refuse the config of another model (a llama config.json given by mistake) by its `model_type` /
+    `architectures` (MODEL_FAMILIES), before its fields are read as Step-3.5's: they would otherwise
+    fail on some unrelated field (layer_types), or build a wrong model. Absent (or null) keys are
+    accepted: hand-written configs lack them, and `from_json` warns about the file."""
+    model_type = raw.get("model_type")
+    if model_type is not None and (not isinstance(model_type, str) or model_type not in MODEL_FAMILIES):
+        raise ConfigError(f"model_type is {model_type!r}, not a model step35 trains (accepted: {_accepted_families()}); "
+                          "is this the config.json of another model?")
+    architectures = raw.get("architectures")
+    if architectures is None:
+        return
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ConfigError(f"architectures must be a list of class names, got {architectures!r}")
+    allowed = MODEL_FAMILIES.get(model_type) or tuple(a for archs in MODEL_FAMILIES.values() for a in archs)
+    foreign = [a for a in architectures if a not in allowed]
+    if foreign:
+        raise ConfigError(f"architectures {architectures} names {foreign[0]!r}, not a model step35 trains "
+                          f"(accepted: {_accepted_families()}); is this the config.json of another model?")
+
+
+def unused_keys(raw: dict[str, Any]) -> list[str]:
+    """Keys of a config.json that are neither a field (nor an alias of one) nor HF bookkeeping: kept
+    and written back, but nothing in step35 reads them, so a misspelt field would change nothing."""
+    return [key for key in raw if key not in FIELD_NAMES and key not in _ALIASES and key not in HF_BOOKKEEPING_KEYS]
+
+
+def _warn_about_file(raw: dict[str, Any], path: Path) -> None:
+    """One warning line per thing a user should see in the config.json `path` that was read: no
+    model_type (taken for Step-3.5's), and the keys no field uses, named (with the field meant, when
+    one is close)."""
+    if raw.get("model_type") is None:
+        warnings.warn(f"{path}: no model_type; read as Step-3.5 ({_accepted_families()})", ConfigWarning,
+                      stacklevel=3)
+    unused = unused_keys(raw)
+    if unused:
+        names = []
+        for key in unused:
+            close = difflib.get_close_matches(key, sorted(FIELD_NAMES), n=1)
+            names.append(key + (f" (did you mean {close[0]}?)" if close else ""))
+        warnings.warn(f"{path}: {len(unused)} key(s) that are no Step-3.5 config field, kept in the file but "
+                      f"not used: {', '.join(names)}", ConfigWarning, stacklevel=3)
 
 
 _RELEASE_KEY_ORDER = (

@@ -1,0 +1,135 @@
+"""A config.json that is not Step-3.5's, or that cannot fit the checkpoint folder it comes with, is
+refused early and by name (issue 24):
+
+- another model's config.json (model_type / architectures, `step35.config.MODEL_FAMILIES`) is refused
+  naming the file, the value found and the accepted values; one without model_type is read with a
+  warning; keys no field uses are named in one warning line (an unknown override stays an error);
+- a config (file or config_overrides) whose layer count, widths or experts differ from the HF
+  folder's tensors is refused before the model is built, in seconds, naming the field, the config
+  value and what the folder holds;
+- a model.safetensors.index.json naming a file outside its folder (`..`, absolute, a symlink out)
+  is refused naming the entry and the index, before any file is opened.
+
+Each test of a new check fails on the code before the issue (checked): the old reader refused a
+llama config.json on `layer_types` (no model_type in the message), warned about nothing, built any
+layer count the config asked for (the module's __init__ accepted it; the tensor check came after
+the build) and opened whatever path the index named. Three tests guard what must not change and
+pass on both: the presets and step35's own files warn about nothing, an unknown override is still
+an error, a config that fits its folder still loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+
+from step35 import config as config_module
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf import INDEX_FILE, read_tensor_infos
+from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.config import ConfigError, ConfigWarning, Step35Config, load_config, preset
+from step35.module import Step35LightningModule
+
+from tests.helpers import flash_config_dict, tiny_config_dict, tiny_model
+
+LLAMA_CONFIG = {  # a llama config.json, as transformers writes it (shortened)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "transformers_version": "4.43.0",
+}
+
+
+def _write(folder: Path, raw: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder / "config.json"
+
+
+def _config_warnings(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+# ----------------------------------------------------------------------------------- 1. model family
+def test_another_models_config_json_is_refused_by_model_type(tmp_path):
+    path = _write(tmp_path / "llama", LLAMA_CONFIG)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "llama")
+    message = str(err.value)
+    assert str(path) in message and "'llama'" in message  # the file and the value found
+    assert "'step3p5'" in message and "Step3p5ForCausalLM" in message  # the accepted values
+    assert "layer_types" not in message  # not some unrelated field of Step-3.5's
+
+
+@pytest.mark.parametrize("changes,found", [
+    ({"architectures": ["LlamaForCausalLM"]}, "'LlamaForCausalLM'"),  # step3p5 model_type, foreign class
+    ({"model_type": None, "architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM'"),
+    ({"architectures": "Step3p5ForCausalLM"}, "list of class names"),
+])
+def test_foreign_architectures_are_refused(tmp_path, changes, found):
+    raw = {k: v for k, v in {**tiny_config_dict(), **changes}.items() if v is not None}
+    path = _write(tmp_path, raw)
+    with pytest.raises(ConfigError) as err:
+        Step35Config.from_json(path)
+    assert str(path) in str(err.value) and found in str(err.value) and "architectures" in str(err.value)
+
+
+def test_model_families_is_the_one_place_to_add_a_family(tmp_path, monkeypatch):
+    """What the next family (Step-3.7-Flash: transformers' model_type `step3p7`) changes to be accepted."""
+    raw = tiny_config_dict(model_type="step3p7", architectures=["Step3p7ForConditionalGeneration"])
+    with pytest.raises(ConfigError, match="'step3p7'"):
+        Step35Config.from_dict(raw)
+    monkeypatch.setitem(config_module.MODEL_FAMILIES, "step3p7", ("Step3p7ForConditionalGeneration",))
+    assert Step35Config.from_dict(raw).extra["model_type"] == "step3p7"
+
+
+def test_config_json_without_model_type_is_read_with_a_warning(tmp_path):
+    raw = tiny_config_dict()
+    raw.pop("model_type"), raw.pop("architectures")
+    path = _write(tmp_path, raw)
+    found = _config_warnings(lambda: Step35Config.from_json(path))
+    assert len(found) == 1 and str(path) in found[0] and "no model_type" in found[0]
+    with pytest.warns(ConfigWarning):
+        assert Step35Config.from_json(path).to_dict() == raw  # read, and written back as it was
+
+
+def test_presets_and_their_files_warn_about_nothing(tmp_path):
+    raw = flash_config_dict()
+    raw.update(transformers_version="4.57.1", use_cache=True, _name_or_path="stepfun-ai/Step-3.5-Flash")
+    path = _write(tmp_path, raw)
+    assert _config_warnings(lambda: (preset("tiny"), preset("flash-196b"), load_config(path))) == []
+    model = tiny_model()
+    save_pretrained(model, tmp_path / "hf")  # what step35 writes reads back silently
+    assert _config_warnings(lambda: Step35Config.from_json(tmp_path / "hf")) == []
+
+
+def test_unknown_keys_are_named_in_one_warning_line(tmp_path):
+    raw = tiny_config_dict(moe_num_expert=16, frobnicate={"a": 1}, transformers_version="4.57.1", use_cache=True)
+    raw["dtype"] = raw.pop("torch_dtype")  # an alias is a field, not an unknown key
+    path = _write(tmp_path, raw)
+    found = _config_warnings(lambda: Step35Config.from_json(path))
+    assert len(found) == 1 and "\n" not in found[0]
+    message = found[0]
+    assert str(path) in message and "moe_num_expert (did you mean moe_num_experts?)" in message
+    assert "frobnicate" in message
+    for quiet in ("transformers_version", "use_cache", "dtype", "auto_map", "architectures", "model_type"):
+        assert quiet not in message.replace("did you mean", ""), quiet
+    with pytest.warns(ConfigWarning):
+        assert Step35Config.from_json(path).extra["moe_num_expert"] == 16  # kept, as before
+
+
+def test_an_unknown_override_is_still_an_error():
+    with pytest.raises(ConfigError, match=r"unknown config field 'moe_num_expert' \(did you mean 'moe_num_experts'"):
+        preset("tiny").with_overrides({"moe_num_expert": 16})
+    with pytest.raises(ConfigError, match="model.config_overrides: unknown config field 'model_type'"):
+        Step35LightningModule(config="tiny", config_overrides={"model_type": "llama"})

@@ -243,6 +243,17 @@ class Step35Config:
         return [i for i in range(self.num_hidden_layers)
                 if i >= self.moe_layer_offset and (i - self.moe_layer_offset) % self.moe_every_n_layer == 0]
 
+    def _moe_layer_set(self) -> frozenset[int]:
+        """`moe_layer_ids` as a set, kept while the fields it is computed from stay the same: `layer(i)`
+        is called for every layer (validate, the model, the planner), and computing the ids anew at each
+        call made a config of N layers cost N^2 (minutes for a 20,000-layer typo before any refusal)."""
+        key = (self.use_moe, self.moe_layers_enum, self.moe_layer_offset, self.moe_every_n_layer, self.num_hidden_layers)
+        cached = self.__dict__.get("_moe_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, frozenset(self.moe_layer_ids))
+            self.__dict__["_moe_cache"] = cached
+        return cached[1]
+
     @property
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
@@ -272,7 +283,7 @@ class Step35Config:
             rotary_dim=int(head_dim * factor),
             rope_scaled=self.rope_scaling is not None and attention_type in self.yarn_only_types,
             uses_rope=uses_rope,
-            is_moe=(not is_mtp) and layer_id in set(self.moe_layer_ids),
+            is_moe=(not is_mtp) and layer_id in self._moe_layer_set(),
             is_mtp=is_mtp,
             swiglu_limit=float(self.swiglu_limits[layer_id]) if self.swiglu_limits else 0.0,
             swiglu_limit_shared=float(self.swiglu_limits_shared[layer_id]) if self.swiglu_limits_shared else 0.0,

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from step35.balancing import ExpertCounter, update_router_bias
 from step35.checkpoint import lora_base, run_tokenizer
+from step35.checkpoint.hf import check_config_fits
 from step35.checkpoint.materialize import materialize
 from step35.checkpoint.trainer_io import frozen_state_keys
 from step35.config import ConfigError, Step35Config, load_config
@@ -111,6 +112,8 @@ class Step35LightningModule(pl.LightningModule):
         if num_mtp_layers is not None and not 0 <= num_mtp_layers <= available:
             raise ValueError(f"model.num_mtp_layers={num_mtp_layers}: must be between 0 and the config's "
                              f"num_nextn_predict_layers={available}")
+        if checkpoint:  # its shape against the folder's tensors now, not after minutes of building
+            check_config_fits(self.model_config, checkpoint, num_mtp_layers)
         built = available if num_mtp_layers is None else num_mtp_layers
         if mtp_loss_weight > 0 and built == 0:
             raise ValueError(f"model.mtp_loss_weight={mtp_loss_weight}: no MTP layer is built (num_mtp_layers="

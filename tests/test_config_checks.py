@@ -133,3 +133,74 @@ def test_an_unknown_override_is_still_an_error():
         preset("tiny").with_overrides({"moe_num_expert": 16})
     with pytest.raises(ConfigError, match="model.config_overrides: unknown config field 'model_type'"):
         Step35LightningModule(config="tiny", config_overrides={"model_type": "llama"})
+
+
+# ----------------------------------------------------------------------------------- 2. shape vs folder
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    save_pretrained(tiny_model(seed=1), path, max_shard_size=1_000_000)
+    return path
+
+
+def _layers(n: int, mtp: int = 1) -> dict:
+    """Overrides for a config of `n` main layers that is valid in itself (every per-layer list as long)."""
+    total = n + mtp
+    return {"num_hidden_layers": n, "layer_types": ["sliding_attention"] * total, "rope_theta": 10000.0,
+            "partial_rotary_factors": [], "swiglu_limits": [], "swiglu_limits_shared": []}
+
+
+def test_layer_count_typo_is_refused_before_building(hf_folder):
+    """num_hidden_layers 100000 over the 5-layer tiny folder: refused in the module's __init__, before
+    configure_model builds anything (the old code accepted it there and built 100000 layers)."""
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as err:
+        Step35LightningModule(checkpoint=str(hf_folder), config_overrides=_layers(100000))
+    seconds = time.perf_counter() - start
+    message = str(err.value)
+    assert "num_hidden_layers=100000" in message and str(hf_folder) in message
+    assert "5 main and 1 MTP layers (model.layers.0-5)" in message and "model.layers.6 is not there" in message
+    assert seconds < 5, seconds
+    # Without the per-layer lists the config itself is refused already, naming the list.
+    with pytest.raises(ConfigError, match="layer_types: has 6 entries; expected .* = 100001"):
+        Step35LightningModule(checkpoint=str(hf_folder), config_overrides={"num_hidden_layers": 100000})
+
+
+def test_config_json_layer_typo_is_refused_by_load_pretrained(hf_folder, tmp_path):
+    path = tmp_path / "typo"
+    shutil.copytree(hf_folder, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(_layers(100000))
+    (path / "config.json").write_text(json.dumps(raw))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=100000 needs model.layers.0-99999, but .* holds "
+                                              r"5 main and 1 MTP layers"):
+        load_pretrained(path)
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({"hidden_size": 256}, "config hidden_size=256, but {path} holds model.embed_tokens.weight of shape [1024, 128]"),
+    ({"vocab_size": 2048}, "config vocab_size=2048, but {path} holds model.embed_tokens.weight of shape [1024, 128]"),
+    ({"moe_num_experts": 16}, "config moe_num_experts=16, but {path} holds model.layers.1.moe.gate.weight of shape "
+                              "[8, 128] (8 experts)"),
+])
+def test_shape_fields_are_named_with_what_the_folder_holds(hf_folder, overrides, expected):
+    with pytest.raises(CheckpointError) as err:
+        Step35LightningModule(checkpoint=str(hf_folder), config_overrides=overrides)
+    assert expected.format(path=hf_folder) in str(err.value)
+
+
+def test_mtp_layers_are_compared_with_those_built(tmp_path):
+    path = tmp_path / "no_mtp"
+    save_pretrained(tiny_model(seed=2, num_mtp_layers=0), path)  # config says 1 MTP layer, none stored
+    assert load_pretrained(path, num_mtp_layers=0).num_mtp_layers == 0  # builds none: loads as before
+    with pytest.raises(CheckpointError, match=r"num_nextn_predict_layers=1 \(1 MTP layers built\) needs "
+                                              r"model.layers.5-5, but .* holds 5 main and 0 MTP layers"):
+        load_pretrained(path)
+
+
+def test_a_fitting_config_still_loads(hf_folder):
+    module = Step35LightningModule(checkpoint=str(hf_folder), config_overrides={"sliding_window": 65})
+    assert module.model_config.num_hidden_layers == 5
+    assert load_pretrained(hf_folder).config.num_hidden_layers == 5

@@ -3,9 +3,10 @@ model.safetensors.index.json). Knows files, names, shapes and dtypes; filling a 
 `materialize.py`, model <-> folder is `pretrained.py`.
 
 Reading checks every tensor's name, shape and dtype from the safetensors headers before any weight
-is read, and fails naming the tensor or file. `write_hf_folder` is the one writer of such folders
-(save_pretrained and export): shards streamed to a temporary sibling, index, config.json, a
-manifest of the weight files, then an atomic publish.
+is read, and fails naming the tensor or file. `check_config_fits` compares a config's layer count, widths
+and expert count with the folder's tensors before a model is built from it. `write_hf_folder` is
+the one writer of such folders (save_pretrained and export): shards streamed to a temporary
+sibling, index, config.json, a manifest of the weight files, then an atomic publish.
 """
 
 from __future__ import annotations
@@ -115,6 +116,79 @@ def check_tensors(infos: dict[str, TensorInfo], expected: dict[str, tuple[tuple[
         if info.dtype != dtype:
             raise CheckpointError(f"{name} in {info.file.name}: dtype {info.dtype}, expected {dtype} "
                                   f"(config.json torch_dtype; router_bias is always float32)")
+
+
+_LAYER_ID = re.compile(r"model\.layers\.(\d+)\.")
+_MTP_MARK = "eh_proj.weight"  # only MTP layers have it (docs/architecture.md §3)
+
+
+def _layer_summary(layer_ids: set[int], mtp_ids: set[int]) -> str:
+    """'5 main and 1 MTP layers (model.layers.0-5)': what a folder holds, for an error message."""
+    if not layer_ids:
+        return "no model.layers.* tensors"
+    ids = sorted(layer_ids)
+    spans, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return (f"{len(layer_ids) - len(mtp_ids)} main and {len(mtp_ids)} MTP layers "
+            f"(model.layers.{','.join(spans)})")
+
+
+def _header_shape(file: Path, name: str) -> tuple[int, ...]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+    except Exception as e:  # a bad file: the full header check names it the same way
+        raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def check_config_fits(config: Step35Config, path: str | Path, num_mtp_layers: int | None = None) -> None:
+    """Refuse a config (config.json + config_overrides) that cannot fit the HF folder `path`, before a
+    model is built from it: a typo such as num_hidden_layers 100000 would otherwise build for minutes
+    and gigabytes before the tensor check names a missing tensor. Reads the index (or the single
+    file's header) and the headers of the files holding the embedding and one router; compares the
+    layer ids the model needs (main layers and the `num_mtp_layers` MTP layers built, None: all),
+    hidden_size and vocab_size (the embedding), moe_num_experts (the first MoE layer's router), each
+    named with the config value and what the folder holds. Refuses only what the full tensor check
+    would refuse; everything else is left to it (a folder without weights included)."""
+    path = Path(path)
+    if not ((path / INDEX_FILE).exists() or (path / SINGLE_FILE).exists()):
+        return  # nothing to compare with: whoever reads the weights says so
+    locations = tensor_locations(path)
+    layer_ids = {int(m.group(1)) for name in locations if (m := _LAYER_ID.match(name))}
+    mtp_ids = {int(m.group(1)) for name in locations if name.endswith(_MTP_MARK) and (m := _LAYER_ID.match(name))}
+    holds = _layer_summary(layer_ids, mtp_ids)
+    main = config.num_hidden_layers
+    missing_main = sorted(set(range(main)) - layer_ids)
+    if missing_main:
+        raise CheckpointError(f"config num_hidden_layers={main} needs model.layers.0-{main - 1}, but {path} holds "
+                              f"{holds}: model.layers.{missing_main[0]} is not there; set num_hidden_layers to "
+                              "the folder's (config.json or config_overrides)")
+    built = config.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
+    missing_mtp = sorted(set(range(main, main + built)) - layer_ids)
+    if missing_mtp:
+        raise CheckpointError(f"config num_nextn_predict_layers={config.num_nextn_predict_layers} ({built} MTP "
+                              f"layers built) needs model.layers.{main}-{main + built - 1}, but {path} holds {holds}; "
+                              "set num_nextn_predict_layers to the folder's, or build fewer (model.num_mtp_layers)")
+    embed = "model.embed_tokens.weight"
+    if embed in locations:
+        shape = _header_shape(locations[embed], embed)
+        for axis, field in ((0, "vocab_size"), (1, "hidden_size")):
+            value = getattr(config, field)
+            if len(shape) == 2 and shape[axis] != value:
+                raise CheckpointError(f"config {field}={value}, but {path} holds {embed} of shape {list(shape)} "
+                                      f"({field} {shape[axis]}); set {field} to the folder's")
+    router = next((f"model.layers.{i}.moe.gate.weight" for i in sorted(config.moe_layer_ids)
+                   if f"model.layers.{i}.moe.gate.weight" in locations), None)
+    if router is not None:
+        shape = _header_shape(locations[router], router)
+        if shape and shape[0] != config.moe_num_experts:
+            raise CheckpointError(f"config moe_num_experts={config.moe_num_experts}, but {path} holds {router} of "
+                                  f"shape {list(shape)} ({shape[0]} experts); set moe_num_experts to the folder's")
 
 
 def parse_size(size: int | str) -> int:

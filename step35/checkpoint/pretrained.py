@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import write_hf_folder
+from step35.checkpoint.hf import check_config_fits, write_hf_folder
 from step35.checkpoint.materialize import checkpoint_state, materialize
 from step35.checkpoint.publish import check_not_interrupted
 from step35.config import ConfigError, Step35Config
@@ -32,6 +32,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: 
         config = Step35Config.from_json(path)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    check_config_fits(config, path, num_mtp_layers)  # before building: a config.json typo fails in seconds
     model = build_model(config, num_mtp_layers, dtype=dtype or getattr(torch, config.torch_dtype))
     materialize(model, device, checkpoint=path)
     return model

@@ -204,3 +204,72 @@ def test_a_fitting_config_still_loads(hf_folder):
     module = Step35LightningModule(checkpoint=str(hf_folder), config_overrides={"sliding_window": 65})
     assert module.model_config.num_hidden_layers == 5
     assert load_pretrained(hf_folder).config.num_hidden_layers == 5
+
+
+# ----------------------------------------------------------------------------------- 3. index entries
+@pytest.fixture
+def opened(monkeypatch) -> list[Path]:
+    """The files safetensors opens from now on (every reader of step35 goes through safe_open)."""
+    files: list[Path] = []
+    real = safetensors.safe_open
+
+    def recording(file, *args, **kwargs):
+        files.append(Path(file).resolve())
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", recording)
+    return files
+
+
+def _point_entry(folder: Path, target: str) -> tuple[str, Path]:
+    """Move the shard holding lm_head.weight outside `folder` (a readable file is there: only the path
+    check can stop it) and name it `target` in the index. Returns the entry and the moved file."""
+    index = json.loads((folder / INDEX_FILE).read_text())
+    shard = index["weight_map"]["lm_head.weight"]
+    outside = folder.parent / "secret.safetensors"
+    shutil.move(folder / shard, outside)
+    for name, file in index["weight_map"].items():
+        if file == shard:
+            index["weight_map"][name] = target
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    return next(n for n, f in index["weight_map"].items() if f == target), outside  # the first one named
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink"])
+def test_index_naming_a_file_outside_the_folder_is_refused(where, hf_folder, tmp_path, opened):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(hf_folder, folder)
+    outside = tmp_path / "secret.safetensors"
+    target = {"dotdot": "../secret.safetensors", "absolute": str(outside), "symlink": "link.safetensors"}[where]
+    entry, outside = _point_entry(folder, target)
+    if where == "symlink":
+        os.symlink(outside, folder / "link.safetensors")
+    for read in (read_tensor_infos, load_pretrained):
+        with pytest.raises(CheckpointError) as err:
+            read(folder)
+        message = str(err.value)
+        assert f"{folder / INDEX_FILE}: entry {entry} names the file {target!r}" in message
+        assert "outside the checkpoint folder; refused" in message
+    assert outside.resolve() not in opened and opened == []  # nothing was opened at all
+
+
+def test_hub_cache_snapshot_symlinks_into_its_blobs_are_accepted(hf_folder, tmp_path):
+    """The layout `hf download` leaves in ~/.cache/huggingface/hub: each file of the snapshot is a
+    symlink to ../../blobs/<hash>, outside the snapshot folder but inside its repository's cache."""
+    repo = tmp_path / "models--stepfun-ai--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for k, file in enumerate(sorted(hf_folder.iterdir())):
+        shutil.copy(file, blobs / f"blob{k}")
+        os.symlink(f"../../blobs/blob{k}", snapshot / file.name)
+    assert load_pretrained(snapshot).config.num_hidden_layers == 5
+    # ... but not out of the repository's cache: one shard moved elsewhere, its link pointed there
+    index = json.loads((snapshot / INDEX_FILE).read_text())
+    shard = index["weight_map"]["lm_head.weight"]
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move((snapshot / shard).resolve(), elsewhere)
+    (snapshot / shard).unlink()
+    os.symlink(elsewhere, snapshot / shard)
+    with pytest.raises(CheckpointError, match=f"names the file '{shard}', which resolves outside the checkpoint"):
+        read_tensor_infos(snapshot)

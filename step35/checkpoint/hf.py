@@ -3,7 +3,8 @@ model.safetensors.index.json). Knows files, names, shapes and dtypes; filling a 
 `materialize.py`, model <-> folder is `pretrained.py`.
 
 Reading checks every tensor's name, shape and dtype from the safetensors headers before any weight
-is read, and fails naming the tensor or file. `check_config_fits` compares a config's layer count, widths
+is read, and fails naming the tensor or file. The index may name only files inside the folder (a
+hub cache snapshot: also its `blobs/`). `check_config_fits` compares a config's layer count, widths
 and expert count with the folder's tensors before a model is built from it. `write_hf_folder` is
 the one writer of such folders (save_pretrained and export): shards streamed to a temporary
 sibling, index, config.json, a manifest of the weight files, then an atomic publish.
@@ -24,6 +25,7 @@ import torch
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import MANIFEST, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
+from step35.checkpoint.safe_load import leaves_folder
 from step35.config import Step35Config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,6 +55,7 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
                 raise TypeError("weight_map must map tensor names to file names")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: corrupt index ({type(e).__name__}: {e})") from None
+        check_index_entries(weight_map, path, index)
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.exists():
@@ -68,6 +71,27 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
             return {name: single for name in f.keys()}
     check_not_interrupted(path)
     raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+
+def _hub_blobs(folder: Path) -> tuple[Path, ...]:
+    """The blob store of a Hugging Face hub cache snapshot (`models--org--name/snapshots/<revision>/`),
+    into which every file of the snapshot is a symlink (`../../blobs/<hash>`); () for other folders."""
+    root = folder.resolve()
+    blobs = root.parent.parent / "blobs"
+    return (blobs.resolve(),) if root.parent.name == "snapshots" and blobs.is_dir() else ()
+
+
+def check_index_entries(weight_map: dict[str, str], folder: Path, index: Path) -> None:
+    """Every file the index names lies inside `folder` (safe_load's rule for DCP `.metadata`: no
+    absolute path, no `..`, no symlink out; a hub cache snapshot may point into its `blobs/`), checked
+    before any file is opened: the index is data, and would otherwise open whatever path it names."""
+    blobs = _hub_blobs(folder)
+    for file in sorted(set(weight_map.values())):
+        reason = leaves_folder(folder, file, blobs)
+        if reason:
+            name = next(n for n, f in weight_map.items() if f == file)
+            raise CheckpointError(f"{index}: entry {name} names the file {file!r}, {reason}; refused (put the "
+                                  f"shard in the folder and name it relative to it)")
 
 
 def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:

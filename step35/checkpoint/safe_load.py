@@ -160,18 +160,26 @@ def restricted_unpickle(file: io.BufferedIOBase | Any, source: str | Path) -> An
         raise CheckpointError(f"{source}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def leaves_folder(folder: Path, rel: Any, also_inside: Iterable[Path] = ()) -> str | None:
+    """Why opening the file a checkpoint's listing names as `rel` (relative to `folder`) would leave
+    `folder`: an absolute path, a `..`, a symlink out (None: it stays inside `folder`, or one of the
+    resolved folders `also_inside`). The one rule of every listing step35 opens files from."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        return "outside the checkpoint folder"
+    target = (folder / rel).resolve()
+    if not any(target.is_relative_to(root) for root in (folder.resolve(), *also_inside)):
+        return "which resolves outside the checkpoint folder"
+    return None
+
+
 def check_inside(metadata: Any, folder: Path, source: Path) -> None:
-    """Every data file `.metadata` points at lies inside `folder`: no absolute path, no `..`, no
-    symlink out (DCP itself would open whatever path an entry names)."""
-    root = folder.resolve()
+    """Every data file `.metadata` points at lies inside `folder` (`leaves_folder`; DCP itself would
+    open whatever path an entry names)."""
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         rel = getattr(info, "relative_path", None)
-        name = getattr(index, "fqn", index)
-        if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise CheckpointError(f"{source}: entry {name} points at {rel!r}, outside the checkpoint folder; refused")
-        if not (root / rel).resolve().is_relative_to(root):
-            raise CheckpointError(f"{source}: entry {name} points at {rel!r}, which resolves outside the "
-                                  f"checkpoint folder; refused")
+        reason = leaves_folder(folder, rel)
+        if reason:
+            raise CheckpointError(f"{source}: entry {getattr(index, 'fqn', index)} points at {rel!r}, {reason}; refused")
 
 
 def read_dcp_metadata(folder: str | Path):

@@ -311,3 +311,58 @@ def test_unreadable_files_are_named(tmp_path, tiny_base, damage):
     with pytest.raises(CheckpointError, match=message) as refused:
         apply_peft_folder(base_model(tiny_base), folder)
     assert "\n" not in str(refused.value)
+
+
+# ------------------------------------------------------------------------------------------ 3. LoRA options at resume
+
+RUN = {"lr": 1e-2, "warmup_steps": 1, "decay_steps": 4, "moe_bias_update_rate": 1e-3}  # as test_lora_checkpoint.fit
+
+
+def lora_module(**lora):
+    from step35.module import Step35LightningModule
+
+    return Step35LightningModule(config="tiny", lora={"rank": 4, **lora}, **RUN)
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory, builtin_cache):
+    """A 2-step LoRA run (rank 4, alpha null: 4) on the init base; its checkpoint as the resume reads it."""
+    from step35.run import read_saved_run
+    from tests.test_lora_checkpoint import fit
+
+    run = tmp_path_factory.mktemp("lora-resume")
+    fit(run, builtin_cache, 2)
+    return read_saved_run(next(run.rglob("step=000002.ckpt")))
+
+
+def resume_check(saved, module):
+    from step35.run import check_resume
+
+    return check_resume(saved, module.model_config, dict(module.hparams))
+
+
+def test_a_resume_with_another_rank_or_alpha_is_refused_by_name(lora_checkpoint):
+    """Before: check_resume said nothing of model.lora; another rank reached torch's raw size-mismatch error at
+    load, another alpha trained on silently with the adapters rescaled."""
+    from step35.run import ResumeMismatchError
+    from tests.test_lora_checkpoint import LORA
+
+    saved = lora_checkpoint
+    same = dict(LORA)
+    assert resume_check(saved, lora_module(**same)) == []
+    with pytest.raises(ResumeMismatchError, match=r"model.lora.rank: 4 -> 2 changes the shape of every dense adapter "
+                                                  r".*; resume with model.lora.rank=4"):
+        resume_check(saved, lora_module(**{**same, "rank": 2, "alpha": 4.0}))
+    with pytest.raises(ResumeMismatchError, match=r"model.lora.alpha: 4 -> 16 \(resolved: null is the rank\) rescales "
+                                                  r"the trained adapters.*; resume with model.lora.alpha=4"):
+        resume_check(saved, lora_module(**{**same, "alpha": 16.0}))
+    assert resume_check(saved, lora_module(**{**same, "alpha": 4.0})) == []  # null was the rank: the same alpha
+    with pytest.raises(ResumeMismatchError, match=r"model.lora.expert_rank: 2 -> 3 \(resolved; set None -> 3\)"):
+        resume_check(saved, lora_module(**{**same, "expert_rank": 3}))
+    with pytest.raises(ResumeMismatchError, match=r"model.lora.targets: .* changes which parameters train"):
+        resume_check(saved, lora_module(**{**same, "targets": ["attention"]}))
+    with pytest.raises(ResumeMismatchError, match=r"model.lora: .* -> None changes which parameters train"):
+        from step35.module import Step35LightningModule
+
+        resume_check(saved, Step35LightningModule(config="tiny", **RUN))
+    assert resume_check(saved, lora_module(**{**same, "dropout": 0.1})) == ["model.lora.dropout: 0.0 -> 0.1"]

@@ -9,6 +9,10 @@
   or a different set of trained parameters (mtp_loss_weight 0 <-> non-zero: MTP layers are frozen
   at 0, so the optimizer state has no entries for them) is refused before anything is loaded,
   listing the fields.
+- LoRA (`model.lora`): turning it on or off, another rank, expert rank (resolved) or set of targets
+  changes the adapters' shapes or which parameters train, and another alpha (resolved: null is the
+  rank) changes the function of the adapters the checkpoint trained: each is refused naming the
+  option and both values. dropout and base_dtype may change (reported).
 
 Every difference from the checkpoint's own settings is printed, so a resume never changes a
 setting silently.
@@ -27,6 +31,7 @@ from step35.checkpoint.safe_load import load_torch
 from step35.checkpoint.trainer_io import check_loadable, load_meta
 from step35.config import Step35Config
 from step35.model import build_model
+from step35.model.lora import LoraConfig
 
 # Module options a resume may change (the command line wins); each one is reported when it does.
 RUN_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "betas", "eps",
@@ -104,6 +109,9 @@ def check_resume(saved: SavedRun, model_config: Step35Config, hparams: dict[str,
     if saved_weight is not None and (saved_weight == 0) != (weight == 0) and _has_mtp(current, mtp):
         refused.append(f"mtp_loss_weight: {saved_weight} -> {weight} changes which parameters train (MTP layers "
                        f"are frozen at 0), so the checkpoint's optimizer state does not fit")
+    lora_refused, lora_notes = _lora_changes(saved.hparams.get("lora"), hparams.get("lora"), model_config)
+    refused += lora_refused
+    notes += lora_notes
     if refused:
         raise ResumeMismatchError(f"cannot resume from {saved.path}: " + "; ".join(refused) +
                                   ". Resume with the checkpoint's model options, or start a new run (--run_dir)")
@@ -111,6 +119,46 @@ def check_resume(saved: SavedRun, model_config: Step35Config, hparams: dict[str,
         if key in saved.hparams and _differs(saved.hparams[key], hparams.get(key)):
             notes.append(f"{key}: {_fmt(saved.hparams[key])} -> {_fmt(hparams.get(key))}")
     return notes
+
+
+def _lora_changes(saved_value, value, model_config: Step35Config) -> tuple[list[str], list[str]]:
+    """(refusals, notes) for the LoRA options of a resume: `saved_value` the checkpoint's `lora`
+    hyper-parameter, `value` this run's (a dict of LoraConfig's fields, or None)."""
+    saved, lora = LoraConfig.of(saved_value), LoraConfig.of(value)
+    if saved is None and lora is None:
+        return [], []
+    if saved is None or lora is None:
+        return [f"model.lora: {_fmt(saved_value)} -> {_fmt(value)} changes which parameters train (the LoRA "
+                f"checkpoint holds only the adapters; a full one has no adapters)"], []
+    refused = []
+    if saved.rank != lora.rank:
+        refused.append(f"model.lora.rank: {saved.rank} -> {lora.rank} changes the shape of every dense adapter "
+                       f"(lora_A [rank, in], lora_B [out, rank]); resume with model.lora.rank={saved.rank}")
+    targets, saved_targets = lora.expanded_targets(), saved.expanded_targets()
+    if targets != saved_targets:
+        refused.append(f"model.lora.targets: {sorted(saved_targets)} -> {sorted(targets)} changes which parameters "
+                       f"train; resume with the checkpoint's targets")
+    elif "experts" in targets:
+        before, after = saved.resolved_expert_rank(model_config), lora.resolved_expert_rank(model_config)
+        if before != after:
+            refused.append(f"model.lora.expert_rank: {before} -> {after} (resolved; set {_fmt(saved.expert_rank)} -> "
+                           f"{_fmt(lora.expert_rank)}) changes the routed experts' adapter shapes; resume with "
+                           f"model.lora.expert_rank={before}")
+    # Refused, not reported: each adapter adds (alpha / rank) * B A, so another alpha rescales the trained
+    # adapters' contribution from the resumed step on: the resumed run trains another model than the
+    # checkpoint's (its loss jumps) and every later update is scaled with it. Reporting it would still
+    # change the model behind a note; to change alpha, start a new run.
+    if saved.scale_alpha != lora.scale_alpha:
+        refused.append(f"model.lora.alpha: {saved.scale_alpha:g} -> {lora.scale_alpha:g} (resolved: null is the rank) "
+                       f"rescales the trained adapters, another model than the checkpoint's; resume with "
+                       f"model.lora.alpha={saved.scale_alpha:g}")
+    notes = []
+    if saved.dropout != lora.dropout:
+        notes.append(f"model.lora.dropout: {_fmt(saved.dropout)} -> {_fmt(lora.dropout)}")
+    if saved.resolved_base_dtype(model_config) != lora.resolved_base_dtype(model_config):
+        notes.append(f"model.lora.base_dtype: {_fmt(saved.base_dtype)} -> {_fmt(lora.base_dtype)} (the frozen base "
+                     f"is read again in it)")
+    return refused, notes
 
 
 def _has_mtp(config: dict, num_mtp_layers: int | None) -> bool:

@@ -254,6 +254,28 @@ def test_peft_model_refuses_a_merge_that_overflows_the_dtype(tmp_path, tiny_base
         peft_model(folder, torch.float16, "cpu")
 
 
+@pytest.mark.timeout(120)
+def test_generate_on_a_hostile_folder_stops_in_one_line(tmp_path, tiny_base, builtin_cache):
+    """`step35 generate` on a PEFT folder over a real base folder: the catastrophic alpha_pattern (before: a hang)
+    and a [1, H] lm_head (before: broadcast into lm_head, generate ran on) each end the command in one line."""
+    from step35.checkpoint.pretrained import save_pretrained
+    from step35.cli import main
+    from step35.data.builtin import builtin_tokenizer_dir
+
+    save_pretrained(tiny_base, tmp_path / "base")
+    tokenizer = str(builtin_tokenizer_dir(cache_dir=builtin_cache))
+    cases = [({"alpha_pattern": {"(.|.)*!": 2.0}}, {}, r"adapter_config.json: alpha_pattern key .* is a regex"),
+             ({}, {f"{P}lm_head.weight": torch.zeros(1, 128)}, r"adapter_model.safetensors: base_model.model.lm_head."
+                                                                r"weight is float32 \[1, 128\]")]
+    for i, (config_changes, tensor_changes, message) in enumerate(cases):
+        folder, _ = write_peft(tmp_path / f"adapter{i}", tiny_base, tensor_changes=tensor_changes,
+                               config_changes={**config_changes, "base_model_name_or_path": str(tmp_path / "base")})
+        started = time.perf_counter()
+        with pytest.raises(SystemExit, match=rf"^step35 generate: \S*adapter{i}/{message}") as stopped:
+            main(["generate", "--checkpoint", str(folder), "--prompt", "The", "--tokenizer", tokenizer])
+        assert "\n" not in str(stopped.value) and time.perf_counter() - started < 30
+
+
 TENSOR_CASES = {
     "a [1, H] module to save": ({f"{P}lm_head.weight": torch.zeros(1, 128)},
                                 r"base_model.model.lm_head.weight is float32 \[1, 128\], the model needs a "

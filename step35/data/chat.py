@@ -394,14 +394,40 @@ class ChatTemplate:
         wrappers around it stay trained, so the model still learns to open and close the block. A token holding
         both reasoning and other trained text stays trained. The caller shifts the mask to labels.
         """
+        ids, mask, _ = self.encode_prefix(
+            tokenizer, messages, None, train_on=train_on, train_reasoning=train_reasoning, tools=tools, where=where,
+            **extra,
+        )  # fmt: skip
+        return ids, mask
+
+    def encode_prefix(self, tokenizer, messages: list, max_tokens: Optional[int], *, train_on: str = "assistant",
+                      train_reasoning: bool = True, tools: Optional[list] = None, where: str = "",
+                      **extra) -> tuple[list[int], list[bool], Optional[int]]:
+        """As `encode`, for the first `max_tokens` tokens only (all when None): (their ids, their mask, how many
+        tokens the whole conversation has, or None when it has more than `max_tokens` and was not tokenized
+        whole to count them). A packer that keeps a window of a longer conversation needs no more,
+        and this keeps a conversation's cost bounded by the window, not by its length:
+
+        - Tokens: a rendering over `2 * PIECE_CHARS` characters is tokenized in pieces cut as the text stream
+          cuts documents (tokenizer.py, with the same caveats on where piece tokens can differ), only until
+          `max_tokens` tokens are there. (A 20 MB assistant message took 5.1 GB and 31 s tokenized whole.)
+        - Spans: only the turns that can reach the kept tokens are located, on the shortest cut of the
+          conversation (its first messages) whose rendering equals the whole rendering over the kept tokens'
+          characters (`_Conversation.cuts`), so locating costs renderings of the cut, not of the whole (which made
+          masking quadratic in turns without `{% generation %}` marks). Turns are located in order and each
+          span starts past the end of the one before, so once a turn is known to start past the kept characters
+          every later one does too: the mask of the kept tokens is the one the whole conversation gives. A turn
+          past the kept tokens is not located, so a fault in it (one that would make `encode` raise) is not seen.
+        """
         check_train_choice(train_on, train_reasoning, where)
         check_messages(messages, where)
         conversation = _Conversation(self, messages, tools, where, self._tokens(tokenizer, extra))
-        encoding = tokenizer.tokenizer.encode(conversation.text, add_special_tokens=False)
+        ids, offsets, total = _tokenize_prefix(tokenizer, conversation.text, max_tokens)
+        limit = None if total == len(ids) else (offsets[-1][1] if offsets else 0)  # the characters of the kept tokens
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if train_on == "all":
             if train_reasoning:
-                return encoding.ids, [True] * len(encoding.ids)
+                return ids, [True] * len(ids), total
             spans = [(0, len(conversation.text))]
         else:
             if train_on == "last_assistant":
@@ -410,10 +436,12 @@ class ChatTemplate:
                 spans = conversation.marked_spans(turns)
             else:
                 end_of_turn = functools.partial(self.end_of_turn_id, tokenizer, tools=tools, where=where, **extra)
-                spans = conversation.located_spans(turns, encoding, end_of_turn)
+                spans = conversation.in_window(
+                    limit, lambda part: part.located_spans(turns, ids, offsets, end_of_turn, limit)
+                )  # fmt: skip
         if not train_reasoning:
-            spans = _subtract(spans, conversation.reasoning_spans(turns))
-        return encoding.ids, token_mask(encoding.offsets, spans)
+            spans = _subtract(spans, conversation.in_window(limit, lambda part: part.reasoning_spans(turns, limit)))
+        return ids, token_mask(offsets, spans), total
 
     def end_of_turn_id(self, tokenizer, *, tools: Optional[list] = None, where: str = "", **extra) -> int:
         """The token the template ends an assistant reply with (where `generate --chat` stops): the first special
@@ -483,13 +511,58 @@ class _Conversation:
             )
         return spans
 
-    def located_spans(self, turns: list[int], encoding, end_of_turn: Callable[[], int]) -> list[tuple[int, int]]:
+    def in_window(self, limit: Optional[int], spans_of: Callable[["_Conversation"], tuple[list, bool]]) -> list:
+        """The spans `spans_of` finds, on the shortest cut of this conversation (`cuts`) where it stops within
+        the cut (having found a turn past the first `limit` characters), else on the whole conversation (a cut
+        that fails to render or mask is passed over: only the whole conversation's errors count)."""
+        if limit is None:
+            return spans_of(self)[0]
+        for part in self.cuts(limit):
+            if part is self:
+                return spans_of(self)[0]
+            try:
+                spans, stopped = spans_of(part)
+            except ChatTemplateError:
+                continue
+            if stopped:
+                return spans
+        raise AssertionError("cuts() ends with the whole conversation")
+
+    def cuts(self, limit: int):
+        """Conversations of this one's first messages, growing (each about twice the one before), whose rendering
+        equals this one's over its first `limit` characters; then this conversation itself. A template that
+        renders a message differently depending on later ones (Step-3.5's drops the reasoning of turns before
+        the last user message) shows it in the text, so a cut that differs there is passed over."""
+        count, size = 0, 0
+        while count < len(self.messages) and size < limit:  # about the messages the first `limit` characters hold
+            message = self.messages[count]
+            size += 16 + sum(len(str(message.get(key) or "")) for key in ("content", "tool_calls", *REASONING_FIELDS))
+            count += 1
+        count += 2
+        while count < len(self.messages):
+            try:
+                part = _Conversation(self.template, self.messages[:count], self.tools, self.where, self.extra)
+            except ChatTemplateError:
+                part = None
+            if part is not None and len(part.text) >= limit and self.text.startswith(part.text[:limit]):
+                yield part
+            count *= 2
+        yield self
+
+    def located_spans(self, turns: list[int], ids: list[int], offsets: list[tuple[int, int]],
+                      end_of_turn: Callable[[], int], limit: Optional[int] = None) -> tuple[list[tuple[int, int]], bool]:
         """Each turn's span, located by sentinels (module docstring): from the end of the generation prompt to
-        the end-of-turn token inclusive (`end_of_turn()` gives its id)."""
+        the end-of-turn token inclusive (`end_of_turn()` gives its id; `ids`, `offsets`: the rendering's tokens).
+        With `limit` (the characters `ids` cover, when they are not the whole rendering): the spans of the turns
+        that start within it, and whether a turn starting past it was met (so every later one does too: each span
+        starts past the end of the one before); a turn of `turns` this cut lacks is not met."""
         spans: list[tuple[int, int]] = []
-        ids, offsets = encoding.ids, encoding.offsets  # each read of these builds a fresh Python list
         starts = [s for s, _ in offsets]
         for i in turns:
+            if i >= len(self.messages):
+                return spans, False
+            if limit is not None and max(self.end_before(i), spans[-1][1] if spans else 0) >= limit:
+                return spans, True
             at = f"{_at(self.where)}assistant message {i}"
             first, last = self.region(i)
             if first is None and not _with_sentinels(self.messages, i)[1]:
@@ -509,21 +582,29 @@ class _Conversation:
             k = next((j for j in range(k, len(ids)) if ids[j] == eot), None)
             end = None if k is None else offsets[k][1]
             following = self.start_after(i)
+            if end is None and limit is not None and (following is None or following >= limit):
+                end = limit  # its end-of-turn token lies past the tokens kept: the span runs to their end
             if end is None or (following is not None and end > following):
                 raise ChatTemplateError(f"{at}: no end-of-turn token (id {eot}) between its text and the next message")
             spans.append((start, end))
-        return spans
+        return spans, False
 
-    def reasoning_spans(self, turns: list[int]) -> list[tuple[int, int]]:
+    def reasoning_spans(self, turns: list[int], limit: Optional[int] = None) -> tuple[list[tuple[int, int]], bool]:
         """Where the reasoning of each of `turns` lies in the rendering, sorted: for each piece of reasoning (the
         field, and a `<think>` block inline in the content or a text part), the text that changes when the
         piece alone is replaced by a sentinel. A piece the template does not render (dropped history) has
-        none; a piece whose replacement changes anything else raises ChatTemplateError."""
+        none; a piece whose replacement changes anything else raises ChatTemplateError. With `limit`, as in
+        `located_spans`: the turns from the first whose message before it reaches past `limit` on are left out
+        (their reasoning renders after that message), and the flag says whether one was met."""
         spans: list[tuple[int, int]] = []
         for i in turns:
+            if i >= len(self.messages):
+                return sorted(spans), False
+            if limit is not None and self.end_before(i) >= limit:
+                return sorted(spans), True
             for replaced, sentinel in _reasoning_sentinels(self.messages, i):
                 spans += self._rendered_as(replaced, sentinel, f"{_at(self.where)}assistant message {i}")
-        return sorted(spans)
+        return sorted(spans), False
 
     def _rendered_as(self, replaced: list, sentinel: str, at: str) -> list[tuple[int, int]]:
         """The spans of this text that `replaced` (these messages with one piece of text replaced by
@@ -648,6 +729,36 @@ class _Conversation:
 def _is_generation(node) -> bool:
     call = getattr(node.call, "node", None)
     return type(call).__name__ == "ExtensionAttribute" and call.name == "_output"
+
+
+def _tokenize_prefix(tokenizer, text: str, max_tokens: Optional[int]) -> tuple[list[int], list[tuple[int, int]],
+                                                                              Optional[int]]:
+    """(ids, character offsets, how many tokens `text` has: None when not all were tokenized) of the first
+    `max_tokens` tokens of `text` (all when None). A text over `2 * PIECE_CHARS` characters is tokenized in pieces (`cut_after`), only
+    as far as needed, so the tokenizer's memory is a piece's (tokenizer.py), however long the text; a few tokens
+    past `max_tokens` are tokenized too, so that a hard cut's tokens are never kept."""
+    from step35.data.tokenizer import PIECE_CHARS, cut_after
+
+    if max_tokens is None or len(text) <= 2 * PIECE_CHARS:
+        encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+        ids, offsets = encoding.ids, encoding.offsets  # each read of these builds a fresh Python list
+        start = len(text)
+    else:
+        ids, offsets, start = [], [], 0
+        tokenizer._check_piecewise_exact()  # warns once if this tokenizer gives other tokens in pieces
+        while start < len(text) and len(ids) <= max_tokens + _PIECE_MARGIN:
+            end = cut_after(text, start, PIECE_CHARS)
+            encoding = tokenizer.tokenizer.encode(text[start:end], add_special_tokens=False)
+            ids += encoding.ids
+            offsets += [(a + start, b + start) for a, b in encoding.offsets]
+            start = end
+    total = len(ids) if start >= len(text) else None
+    if max_tokens is None or len(ids) <= max_tokens:
+        return ids, offsets, total
+    return ids[:max_tokens], offsets[:max_tokens], total
+
+
+_PIECE_MARGIN = 64  # tokens tokenized past the ones kept, so that a piece's last (maybe cut) tokens are not kept
 
 
 def _special_ids(tokenizer) -> set[int]:

@@ -180,7 +180,7 @@ class PackedConversations(PackedSource):
         for start, after, example in documents:
             if len(example.ids) > self.window:
                 if self.overlong_mode == "drop" or not any(example.trained[1 : self.window]):
-                    why = f"{len(example.ids)} tokens, a window holds {self.window}" + (
+                    why = f"{example.size} tokens, a window holds {self.window}" + (
                         "" if self.overlong_mode == "drop" else "; truncated, nothing trained would be left"
                     )
                     self.overlong.drop(example.where, why)
@@ -194,7 +194,7 @@ class PackedConversations(PackedSource):
                 if current:  # the truncated example fills a window of its own
                     yield self._emit(current, start)
                     current, used = [], 0
-                self.overlong.truncate(example.where, len(example.ids), self.window)
+                self.overlong.truncate(example.where, example.size, self.window)
                 example = Example(example.ids[: self.window], example.trained[: self.window], example.where)
             elif used + len(example.ids) > self.window:
                 yield self._emit(current, start)

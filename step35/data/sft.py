@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from step35.data.chat import ChatTemplateError, check_messages, check_train_choice
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
-from step35.data.tokenizer import TextTokenizer
+from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 
 FORMATS = ("auto", "text", "chat", "prompt_completion")
 OVERLONG = ("truncate", "drop")
@@ -36,6 +36,15 @@ class Example:
     ids: list[int]
     trained: list[bool]
     where: str
+    total: Optional[int] = None  # the record's tokens when more than `ids` holds (None: not all counted)
+    complete: bool = True  # False: the record has more tokens than `ids` (encoded only as far as a window needs)
+
+    @property
+    def size(self) -> str:
+        """How many tokens the record has, as reports say it: "44", or "more than 1025" when not all were counted."""
+        if self.complete:
+            return str(len(self.ids))
+        return str(self.total) if self.total is not None else f"more than {len(self.ids) - 1}"
 
 
 def format_of_fields(fields: Iterable[str], text_field: str) -> Optional[tuple[str, str]]:
@@ -83,7 +92,12 @@ class SftEncoder:
     `Source.documents`). Picklable: it travels to DataLoader workers with the stream.
 
     `template` is a chat.ChatTemplate (or None when the tokenizer folder has none: then a conversation
-    record is an error naming `template_missing`, the message saying what to set)."""
+    record is an error naming `template_missing`, the message saying what to set).
+
+    `window`: the packer's window. A record longer than it is encoded only as far as one token past it (an
+    `Example` with `complete` false): the packer then truncates it to the window or drops it, and either needs
+    no more, so a record's time and memory are bounded by the window, not by its length (a 20 MB assistant
+    message took 5.1 GB and 31 s encoded whole; see `ChatTemplate.encode_prefix`)."""
 
     def __init__(
         self,
@@ -93,6 +107,7 @@ class SftEncoder:
         train_on: str = "assistant",
         template_missing: str = "",
         train_reasoning: bool = True,
+        window: Optional[int] = None,
     ) -> None:
         if format not in ("chat", "prompt_completion"):
             raise ValueError(f"SftEncoder encodes chat or prompt_completion records, not {format!r}")
@@ -103,6 +118,7 @@ class SftEncoder:
         self.train_on = train_on
         self.template_missing = template_missing
         self.train_reasoning = train_reasoning
+        self.limit = None if window is None else window + 1  # tokens an example needs to show it is overlong
 
     def __call__(self, record: Record) -> Optional[Example]:
         value = record.value()
@@ -123,12 +139,28 @@ class SftEncoder:
                 raise BadRecord(
                     f"{name!r} is {type(part).__name__}; prompt and completion are both strings or both message lists"
                 )
-        prompt_ids = self.tokenizer.encode(prompt)
-        completion_ids = self.tokenizer.encode(completion) + [self.tokenizer.eos_token_id]
-        trained_prompt = self.train_on == "all"
-        return Example(
-            prompt_ids + completion_ids, [trained_prompt] * len(prompt_ids) + [True] * len(completion_ids), where
-        )
+        prompt_ids, whole_prompt = self._first_ids(prompt, self.limit)
+        room = None if self.limit is None else self.limit - len(prompt_ids)
+        completion_ids, whole_completion = self._first_ids(completion, room)
+        completion_ids.append(self.tokenizer.eos_token_id)
+        trained = [self.train_on == "all"] * len(prompt_ids) + [True] * len(completion_ids)
+        ids = prompt_ids + completion_ids
+        if self.limit is None or len(ids) <= self.limit:
+            return Example(ids, trained, where)
+        total = len(ids) if whole_prompt and whole_completion else None
+        return Example(ids[: self.limit], trained[: self.limit], where, total, complete=False)
+
+    def _first_ids(self, text: str, limit: Optional[int]) -> tuple[list[int], bool]:
+        """(the ids of `text`, whether they are all of them): tokenized in pieces as the text stream does
+        (tokenizer.py), only until there are more than `limit` (all when `limit` is None)."""
+        if limit is None:
+            return self.tokenizer.encode(text), True
+        ids: list[int] = []
+        for start, piece in self.tokenizer.pieces(text):
+            ids += piece
+            if len(ids) > limit:
+                return ids, cut_after(text, start, PIECE_CHARS) >= len(text)
+        return ids, True
 
     def _conversation(self, messages: Any, tools: Any, where: str) -> Example:
         """The record's conversation through the template. A bad conversation (no messages, an unknown role,
@@ -138,12 +170,13 @@ class SftEncoder:
             if self.template is None:
                 check_messages(messages)  # a bad record is still only skipped; a good one cannot be rendered
                 raise ValueError(f"{where}: a conversation, and {self.template_missing}")
-            ids, trained = self.template.encode(  # checks the messages first
-                self.tokenizer, messages, train_on=self.train_on, train_reasoning=self.train_reasoning, tools=tools
-            )
+            ids, trained, total = self.template.encode_prefix(  # checks the messages first
+                self.tokenizer, messages, self.limit, train_on=self.train_on, train_reasoning=self.train_reasoning,
+                tools=tools,
+            )  # fmt: skip
         except ChatTemplateError as error:
             raise BadRecord(str(error)) from None
-        return Example(list(ids), [bool(t) for t in trained], where)
+        return Example(list(ids), [bool(t) for t in trained], where, total, complete=total == len(ids))
 
 
 def resolve_template(tokenizer_folder: Path, chat_template: Optional[str]) -> tuple[Any, str]:

@@ -1,5 +1,5 @@
-"""A conversation costs what its window needs, not what its length is (chat.py's `ChatTemplate.encode_prefix`,
-sft.py's `SftEncoder(window=...)`).
+"""A conversation costs what its window needs, not what its length is; preference files are refused (chat.py's
+`ChatTemplate.encode_prefix`, sft.py's `SftEncoder(window=...)` and format detection).
 
 Measured on the shared 2-core test machine (7 users at once), in this process:
 
@@ -27,6 +27,7 @@ import warnings
 import psutil
 import pytest
 
+from step35.data import Step35DataModule
 from step35.data.bad_records import OverlongWarning
 from step35.data.chat import ChatTemplate
 from step35.data.packing import conversation_window
@@ -34,7 +35,7 @@ from step35.data.sft import SftEncoder
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
 from tests.test_chat_template import CONVERSATION, SOURCES, SPECIAL, TOOLS, marked, plain
-from tests.test_sft_data import chat_source, write_jsonl
+from tests.test_sft_data import chat_source, make_tokenizer, write_jsonl
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 BIG = SENTENCE * (20_000_000 // len(SENTENCE))  # 20 MB of text
@@ -217,3 +218,42 @@ def test_10000_turns_mask_in_seconds(tok, name):
     small = rounds(40)  # the same first messages: the whole computation gives the same window
     whole_ids, whole_mask = template.encode(tok, small, tools=TOOLS)
     assert (ids, mask) == (whole_ids[:512], whole_mask[:512])
+
+
+# -- item 3: preference files ----------------------------------------------------------------------------------
+
+
+PAIRS = [{"prompt": f"w{i}", "chosen": "w1 w2", "rejected": "w3"} for i in range(5)]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_preference_file_is_refused_naming_it(tmp_path, suffix):
+    """Before: no format told, so the source was text and the text-field check said 'set text_field'; set to
+    `chosen`, it trained on the chosen answers as plain text and ignored the rejected ones."""
+    tok_dir = make_tokenizer(tmp_path / "tok", template=True)
+    path = tmp_path / f"pairs.{suffix}"
+    if suffix == "jsonl":
+        write_jsonl(path, PAIRS)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(PAIRS), path)
+    named = f"{path}:1" if suffix == "jsonl" else str(path)
+    for source in ({"path": str(path)}, {"path": str(path), "text_field": "chosen"}):
+        dm = Step35DataModule(sources=[source], tokenizer=str(tok_dir), seq_len=8, val_batches=0)
+        with pytest.raises(ValueError) as error:
+            dm.setup("fit")
+        message = str(error.value)
+        assert message.startswith(f"{named}: the records are preference pairs (prompt/chosen/rejected), which need")
+        assert "preference objective (DPO) that step35 does not have yet" in message
+    if suffix == "parquet":  # a stated conversation format says the same, not just "no column 'messages'"
+        dm = Step35DataModule(sources=[{"path": str(path), "format": "chat"}], tokenizer=str(tok_dir), val_batches=0)
+        with pytest.raises(ValueError, match="preference pairs"):
+            dm.setup("fit")
+    # Stated as text, one field is trained as plain text: the way out the message names.
+    dm = Step35DataModule(sources=[{"path": str(path), "format": "text", "text_field": "chosen"}],
+                          tokenizer=str(tok_dir), seq_len=4, micro_batch_size=1, val_batches=0)  # fmt: skip
+    dm.setup("fit")
+    assert dm._train_sources[0].format == "text"
+    dm.teardown("fit")

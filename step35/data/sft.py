@@ -9,7 +9,8 @@ Formats (`data.format`, or `format` of a `data.sources` entry):
 * `prompt_completion`: records with a string `prompt` and `completion`: ids(prompt) + ids(completion) + EOS,
   trained on the completion and the EOS (`train_on: all` trains the prompt too). When both are lists of
   messages, the record is the conversation prompt + completion, rendered with the template like `chat`.
-* `auto` (default): decided from the first records of the source, and said at start.
+* `auto` (default): decided from the first records of the source, and said at start. Records with `chosen`
+  and `rejected` (preference pairs) are refused: they need a preference objective step35 does not have.
 
 An encoded record is an `Example`; `PackedConversations` (packing.py) packs whole examples into windows.
 """
@@ -26,6 +27,7 @@ from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 FORMATS = ("auto", "text", "chat", "prompt_completion")
 OVERLONG = ("truncate", "drop")
 PLAIN_TEXT_SUFFIXES = (".txt", ".md")
+PREFERENCE_FIELDS = ("chosen", "rejected")  # with `prompt`: a preference pair (DPO-style), which we refuse
 
 
 @dataclass(frozen=True)
@@ -48,21 +50,37 @@ class Example:
 
 
 def format_of_fields(fields: Iterable[str], text_field: str) -> Optional[tuple[str, str]]:
-    """(format, reason) decided by a record's field names, or None when they decide nothing."""
+    """(format, reason) decided by a record's field names, or None when they decide nothing; "preference" for
+    preference pairs (`chosen` and `rejected`, even when the text field names one of them: training on the
+    chosen answer alone as text is not what such a file is for), which the caller refuses
+    (`preference_error`)."""
     names = set(fields)
     if "messages" in names:
         return "chat", "records have 'messages'"
     if {"prompt", "completion"} <= names:
         return "prompt_completion", "records have 'prompt' and 'completion'"
+    if set(PREFERENCE_FIELDS) <= names:
+        return "preference", "records have 'chosen' and 'rejected'"
     if text_field in names:
         return "text", f"records have the text field {text_field!r}"
     return None
 
 
+def preference_error(where: Any) -> ValueError:
+    """The error for a source of preference pairs (`where`: its file or hub name)."""
+    return ValueError(
+        f"{where}: the records are preference pairs (prompt/chosen/rejected), which need a preference objective"
+        " (DPO) that step35 does not have yet; for supervised fine-tuning give conversations ('messages') or"
+        " prompt/completion pairs, or set the source's format: text and a text_field to train on one field as"
+        " plain text"
+    )
+
+
 def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
     """(format, reason) of local files: plain text files are text; columnar files by their column names;
     json by the fields of the first record (of the first `FIELD_CHECK_RECORDS`) that decides. Nothing
-    decides: text (the text-field check then names the fields found)."""
+    decides: text (the text-field check then names the fields found). Preference pairs raise
+    `preference_error` naming the file."""
     looked = 0
     for path in files:
         if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
@@ -70,6 +88,8 @@ def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
         reader = reader_for(path, text_field, whole_records=True)
         if hasattr(reader, "field_names"):
             found = format_of_fields(reader.field_names(), text_field)
+            if found is not None and found[0] == "preference":
+                raise preference_error(path)
             if found is not None:
                 return found[0], found[1].replace("records have", "columns include")
             continue
@@ -82,6 +102,8 @@ def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
             except BadRecord:
                 continue
             found = format_of_fields(value or {}, text_field)
+            if found is not None and found[0] == "preference":
+                raise preference_error(record.where())  # file:line
             if found is not None:
                 return found
     return "text", "no record tells"

@@ -25,7 +25,7 @@ from step35.data.files import check_files, expand_files, is_saved_dataset, saved
 from step35.data.readers import reader_for
 from step35.data.hub import HubSource
 from step35.data.readers import TxtMode
-from step35.data.sft import FORMATS, detect_format, format_of_fields
+from step35.data.sft import FORMATS, PREFERENCE_FIELDS, detect_format, format_of_fields, preference_error
 from step35.data.sources import FileSource, Holdout, Source
 
 TXT_MODES = ("file", "line", "paragraph")
@@ -119,6 +119,8 @@ def open_source(
         source = HubSource(spec.hub, spec.subset, spec.split, field, holdout, shuffle, seed, source_name=name)
         if wanted == "auto":
             found = format_of_fields(source.field_names(), field)
+            if found is not None and found[0] == "preference":
+                raise preference_error(f"hub dataset {spec.hub!r}")
             wanted, reason = found if found is not None else ("text", "no field tells")
         else:
             reason = "as asked"
@@ -164,6 +166,8 @@ def check_record_files(name: str, files: list[Path], format: str) -> None:
             columns = reader_for(f, whole_records=True).field_names()  # type: ignore[attr-defined]
             if set(needed) <= set(columns):
                 continue
+            if set(PREFERENCE_FIELDS) <= set(columns):
+                raise preference_error(f)
             if format == "chat":
                 raise ValueError(f"{f}: no column 'messages' (columns: {columns}); a chat source needs it")
             raise ValueError(

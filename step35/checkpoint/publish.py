@@ -19,6 +19,11 @@ The switch:
 
 Anything a killed save leaves behind matches `.<name>.partial-*` or `.<name>.old-*` and is listed
 by `leftovers(folder)` (which also knows the names older step35 versions used).
+
+Modes: what `publish` switches in gets the modes a plain `open()` / `mkdir` give under the process's
+umask (files 0644, folders 0755 under 022), whatever its writer used: safetensors and
+`tempfile.mkstemp` create their files 0600, `mkdtemp` its folders 0700, which would leave a shared
+checkpoint or export unreadable to the rest of a team.
 """
 
 from __future__ import annotations
@@ -100,8 +105,12 @@ def publish(tmp: str | Path, final: str | Path) -> None:
     link = tmp.is_symlink()  # e.g. a `last` pointer: replaced by one rename, its target is not ours to sync
     final_is_folder = final.is_dir() and not final.is_symlink()
     if not link and tmp.is_dir():
-        for root, _, files in os.walk(tmp):  # the data must be on disk before the name points at it
+        _set_mode(tmp, folder_mode())
+        for root, folders, files in os.walk(tmp):  # the data must be on disk before the name points at it
+            for name in folders:
+                _set_mode(Path(root) / name, folder_mode())
             for name in files:
+                _set_mode(Path(root) / name, file_mode())
                 _fsync_file(Path(root) / name)
         if final.exists() or final.is_symlink():
             _swap(tmp, final)
@@ -112,9 +121,11 @@ def publish(tmp: str | Path, final: str | Path) -> None:
         # A single file and its sibling manifest: the old manifest goes first, so no moment pairs a
         # manifest with the wrong file (a kill in between leaves a file without a manifest:
         # incomplete, never "damaged").
+        _set_mode(tmp, file_mode())
         _fsync_file(tmp)
         new_manifest, old_manifest = manifest_path(tmp), final.with_name(final.name + FILE_MANIFEST_SUFFIX)
         if new_manifest.is_file():
+            _set_mode(new_manifest, file_mode())
             _fsync_file(new_manifest)
         old_manifest.unlink(missing_ok=True)
         _fsync_dir(final.parent)
@@ -141,6 +152,41 @@ def _swap(tmp: Path, final: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only read it
+    by setting it, which for a moment would give other threads' new files mode 0666)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the umask (0644 under the usual 022)."""
+    return 0o666 & ~_umask()
+
+
+def folder_mode() -> int:
+    """The mode `mkdir` gives a new folder: 0777 less the umask (0755 under 022)."""
+    return 0o777 & ~_umask()
+
+
+def _set_mode(path: Path, mode: int) -> None:
+    """Give `path` `mode` unless it has it; a filesystem that refuses (some FUSE mounts, files of
+    another user) keeps what the writer made: a save is never failed over its modes."""
+    try:
+        if path.stat().st_mode & 0o7777 != mode:
+            path.chmod(mode)
+    except OSError:
+        pass
 
 
 def leftovers(folder: str | Path) -> list[Path]:

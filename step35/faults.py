@@ -32,6 +32,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from step35 import job
+
 EXIT_FAILED = 1
 """An exception on this rank (printed with the rank and its traceback)."""
 EXIT_PREEMPTED = 75
@@ -300,11 +302,11 @@ _PARENT_AT_START = os.getppid()  # at import, before any model build: the launch
 
 
 def started_by_launcher() -> bool:
-    """True in a rank that torchrun (TORCHELASTIC_RUN_ID) or Lightning's own launcher (LOCAL_RANK in
-    the environment of the ranks it starts) started as its child. A process started from a shell is
-    not: when the shell goes, the terminal's SIGHUP ends it, or it was detached on purpose (nohup,
-    tmux) to keep going. SLURM's srun ends the tasks of a step itself."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    """True in a rank that torchrun or Lightning's own launcher (its local ranks 1..N-1) started as its
+    child (step35.job). A process started from a shell is not (Lightning's local rank 0 among them): when
+    the shell goes, the terminal's SIGHUP ends it, or it was detached on purpose (nohup, tmux) to keep
+    going. SLURM's srun ends the tasks of a step itself."""
+    return job.this_process().started_by_launcher
 
 
 class LauncherWatch:
@@ -352,11 +354,13 @@ _LAUNCHER_WATCH: LauncherWatch | None = None
 
 def watch_launcher(rank: int | None = None) -> bool:
     """Starts the one `LauncherWatch` of this process when a launcher started it (`started_by_launcher`);
-    a later call only updates the rank its message names (None: the environment's RANK, which
-    Lightning's launcher does not set). Returns whether the launcher is watched."""
+    a later call only updates the rank its message names (None: the rank the launcher gave, step35.job).
+    Returns whether the launcher is watched."""
     global _LAUNCHER_WATCH
     if _LAUNCHER_WATCH is None and started_by_launcher():
-        _LAUNCHER_WATCH = LauncherWatch(int(os.environ.get("RANK", "0")) if rank is None else rank).start()
+        place = job.this_process()
+        _LAUNCHER_WATCH = LauncherWatch((place.global_rank or 0) if rank is None else rank,
+                                        parent=place.launcher_pid).start()
     elif _LAUNCHER_WATCH is not None and rank is not None:
         _LAUNCHER_WATCH.rank = rank
     return _LAUNCHER_WATCH is not None

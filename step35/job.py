@@ -64,6 +64,13 @@ class JobPlace:
         local rank 0 for its local ranks 1..N-1); the process a user started from a shell is not."""
         return self.launcher == "torchrun" or (self.launcher == "lightning" and self.local_rank > 0)
 
+    @property
+    def launcher_pid(self) -> int | None:
+        """The pid of the Lightning-launched rank that started this process (its job id begins with it), so
+        that a process whose launcher died before it looked at its parent still knows whom to watch."""
+        head = self.job.get(JOB_VARIABLE, "").split("-", 1)[0]
+        return int(head) if head.isdigit() else None
+
     def describe(self) -> str:
         """'rank 3' or 'node 1, local rank 0' (when the global rank is not known yet)."""
         if self.global_rank is not None:
@@ -141,5 +148,5 @@ def start_job_identity() -> dict[str, str]:
     this process is replaced). The dict is what rank 0 records in the run folder's lock. (On a node > 0,
     Lightning's local ranks compare MASTER_ADDR/MASTER_PORT, which a multi-node launch sets everywhere.)"""
     place = this_process()
-    os.environ[JOB_VARIABLE] = uuid.uuid4().hex
+    os.environ[JOB_VARIABLE] = f"{os.getpid()}-{uuid.uuid4().hex}"
     return {**place.job, JOB_VARIABLE: os.environ[JOB_VARIABLE]}

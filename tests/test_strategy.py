@@ -87,14 +87,18 @@ def test_expert_parallel_size_that_does_not_divide_experts_fails_fast(tmp_path, 
     proc = torchrun(2, fit_args(tmp_path / "bad", "--trainer.max_steps=1",
                                 "--trainer.strategy.expert_parallel_size=3"), builtin_cache, timeout=240)
     assert proc.returncode != 0
-    assert "expert_parallel_size=3 must divide the world size 2" in proc.stderr + proc.stdout
+    assert "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: " \
+           "[1, 2])" in proc.stderr + proc.stdout
 
 
 def test_parallel_dims_errors_name_both_values():
     with pytest.raises(ParallelConfigError, match="expert_parallel_size=64 must divide num_experts=288"):
         ParallelDims(world_size=192, expert_parallel_size=64, num_experts=288)
-    with pytest.raises(ParallelConfigError, match="expert_parallel_size=5 must divide the world size 8"):
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=5 must divide the world size 8 \(sizes that "
+                                                  r"divide the world size and the experts: \[1, 2, 4, 8\]\)"):
         ParallelDims(world_size=8, expert_parallel_size=5, num_experts=288)
+    with pytest.raises(ParallelConfigError, match=r"divide the world size: \[1, 2, 3, 6\]\)"):
+        ParallelDims(world_size=6, expert_parallel_size=4)
     with pytest.raises(ParallelConfigError, match="replicate_size=3 must divide the world size 8"):
         ParallelDims(world_size=8, replicate_size=3)
     with pytest.raises(ParallelConfigError, match=r"must divide num_experts=24 .*world size 16: \[1, 2, 4, 8\]"):

@@ -21,7 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
 import step35.strategy  # noqa: F401  (imported before the parser is built: --help then lists Step35Strategy)
-from step35 import job
+from step35 import faults, job
 from step35 import run as runs
 from step35.checkpoint.errors import CheckpointError
 from step35.commands.console import rank_prefix, step35_console
@@ -218,6 +218,8 @@ class Step35CLI(LightningCLI):
             if self.subcommand != "fit":
                 return self._resume_of(self._ckpt_arg, folder, callbacks)
             if not place.is_rank_zero:
+                # A rank Lightning's launcher started dies with rank 0 (its launcher), even while it waits here.
+                faults.watch_launcher(place.global_rank)
                 record = lock.wait_for_rank0(folder, until="resume")
                 return self._resume_of(record["resume"], folder, callbacks, decided=True)
             note = lock.acquire(folder)  # before anything is tidied, logged or saved
@@ -335,7 +337,6 @@ def _strategy_class_path_to_class(config) -> None:
 
 def run(args: list[str] | None = None) -> None:
     """`step35 fit|validate <args>`; the run folder's lock is released however it ends."""
-    from step35 import faults
     from step35.data import Step35DataModule
 
     job.this_process(fresh=True)  # where this process stands in its job, read before the Trainer changes it

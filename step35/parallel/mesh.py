@@ -53,7 +53,9 @@ class ParallelDims:
             raise ParallelConfigError(f"context_parallel_size={cp} {why} the world size {ws} (valid: "
                                       f"{valid_cp_sizes(ws)})")
         if ep < 1 or ws % ep:
-            raise ParallelConfigError(f"expert_parallel_size={ep} must divide the world size {ws}")
+            raise ParallelConfigError(f"expert_parallel_size={ep} must divide the world size {ws} (sizes that divide "
+                                      f"the world size{' and the experts' if self.num_experts else ''}: "
+                                      f"{valid_ep_sizes(ws, self.num_experts)})")
         if self.num_experts is not None and self.num_experts % ep:
             raise ParallelConfigError(f"expert_parallel_size={ep} must divide num_experts={self.num_experts} "
                                       f"(sizes that divide both the experts and the world size {ws}: "

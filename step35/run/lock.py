@@ -58,8 +58,14 @@ class RunFolderBusy(RuntimeError):
 
 
 def describe(holder: dict) -> str:
-    """'pid 123 on host n1, started 2026-01-01 10:00:00 UTC' from a lock file's record."""
-    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+    """'pid 123 on host n1, started 2026-01-01 10:00:00 UTC, a torchrun job: step35 fit --config ...' from a
+    lock file's record."""
+    text = f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+    if holder.get("launcher"):
+        text += f", a {holder['launcher']} job"
+    if holder.get("command"):
+        text += f": {holder['command'][:200]}"
+    return text
 
 
 def read_holder(path: str | Path) -> dict | None:

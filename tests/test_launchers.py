@@ -1,0 +1,242 @@
+"""One job however it was started: Lightning's own launcher (`step35 fit --trainer.devices N`), torchrun,
+and SLURM's srun (emulated by tests/dist/fake_srun.py with the variables srun gives its tasks).
+
+In process: `step35.job` reads each launcher's variables the way Lightning's cluster environments do
+(which process is the job's rank 0, what identifies the job). As real jobs: EP 2 against EP 1 and cp 2
+against one process give the same per-step losses (relative 1e-5) through each launcher, and a real
+second job started the same way in the same run folder, while the first is held at a step, is refused
+naming the live one; the first then finishes unharmed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from step35 import job
+from step35.run import lock
+from tests.helpers import run_process_group
+from tests.test_resume import config_file, metric_rows, steps_of
+
+ROOT = Path(__file__).parent.parent
+REL = 1e-5
+STEPS = ["--trainer.max_steps=4", "--trainer.callbacks.every_n_train_steps=4"]
+STRATEGY = ["--trainer.strategy=step35.strategy.Step35Strategy"]
+LAUNCHERS = ("lightning", "torchrun", "slurm")
+
+# Every variable a launcher sets, cleared before each in-process case (the test process may itself run
+# under one of them, e.g. CI under SLURM).
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                       "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "LSB_JOBID", job.JOB_VARIABLE)
+
+
+# ------------------------------------------------------------------------------ in process: step35.job
+@pytest.fixture
+def environment(monkeypatch):
+    for name in [*_LAUNCHER_VARIABLES, *(k for k in os.environ if k.startswith(("SLURM_", "LSB_", "JSM_")))]:
+        monkeypatch.delenv(name, raising=False)
+
+    def place(variables: dict, devices_per_node: int | None = None) -> job.JobPlace:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        return job.place_of_environment(devices_per_node)
+
+    return place
+
+
+def slurm_task(rank: int, ntasks: int = 4, per_node: int = 2, job_name: str = "train") -> dict:
+    return {"SLURM_NTASKS": str(ntasks), "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node), "SLURM_JOB_ID": "77",
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": job_name}
+
+
+def test_a_process_started_from_a_shell_is_rank_zero_of_its_job(environment):
+    place = environment({})
+    assert (place.launcher, place.global_rank, place.is_rank_zero, place.started_by_launcher) == \
+        ("lightning", 0, True, False)
+
+
+def test_torchrun_ranks(environment):
+    place = environment({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "3",
+                         "LOCAL_RANK": "1", "GROUP_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n0",
+                         "MASTER_PORT": "29500"})
+    assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == \
+        ("torchrun", 1, 1, 3, 4)
+    assert not place.is_rank_zero and place.started_by_launcher
+    assert place.same_job({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "n0",
+                           "MASTER_PORT": "29500"})
+    # another torchrun job (same default run id "none" elsewhere, but its own port), or the next attempt
+    assert not place.same_job({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "n0",
+                               "MASTER_PORT": "29501"})
+    assert not place.same_job({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2", "MASTER_ADDR": "n0",
+                               "MASTER_PORT": "29500"})
+
+
+def test_srun_tasks_on_two_nodes(environment):
+    place = environment(slurm_task(3))
+    assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == \
+        ("slurm", 1, 1, 3, 4)
+    assert not place.is_rank_zero and not place.started_by_launcher  # srun ends its tasks itself
+    assert place.same_job({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})
+    assert not place.same_job({"SLURM_JOB_ID": "78", "SLURM_STEP_ID": "0"})
+    assert environment(slurm_task(0)).is_rank_zero
+
+
+def test_lightning_launcher_inside_an_interactive_slurm_allocation(environment):
+    """`salloc` then `step35 fit --trainer.devices 2`: SLURM_PROCID is 0 in every process (inherited from the
+    shell), and Lightning uses its own launcher (job name 'bash'); the started local rank 1 is not rank 0."""
+    shell = {**slurm_task(0, ntasks=1, per_node=1, job_name="bash")}
+    assert environment(shell).launcher == "lightning" and environment(shell).is_rank_zero
+    child = environment({**shell, "LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", job.JOB_VARIABLE: "j1"})
+    assert (child.launcher, child.global_rank, child.is_rank_zero, child.started_by_launcher) == \
+        ("lightning", 1, False, True)
+
+
+def test_lightning_launcher_local_ranks_know_their_job_by_the_inherited_id(environment):
+    rank0 = environment({})
+    assert rank0.is_rank_zero
+    recorded = job.start_job_identity()  # (reads this process's cached place; only the id matters here)
+    child = environment({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": "40000", job.JOB_VARIABLE: recorded[job.JOB_VARIABLE]})
+    assert child.same_job(recorded)  # rank 0 recorded no port: it was chosen when the children started
+    assert not child.same_job({**recorded, job.JOB_VARIABLE: "another job"})
+
+
+def test_lightning_multi_node_ranks(environment):
+    variables = {"NODE_RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "n0", "MASTER_PORT": "1234"}
+    assert environment(variables).global_rank is None  # devices per node unknown
+    place = environment(variables, devices_per_node=8)
+    assert (place.global_rank, place.is_rank_zero, place.describe()) == (8, False, "rank 8")
+    assert place.same_job({"MASTER_ADDR": "n0", "MASTER_PORT": "1234", job.JOB_VARIABLE: "x"})
+    assert not place.same_job({"MASTER_ADDR": "n0", "MASTER_PORT": "999"})
+
+
+def test_devices_per_node_reads_every_spelling_of_trainer_devices():
+    from step35.commands.fit import devices_per_node
+
+    assert [devices_per_node(v) for v in (2, "2", "0,1", "0,1,", [0, 1, 2], "auto", -1, None)] == \
+        [2, 2, 2, 2, 3, None, None, None]
+
+
+# ------------------------------------------------------------------------------ real jobs
+def command(launcher: str, nproc: int, args: list[str]) -> list[str]:
+    """`step35 <args>` on `nproc` ranks of one node, started the way `launcher` starts a job."""
+    step35 = ["-m", "step35", *args, f"--trainer.devices={nproc}"]
+    if launcher == "lightning" or nproc == 1:
+        return [sys.executable, *step35]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *step35]
+    return [sys.executable, str(ROOT / "tests" / "dist" / "fake_srun.py"), f"--ntasks={nproc}", "--",
+            sys.executable, *step35]
+
+
+def environment_for(cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    return {**env, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def fit(launcher: str, nproc: int, run: Path, config: Path, cache: Path, *extra: str) -> dict[int, float]:
+    """The job's per-step train/loss (its CSV)."""
+    args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *extra]
+    proc = run_process_group(command(launcher, nproc, args), timeout=600, cwd=ROOT, env=environment_for(cache))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return losses(run)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return steps_of(metric_rows(run / "csv" / "version_0"), "train/loss")
+
+
+def assert_same_losses(reference: dict[int, float], got: dict[int, float]) -> None:
+    assert sorted(reference) == sorted(got) and len(reference) == 4, (reference, got)
+    for step, loss in reference.items():
+        assert abs(got[step] - loss) <= REL * abs(loss), (step, loss, got[step])
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    return config_file(tmp_path_factory.mktemp("launchers"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
+    return fit("lightning", 1, tmp_path_factory.mktemp("one") / "run", config, builtin_cache)
+
+
+@pytest.fixture(scope="module")
+def ep1_two_ranks(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
+    return fit("lightning", 2, tmp_path_factory.mktemp("ep1") / "run", config, builtin_cache, *STRATEGY,
+               "--trainer.strategy.expert_parallel_size=1")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, config, builtin_cache, ep1_two_ranks):
+    """EP 2 on 2 ranks, started by `launcher`, logs EP 1's losses. While it is held at step 2 (tests.test_run.Gate),
+    a second job started the same way in its run folder is refused, naming the first's rank 0; the first
+    then finishes with its checkpoint, and the second wrote nothing."""
+    run, go = tmp_path / "run", tmp_path / "go"
+    args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *STRATEGY,
+            "--trainer.strategy.expert_parallel_size=2", "--trainer.callbacks+=tests.test_run.Gate",
+            f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=2"]
+    first = subprocess.Popen(command(launcher, 2, args), cwd=ROOT, env=environment_for(builtin_cache),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "gate.reached").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-5000:]
+            time.sleep(0.2)
+        holder = lock.read_holder(run / ".step35.lock")
+        assert holder["launcher"] == launcher, holder
+        second = run_process_group(command(launcher, 2, ["fit", "--config", str(config), f"--run_dir={run}",
+                                                         "--trainer.max_steps=9", *STRATEGY]),
+                                   timeout=300, cwd=ROOT, env=environment_for(builtin_cache))
+        assert first.poll() is None  # alive all along
+        assert second.returncode != 0
+        assert f"in use by a live run (pid {holder['pid']} on host" in second.stderr, second.stderr[-4000:]
+        assert f"a {launcher} job" in second.stderr, second.stderr[-4000:]
+    finally:
+        go.touch()
+        try:
+            out, err = first.communicate(timeout=600)
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, 9)
+    assert first.returncode == 0, err[-5000:]
+    assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]  # the second job logged nothing
+    assert (run / "checkpoints" / "step=000004.ckpt").exists()
+    assert_same_losses(ep1_two_ranks, losses(run))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("launcher", ("lightning", "torchrun"))
+def test_cp2_on_two_ranks_gives_the_losses_of_one_process(tmp_path, launcher, config, builtin_cache, one_process):
+    """`--trainer.strategy.context_parallel_size 2` (EP 2 composed) on 2 ranks: both ranks read the same
+    batches and the job logs, step by step, the losses one process logs."""
+    got = fit(launcher, 2, tmp_path / "cp2", config, builtin_cache, *STRATEGY, "--trainer.strategy.expert_parallel_size=2",
+              "--trainer.strategy.context_parallel_size=2")
+    assert_same_losses(one_process, got)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_bad_expert_parallel_size_ends_the_whole_lightning_launched_job_at_once(tmp_path, config, builtin_cache):
+    """EP 3 on 2 ranks: rank 0 fails listing the valid sizes, and the rank it started does not wait for it
+    (its launcher, rank 0, is gone: it ends within a second instead of waiting 300 s for the lock)."""
+    args = ["fit", "--config", str(config), f"--run_dir={tmp_path / 'run'}", *STRATEGY,
+            "--trainer.strategy.expert_parallel_size=3"]
+    started = time.monotonic()
+    proc = run_process_group(command("lightning", 2, args), timeout=240, cwd=ROOT, env=environment_for(builtin_cache))
+    took = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: " \
+           "[1, 2])" in proc.stderr, proc.stderr[-3000:]
+    assert "waited 300 s" not in proc.stderr and took < 200, (took, proc.stderr[-3000:])
+    print(f"refused in {took:.0f} s")

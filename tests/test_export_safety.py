@@ -63,6 +63,48 @@ def run_copy(tiny_run, tmp_path) -> Path:
     return run
 
 
+# ---------------------------------------------------------------------------------- 1. what --out may replace
+def test_an_unrelated_folder_or_file_is_refused_unless_overwrite(run_copy, tmp_path):
+    folder = tmp_path / "mine"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "thesis.tex").write_text("years of work\n")
+    (folder / "sub" / "data.bin").write_bytes(b"\x00\x01" * 100)
+    file = tmp_path / "notes.txt"
+    file.write_text("do not lose\n")
+    before = snapshot(tmp_path)
+    refused(["--checkpoint", str(run_copy), "--out", str(folder)],
+            r"--out .*mine exists \(a folder of 2 entries\) and is not a folder step35 exported: refused; pass "
+            r"--overwrite")
+    refused(["--checkpoint", str(run_copy), "--out", str(file)], r"notes.txt exists \(a file\) .* --overwrite")
+    assert snapshot(tmp_path) == before
+    main(["export", "--checkpoint", str(run_copy), "--out", str(folder), "--overwrite", "true"])
+    assert load_pretrained(folder) is not None and not (folder / "thesis.tex").exists()
+    assert snapshot(file) == {".": b"do not lose\n"}
+
+
+@pytest.mark.parametrize("out, match", [
+    ("parent/run", r"--out .*parent/run is the run folder of the checkpoint, which this export reads: refused, even "
+                   r"with --overwrite"),
+    ("parent/run/checkpoints", r"--out .*checkpoints holds the checkpoint \(.*step=000003.ckpt\), which this export "
+                               r"reads: refused, even with --overwrite"),
+    ("parent", r"--out .*parent holds the checkpoint .* refused, even with --overwrite"),
+    ("parent/run/checkpoints/step=000003.ckpt", r"is the checkpoint, which this export reads: refused, even"),
+    ("parent/run/checkpoints/step=000003.ckpt/hf", r"lies inside the checkpoint .* refused, even with --overwrite"),
+    ("parent/run/csv", r"--out .*csv: csv is part of the run folder .*/run, not an export: refused, even with "
+                       r"--overwrite; export to a new name there \(e.g. .*run/hf\)"),
+    ("parent/run/config.yaml", r"config.yaml is part of the run folder"),
+    ("parent/run/checkpoints/hf", r"checkpoints is part of the run folder"),
+])
+@pytest.mark.parametrize("named", ["run folder", "last.ckpt", "checkpoint file"])
+def test_what_the_export_reads_is_never_replaced_even_with_overwrite(run_copy, tmp_path, out, match, named):
+    checkpoint = {"run folder": run_copy, "last.ckpt": run_copy / "checkpoints" / "last.ckpt",
+                  "checkpoint file": run_copy / "checkpoints" / "step=000003.ckpt"}[named]
+    before = snapshot(tmp_path)
+    for overwrite in ([], ["--overwrite", "true"]):
+        refused(["--checkpoint", str(checkpoint), "--out", str(tmp_path / out), *overwrite], match)
+        assert snapshot(tmp_path) == before
+
+
 @pytest.fixture(scope="module")
 def lora_on_a_base(tmp_path_factory, builtin_cache):
     """A LoRA run of 2 steps over an HF base folder: (run folder, base folder)."""
@@ -72,6 +114,79 @@ def lora_on_a_base(tmp_path_factory, builtin_cache):
     base = hf_base(root / "base", seed=1)
     fit(root / "run", builtin_cache, 2, base=base)
     return root / "run", base
+
+
+@pytest.mark.parametrize("merge", [["--merge", "true"], []], ids=["merge", "peft"])
+def test_a_lora_runs_base_is_never_replaced(lora_on_a_base, merge):
+    run, base = lora_on_a_base
+    before = snapshot(base.parent)
+    for out, match in [(base, r"--out .*base is the LoRA run's base \(model.checkpoint\), which this export reads: "
+                              r"refused, even with --overwrite"),
+                       (base / "hf", r"lies inside the LoRA run's base"),
+                       (base.parent, r"holds the checkpoint")]:
+        refused(["--checkpoint", str(run), "--out", str(out), "--overwrite", "true", *merge], match)
+        assert snapshot(base.parent) == before
+
+
+def test_a_step35_export_is_replaced_and_a_new_name_in_the_run_folder_is_fine(run_copy, capsys):
+    """README's workflow: `--out runs/tiny/hf`, run again after more training: the previous export is replaced
+    (said), the run's own files are untouched."""
+    out = run_copy / "hf"
+    main(["export", "--checkpoint", str(run_copy), "--out", str(out)])
+    run_files = {k: v for k, v in snapshot(run_copy).items() if not k.startswith("hf")}
+    stale = out / "stale.txt"
+    stale.write_text("from the previous export\n")
+    capsys.readouterr()
+    main(["export", "--checkpoint", str(run_copy), "--out", str(out)])
+    assert f"replaced the previous step35 export at {out}" in capsys.readouterr().err
+    assert not stale.exists() and load_pretrained(out) is not None
+    assert {k: v for k, v in snapshot(run_copy).items() if not k.startswith("hf")} == run_files
+
+
+# ------------------------------------------------------------------------------------ a live run's rotation
+def two_checkpoint_run(run_copy: Path) -> tuple[Path, Path]:
+    """The run copy with a second, older intact checkpoint (step 2): (older, newest)."""
+    checkpoints = run_copy / "checkpoints"
+    newest, older = checkpoints / "step=000003.ckpt", checkpoints / "step=000002.ckpt"
+    shutil.copyfile(newest, older)
+    manifest = json.loads((checkpoints / "step=000003.ckpt.manifest.json").read_text())
+    manifest["extra"]["global_step"] = 2
+    (checkpoints / "step=000002.ckpt.manifest.json").write_text(json.dumps(manifest))
+    return older, newest
+
+
+def prune_on_first_read(monkeypatch, victim: Path) -> None:
+    """Make the first read of a checkpoint find `victim` pruned by the live run just after it was chosen."""
+    real = export_lib.open_checkpoint
+    calls = []
+
+    def open_checkpoint(path, config=None):
+        if not calls:
+            remove(victim)  # what keep_last retention does (manifest first, then the file)
+        calls.append(path)
+        return real(path, config)
+
+    monkeypatch.setattr(export_lib, "open_checkpoint", open_checkpoint)
+
+
+def test_a_checkpoint_pruned_while_read_gives_way_to_the_newest_intact_one(run_copy, tmp_path, monkeypatch, capsys):
+    older, newest = two_checkpoint_run(run_copy)
+    prune_on_first_read(monkeypatch, newest)
+    main(["export", "--checkpoint", str(run_copy), "--out", str(tmp_path / "hf")])
+    said = capsys.readouterr()
+    assert (f"{newest} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
+            f"exporting {older}, the newest intact checkpoint now, instead") in said.err
+    assert f"wrote {tmp_path / 'hf'} from {older}" in said.out
+    assert load_pretrained(tmp_path / "hf") is not None
+
+
+def test_a_named_checkpoint_pruned_while_read_is_said_not_replaced(run_copy, tmp_path, monkeypatch):
+    _, newest = two_checkpoint_run(run_copy)
+    prune_on_first_read(monkeypatch, newest)
+    refused(["--checkpoint", str(newest), "--out", str(tmp_path / "hf")],
+            r"step=000003.ckpt: removed or replaced while it was being read \(a live run pruning its checkpoints, "
+            r"keep_last\?\); export the run folder")
+    assert not (tmp_path / "hf").exists()
 
 
 # ----------------------------------------------------------------------------------------------- 4. modes

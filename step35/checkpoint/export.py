@@ -22,23 +22,32 @@ into the weights (`TrainedCheckpoint.merged_tensors`), or without it as a PEFT a
   differs), `bos_token_id` and `pad_token_id` become the tokenizer's (dropped when it has none).
 Every file written besides the weights is listed with where it came from, and every change and
 every path read from the checkpoint is reported: nothing is silently kept or taken.
+
+Where an export may write (`check_out`, before anything is written): `out` replaces only an HF or
+PEFT folder step35 wrote (its step35 manifest says so), or anything with `overwrite`; never, even
+with `overwrite`, what the export reads (the checkpoint, its run folder, the LoRA run's base, the
+folder the run started from, --source, --tokenizer, --model_config), a folder holding one of them,
+a path inside one of them, nor an existing entry of the run folder (its checkpoints, logs and
+config; a new name there, e.g. `runs/x/hf`, is fine).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from step35.checkpoint import run_tokenizer
+from step35.checkpoint import lora_base, run_tokenizer
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.hf import write_hf_folder
-from step35.checkpoint.trained import open_checkpoint
+from step35.checkpoint.integrity import manifest_info
+from step35.checkpoint.trained import TrainedCheckpoint, open_checkpoint
 from step35.config import Step35Config
 
 # Model card and licence files, by the names the Hugging Face hub gives them.
@@ -161,6 +170,123 @@ def align_special_ids(config: Step35Config, ids: run_tokenizer.SpecialIds, run_e
     return notes
 
 
+# ------------------------------------------------------------------------------ where an export may write
+_EXPORT_KINDS = ("hf", "peft")  # the manifest kinds of the HF folders step35 writes (hf.py, peft.py)
+
+
+def is_step35_export(path: str | Path) -> bool:
+    """Whether `path` is an HF or PEFT folder step35 wrote (export, save_pretrained): its step35
+    manifest says so. The only thing an export replaces without --overwrite."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    try:
+        return manifest_info(path).get("extra", {}).get("kind") in _EXPORT_KINDS
+    except CheckpointError:
+        return False
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _what_is_there(path: Path) -> str:
+    if path.is_symlink():
+        return f"a symlink to {os.readlink(path)}"
+    if path.is_dir():
+        count = sum(1 for _ in path.iterdir())
+        return f"a folder of {count} entr{'y' if count == 1 else 'ies'}"
+    return "a file" if path.is_file() else "not a file or folder"
+
+
+def check_out(out: str | Path, reads: Mapping[Path, str], overwrite: bool = False,
+              keep_entries: Mapping[Path, str] | None = None) -> str | None:
+    """Refuse, with a one-line CheckpointError, an `out` whose replacement would destroy data; return
+    the line saying what an allowed replacement replaces (None when `out` is new).
+
+    `reads` ({path: what it is}): what the export reads; `out` may not be one, hold one, or lie
+    inside one (but inside a `keep_entries` folder), even with `overwrite`: replacing it would
+    destroy what is being exported, and the export with it. `keep_entries` ({folder: what it is}):
+    folders whose existing entries are not the export's (the run folder: its checkpoints, logs,
+    config), where `out` may be a new name or an HF folder step35 wrote, nothing else even with
+    `overwrite`. Anything else at `out` is replaced only when step35 wrote it, or with `overwrite`."""
+    keep_entries = dict(keep_entries or {})
+    target = _real(out)
+    keeps = {_real(folder) for folder in keep_entries}
+    for path, what in reads.items():
+        if target == _real(path):
+            raise CheckpointError(f"--out {out} is {what}, which this export reads: refused, even with --overwrite; "
+                                  "choose another --out")
+    for path, what in reads.items():
+        real = _real(path)
+        if real.is_relative_to(target):
+            raise CheckpointError(f"--out {out} holds {what} ({path}), which this export reads: refused, even with "
+                                  "--overwrite; choose an --out outside it")
+        if real not in keeps and target.is_relative_to(real):
+            raise CheckpointError(f"--out {out} lies inside {what} ({path}), which this export reads: refused, even "
+                                  "with --overwrite; choose an --out outside it")
+    for folder, what in keep_entries.items():
+        real = _real(folder)
+        if target == real or not target.is_relative_to(real):
+            continue
+        top = real / target.relative_to(real).parts[0]
+        if (top.exists() or top.is_symlink()) and not (top == target and is_step35_export(top)):
+            raise CheckpointError(f"--out {out}: {top.name} is part of {what} {folder}, not an export: refused, even "
+                                  f"with --overwrite; export to a new name there (e.g. {Path(folder) / 'hf'}) "
+                                  "or elsewhere")
+    out = Path(out)
+    if not (out.exists() or out.is_symlink()):
+        return None
+    if is_step35_export(out):
+        return f"replaced the previous step35 export at {out}"
+    if overwrite:
+        return f"replaced {out}, {_what_is_there(out)} (--overwrite)"
+    raise CheckpointError(f"--out {out} exists ({_what_is_there(out)}) and is not a folder step35 exported: "
+                          "refused; pass --overwrite to replace it, or choose another --out")
+
+
+def _holds_checkpoints(folder: Path, checkpoint: Path) -> bool:
+    """Whether `folder`, which holds `checkpoint`, is a folder of checkpoints (a run's checkpoints/,
+    a callback's dirpath) whose other entries are checkpoints too."""
+    return folder.name == "checkpoints" or any(
+        p.name.endswith(".ckpt") and p.name != checkpoint.name for p in folder.iterdir())
+
+
+def read_paths(trained: TrainedCheckpoint, given: str | Path, source: str | Path | None = None,
+               tokenizer: str | Path | None = None, model_config: str | Path | None = None,
+               run_folder: str | Path | None = None) -> dict[Path, str]:
+    """{path: what it is} of everything an export of `trained` (named `given`) reads: what its
+    `out` must never replace (check_out)."""
+    reads: dict[Path, str] = {}
+
+    def add(path: object, what: str) -> None:
+        if isinstance(path, (str, Path)) and str(path) and _real(path) not in {_real(p) for p in reads}:
+            reads[Path(path).expanduser()] = what
+
+    add(trained.path, "the checkpoint")
+    add(given, "the checkpoint")
+    add(run_folder, "the run folder of the checkpoint")
+    add((trained.meta.get(lora_base.RECORD_KEY) or {}).get("folder"), "the LoRA run's base (model.checkpoint)")
+    add(trained.start_folder(), "the HF folder the run started from (model.checkpoint)")
+    add(source, "the --source folder")
+    add(tokenizer, "the --tokenizer folder")
+    if model_config is not None and Path(model_config).expanduser().exists():
+        add(model_config, "the --model_config")
+    return reads
+
+
+def prepare_out(trained: TrainedCheckpoint, given: str | Path, out: str | Path, overwrite: bool,
+                run_folder: str | Path | None, say: Callable[[str], None], **named_reads) -> str | None:
+    """The checks before an export writes `out`: refuse a destructive `out` (check_out). Returns the
+    line saying what the export will replace (for the report: nothing is replaced before the publish)."""
+    keep = {Path(run_folder): "the run folder"} if run_folder else {}
+    folder = trained.path.parent
+    if _holds_checkpoints(folder, trained.path):
+        keep.setdefault(folder, "the checkpoint folder")
+    replaced = check_out(out, read_paths(trained, given, run_folder=run_folder, **named_reads), overwrite, keep)
+    return replaced
+
+
 @dataclass
 class ExportReport:
     """What `export_checkpoint` wrote: `copied` maps each file besides the weights, index and
@@ -176,31 +302,41 @@ class ExportReport:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                       max_shard_size: int | str = "5GB", config: Step35Config | None = None,
                       tokenizer: str | Path | None = None, source: str | Path | None = None,
-                      merge: bool = False) -> ExportReport:
+                      merge: bool = False, overwrite: bool = False, run_folder: str | Path | None = None,
+                      model_config: str | Path | None = None,
+                      say: Callable[[str], None] | None = None) -> ExportReport:
     """Write `out` as an HF checkpoint folder; router_bias stays fp32, other weights take `dtype`
     (default: the config's torch_dtype). `config`: for checkpoints that record none; `tokenizer`: a
     tokenizer folder instead of the run's; `source`: the HF folder the run started from (default: the
     one the checkpoint names); `merge`: a LoRA run's adapters merged into the weights, W + (alpha/r)·BA
     computed in fp32 (refused for a run without adapters); a LoRA run without `merge` writes a PEFT
-    adapter folder instead (checkpoint/peft.py). Returns what was written and every change made to
-    config.json."""
+    adapter folder instead (checkpoint/peft.py). `out` is checked first (`check_out`: `overwrite`
+    lets it replace what step35 did not write; `run_folder`, the checkpoint's run folder, and
+    `model_config`, the file `config` came from, are never replaced). `say` hears what is
+    said while the export runs (default: into the notes).
+    Returns what was written and every change made to config.json."""
     trained = open_checkpoint(checkpoint, config)
     lora = trained.lora
     if merge and lora is None:
         raise CheckpointError(f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
                               "export it without --merge")
+    early: list[str] = []
+    replaced = prepare_out(trained, checkpoint, out, overwrite, run_folder, say or early.append, source=source,
+                           tokenizer=tokenizer, model_config=model_config)
+    if replaced:
+        early.append(replaced)
     if lora is not None and not merge:  # the adapters alone, as a PEFT folder over the run's base
         from step35.checkpoint.peft import write_peft_folder
 
         dtype = dtype or getattr(torch, trained.config.torch_dtype)
-        notes = list(trained.notes) + write_peft_folder(trained, out, dtype)
+        notes = early + list(trained.notes) + write_peft_folder(trained, out, dtype)
         notes.append(f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
                      f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead")
         return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)
     exported = Step35Config.from_dict(trained.config.to_dict())
     dtype = dtype or getattr(torch, exported.torch_dtype)
     exported.torch_dtype = str(dtype).removeprefix("torch.")
-    notes = list(trained.notes)
+    notes = early + list(trained.notes)
     if lora is not None:
         notes.append(f"LoRA adapters merged into their weights: W + (alpha/r)·BA with alpha={lora.scale_alpha:g}, "
                      f"r each adapter's rank, computed in float32")

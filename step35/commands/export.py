@@ -3,35 +3,79 @@
     step35 export --checkpoint runs/tiny --out hf_out/ [--dtype bfloat16] [--max_shard_size 5GB]
                   [--source <the HF folder the run started from>] [--tokenizer <folder>]
                   [--merge true]  (a LoRA run: the adapters merged into the weights; without: a PEFT folder)
+                  [--overwrite true]  (replace an --out that step35 did not write)
 
-The work is `step35.checkpoint.export.export_checkpoint` (what lands in the folder is described
-there); this command parses the options and prints each file written besides the weights, with
-where it came from, then every change to config.json and every path read from the checkpoint.
+The work is `step35.checkpoint.export.export_checkpoint` (what lands in the folder, and which
+`--out` it refuses, is described there); this command parses the options, finds the checkpoint's
+run folder (never to be replaced), and prints each file written besides the weights, with where it
+came from, then every change to config.json and every path read from the checkpoint.
+
+A run folder may be live (another job training in it, pruning old checkpoints with keep_last): when
+the checkpoint picked from it is removed or replaced while it is read, the export starts again from
+the run's newest intact checkpoint then, and says so.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Literal
 
 import torch
 
+from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.export import export_checkpoint
+from step35.checkpoint.integrity import manifest_path
 from step35.commands.function_cli import run_function
 from step35.config import load_config
-from step35.run import checkpoint_of
+from step35.run import RunFolder, checkpoint_of
+from step35.run.layout import CHECKPOINTS
+
+# How often a checkpoint that a live run removed while it was read is replaced by the newest one then.
+_ROTATION_RETRIES = 3
+
+
+def _is_run_folder(folder: Path) -> bool:
+    run = RunFolder(folder)
+    return run.config.is_file() or run.lock_file.exists() or run.checkpoints.is_dir()
+
+
+def run_folder_of(given: Path, chosen: Path) -> Path | None:
+    """The run folder of the checkpoint exported: `given` when it names a run folder (or its
+    checkpoints/ folder), else the folder above the checkpoint's checkpoints/ (or the checkpoint's
+    own folder when it holds a run's config or lock); None for a checkpoint outside any run folder."""
+    if given.is_dir() and not given.is_symlink() and given != chosen:  # a run folder or its checkpoints/
+        return given.parent if given.name == CHECKPOINTS and _is_run_folder(given.parent) else given
+    folder = Path(os.path.realpath(chosen)).parent
+    if folder.name == CHECKPOINTS and _is_run_folder(folder.parent):
+        return folder.parent
+    return folder if RunFolder(folder).config.is_file() or RunFolder(folder).lock_file.exists() else None
+
+
+def _stamp(checkpoint: Path) -> tuple | None:
+    """Which save is at `checkpoint` (what it points at, its manifest's inode and time): another
+    value after an error means a live run removed or replaced it meanwhile."""
+    try:
+        real = Path(os.path.realpath(checkpoint))
+        manifest = manifest_path(real).stat()
+        return real, real.stat().st_ino, manifest.st_ino, manifest.st_mtime_ns
+    except OSError:
+        return None
 
 
 def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "float16"] | None = None,
            max_shard_size: str = "5GB", tokenizer: str | None = None, source: str | None = None,
-           model_config: str | None = None, merge: bool = False) -> None:
+           model_config: str | None = None, merge: bool = False, overwrite: bool = False) -> None:
     """Write a training checkpoint as an HF folder (config.json, safetensors shards, index, tokenizer),
     published atomically with a manifest.
 
     Args:
         checkpoint: a .ckpt file, a sharded checkpoint folder, or a run folder (its newest intact checkpoint,
             the one --ckpt_path last resumes).
-        out: the HF folder to write (replaced atomically if it exists).
+        out: the HF folder to write. An existing one is replaced atomically when step35 wrote it (an export);
+            anything else only with --overwrite. Never the checkpoint, its run folder or its entries, the LoRA
+            base or any folder the export reads, nor a folder holding one.
         dtype: dtype of the exported weights (router_bias stays float32); default: the config's torch_dtype.
         max_shard_size: largest safetensors shard, e.g. 5GB, 500MiB.
         tokenizer: a tokenizer folder to export instead of the one the run trained with.
@@ -41,10 +85,32 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
         merge: for a LoRA run (model.lora): write the full model with the adapters merged into the weights,
             W + (alpha/r)·BA (docs/lora.md); without it a LoRA run is written as a PEFT adapter folder. Refused
             for a run without adapters.
+        overwrite: replace an existing --out that is not a step35 export (a file, another folder).
     """
     say = lambda line: print(f"step35 export: {line}", file=sys.stderr)  # noqa: E731
-    done = export_checkpoint(checkpoint_of(checkpoint, say), out, getattr(torch, dtype) if dtype else None, max_shard_size,
-                             load_config(model_config) if model_config else None, tokenizer, source, merge)
+    given = Path(checkpoint)
+    chosen = checkpoint_of(given, say)
+    run_folder = run_folder_of(given, chosen)
+    # A run folder (or last.ckpt) names "the newest checkpoint", which a live run may rotate away.
+    may_choose_again = given != chosen or given.is_symlink()
+    for attempt in range(_ROTATION_RETRIES + 1):
+        stamp = _stamp(chosen)
+        try:
+            done = export_checkpoint(chosen, out, getattr(torch, dtype) if dtype else None, max_shard_size,
+                                     load_config(model_config) if model_config else None, tokenizer, source, merge,
+                                     overwrite=overwrite, run_folder=run_folder, model_config=model_config, say=say)
+            break
+        except (CheckpointError, OSError) as error:
+            if stamp is None or _stamp(chosen) == stamp:  # the checkpoint is as it was: a real failure
+                raise
+            if not may_choose_again or attempt == _ROTATION_RETRIES:
+                raise CheckpointError(f"{chosen}: removed or replaced while it was being read (a live run pruning its "
+                                      "checkpoints, keep_last?); export the run folder to take its newest intact "
+                                      "checkpoint, or copy this one aside first") from None
+            again = checkpoint_of(given, say)
+            say(f"{chosen} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
+                f"exporting {again}, the newest intact checkpoint now, instead")
+            chosen = again
     for name, origin in done.copied.items():
         print(f"step35 export: copied {name} from {origin}")
     for note in done.notes:

@@ -189,6 +189,58 @@ def test_a_named_checkpoint_pruned_while_read_is_said_not_replaced(run_copy, tmp
     assert not (tmp_path / "hf").exists()
 
 
+# ------------------------------------------------------------------------------ 2. partials of killed exports
+def fake_partial(parent: Path, pid: int, host: str | None = None) -> Path:
+    """A full-size-looking partial copy as an export with writer `pid` on `host` leaves it (host None:
+    the spelling of step35 before host tags)."""
+    tag = f"{pid}-{host}-0123abcd" if host else f"{pid}-0123abcd"
+    partial = parent / f".hf.partial-{tag}"
+    partial.mkdir(parents=True)
+    (partial / "model-00001-of-00002.safetensors").write_bytes(b"\x00" * 4096)
+    return partial
+
+
+def dead_pid() -> int:
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+
+
+def test_partials_of_dead_exports_are_removed_and_said_live_ones_kept(run_copy, tmp_path, capsys):
+    parent = tmp_path / "exports"
+    here = publish.host_tag()
+    dead = fake_partial(parent, dead_pid(), here)
+    live = fake_partial(parent, os.getpid(), here)  # this process: alive
+    elsewhere = fake_partial(parent, dead_pid(), "0badf00d")  # another host's pid means nothing here
+    old = fake_partial(parent, dead_pid())
+    assert publish.partial_writer(dead) == (dead_pid(), here) and publish.partial_writer(old) == (dead_pid(), None)
+    main(["export", "--checkpoint", str(run_copy), "--out", str(parent / "hf")])
+    err = capsys.readouterr().err
+    assert f"removed {dead}, left by an export that was killed (its process, pid {dead_pid()} on this host, is gone)" \
+        in err
+    assert f"left {old}: a partial copy written by an older step35" in err
+    assert not dead.exists() and live.is_dir() and elsewhere.is_dir() and old.is_dir()
+    assert str(live) not in err and str(elsewhere) not in err
+
+
+@pytest.mark.multiprocess
+def test_the_partial_of_a_live_export_in_another_process_is_kept(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = fake_partial(tmp_path, sleeper.pid, publish.host_tag())
+        assert publish.dead_partials(tmp_path) == ([], [])
+        assert publish.remove_dead_partials(tmp_path) == [] and live.is_dir()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert publish.remove_dead_partials(tmp_path) == [live] and not live.exists()  # its writer is gone now
+
+
+def test_partial_names_carry_pid_and_host():
+    partial = publish.partial_path("/x/hf")
+    assert publish.partial_writer(partial) == (os.getpid(), publish.host_tag())
+    assert publish.leftover_of(partial) == ("hf", "partial")
+    assert publish.partial_writer("/x/.hf.old-12-abcdef12-0011aabb") is None  # a retired copy: not a partial
+
+
 # ----------------------------------------------------------------------------------------------- 4. modes
 @pytest.fixture
 def umask_022():

@@ -28,7 +28,8 @@ PEFT folder step35 wrote (its step35 manifest says so), or anything with `overwr
 with `overwrite`, what the export reads (the checkpoint, its run folder, the LoRA run's base, the
 folder the run started from, --source, --tokenizer, --model_config), a folder holding one of them,
 a path inside one of them, nor an existing entry of the run folder (its checkpoints, logs and
-config; a new name there, e.g. `runs/x/hf`, is fine).
+config; a new name there, e.g. `runs/x/hf`, is fine). Before writing, the partial copies that killed
+exports left in `out`'s folder are removed when their writer is dead (`publish.dead_partials`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.hf import write_hf_folder
 from step35.checkpoint.integrity import manifest_info
+from step35.checkpoint.publish import dead_partials, partial_writer, remove_path
 from step35.checkpoint.trained import TrainedCheckpoint, open_checkpoint
 from step35.config import Step35Config
 
@@ -277,13 +279,23 @@ def read_paths(trained: TrainedCheckpoint, given: str | Path, source: str | Path
 
 def prepare_out(trained: TrainedCheckpoint, given: str | Path, out: str | Path, overwrite: bool,
                 run_folder: str | Path | None, say: Callable[[str], None], **named_reads) -> str | None:
-    """The checks before an export writes `out`: refuse a destructive `out` (check_out). Returns the
+    """The checks and tidying before an export writes `out`: refuse a destructive `out` (check_out),
+    then remove the partial copies dead exports left beside it, saying what was removed. Returns the
     line saying what the export will replace (for the report: nothing is replaced before the publish)."""
     keep = {Path(run_folder): "the run folder"} if run_folder else {}
     folder = trained.path.parent
     if _holds_checkpoints(folder, trained.path):
         keep.setdefault(folder, "the checkpoint folder")
     replaced = check_out(out, read_paths(trained, given, run_folder=run_folder, **named_reads), overwrite, keep)
+    parent = Path(out).expanduser().absolute().parent
+    dead, unknown = dead_partials(parent)
+    for path in dead:
+        remove_path(path)
+        say(f"removed {path}, left by an export that was killed (its process, pid {partial_writer(path)[0]} on this "
+            "host, is gone)")
+    for path in unknown:
+        say(f"left {path}: a partial copy written by an older step35, which did not record its host; delete it "
+            "if no export into this folder is running")
     return replaced
 
 
@@ -312,8 +324,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     computed in fp32 (refused for a run without adapters); a LoRA run without `merge` writes a PEFT
     adapter folder instead (checkpoint/peft.py). `out` is checked first (`check_out`: `overwrite`
     lets it replace what step35 did not write; `run_folder`, the checkpoint's run folder, and
-    `model_config`, the file `config` came from, are never replaced). `say` hears what is
-    said while the export runs (default: into the notes).
+    `model_config`, the file `config` came from, are never replaced). `say` hears, as they happen,
+    which dead exports' partial copies are removed (default: into the notes).
     Returns what was written and every change made to config.json."""
     trained = open_checkpoint(checkpoint, config)
     lora = trained.lora

@@ -18,7 +18,10 @@ The switch:
   `interrupted_publish(final)` finds it and `restore(final)` renames it back.
 
 Anything a killed save leaves behind matches `.<name>.partial-*` or `.<name>.old-*` and is listed
-by `leftovers(folder)` (which also knows the names older step35 versions used).
+by `leftovers(folder)` (which also knows the names older step35 versions used). A partial's name
+carries its writer's pid and a tag of its host, so that `dead_partials(folder)` can tell the
+partials of writers that died on this host (safe to delete) from those of live writers, or of
+writers on another host sharing the filesystem, whose pids mean nothing here (never touched).
 
 Modes: what `publish` switches in gets the modes a plain `open()` / `mkdir` give under the process's
 umask (files 0644, folders 0755 under 022), whatever its writer used: safetensors and
@@ -30,9 +33,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
@@ -41,15 +46,23 @@ from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, manifest_path
 
 # Temporary siblings: written by a save in progress (partial) or retired by a folder swap (old).
 # The bare `.x.partial` / `.x.old` / `.x.old-<pid>` spellings are those of step35 before this module.
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-[0-9A-Za-z-]+)?(\.manifest\.json(\.tmp-\d+)?)?$")
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-(?P<tag>[0-9A-Za-z-]+))?"
+                       r"(\.manifest\.json(\.tmp-\d+)?)?$")
+# The tag of a partial: <pid>-<host tag>-<random>; step35 before host tags wrote <pid>-<random>.
+_WRITER = re.compile(r"^(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?[0-9a-z]+$")
 _RENAME_EXCHANGE = 2  # linux/fs.h
 use_exchange = True  # tests switch it off to exercise the two-rename fallback
 
 
+def host_tag() -> str:
+    """8 hex digits naming this host in partial names (a hostname may hold characters a name may not)."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
 def partial_path(final: str | Path) -> Path:
-    """The temporary sibling a save of `final` writes into: `.<name>.partial-<pid>-<random>`."""
+    """The temporary sibling a save of `final` writes into: `.<name>.partial-<pid>-<host tag>-<random>`."""
     final = Path(final)
-    return final.with_name(f".{final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return final.with_name(f".{final.name}.partial-{os.getpid()}-{host_tag()}-{uuid.uuid4().hex[:8]}")
 
 
 def _old_path(final: Path) -> Path:
@@ -201,6 +214,56 @@ def leftover_of(path: str | Path) -> tuple[str, str] | None:
     """(`final` name, 'partial' | 'old') when `path` is a leftover of a save of that name, else None."""
     m = _LEFTOVER.match(Path(path).name)
     return (m.group("name"), m.group("kind")) if m else None
+
+
+def partial_writer(path: str | Path) -> tuple[int, str | None] | None:
+    """(pid, host tag or None) of the save that writes (or wrote) the partial `path`; the host tag is
+    None for a partial named by step35 before host tags. None when `path` is no partial or names no pid."""
+    m = _LEFTOVER.match(Path(path).name)
+    if not m or m.group("kind") != "partial" or not m.group("tag"):
+        return None
+    writer = _WRITER.match(m.group("tag"))
+    return (int(writer.group("pid")), writer.group("host")) if writer else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` lives on this host (one of another user counts as alive)."""
+    if pid <= 0:
+        return True  # 0 / negative would signal process groups: never taken for dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
+
+
+def dead_partials(folder: str | Path) -> tuple[list[Path], list[Path]]:
+    """(partials in `folder` whose writer died on this host: safe to delete; partials whose writer
+    cannot be told alive or dead: named by step35 before host tags, pid only). Partials of live
+    writers, and of writers on another host (a shared filesystem: their pid means nothing here), are
+    in neither list."""
+    dead, unknown = [], []
+    for path in leftovers(folder):
+        writer = partial_writer(path)
+        if writer is None:
+            continue
+        pid, host = writer
+        if host is None:
+            unknown.append(path)
+        elif host == host_tag() and pid != os.getpid() and not pid_alive(pid):
+            dead.append(path)
+    return dead, unknown
+
+
+def remove_dead_partials(folder: str | Path) -> list[Path]:
+    """Delete the partials in `folder` whose writer died on this host (a killed export's full-size
+    copy); returns what was deleted."""
+    dead, _ = dead_partials(folder)
+    for path in dead:
+        remove_path(path)
+    return dead
 
 
 def interrupted_publish(final: str | Path) -> Path | None:

@@ -241,6 +241,47 @@ def test_partial_names_carry_pid_and_host():
     assert publish.partial_writer("/x/.hf.old-12-abcdef12-0011aabb") is None  # a retired copy: not a partial
 
 
+# -------------------------------------------------------------------------------------------- 3. a full disk
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   OSError(errno.EDQUOT, "Disk quota exceeded"),
+                                   RuntimeError("Error while serializing: Os { code: 28, kind: StorageFull, "
+                                                "message: \"No space left on device\" }")],
+                         ids=["ENOSPC", "EDQUOT", "safetensors"])
+def test_a_full_disk_ends_in_one_line_with_the_partial_removed(run_copy, tmp_path, monkeypatch, error):
+    import safetensors.torch
+
+    out = tmp_path / "exports" / "hf"
+    main(["export", "--checkpoint", str(run_copy), "--out", str(out), "--max_shard_size", "1MB"])
+    before = snapshot(out)
+    real, calls = safetensors.torch.save_file, []
+
+    def save_file_on_a_full_disk(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # the first shard fits, the second does not
+            raise error
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_on_a_full_disk)
+    message = refused(["--checkpoint", str(run_copy), "--out", str(out), "--max_shard_size", "1MB"],
+                      r"^step35: export failed: no space left on device writing ")
+    assert f"the partial export was removed; {out} is as it was before" in message
+    assert len(calls) == 2 and snapshot(out) == before
+    assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no partial left
+
+
+def test_another_write_error_is_one_line_too(run_copy, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def read_only(tensors, filename, metadata=None):
+        raise PermissionError(errno.EACCES, "Permission denied", str(filename))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", read_only)
+    refused(["--checkpoint", str(run_copy), "--out", str(tmp_path / "hf")],
+            r"^step35: export failed: Permission denied \(.*\.hf\.partial-.*shard-00001.safetensors\); the "
+            r"partial export was removed")
+    assert list(tmp_path.iterdir()) == [tmp_path / "parent"]
+
+
 # ----------------------------------------------------------------------------------------------- 4. modes
 @pytest.fixture
 def umask_022():

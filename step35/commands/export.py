@@ -12,12 +12,15 @@ came from, then every change to config.json and every path read from the checkpo
 
 A run folder may be live (another job training in it, pruning old checkpoints with keep_last): when
 the checkpoint picked from it is removed or replaced while it is read, the export starts again from
-the run's newest intact checkpoint then, and says so.
+the run's newest intact checkpoint then, and says so. A failed write (a full disk above all) ends in
+one line naming the file, the partial copy removed and any previous `--out` untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Literal
@@ -27,6 +30,7 @@ import torch
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.export import export_checkpoint
 from step35.checkpoint.integrity import manifest_path
+from step35.checkpoint.trainer_io import disk_full
 from step35.commands.function_cli import run_function
 from step35.config import load_config
 from step35.run import RunFolder, checkpoint_of
@@ -62,6 +66,22 @@ def _stamp(checkpoint: Path) -> tuple | None:
         return real, real.stat().st_ino, manifest.st_ino, manifest.st_mtime_ns
     except OSError:
         return None
+
+
+def _write_failure(error: BaseException, out: Path) -> str:
+    """The one line for an export that failed writing (its partial copy already removed)."""
+    where = getattr(error, "filename", None) or out
+    parent = out.expanduser().absolute().parent
+    after = f"the partial export was removed; {out} is as it was before"
+    if disk_full(error, parent):
+        try:
+            free = f"{shutil.disk_usage(parent).free / 2**30:.2f} GiB free there now, "
+        except OSError:
+            free = ""
+        return (f"step35: export failed: no space left on device writing {where} ({free}the export needs room for "
+                f"a full copy of the weights); {after}")
+    reason = os.strerror(error.errno) if isinstance(error, OSError) and error.errno else str(error)
+    return f"step35: export failed: {reason} ({where}); {after}"
 
 
 def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "float16"] | None = None,
@@ -102,7 +122,9 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
             break
         except (CheckpointError, OSError) as error:
             if stamp is None or _stamp(chosen) == stamp:  # the checkpoint is as it was: a real failure
-                raise
+                if isinstance(error, CheckpointError):
+                    raise
+                raise SystemExit(_write_failure(error, Path(out))) from None
             if not may_choose_again or attempt == _ROTATION_RETRIES:
                 raise CheckpointError(f"{chosen}: removed or replaced while it was being read (a live run pruning its "
                                       "checkpoints, keep_last?); export the run folder to take its newest intact "
@@ -111,6 +133,10 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
             say(f"{chosen} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
                 f"exporting {again}, the newest intact checkpoint now, instead")
             chosen = again
+        except Exception as error:  # e.g. safetensors' own error type for a failed write
+            if not disk_full(error, Path(out).expanduser().absolute().parent):
+                raise
+            raise SystemExit(_write_failure(error, Path(out))) from None
     for name, origin in done.copied.items():
         print(f"step35 export: copied {name} from {origin}")
     for note in done.notes:

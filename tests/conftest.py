@@ -23,7 +23,8 @@ NOT_QUICK_FILES = {
 }
 NOT_QUICK_TESTS = {
     # the main job or early stopping through the CLI, as a subprocess
-    "test_papercuts.py": ("test_main_job_first_screen", "test_early_stopping_says_why", "test_help_lists"),
+    "test_papercuts.py": ("test_main_job_first_screen", "test_early_stopping_says_why", "test_help_lists",
+                          "test_the_checkpoint_interval_and_retention"),
     # the CLI as a subprocess, or a sharded run
     "test_validation.py": ("test_cli_",),
     # the `checkpoints` fixture trains and saves single-file and sharded checkpoints (2 minutes)

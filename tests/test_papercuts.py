@@ -106,3 +106,30 @@ def test_step35_warnings_print_as_step35(capsys):
     assert [str(w.message) for w in others] == ["a torch notice"]  # shown as usual; LeafSpec dropped
     assert "a torch notice" not in err and "LeafSpec" not in err, err
     assert shown is not None and shown.__name__ != "show"  # restored on exit
+
+
+@pytest.mark.timeout(600)
+def test_the_checkpoint_interval_and_retention_are_set_from_the_command_line(tmp_path, builtin_cache):
+    """`--checkpoint.every_n_train_steps 2 --checkpoint.keep_last 2` set the shipped config's RunCheckpoint
+    (listed before other callbacks: `--trainer.callbacks.every_n_train_steps` would reach the last one,
+    FinalValidation, which refuses it); with them the 6-step main job keeps steps 4 and 6 (it saved 2, 4, 6)."""
+    run = tmp_path / "run"
+    step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=6",
+            "--checkpoint.every_n_train_steps", "2", "--checkpoint.keep_last", "2", *SMALL], builtin_cache)
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step=*.ckpt"))
+    assert saved == ["step=000004.ckpt", "step=000006.ckpt"], saved
+    assert "every_n_train_steps: 2" in (run / "config.yaml").read_text()
+
+
+def test_checkpoint_options_add_a_run_checkpoint_when_the_config_has_none():
+    from jsonargparse import Namespace
+
+    from step35.commands.fit import _apply_checkpoint_options
+
+    config = Namespace(checkpoint=Namespace(every_n_train_steps=7, keep_last=None),
+                       trainer=Namespace(callbacks=[Namespace(class_path="step35.callbacks.FinalValidation",
+                                                              init_args=Namespace())]))
+    _apply_checkpoint_options(config)
+    added = config.trainer.callbacks[-1]
+    assert added.class_path == "step35.callbacks.RunCheckpoint" and added.init_args == Namespace(every_n_train_steps=7)
+    assert config.trainer.callbacks[0].init_args == Namespace()  # the other callback untouched

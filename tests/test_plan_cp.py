@@ -104,8 +104,9 @@ def test_sizes_cp_makes_invalid_are_refused(capsys, cp, seq, message):
 
 # recipe -> (world, ep, cp, seq_len, plan flags, device name, min margin %)
 H200 = ("--device", "h200")
-RECIPES = {"configs/flash-196b-32k-gpu.yaml": (32, 32, 2, 32768, H200, "NVIDIA H200 SXM", 10),
-           "configs/flash-196b-128k-gpu.yaml": (32, 32, 8, 131072, H200, "NVIDIA H200 SXM", 10),
+# (the recipes name their device, `plan_device`: no flag needed)
+RECIPES = {"configs/flash-196b-32k-gpu.yaml": (32, 32, 2, 32768, (), "NVIDIA H200 SXM", 10),
+           "configs/flash-196b-128k-gpu.yaml": (32, 32, 8, 131072, (), "NVIDIA H200 SXM", 10),
            "configs/flash-196b-128k-npu.yaml": (96, 96, 16, 131072, (), "Ascend 910B", 10)}
 
 
@@ -152,3 +153,15 @@ def test_128k_gpu_recipe_and_128k_lora_are_the_fewest_devices_that_fit(capsys):
     code, out, _ = run_plan(capsys, *lora, "--trainer.devices", "2", "--trainer.strategy.expert_parallel_size", "2",
                             "--trainer.strategy.context_parallel_size", "2")
     assert code == 1 and "DOES NOT FIT" in out
+
+
+def test_a_recipes_plan_device_is_planned_for_unless_device_overrides_it(capsys):
+    """`plan_device: h200` in the 32K recipe: the plan answers for an H200 (it said DOES NOT FIT for the
+    H100 default before); `--device h100` still plans another device; an unknown name is refused by field."""
+    path = "configs/flash-196b-32k-gpu.yaml"
+    code, out, _ = run_plan(capsys, "--config", path, "--json", "--no-suggestions")
+    assert code == 0 and json.loads(out)["device"]["name"] == "NVIDIA H200 SXM"
+    code, out, _ = run_plan(capsys, "--config", path, "--json", "--no-suggestions", "--device", "h100")
+    assert json.loads(out)["device"]["name"] == "NVIDIA H100 SXM" and not json.loads(out)["verdict"]["fits"]
+    code, _, err = run_plan(capsys, "--config", path, "--plan_device", "h300")
+    assert code == 2 and "plan_device='h300' is not a device the plan knows (one of: 910b, a3, b200" in err, err

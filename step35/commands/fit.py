@@ -131,6 +131,15 @@ class Step35CLI(LightningCLI):
         parser.add_argument("--run_dir", type=str | None, default=None,
                             help="The run folder (checkpoints/, config.yaml, logs of every attempt); "
                                  "default: trainer.default_root_dir if set, else runs/<config file name>.")
+        parser.add_argument("--checkpoint.every_n_train_steps", type=int | None, default=None,
+                            help="Save every N optimizer steps: sets the RunCheckpoint callback of trainer.callbacks "
+                                 "(adds one when there is none). `--trainer.callbacks.every_n_train_steps` would "
+                                 "set the last callback of the list instead, whatever its class.")
+        parser.add_argument("--checkpoint.keep_last", type=int | None, default=None,
+                            help="Complete checkpoints kept: sets RunCheckpoint's keep_last, as above.")
+        parser.add_argument("--plan_device", type=str | None, default=None,
+                            help="The device model this config is sized for (h100, h200, 910b, ...): `step35 plan` "
+                                 "plans for it unless given --device. Training does not read it.")
         parser.add_argument(runs.ALLOW_UNVERIFIED, type=bool, default=False,
                             help="Load a --ckpt_path that has no manifest (its integrity cannot be checked); "
                                  "without it such a checkpoint is refused.")
@@ -157,6 +166,7 @@ class Step35CLI(LightningCLI):
         if getattr(self, "_ckpt_arg", None) is not None:
             config.ckpt_path = self._ckpt_arg  # back in the saved config.yaml
         _strategy_class_path_to_class(config)
+        _apply_checkpoint_options(config)
         # The HF checkpoint folder carries its own tokenizer: use it unless data.tokenizer says otherwise.
         if config.get("data") is not None and not config.data.get("tokenizer") and config.model.get("checkpoint"):
             config.data.tokenizer = config.model.checkpoint
@@ -312,6 +322,38 @@ def early_stopping_notes(trainer) -> list[str]:
         notes.append(f"early stopping at step {trainer.global_step}: {callback.monitor}={last} (best {best}, mode "
                      f"{callback.mode}): {rule}")
     return notes
+
+
+def _apply_checkpoint_options(config) -> None:
+    """`--checkpoint.every_n_train_steps N` / `--checkpoint.keep_last K`: set on every RunCheckpoint entry of
+    trainer.callbacks (a subclass counts), or on a RunCheckpoint added when the list has none."""
+    from step35.callbacks import RunCheckpoint
+
+    options = config.get("checkpoint")
+    chosen = {k: v for k, v in (options or {}).items() if v is not None} if options is not None else {}
+    if not chosen or config.get("trainer") is None:
+        return
+    callbacks = _as_list(config.trainer.get("callbacks"))
+    entries = [c for c in _logger_configs(callbacks) if _is_subclass(c.get("class_path"), RunCheckpoint)]
+    if not entries:
+        entries = [Namespace(class_path="step35.callbacks.RunCheckpoint", init_args=Namespace())]
+        config.trainer.callbacks = [*callbacks, *entries]
+    for entry in entries:
+        if entry.get("init_args") is None:
+            entry.init_args = Namespace()
+        for name, value in chosen.items():
+            entry.init_args[name] = value
+
+
+def _is_subclass(class_path, cls: type) -> bool:
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(found, type) and issubclass(found, cls)
 
 
 def _strategy_class_path_to_class(config) -> None:

@@ -47,10 +47,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _device(args, accelerator: str) -> Device:
+def _device(args, accelerator: str, plan_device: str | None = None) -> Device:
+    """--device, else the config's `plan_device`, else the accelerator's default device."""
     from dataclasses import replace
 
-    base = DEVICES[args.device or DEFAULT_FOR_ACCELERATOR.get(accelerator, "h100")]
+    if args.device is None and plan_device is not None and plan_device.lower() not in DEVICES:
+        raise PlanInputError(f"plan_device={plan_device!r} is not a device the plan knows (one of: "
+                             f"{', '.join(sorted(DEVICES))})")
+    base = DEVICES[args.device or (plan_device.lower() if plan_device else None)
+                   or DEFAULT_FOR_ACCELERATOR.get(accelerator, "h100")]
     if base.name.startswith("CPU") and args.device_memory_gib is None:
         import psutil
 
@@ -66,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     args, fit_args = parser().parse_known_args(argv)
     try:
         settings = read_settings(fit_args)
+        device = _device(args, settings.accelerator, settings.plan_device)
     except (PlanInputError, ConfigError) as err:
         print(f"step35 plan: {err}", file=sys.stderr)
         return INVALID
     cfg = settings.model_config
-    device = _device(args, settings.accelerator)
 
     def evaluate(layout):
         return make_plan(layout, device, allocator_margin=args.allocator_margin,

@@ -50,6 +50,7 @@ class RunSettings:
     lora: LoraSettings | None = None  # model.lora: frozen base in the compute dtype, adapters trained
     finetune: bool = False  # model.checkpoint given: the run starts from trained weights
     notes: list[str] = field(default_factory=list)
+    plan_device: str | None = None  # the device the config says it is sized for (top-level `plan_device`)
 
     @property
     def world_size(self) -> int:
@@ -218,7 +219,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         precision=str(trainer.precision), seq_len=data.seq_len, micro_batch_size=data.micro_batch_size,
         loss_chunk_size=model.loss_chunk_size, accumulate_grad_batches=int(trainer.accumulate_grad_batches or 1),
         document_masking=bool(data.get("document_masking", False)), lora=lora, finetune=bool(model.get("checkpoint")),
-        notes=notes)
+        notes=notes, plan_device=cfg.get("plan_device"))
     if settings.sharded:
         args = strategy.init_args
         settings = settings.with_layout(

@@ -413,12 +413,33 @@ def report_failure(exception: BaseException, rank: int) -> None:
     write_stderr(head + body + head)
     try:
         exception.step35_reported = True
+        exception.step35_rank = rank
     except AttributeError:
         pass
 
 
 def was_reported(exception: BaseException) -> bool:
     return bool(getattr(exception, "step35_reported", False))
+
+
+def report_aftermath(exception: BaseException) -> bool:
+    """When `exception` was raised while handling a reported failure (its __context__ / __cause__
+    chain holds one), prints it as one line after the report and returns True (the entry point then
+    exits with EXIT_FAILED, no second traceback). Lightning's clean-up after a failure (the loggers'
+    finalize, teardown) can fail again for the same reason: on a full disk the CSV logger's flush
+    raised ENOSPC once more after the reported failure, and the output ended in that bare traceback
+    instead of a `step35:` line. False when no reported failure is in the chain."""
+    seen: set[int] = set()
+    earlier = exception.__cause__ or exception.__context__
+    while earlier is not None and id(earlier) not in seen and not was_reported(earlier):
+        seen.add(id(earlier))
+        earlier = earlier.__cause__ or earlier.__context__
+    if earlier is None or id(earlier) in seen:
+        return False
+    text = str(exception).splitlines()[0] if str(exception) else ""
+    write_stderr(f"[rank {getattr(earlier, 'step35_rank', 0)}] step35: ending the run after that failure failed too: "
+                 f"{type(exception).__name__}: {text}\n")
+    return True
 
 
 def abort_process_groups(timeout_s: float = 10.0) -> bool:

@@ -1,5 +1,7 @@
 """The edges of stopping and saving (issue 24).
 
+- AsyncCheckpointIO broke every save (FileNotFoundError, a checkpoint without a manifest); it is
+  refused at start, also for a Trainer built without the CLI.
 - A disk filling up during a run ended the output in a bare traceback (the CSV logger failing again
   while Lightning ended the run after the reported failure); now every line that ends the output is
   a `step35:` line.
@@ -83,6 +85,46 @@ def validation(batches: int, every: int) -> list[str]:
 
 def printed(job, line: str) -> bool:
     return f"{line}\n" in job.output()
+
+
+# ----------------------------------------------------------------------------------- 3. AsyncCheckpointIO
+def async_plugins(kind: str) -> list:
+    from lightning.pytorch.plugins import AsyncCheckpointIO
+
+    from step35.checkpoint.trainer_io import Step35CheckpointIO
+
+    return [AsyncCheckpointIO()] if kind == "plain" else [AsyncCheckpointIO(Step35CheckpointIO())]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("callback", ["RunCheckpoint", "FaultTolerance"])
+@pytest.mark.parametrize("kind", ["plain", "wrapping_step35_io"])
+def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind, tmp_path, builtin_cache):
+    """A Trainer built in Python with either callback that `step35 fit` always has. Before: with
+    RunCheckpoint the first save failed (FileNotFoundError on step=000001.ckpt: its manifest was
+    written before the asynchronous write had made the file); with FaultTolerance the pre-emption
+    save was asynchronous. Now: refused before the model is built or anything is written."""
+    from step35 import faults
+    from step35.callbacks import FaultTolerance, RunCheckpoint
+    from step35.checkpoint.errors import CheckpointError
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    callbacks = ([RunCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)] if callback == "RunCheckpoint"
+                 else [FaultTolerance(watchdog=False)])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+                         plugins=async_plugins(kind), callbacks=callbacks)
+    module = Step35LightningModule(config="tiny", warmup_steps=1)
+    data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
+    try:
+        with pytest.raises(CheckpointError) as refused:
+            trainer.fit(module, datamodule=data)
+    finally:
+        faults._PHASE.failed_in = None  # FaultTolerance reported it: the next in-process report starts afresh
+    assert str(refused.value) == ("asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO "
+                                  "from trainer.plugins")
+    assert trainer.global_step == 0 and not (tmp_path / "ckpt").exists()
 
 
 # ----------------------------------------------------------------------------------- 4. a full disk

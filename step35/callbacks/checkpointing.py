@@ -11,6 +11,9 @@ Lightning's ModelCheckpoint with three changes that make unattended restarts saf
   folder (and says so: under the lock every leftover is from a writer that is gone), points
   `last.ckpt` at the newest complete checkpoint (pre-emption saves are written without this
   callback), and lists checkpoints whose save did not finish. A refusal reaches every rank.
+- Lightning's AsyncCheckpointIO is refused at start (`trainer_io.refuse_asynchronous_io`): a save
+  is vouched for (manifest, `last.ckpt`, retention) as soon as it returns, before an asynchronous
+  write has made the file.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from step35 import lightning_private
 from step35.checkpoint import catalog
 from step35.checkpoint.integrity import is_complete, recorded_damage, remove_manifest, write_manifest
+from step35.checkpoint.trainer_io import refuse_asynchronous_io
 from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load
 from step35.run import lock
 
@@ -80,6 +84,7 @@ class RunCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        refuse_asynchronous_io(trainer.strategy)  # the same on every rank: before the folder is touched
         refusal = None
         if trainer.is_global_zero:
             try:

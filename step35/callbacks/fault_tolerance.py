@@ -40,6 +40,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from step35 import faults, lightning_private
 from step35.callbacks.reporting import StepEnds, all_reduce_
+from step35.checkpoint.trainer_io import refuse_asynchronous_io
 from step35.run.layout import RunFolder, preempt_checkpoint
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
@@ -136,6 +137,7 @@ class FaultTolerance(Checkpoint):
         lightning_private.disable_signal_handlers(trainer)
         if stage != "fit":
             return
+        refuse_asynchronous_io(trainer.strategy)  # the pre-emption save must be on disk before the exit
         rank = trainer.global_rank
         faults.watch_launcher(rank)
         # A new list (Lightning iterates the old one for this very hook): PhaseMarks first.

@@ -271,6 +271,24 @@ def rank_files(folder: Path, rank: int) -> list[str]:
     return sorted(f for f in os.listdir(folder) if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
 
 
+ASYNC_REFUSAL = "asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO from trainer.plugins"
+
+
+def refuse_asynchronous_io(strategy) -> None:
+    """Refuses Lightning's AsyncCheckpointIO (the plugin itself or wrapped in another) before anything is
+    saved. Its save returns before the file exists, while step35 vouches for a checkpoint right after
+    the save returns (manifest, `last.ckpt`, retention, the pre-emption exit): every save then failed
+    (FileNotFoundError on the checkpoint) and left a checkpoint without a manifest. Raises CheckpointError."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    io, seen = strategy.checkpoint_io, set()
+    while io is not None and id(io) not in seen:
+        if isinstance(io, AsyncCheckpointIO):
+            raise CheckpointError(ASYNC_REFUSAL)
+        seen.add(id(io))
+        io = getattr(io, "checkpoint_io", None)  # a wrapping plugin's base
+
+
 class Step35CheckpointIO(TorchCheckpointIO):
     """Single-file checkpoints for trainers without Step35Strategy: atomic, with a manifest, read
     with weights_only=True and the step35 allowlist, verified and checked for NaN/Inf at load."""

@@ -186,7 +186,7 @@ class StopSignals:
         if first:
             self.received = signum
         write_stderr(f"[rank {self.rank}] step35: received {signal.Signals(signum).name} during '{current_phase()}'; "
-                     + ("stopping at the next step boundary after writing a checkpoint\n" if first
+                     + ("stopping at the next step boundary (or validation batch) after writing a checkpoint\n" if first
                         else "already stopping\n"))
 
 

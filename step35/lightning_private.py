@@ -15,6 +15,8 @@ same kind of error):
   stops after reach the loggers (Lightning logs a step only after every on_train_batch_end returned).
 - `fit_loop.epoch_loop._batches_that_stepped`: the step index Lightning writes its own training
   metrics at, so that callbacks' metrics share its x axis.
+- the `loops.fit_loop["epoch_loop.batch_progress"]` entry of a checkpoint dict: a pre-emption save
+  during a validation records the training loop as it was at the end of the step (FaultTolerance).
 (LightningCLI._parse_ckpt_path is no longer used: the CLI holds --ckpt_path back in the public
 `parse_arguments`.)
 """
@@ -79,3 +81,23 @@ def batches_that_stepped(trainer) -> int:
     if not hasattr(loop, "_batches_that_stepped"):
         raise _missing("fit_loop.epoch_loop._batches_that_stepped", "step35.callbacks (metric steps)")
     return loop._batches_that_stepped
+
+
+def record_as_at_step_end(checkpoint: dict) -> None:
+    """Rewrite the training loop's progress in `checkpoint` (a dict being saved during the validation
+    that follows a step) to what it was at that step's on_train_batch_end, where every other
+    pre-emption save is taken. Lightning counts the batch completed only after those hooks; a
+    checkpoint saved later resumes through its "restarted on last" path, which counts the logging
+    step right only when the resumed run validates at that step too (seen: every metric one step
+    early after a resume with another val_check_interval)."""
+    try:
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        counts = [progress["total"], progress["current"]]
+        consistent = all(c["completed"] == c["processed"] >= 1 for c in counts)
+    except (KeyError, TypeError):
+        consistent = False
+    if not consistent:
+        raise _missing("a checkpoint entry loops.fit_loop['epoch_loop.batch_progress'] with the step's batch "
+                       "completed", "step35.callbacks.FaultTolerance (a stop during validation)")
+    for count in counts:
+        count["completed"] -= 1

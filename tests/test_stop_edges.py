@@ -1,13 +1,20 @@
-"""The edges of stopping and saving (issue 24).
+"""The edges of stopping and saving (issue 24): a stop signal during a long validation, a stop signal
+during a periodic save, Lightning's AsyncCheckpointIO, and a disk that fills up during a run.
 
+- SIGTERM at the start of a long validation was acted on only after it (and one more training step):
+  at 196B, torchrun's 30 s grace (Kubernetes' default too) SIGKILLed the ranks first, no checkpoint.
+  Now the ranks agree before every validation batch, cut the validation short and write the
+  checkpoint of the step it followed; the resume from it is bitwise the uninterrupted run.
+- SIGTERM during a periodic save wrote a second checkpoint of the same step (a second multi-TB write
+  inside the grace); now it is skipped and said, the exit code is still 75, the resume uses the
+  periodic one.
 - AsyncCheckpointIO broke every save (FileNotFoundError, a checkpoint without a manifest); it is
   refused at start, also for a Trainer built without the CLI.
 - A disk filling up during a run ended the output in a bare traceback (the CSV logger failing again
-  while Lightning ended the run after the reported failure); now every line that ends the output is
-  a `step35:` line.
+  while Lightning ended the run after the reported checkpoint failure); now every line that ends
+  the output is a `step35:` line.
 
-The callbacks and loggers below are loaded by the runs (`tests.test_stop_edges.<name>`)."""
-
+The callbacks below are loaded by the runs (`--trainer.callbacks+=tests.test_stop_edges.<name>`)."""
 
 from __future__ import annotations
 
@@ -30,7 +37,33 @@ from step35.faults import EXIT_FAILED, EXIT_PREEMPTED
 ROOT = Path(__file__).parent.parent
 
 
-# ----------------------------------------------------------------------------------- loggers of the runs
+# ----------------------------------------------------------------------------------- callbacks of the runs
+class SlowValidation(pl.Callback):
+    """Sleeps `sleep_s` after every validation batch (outside the sanity check), printing
+    'slow validation batch N after step S' first, so that a test can signal during a validation."""
+
+    def __init__(self, sleep_s: float = 1.0):
+        self.sleep_s = sleep_s
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking:
+            return
+        print(f"slow validation batch {batch_idx + 1} after step {trainer.global_step}", flush=True)
+        time.sleep(self.sleep_s)
+
+
+class SlowSave(pl.Callback):
+    """Sleeps `sleep_s` in every full checkpoint save (Lightning calls on_save_checkpoint while it
+    prepares the save, the write follows), printing 'slow save of step S' first."""
+
+    def __init__(self, sleep_s: float = 3.0):
+        self.sleep_s = sleep_s
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        print(f"slow save of step {trainer.global_step}", flush=True)
+        time.sleep(self.sleep_s)
+
+
 class FullDiskLogger(Logger):
     """A logger whose writes fail with ENOSPC from optimizer step `from_step` on, as a CSV file's do
     once its disk is full (a writer raising it, as in tests/test_strategy_save.py: a real full tmpfs
@@ -85,6 +118,87 @@ def validation(batches: int, every: int) -> list[str]:
 
 def printed(job, line: str) -> bool:
     return f"{line}\n" in job.output()
+
+
+# ----------------------------------------------------------------------------------- 1. during a validation
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_sigterm_during_a_long_validation_stops_within_seconds_and_resumes_bitwise(tmp_path, builtin_cache):
+    """A 30 s validation after step 3 (30 batches of 1 s), SIGTERM after its second batch. Before:
+    the run went on through the remaining ~28 s of validation and step 4, and stopped after step 4
+    (beyond torchrun's 30 s grace at scale). Now: cut short before batch 3, checkpoint of step 3,
+    exit 75 within seconds; resuming it (without validation) gives bitwise the losses of an
+    uninterrupted run, logged at the same steps."""
+    from tests.test_fail_fast import Job, stop_job, wait_for
+
+    run = tmp_path / "run"
+    # RunCheckpoint (the config's last callback) saves no step of this run: the pre-emption save must be written.
+    cmd = run_cmd(run, "--trainer.max_steps=6", "--trainer.callbacks.every_n_train_steps=100", *validation(30, 3),
+                  "--trainer.callbacks+=tests.test_stop_edges.SlowValidation", "--trainer.callbacks.sleep_s=1")
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: printed(job, "slow validation batch 2 after step 3"), 300, job, "validation batch 2")
+        rc, stopped_in = stop_job(job, signal.SIGTERM)
+        out = job.output()
+    print(f"exit {rc} {stopped_in:.1f} s after SIGTERM")
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    assert stopped_in < 10, (stopped_in, out[-3000:])  # before: > 28 s (the rest of the validation, step 4)
+    assert "stopped by SIGTERM during the validation after step 3 (cut short before batch 3 of 30" in out, out[-3000:]
+    ckpt = run / "checkpoints" / "step=000003-preempt.ckpt"
+    assert is_complete(ckpt), sorted(p.name for p in ckpt.parent.iterdir())
+    assert "slow validation batch 3 " not in out
+    interrupted = losses(run)
+    assert sorted(interrupted) == [0, 1, 2]  # every stopped step's row is in the CSV (0-based)
+
+    # The resume and the reference run do not validate (the config's default): the resume must not
+    # depend on validating at step 3 as the interrupted run did (before the loop state was recorded
+    # as at the step boundary, every metric of such a resume was logged one step early).
+    resumed = tmp_path / "resumed"
+    with Job(run_cmd(resumed, "--trainer.max_steps=6", f"--ckpt_path={ckpt}"), tmp_path / "resumed.txt",
+             builtin_cache) as job:
+        assert job.wait(timeout=300) == 0, job.output()[-4000:]
+    reference = tmp_path / "reference"
+    with Job(run_cmd(reference, "--trainer.max_steps=6"), tmp_path / "reference.txt", builtin_cache) as job:
+        assert job.wait(timeout=300) == 0, job.output()[-4000:]
+    expected = losses(reference)
+    assert {s: expected[s] for s in (0, 1, 2)} == interrupted
+    assert losses(resumed) == {s: expected[s] for s in (3, 4, 5)}  # bitwise: float equality
+
+
+# ----------------------------------------------------------------------------------- 2. during a periodic save
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step(tmp_path, builtin_cache):
+    """SIGTERM while RunCheckpoint saves step 5. Before: after that save, a second checkpoint of step
+    5 (`step=000005-preempt.ckpt`) was written. Now: skipped and said, exit 75, and `--ckpt_path auto`
+    resumes from the periodic one."""
+    from tests.test_fail_fast import Job, stop_job, wait_for
+
+    run = tmp_path / "run"
+    cmd = run_cmd(run, "--trainer.max_steps=50", "--trainer.callbacks+=tests.test_stop_edges.SlowSave",
+                  "--trainer.callbacks.sleep_s=3")
+    with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
+        wait_for(lambda: printed(job, "slow save of step 5"), 300, job, "the save of step 5")
+        rc, _ = stop_job(job, signal.SIGTERM)
+        out = job.output()
+    checkpoints = run / "checkpoints"
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    periodic = checkpoints / "step=000005.ckpt"
+    assert (f"stopped by SIGTERM after step 5; step 5 is saved already ({periodic}), so no second checkpoint of it "
+            f"is written; exit code 75") in out, out[-3000:]
+    assert not list(checkpoints.glob("*preempt*")), sorted(p.name for p in checkpoints.iterdir())
+    assert [c.global_step for c in catalog.complete_checkpoints(checkpoints)] == [5]
+    assert sorted(losses(run)) == [0, 1, 2, 3, 4]
+
+    with Job(run_cmd(run, "--trainer.max_steps=7", "--ckpt_path=auto"), tmp_path / "resumed.txt",
+             builtin_cache) as job:
+        assert job.wait(timeout=300) == 0, job.output()[-4000:]
+        out = job.output()
+    assert str(periodic) in out, out[-3000:]  # resumed from it (said by --ckpt_path auto)
+    resumed = [p for p in run.glob("csv/version_*/metrics.csv")]
+    assert len(resumed) == 2, resumed
+    from tests.test_resume import metric_rows, steps_of
+
+    assert sorted(steps_of(metric_rows(max(resumed).parent), "train/lm_loss")) == [5, 6]
 
 
 # ----------------------------------------------------------------------------------- 3. AsyncCheckpointIO

@@ -7,6 +7,18 @@ in the Lightning loop. The mechanics live in `step35.faults`; this file decides 
   `<checkpoint dir>/step=NNNNNN-preempt.ckpt` (trainer.save_checkpoint, the same path
   ModelCheckpoint saves through, so resuming from it is as exact as from any checkpoint), then
   raises `faults.Preempted`: the process exits with `faults.EXIT_PREEMPTED` (75).
+- During a validation the same agreement runs before every validation batch (every rank runs the
+  same batches: validation_step has collectives of its own), so a signal does not wait for the
+  rest of a long validation (at 196B it can outlast torchrun's or Kubernetes' 30 s grace). The
+  validation is cut short (its partial metrics are not logged) and the checkpoint of the step it
+  followed is written, its training-loop state as at that step's boundary
+  (`lightning_private.record_as_at_step_end`): a resume goes on as from a stop at the step boundary
+  before the validation (which it does not redo), whatever its own validation settings.
+- No second checkpoint of one step: when this run has already written a complete checkpoint of
+  the step it stops after (a periodic save at that step, the signal often arriving during it), the
+  pre-emption save is skipped and said; the exit code is 75 all the same. Every rank takes part in
+  every save, so "a save of this step returned" is known alike on every rank; rank 0 confirms on
+  disk that it is complete (manifest) and broadcasts the answer.
 - Lightning's own SIGTERM handler is switched off: it broadcasts from rank 0 inside the handler,
   where other ranks may be inside the expert all-to-all (a deadlock), and stops only at rank 0's
   word. `step35.lightning_private.disable_signal_handlers` is the one place that touches that private API.
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -40,6 +53,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from step35 import faults, lightning_private
 from step35.callbacks.reporting import StepEnds, all_reduce_
+from step35.checkpoint import catalog
 from step35.checkpoint.trainer_io import refuse_asynchronous_io
 from step35.run.layout import RunFolder, preempt_checkpoint
 
@@ -52,6 +66,23 @@ def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None) if callback is not None else None
     return str(dirpath) if dirpath else str(RunFolder(trainer.default_root_dir).checkpoints)
+
+
+def complete_checkpoint_of(trainer: "pl.Trainer", step: int) -> str | None:
+    """The newest complete checkpoint (manifest on disk) of global step `step` in the folders of the
+    trainer's checkpoint callbacks and the pre-emption folder, or None. Reads this rank's view of the
+    filesystem: call it on one rank and broadcast."""
+    folders = [getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks]
+    folders = [Path(f) for f in [*folders, preempt_checkpoint_dir(trainer)] if f]
+    found = [c for folder in dict.fromkeys(folders) for c in catalog.complete_checkpoints(folder)
+             if c.global_step == step]
+    return str(max(found, key=lambda c: c.saved_ns).path) if found else None
+
+
+def _of_val_batches(trainer: "pl.Trainer") -> str:
+    """' of N' for the validation batches of this validation, '' when their number is not known."""
+    total = sum(trainer.num_val_batches or [float("inf")])
+    return f" of {int(total)}" if total != float("inf") else ""
 
 
 def _log_stopped_step(trainer: "pl.Trainer") -> None:
@@ -131,6 +162,8 @@ class FaultTolerance(Checkpoint):
         self._marks = PhaseMarks()
         self._step_started = 0.0  # when the current step's work began (data included)
         self._timed = False  # whether this step's time counts for the signal grace
+        self._saved_step: int | None = None  # the global step of this run's last resumable save
+        self._saving_in_validation = False  # a pre-emption save during a validation is being written
 
     # ------------------------------------------------------------------------------- life cycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -138,6 +171,7 @@ class FaultTolerance(Checkpoint):
         if stage != "fit":
             return
         refuse_asynchronous_io(trainer.strategy)  # the pre-emption save must be on disk before the exit
+        self._saved_step = None
         rank = trainer.global_rank
         faults.watch_launcher(rank)
         # A new list (Lightning iterates the old one for this very hook): PhaseMarks first.
@@ -205,7 +239,13 @@ class FaultTolerance(Checkpoint):
         faults.set_phase("data: next batch")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        faults.set_phase("checkpoint save", patient=True)
+        # Lightning calls this for full (resumable) checkpoints only, on every rank, while the save is
+        # being prepared; the write follows in the same call, so once this rank is back in one of
+        # this callback's hooks the save has returned (a failed one raises and ends the run).
+        self._saved_step = trainer.global_step
+        if self._saving_in_validation:  # resumed as a save at the step boundary before the validation
+            lightning_private.record_as_at_step_end(checkpoint)
+        faults.set_phase("checkpoint save", step=trainer.global_step, patient=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         faults.set_phase("end of training (final hooks, teardown)")
@@ -220,22 +260,73 @@ class FaultTolerance(Checkpoint):
             self.watchdog.record_step(self._marks.batch_end_at - self._step_started)
         self._timed = True
         faults.set_phase("step boundary: stop-signal agreement", step=step)
-        local = self.stop_signals is not None and self.stop_signals.requested
-        flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
-        if all_reduce_(flag, "max").item() > 0:
+        local = self._stop_requested_here()
+        if self._any_rank(trainer, local):
             self._stop(trainer, step, local)
         self._step_started = time.monotonic()
         faults.set_phase("data: next batch", step=step + 1)
 
-    def _stop(self, trainer: "pl.Trainer", step: int, local: bool) -> None:
-        path = str(preempt_checkpoint(preempt_checkpoint_dir(trainer), step))
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        # Before every batch of a validation inside fit (the sanity check before the first step
+        # excepted: a stop then waits for the first step boundary, as before).
+        if self.stop_signals is None or trainer.sanity_checking:
+            return
+        step = trainer.global_step
+        faults.set_phase("validation: stop-signal agreement", step=step)
+        local = self._stop_requested_here()
+        if self._any_rank(trainer, local):
+            self._stop(trainer, step, local, during=f"during the validation after step {step} (cut short "
+                                                    f"before batch {batch_idx + 1}{_of_val_batches(trainer)}, "
+                                                    f"its metrics not logged)")
+        faults.set_phase("validation", step=step)
+
+    def _stop_requested_here(self) -> bool:
+        return self.stop_signals is not None and self.stop_signals.requested
+
+    @staticmethod
+    def _any_rank(trainer: "pl.Trainer", local: bool) -> bool:
+        """Whether a stop signal reached any rank: one all_reduce(MAX) of one number, the same answer
+        on every rank (all of them call it at the same point)."""
+        flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
+        return all_reduce_(flag, "max").item() > 0
+
+    def _saved_already(self, trainer: "pl.Trainer", step: int) -> str | None:
+        """The complete checkpoint of `step` this run wrote (a periodic save at this very step), or
+        None: the same answer on every rank (the in-memory step is the same on all, rank 0 reads the
+        disk and broadcasts)."""
+        if self._saved_step != step:
+            return None
+        faults.set_phase("pre-emption: is this step saved already", step=step)
+        found = complete_checkpoint_of(trainer, step) if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(found, src=0)
+
+    def _stop(self, trainer: "pl.Trainer", step: int, local: bool, during: str | None = None) -> None:
+        """Writes the pre-emption checkpoint of `step` (unless this step is saved already) and raises
+        `faults.Preempted`. `during`: the validation being cut short, if the stop comes in one."""
         cause = self.stop_signals.name() if local else "a stop signal on another rank"
+        when = during or f"after step {step}"
         faults.set_phase("pre-emption: logging the step's metrics", step=step)
-        _log_stopped_step(trainer)
-        faults.set_phase("pre-emption checkpoint save", step=step, patient=True)
-        trainer.save_checkpoint(path)
-        self.preempt_path = path
-        message = (f"step35: stopped by {cause} after step {step}; checkpoint {path}; exit code "
-                   f"{faults.EXIT_PREEMPTED} (continue with --ckpt_path auto, or --ckpt_path {path})")
+        if during is None:
+            _log_stopped_step(trainer)
+        else:  # the step's metrics are with the loggers already (Lightning logs them before validating)
+            for logger in trainer.loggers:
+                logger.save()
+        saved = self._saved_already(trainer, step)
+        if saved is not None:
+            message = (f"step35: stopped by {cause} {when}; step {step} is saved already ({saved}), so no "
+                       f"second checkpoint of it is written; exit code {faults.EXIT_PREEMPTED} (continue with "
+                       f"--ckpt_path auto, or --ckpt_path {saved})")
+        else:
+            path = str(preempt_checkpoint(preempt_checkpoint_dir(trainer), step))
+            faults.set_phase("pre-emption checkpoint save", step=step, patient=True)
+            self._saving_in_validation = during is not None
+            try:
+                with torch.inference_mode(False):  # (validation runs under inference mode) as any save
+                    trainer.save_checkpoint(path)
+            finally:
+                self._saving_in_validation = False
+            self.preempt_path = path
+            message = (f"step35: stopped by {cause} {when}; checkpoint {path}; exit code "
+                       f"{faults.EXIT_PREEMPTED} (continue with --ckpt_path auto, or --ckpt_path {path})")
         faults.write_stderr(f"[rank {trainer.global_rank}] {message}\n")
         raise faults.Preempted(message)

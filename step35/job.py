@@ -123,6 +123,7 @@ def place_of_environment(devices_per_node: int | None = None) -> JobPlace:
 
 
 _THIS_PROCESS: JobPlace | None = None
+_STARTED_ID: str | None = None  # the job id this process gave its job (start_job_identity)
 
 
 def this_process(devices_per_node: int | None = None, fresh: bool = False) -> JobPlace:
@@ -130,9 +131,9 @@ def this_process(devices_per_node: int | None = None, fresh: bool = False) -> Jo
     the Trainer exists): Lightning's launcher later writes LOCAL_RANK=0 and WORLD_SIZE into rank 0's own
     environment, which must not make it look like one of the processes it started. A later call may
     complete an unknown global rank."""
-    global _THIS_PROCESS
+    global _THIS_PROCESS, _STARTED_ID
     if fresh:
-        _THIS_PROCESS = None
+        _THIS_PROCESS = _STARTED_ID = None
     if _THIS_PROCESS is None or (_THIS_PROCESS.global_rank is None and devices_per_node):
         first = _THIS_PROCESS
         _THIS_PROCESS = place_of_environment(devices_per_node)
@@ -147,6 +148,9 @@ def start_job_identity() -> dict[str, str]:
     the processes Lightning's launcher starts from this one inherit (a value inherited from whoever ran
     this process is replaced). The dict is what rank 0 records in the run folder's lock. (On a node > 0,
     Lightning's local ranks compare MASTER_ADDR/MASTER_PORT, which a multi-node launch sets everywhere.)"""
+    global _STARTED_ID
     place = this_process()
-    os.environ[JOB_VARIABLE] = f"{os.getpid()}-{uuid.uuid4().hex}"
-    return {**place.job, JOB_VARIABLE: os.environ[JOB_VARIABLE]}
+    if _STARTED_ID is None:  # once per command: every lock this job takes records the same id
+        _STARTED_ID = f"{os.getpid()}-{uuid.uuid4().hex}"
+    os.environ[JOB_VARIABLE] = _STARTED_ID
+    return {**place.job, JOB_VARIABLE: _STARTED_ID}

@@ -311,3 +311,38 @@ def test_export_and_generate_read_a_run_folders_newest_intact_checkpoint(tmp_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="neither a checkpoint .* nor a run folder"):
         checkpoint_of(tmp_path / "empty")
+
+
+def test_two_runs_given_one_checkpoint_folder_are_kept_apart(tmp_path, builtin_cache):
+    """`RunCheckpoint.dirpath` outside the run folder is locked too: a second run (its own run folder) given
+    the checkpoint folder a live run saves into is refused naming it and the option, and touches nothing
+    there (it used to prune and tidy the other's saves); a run given a free shared folder locks and releases it."""
+    from step35.callbacks import RunCheckpoint
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    shared = tmp_path / "scratch-ckpts"
+    shared.mkdir()
+    theirs = shared / "step=000033.ckpt"
+    theirs.write_bytes(b"the other run's save")
+    write_manifest(theirs, extra={"global_step": 33})
+
+    def fit(run: Path) -> None:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, default_root_dir=run,
+                             callbacks=[RunCheckpoint(dirpath=str(shared), every_n_train_steps=2, keep_last=1)])
+        trainer.fit(Step35LightningModule(config="tiny", warmup_steps=1),
+                    datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)))
+
+    holder, _ = hold(shared)  # the live run that saves into the shared folder
+    try:
+        with pytest.raises(RunFolderBusy, match=rf"the checkpoint folder \(RunCheckpoint.dirpath\) {shared} is in use "
+                                                rf"by a live run \(pid {holder.pid}.*own RunCheckpoint.dirpath"):
+            fit(tmp_path / "second")
+        assert theirs.read_bytes() == b"the other run's save" and not (shared / "last.ckpt").exists()
+    finally:
+        kill9(holder)
+    theirs.unlink()
+    fit(tmp_path / "alone")
+    assert (shared / "step=000002.ckpt").exists()
+    assert lock.read_holder(shared / ".step35.lock") is None and not lock.held(RunFolder(shared))  # released

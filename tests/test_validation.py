@@ -179,3 +179,19 @@ def test_cli_misspelt_override_fails_before_training(tmp_path, builtin_cache):
     assert proc.returncode != 0
     assert "unknown config field 'hiden_size' (did you mean 'hidden_size'?)" in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_cli_validate_leaves_the_run_folders_config_alone(tmp_path, builtin_cache, tiny_run):
+    """`step35 validate` in a run folder (maybe beside its live fit: validate takes no lock) used to replace
+    the run's config.yaml with its own; its config goes to its loggers only."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run, symlinks=True)
+    (run / "config.yaml").write_text("# the live fit's config\n")
+    proc = _step35(["validate", "--config", str(ROOT / "configs/tiny.yaml"), f"--run_dir={run}", "--ckpt_path=last",
+                    "--data.seq_len=32", "--trainer.limit_val_batches=1", "--data.val_batches=1", "--model.mtp_loss_weight=0"],
+                   builtin_cache, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "val/loss" in proc.stdout
+    assert (run / "config.yaml").read_text() == "# the live fit's config\n"

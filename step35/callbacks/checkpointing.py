@@ -76,6 +76,7 @@ class RunCheckpoint(ModelCheckpoint):
         self.save_on_train_end = save_on_train_end
         self._resumed_from: Path | None = None
         self._own_lock: RunFolder | None = None
+        self._dirpath_lock: RunFolder | None = None  # the lock of a dirpath outside the run folder
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         run = RunFolder(trainer.default_root_dir)
@@ -92,6 +93,7 @@ class RunCheckpoint(ModelCheckpoint):
                 note = lock.acquire(run)
                 if note:
                     say(note)
+                self._lock_checkpoint_folder(run)
                 self._tidy(checkpoint_to_load(trainer))
             except RunFolderBusy as error:
                 refusal = str(error)
@@ -109,11 +111,31 @@ class RunCheckpoint(ModelCheckpoint):
         super().on_exception(trainer, pl_module, exception)
         self._release()
 
+    def _lock_checkpoint_folder(self, run: RunFolder) -> None:
+        """A `dirpath` outside the run folder gets its own lock: two runs given one checkpoint folder (one
+        YAML with `dirpath: /scratch/ckpts` launched twice) would otherwise prune and tidy each other's
+        saves. The second run is refused, naming the first."""
+        folder = Path(self.dirpath).resolve()
+        if folder == run.root.resolve() or run.root.resolve() in folder.parents or lock.held(RunFolder(folder)):
+            return
+        try:
+            note = lock.acquire(RunFolder(folder))
+        except RunFolderBusy as error:
+            raise RunFolderBusy(f"the checkpoint folder (RunCheckpoint.dirpath) {error}".replace(
+                "give this run its own folder with --run_dir", "give this run its own RunCheckpoint.dirpath"
+            )) from None
+        self._dirpath_lock = RunFolder(folder)
+        if note:
+            say(note)
+
     def _release(self) -> None:
         # A lock this callback took (a Trainer built without the CLI) ends with the run, not the process.
         if self._own_lock is not None:
             lock.release(self._own_lock)
             self._own_lock = None
+        if self._dirpath_lock is not None:
+            lock.release(self._dirpath_lock)
+            self._dirpath_lock = None
 
     def _tidy(self, resuming: Path | None) -> None:
         folder = Path(self.dirpath)

@@ -45,14 +45,16 @@ def code_version() -> str:
 
 
 class Step35SaveConfig(SaveConfigCallback):
-    """Writes config.yaml into the run folder (each attempt replaces it; every attempt's config also
-    reaches its loggers, e.g. csv/version_N/hparams.yaml) with the code version."""
+    """Writes config.yaml into the run folder (each fit attempt replaces it; `validate` does not, it may run
+    beside the live fit of the folder) and gives every attempt's config to its loggers (e.g.
+    csv/version_N/hparams.yaml) with the code version."""
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        folder = runs.RunFolder(trainer.default_root_dir)
-        folder.root.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config, folder.root / self.config_filename, skip_none=False, overwrite=True,
-                         multifile=self.multifile)
+        if stage == "fit":  # `validate` runs beside a live fit of the folder without its lock: its loggers only
+            folder = runs.RunFolder(trainer.default_root_dir)
+            folder.root.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, folder.root / self.config_filename, skip_none=False, overwrite=True,
+                             multifile=self.multifile)
         config = self.config.as_dict()
         config["code_version"] = code_version()
         for logger in trainer.loggers:

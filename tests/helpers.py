@@ -179,3 +179,17 @@ def step35(args: list[str], cache, timeout: float = 600) -> subprocess.Completed
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def train_byte_bpe(texts: list[str], special_tokens: list[str], folder, vocab_size: int = 400):
+    """A byte-level BPE (tokenizers' Tokenizer) trained on `texts` here, saved as `folder`/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(Path(folder) / "tokenizer.json"))
+    return tokenizer

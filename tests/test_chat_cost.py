@@ -34,6 +34,7 @@ from step35.data.packing import conversation_window
 from step35.data.sft import SftEncoder
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
+from tests.helpers import train_byte_bpe
 from tests.test_chat_template import CONVERSATION, SOURCES, SPECIAL, TOOLS, marked, plain
 from tests.test_sft_data import chat_source, make_tokenizer, write_jsonl
 
@@ -44,19 +45,9 @@ BIG = SENTENCE * (20_000_000 // len(SENTENCE))  # 20 MB of text
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> TextTokenizer:
     """A byte-level BPE trained here (as in test_chat_template.py), EOS = the templates' `<|im_end|>`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    texts = [json.dumps(CONVERSATION), json.dumps(TOOLS), SENTENCE * 20]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", *SPECIAL],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    tokenizer.train_from_iterator(texts, trainer=trainer)
     folder = tmp_path_factory.mktemp("cost-tokenizer")
-    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer = train_byte_bpe([json.dumps(CONVERSATION), json.dumps(TOOLS), SENTENCE * 20],
+                               ["<|endoftext|>", *SPECIAL], folder)
     return TextTokenizer.from_folder(folder, eos_token_id=tokenizer.token_to_id("<|im_end|>"))
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from step35.data.chat import TRAIN_ON, ChatTemplate, ChatTemplateError, check_messages, token_mask
 from step35.data.tokenizer import TextTokenizer
+from tests.helpers import train_byte_bpe
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -124,20 +125,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """(our TextTokenizer, transformers' PreTrainedTokenizerFast) over one byte-level BPE trained here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [json.dumps(CONVERSATION), json.dumps(TOOLS), "The quick brown fox jumps over the lazy dog. " * 20]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", *SPECIAL],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    tok.train_from_iterator(texts, trainer=trainer)
     folder = tmp_path_factory.mktemp("chat-tokenizer")
-    tok.save(str(folder / "tokenizer.json"))
+    tok = train_byte_bpe([json.dumps(CONVERSATION), json.dumps(TOOLS), "The quick brown fox jumps over the lazy dog. " * 20],
+                         ["<|endoftext|>", *SPECIAL], folder)
     ours = TextTokenizer.from_folder(folder, eos_token_id=tok.token_to_id("<|im_end|>"))
     theirs = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
     return ours, theirs

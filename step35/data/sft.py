@@ -192,6 +192,7 @@ class SftEncoder:
             if self.template is None:
                 check_messages(messages)  # a bad record is still only skipped; a good one cannot be rendered
                 raise ValueError(f"{where}: a conversation, and {self.template_missing}")
+            self.template.check_tools(tools, where, source=self)  # warns once per source (one encoder each)
             ids, trained, total = self.template.encode_prefix(  # checks the messages first
                 self.tokenizer, messages, self.limit, train_on=self.train_on, train_reasoning=self.train_reasoning,
                 tools=tools,

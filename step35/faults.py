@@ -352,6 +352,22 @@ class LauncherWatch:
 _LAUNCHER_WATCH: LauncherWatch | None = None
 
 
+def _launcher_gone_before_import(launcher_pid: int | None) -> int | None:
+    """The pid to watch instead of the parent seen at import: the Lightning-launched rank's launcher named
+    by its job id, when that process had died before this one looked at its parent (it was then already
+    re-parented). A job id naming another process that still lives was inherited from elsewhere: the
+    parent seen at import is the launcher then (None)."""
+    if launcher_pid is None or launcher_pid == _PARENT_AT_START:
+        return None
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        return launcher_pid  # gone: the watch's first check ends this rank
+    except PermissionError:
+        pass
+    return None
+
+
 def watch_launcher(rank: int | None = None) -> bool:
     """Starts the one `LauncherWatch` of this process when a launcher started it (`started_by_launcher`);
     a later call only updates the rank its message names (None: the rank the launcher gave, step35.job).
@@ -360,7 +376,7 @@ def watch_launcher(rank: int | None = None) -> bool:
     if _LAUNCHER_WATCH is None and started_by_launcher():
         place = job.this_process()
         _LAUNCHER_WATCH = LauncherWatch((place.global_rank or 0) if rank is None else rank,
-                                        parent=place.launcher_pid).start()
+                                        parent=_launcher_gone_before_import(place.launcher_pid)).start()
     elif _LAUNCHER_WATCH is not None and rank is not None:
         _LAUNCHER_WATCH.rank = rank
     return _LAUNCHER_WATCH is not None

@@ -513,7 +513,9 @@ else:
                                           "WORLD_SIZE": "1"}, {"LOCAL_RANK": "1"}, {}],
                          ids=["torchrun", "lightning", "shell"])
 def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shell_does_not(launcher_env):
+    # (a STEP35_JOB left in this process by an in-process run is kept: a rank must not take it for its launcher's)
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
+    env.setdefault("STEP35_JOB", f"{os.getpid()}-inherited")
     proc = subprocess.run([sys.executable, "-c", SUPERVISOR], capture_output=True, text=True, timeout=90,
                           env={**env, "PYTHONPATH": str(ROOT), **launcher_env})
     assert proc.returncode == 0, proc.stderr

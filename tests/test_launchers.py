@@ -240,3 +240,19 @@ def test_a_bad_expert_parallel_size_ends_the_whole_lightning_launched_job_at_onc
            "[1, 2])" in proc.stderr, proc.stderr[-3000:]
     assert "waited 300 s" not in proc.stderr and took < 200, (took, proc.stderr[-3000:])
     print(f"refused in {took:.0f} s")
+
+
+def test_a_rank_whose_launcher_died_before_it_looked_ends_at_once(tmp_path):
+    """A rank Lightning's launcher started, whose launcher (rank 0) was gone before the rank imported step35:
+    its parent is then already init, so only the pid in the inherited job id tells; it exits 77 at once. A
+    job id naming a live process that is not its parent (inherited from elsewhere) is not taken for it."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    code = "from step35 import faults; import time; print(faults.watch_launcher(), flush=True); time.sleep(3)"
+    for job_id, expected in ((f"{dead.pid}-x", 77), (f"{os.getpid()}-x", 0)):
+        env = {**environment_for(tmp_path), "LOCAL_RANK": "1", job.JOB_VARIABLE: job_id}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == expected, (job_id, proc.returncode, proc.stderr[-2000:])
+    assert f"the launcher (pid {dead.pid}) is gone" in subprocess.run(
+        [sys.executable, "-c", code], env={**environment_for(tmp_path), "LOCAL_RANK": "1", job.JOB_VARIABLE: f"{dead.pid}-x"},
+        capture_output=True, text=True, timeout=120).stderr

@@ -242,6 +242,8 @@ def test_a_bad_expert_parallel_size_ends_the_whole_lightning_launched_job_at_onc
     print(f"refused in {took:.0f} s")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_a_rank_whose_launcher_died_before_it_looked_ends_at_once(tmp_path):
     """A rank Lightning's launcher started, whose launcher (rank 0) was gone before the rank imported step35:
     its parent is then already init, so only the pid in the inherited job id tells; it exits 77 at once. A

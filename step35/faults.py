@@ -359,13 +359,25 @@ def _launcher_gone_before_import(launcher_pid: int | None) -> int | None:
     parent seen at import is the launcher then (None)."""
     if launcher_pid is None or launcher_pid == _PARENT_AT_START:
         return None
+    return launcher_pid if _ended(launcher_pid) else None  # ended: the watch's first check ends this rank
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended: gone, or a zombie its own parent has not reaped yet (Lightning's rank
+    0 under a parent that waits for the job's output pipes, which this rank still holds)."""
     try:
-        os.kill(launcher_pid, 0)
-    except ProcessLookupError:
-        return launcher_pid  # gone: the watch's first check ends this rank
-    except PermissionError:
-        pass
-    return None
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
 
 def watch_launcher(rank: int | None = None) -> bool:

@@ -216,7 +216,7 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("launcher", ("lightning", "torchrun"))
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_cp2_on_two_ranks_gives_the_losses_of_one_process(tmp_path, launcher, config, builtin_cache, one_process):
     """`--trainer.strategy.context_parallel_size 2` (EP 2 composed) on 2 ranks: both ranks read the same
     batches and the job logs, step by step, the losses one process logs."""
@@ -250,11 +250,17 @@ def test_a_rank_whose_launcher_died_before_it_looked_ends_at_once(tmp_path):
     job id naming a live process that is not its parent (inherited from elsewhere) is not taken for it."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # ended, not reaped yet (as a rank 0 whose parent
+    deadline = time.monotonic() + 60                          # waits for the job's output pipes)
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     code = "from step35 import faults; import time; print(faults.watch_launcher(), flush=True); time.sleep(3)"
-    for job_id, expected in ((f"{dead.pid}-x", 77), (f"{os.getpid()}-x", 0)):
+    for job_id, expected in ((f"{dead.pid}-x", 77), (f"{zombie.pid}-x", 77), (f"{os.getpid()}-x", 0)):
         env = {**environment_for(tmp_path), "LOCAL_RANK": "1", job.JOB_VARIABLE: job_id}
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == expected, (job_id, proc.returncode, proc.stderr[-2000:])
     assert f"the launcher (pid {dead.pid}) is gone" in subprocess.run(
         [sys.executable, "-c", code], env={**environment_for(tmp_path), "LOCAL_RANK": "1", job.JOB_VARIABLE: f"{dead.pid}-x"},
         capture_output=True, text=True, timeout=120).stderr
+    zombie.wait()

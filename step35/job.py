@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Set by a Lightning-launched job's rank 0 before the Trainer starts its other local ranks, which inherit it:
 # what they recognise their job by (the launcher gives them nothing that rank 0 had at start).
@@ -83,8 +83,7 @@ class JobPlace:
             # Lightning's local ranks 1..N-1 of node 0, started by rank 0 itself with its environment: the
             # port was chosen after rank 0 wrote the record, so only the inherited job id can be compared
             return recorded.get(JOB_VARIABLE) == self.job[JOB_VARIABLE]
-        mine = {k: v for k, v in self.job.items() if k != JOB_VARIABLE}
-        return bool(mine) and all(recorded.get(k) == v for k, v in mine.items())
+        return bool(self.job) and all(recorded.get(k) == v for k, v in self.job.items())
 
 
 def _environment() -> tuple[str, object | None]:
@@ -135,11 +134,9 @@ def this_process(devices_per_node: int | None = None, fresh: bool = False) -> Jo
     if fresh:
         _THIS_PROCESS = _STARTED_ID = None
     if _THIS_PROCESS is None or (_THIS_PROCESS.global_rank is None and devices_per_node):
-        first = _THIS_PROCESS
-        _THIS_PROCESS = place_of_environment(devices_per_node)
+        first, _THIS_PROCESS = _THIS_PROCESS, place_of_environment(devices_per_node)
         if first is not None:  # only the rank is completed; the rest stays as read first
-            _THIS_PROCESS = JobPlace(first.launcher, first.node_rank, first.local_rank,
-                                     _THIS_PROCESS.global_rank, first.world_size, first.job)
+            _THIS_PROCESS = replace(first, global_rank=_THIS_PROCESS.global_rank)
     return _THIS_PROCESS
 
 

@@ -118,12 +118,8 @@ class RunCheckpoint(ModelCheckpoint):
         folder = Path(self.dirpath).resolve()
         if folder == run.root.resolve() or run.root.resolve() in folder.parents or lock.held(RunFolder(folder)):
             return
-        try:
-            note = lock.acquire(RunFolder(folder))
-        except RunFolderBusy as error:
-            raise RunFolderBusy(f"the checkpoint folder (RunCheckpoint.dirpath) {error}".replace(
-                "give this run its own folder with --run_dir", "give this run its own RunCheckpoint.dirpath"
-            )) from None
+        note = lock.acquire(RunFolder(folder), what="the checkpoint folder (RunCheckpoint.dirpath) ",
+                            remedy="give this run its own RunCheckpoint.dirpath")
         self._dirpath_lock = RunFolder(folder)
         if note:
             say(note)

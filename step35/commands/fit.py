@@ -348,14 +348,19 @@ def _apply_checkpoint_options(config) -> None:
 
 
 def _is_subclass(class_path, cls: type) -> bool:
-    if not isinstance(class_path, str) or "." not in class_path:
-        return False
-    module_name, _, name = class_path.rpartition(".")
     try:
-        found = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError):
+        found = _imported(class_path)
+    except (ImportError, AttributeError, ValueError):
         return False
     return isinstance(found, type) and issubclass(found, cls)
+
+
+def _imported(class_path):
+    """What the dotted path `module.Name` names (ImportError / AttributeError / ValueError when it names nothing)."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        raise ValueError(f"{class_path!r} is not a dotted class path")
+    module_name, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), name)
 
 
 def _strategy_class_path_to_class(config) -> None:
@@ -369,9 +374,8 @@ def _strategy_class_path_to_class(config) -> None:
     value = trainer.get("strategy") if trainer is not None else None
     if not isinstance(value, str) or "." not in value:
         return
-    module_name, _, class_name = value.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = _imported(value)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"trainer.strategy={value!r}: cannot import it ({e})") from None
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):

@@ -80,8 +80,9 @@ def read_holder(path: str | Path) -> dict | None:
 class RunLock:
     """The lock of one run folder, held by this process from `acquire` until `release` or its death."""
 
-    def __init__(self, folder: RunFolder):
+    def __init__(self, folder: RunFolder, what: str = "", remedy: str = "give this run its own folder with --run_dir"):
         self.folder = folder
+        self.what, self.remedy = what, remedy  # how the refusal names the folder and what to do
         self.fd: int | None = None
         self.record: dict = {}
 
@@ -98,9 +99,9 @@ class RunLock:
             holder = read_holder(path)
             who = describe(holder) if holder else "a job that has not written its name yet"
             raise RunFolderBusy(
-                f"{self.folder.root} is in use by a live run ({who}; lock {path}): a second run in the same folder "
-                f"would delete its saves in progress and its checkpoints. Wait for it to end or stop it, or give "
-                f"this run its own folder with --run_dir") from None
+                f"{self.what}{self.folder.root} is in use by a live run ({who}; lock {path}): a second run in the same "
+                f"folder would delete its saves in progress and its checkpoints. Wait for it to end or stop it, or "
+                f"{self.remedy}") from None
         previous = read_holder(path)
         self.record = {"host": socket.gethostname(), "pid": os.getpid(),
                        "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -135,12 +136,13 @@ class RunLock:
         self.fd = None
 
 
-def acquire(folder: RunFolder) -> str | None:
-    """Take `folder`'s lock for this process (a no-op when it holds it already); see RunLock.acquire."""
+def acquire(folder: RunFolder, **refusal) -> str | None:
+    """Take `folder`'s lock for this process (a no-op when it holds it already); see RunLock.acquire
+    (`refusal`: RunLock's `what` and `remedy`)."""
     key = folder.root.resolve()
     if key in _HELD:
         return None
-    lock = RunLock(folder)
+    lock = RunLock(folder, **refusal)
     note = lock.acquire()
     _HELD[key] = lock
     return note

@@ -135,7 +135,7 @@ def cp_saved_bytes(tmp_path_factory):
     the release's head ratio), measured once for the cp tests and the plan's cp test."""
     from pathlib import Path
 
-    from tests.helpers import run_dist_script
+    from tests.runner import run_dist_script
 
     script = Path(__file__).parent / "dist" / "cp_activation_bytes.py"
     return run_dist_script(script, tmp_path_factory.mktemp("cp-bytes") / "bytes.pt", 2, timeout=240)

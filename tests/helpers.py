@@ -1,25 +1,20 @@
 """Shared helpers of the step35 tests: the one tiny config dict every test starts from, the one hand
 computation of RoPE inverse frequencies with llama3 scaling (docs/architecture.md §2.4-2.5), which the
-model tests and the reference forward share, and the ways to run step35 (a subprocess, a process group,
-torchrun, `plan` in this process). Other reference math stays in the test that needs it, written from
-docs/architecture.md."""
+model tests and the reference forward share, and readers of what runs leave (wandb records). Starting step35
+(a subprocess, torchrun, a launcher, the CLI in this process) is tests/runner.py's. Other reference math stays
+in the test that needs it, written from docs/architecture.md."""
 
 from __future__ import annotations
 
 import copy
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from step35.config import PRESETS, Step35Config
 from step35.model import Step35ForCausalLM
 
-ROOT = Path(__file__).parent.parent
 
 
 def tiny_config_dict(**overrides) -> dict:
@@ -123,62 +118,6 @@ def wandb_records(run_root, kind: str) -> list:
         if record.WhichOneof("record_type") == kind:
             records.append(record)
     return records
-
-
-def run_process_group(cmd: list[str], timeout: float, **kwargs):
-    """subprocess.run for commands that start children (torchrun and its ranks): the command runs in
-    its own session and, on timeout, the whole group is killed, so a rank hung in a collective can
-    never outlive its test. Returns a CompletedProcess; raises subprocess.TimeoutExpired after the kill."""
-    import os
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def run_dist_script(script, out, nproc: int | None, *args: str, timeout: float) -> dict:
-    """Run a tests/dist script in one plain process (nproc None) or under torchrun with nproc ranks;
-    it writes its results to `out` (`--out`), which is returned loaded."""
-    import os
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = run_process_group([sys.executable, *launcher, str(script), "--out", str(out), *args], env=env,
-                             timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out)
-
-
-def run_plan(capsys, *args: str) -> tuple[int, str, str]:
-    """`step35 plan <args>` in this process: (exit code, stdout, stderr). The fake process group the plan
-    opens is closed again when it returns."""
-    from step35.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(["plan", *args])
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
-
-
-def step35(args: list[str], cache, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m step35 <args>` in a subprocess with the builtin cache at `cache`; it must succeed (the output's
-    tails are the assertion's message)."""
-    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 def train_byte_bpe(texts: list[str], special_tokens: list[str], folder, vocab_size: int = 400):

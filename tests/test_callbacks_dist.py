@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "observability_run.py"

@@ -36,7 +36,8 @@ from step35.checkpoint.trainer_io import Step35CheckpointIO, load_file
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
-from tests.helpers import run_process_group, tiny_model
+from tests.helpers import tiny_model
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 COMMON = ["--config", "configs/tiny.yaml", "--trainer.val_check_interval=1000", "--trainer.limit_val_batches=1",

@@ -13,7 +13,7 @@ import torch
 from step35 import kernels
 from step35.parallel import ParallelConfigError, ParallelDims, valid_cp_sizes
 from step35.parallel.context import chunk_owner, chunk_size, local_positions
-from tests.helpers import run_dist_script
+from tests.runner import run_dist_script
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "cp_equivalence.py"

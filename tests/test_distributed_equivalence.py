@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import run_dist_script
+from tests.runner import run_dist_script
 
 SCRIPT = Path(__file__).parent / "dist" / "train_steps.py"
 REL = 1e-5

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 
 SCRIPT = Path(__file__).parent / "dist" / "ep_all_to_all_count.py"
 ROOT = Path(__file__).parent.parent

@@ -20,7 +20,7 @@ import pytest
 
 from step35 import job
 from step35.run import lock
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 from tests.test_resume import config_file, metric_rows, steps_of
 
 ROOT = Path(__file__).parent.parent

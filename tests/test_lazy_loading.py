@@ -12,7 +12,8 @@ import torch
 from step35.checkpoint.pretrained import save_pretrained
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
-from tests.helpers import run_process_group, tiny_config
+from tests.helpers import tiny_config
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 WORLD = 4

@@ -19,7 +19,7 @@ from step35.checkpoint.materialize import materialize
 from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, LoraError, adapter_parameters, apply_lora, is_adapter
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 ALL_TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head", "embed"]

@@ -125,7 +125,7 @@ def torchrun_fit(config, run, cache, ep: int, max_steps: int, *extra: str) -> No
     import os
     import sys
 
-    from tests.helpers import run_process_group
+    from tests.runner import run_process_group
     from tests.test_chaos import ROOT
 
     env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_dist_script
+from tests.runner import run_dist_script
 
 SCRIPT = Path(__file__).parent / "dist" / "lora_steps.py"
 REL = 1e-5

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import step35
+from tests.runner import step35
 
 ROOT = Path(__file__).parent.parent
 

@@ -21,7 +21,8 @@ from step35.config import Step35Config, preset
 from step35.model import Step35ForCausalLM
 from step35.parallel.parallelize import apply_activation_checkpointing
 from step35.plan.activations import Shape, model_activations
-from tests.helpers import run_plan, run_process_group, tiny_config_dict
+from tests.helpers import tiny_config_dict
+from tests.runner import run_plan, run_process_group
 
 ROOT = Path(__file__).parent.parent
 

@@ -23,7 +23,7 @@ from benchmarks.activation_memory import _config
 from step35.config import preset
 from step35.parallel import ParallelDims
 from step35.plan.activations import Shape, model_activations
-from tests.helpers import run_plan
+from tests.runner import run_plan
 
 ROOT = Path(__file__).parent.parent
 GiB = 1024**3

@@ -23,7 +23,8 @@ from step35.config import Step35Config, preset
 from step35.model import build_model
 from step35.plan.lora import DEFAULT_TARGETS, parse_lora, trained_tensors
 from step35.plan.settings import read_settings
-from tests.helpers import run_plan, tiny_config
+from tests.helpers import tiny_config
+from tests.runner import run_plan
 
 ROOT = Path(__file__).parent.parent
 RECIPE = str(ROOT / "configs" / "flash-196b-lora-h200.yaml")

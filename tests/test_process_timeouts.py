@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 
 
 def test_timeout_kills_children(tmp_path):

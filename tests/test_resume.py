@@ -19,8 +19,8 @@ import torch
 from step35.checkpoint import catalog
 from step35.checkpoint.integrity import is_complete, write_manifest
 from step35.checkpoint.publish import leftover_of
-from step35.run import apply_optimizer_settings
-from tests.helpers import run_process_group
+from step35.training.optimizer import apply_resumed_settings
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 
@@ -276,14 +276,14 @@ def test_optimizer_settings_after_restore_are_the_runs_and_unchanged_ones_are_bi
     same.load_state_dict(saved_opt)
     same_sched.load_state_dict(saved_sched)
     before = [dict((k, v) for k, v in g.items() if k != "params") for g in same.param_groups]
-    apply_optimizer_settings(same, same_settings, same_sched)
+    apply_resumed_settings(same, same_settings, same_sched)
     assert [dict((k, v) for k, v in g.items() if k != "params") for g in same.param_groups] == before
     assert same_sched.get_last_lr() == sched.get_last_lr()
 
     _, new, new_sched, new_settings = build(1e-3, betas=(0.8, 0.9), wd=0.05)
     new.load_state_dict(saved_opt)  # brings back lr 3e-3, betas (0.9, 0.95), wd 0.1
     new_sched.load_state_dict(saved_sched)
-    apply_optimizer_settings(new, new_settings, new_sched)
+    apply_resumed_settings(new, new_settings, new_sched)
     factor = min(1.0, 7 / 3) * 0.5 ** (6 // 4)
     assert [g["lr"] for g in new.param_groups] == [1e-3 * factor] * 2 == new_sched.get_last_lr()
     assert [g["betas"] for g in new.param_groups] == [(0.8, 0.9)] * 2

@@ -18,7 +18,7 @@ import pytest
 
 from step35.checkpoint.integrity import manifest_path, write_manifest
 from step35.run import RunFolder, RunFolderBusy, lock
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 from tests.test_resume import config_file, fit, saved_steps, step35
 
 ROOT = Path(__file__).parent.parent

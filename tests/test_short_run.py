@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 from tests.test_callbacks import tensorboard_events
 
 ROOT = Path(__file__).parent.parent

@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from step35.data import Step35DataModule
 from step35.data.bad_records import METRIC_PREFIX, REPORTS_PER_SOURCE
 
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs".split()

@@ -18,7 +18,7 @@ from step35.checkpoint.pretrained import load_pretrained
 from step35.module import Step35LightningModule
 from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
-from tests.helpers import run_process_group
+from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
 

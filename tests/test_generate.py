@@ -13,7 +13,7 @@ from step35.checkpoint.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
 from step35.data.chat import ChatTemplate
 from step35.run import checkpoint_of
-from tests.helpers import step35 as run_step35
+from tests.runner import step35 as run_step35
 
 ROOT = Path(__file__).parent.parent
 PROMPT = "The for statement"

@@ -1,4 +1,4 @@
-"""A conversation costs what its window needs, not what its length is; preference files are refused (chat.py's
+"""A conversation costs what its window needs, not what its length is; preference files are refused (chat_template.py's
 `ChatTemplate.encode_prefix`, sft.py's `SftEncoder(window=...)` and format detection).
 
 Measured on the shared 2-core test machine (7 users at once), in this process:
@@ -29,7 +29,7 @@ import pytest
 
 from step35.data import Step35DataModule
 from step35.data.bad_records import OverlongWarning
-from step35.data.chat import ChatTemplate
+from step35.data.chat_template import ChatTemplate
 from step35.data.packing import conversation_window
 from step35.data.sft import SftEncoder
 from step35.data.stream import TokenWindows

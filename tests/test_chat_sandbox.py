@@ -1,4 +1,4 @@
-"""Chat templates bounded against resources, and agent data rendered right (step35/data/chat.py).
+"""Chat templates bounded against resources (step35/data/chat_sandbox.py), and agent data rendered right.
 
 Templates come with downloaded tokenizers. Before the limits, `{{ lipsum(10**7) }}`, `{{ (9**(9**9)) % 7 }}`
 (which Jinja's optimizer folded while compiling), `{{ 'x' * 10**10 }}`, `indent(10**10)` and
@@ -19,8 +19,9 @@ import warnings
 
 import pytest
 
-from step35.data import chat
-from step35.data.chat import ChatTemplate, ChatTemplateError, DroppedToolsWarning, check_messages
+from step35.data import chat_sandbox
+from step35.data.chat_messages import ChatTemplateError, check_messages
+from step35.data.chat_template import ChatTemplate, DroppedToolsWarning
 from step35.data.tokenizer import TextTokenizer
 
 CONVERSATION = [
@@ -124,7 +125,7 @@ def test_other_ways_to_grow_a_value_are_refused(source, limit):
 @pytest.mark.timeout(60)
 def test_a_rendering_has_a_time_limit(monkeypatch):
     """Nested loops that output nothing make no text to count: the deadline, checked at each loop item, ends them."""
-    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_sandbox, "RENDER_SECONDS", 0.5)
     start = time.monotonic()
     source = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     with pytest.raises(ChatTemplateError, match=r"evil\.jinja refused: it ran over the 0\.5 s time limit"):
@@ -148,7 +149,7 @@ def test_the_generate_path_and_records_name_the_limit(builtin_cache):
 def test_no_constant_folding_at_compile_time():
     """Jinja's optimizer folded `9 ** (9 ** 9)` while compiling (before any rendering limit could apply); it is
     off, intercepted operators and our filters are never folded, and compiling such a template is instant."""
-    assert chat._environment().optimized is False
+    assert chat_sandbox.jinja_environment().optimized is False
     start = time.monotonic()
     for source in ("{{ (9**(9**9)) % 7 }}", "{{ 'x' | indent(10**10) }}", "{{ ('x' * 10**10) | length }}"):
         ChatTemplate(source, "evil.jinja")._template()

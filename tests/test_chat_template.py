@@ -1,4 +1,5 @@
-"""Chat templates: rendering as transformers renders, and which tokens are trained (step35/data/chat.py).
+"""Chat templates: rendering as transformers renders (step35/data/chat_template.py), and which tokens are trained
+(chat_spans.py).
 
 The templates here are written for these tests: a ChatML-style one that renders every turn the same way
 whatever follows it, and three Step-3.5-style ones that drop the reasoning of turns before the last user
@@ -14,7 +15,9 @@ import json
 
 import pytest
 
-from step35.data.chat import TRAIN_ON, ChatTemplate, ChatTemplateError, check_messages, token_mask
+from step35.data.chat_messages import TRAIN_ON, ChatTemplateError, check_messages
+from step35.data.chat_spans import token_mask
+from step35.data.chat_template import ChatTemplate
 from step35.data.tokenizer import TextTokenizer
 from tests.helpers import train_byte_bpe
 
@@ -462,7 +465,7 @@ def test_text_diff_and_mask_helpers_on_random_input():
     """The block-wise common prefix/suffix and the bisecting token mask against their one-line definitions."""
     import random
 
-    from step35.data.chat import _common_prefix, _common_suffix
+    from step35.data.chat_spans import common_prefix, common_suffix
 
     rng = random.Random(0)
     for _ in range(300):
@@ -476,7 +479,7 @@ def test_text_diff_and_mask_helpers_on_random_input():
         prefix = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         suffix = next((k for k, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y), min(len(a), len(b)))
         limit = rng.randint(0, min(len(a), len(b)))
-        assert (_common_prefix(a, b), _common_suffix(a, b, limit)) == (prefix, min(suffix, limit))
+        assert (common_prefix(a, b), common_suffix(a, b, limit)) == (prefix, min(suffix, limit))
     for _ in range(500):
         offsets, pos = [], 0
         for _ in range(rng.randint(0, 30)):

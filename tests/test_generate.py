@@ -11,7 +11,7 @@ import torch
 
 from step35.checkpoint.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
-from step35.data.chat import ChatTemplate
+from step35.data.chat_template import ChatTemplate
 from step35.run import checkpoint_of
 from tests.runner import step35 as run_step35
 

@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data import Step35DataModule
 from step35.data.bad_records import BadRecordError, BadRecordWarning, OverlongWarning
-from step35.data.chat import ChatTemplate
+from step35.data.chat_template import ChatTemplate
 from step35.data.sources import FileSource
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer

@@ -29,7 +29,7 @@ model, config and tokenizer were read from goes to stderr.
 `--chat` renders the prompt as the user's turn (after `--system`, if given) with the chat template,
 plus the generation prompt, and prints only the assistant's reply. The template is the tokenizer's
 (chat_template.jinja, else tokenizer_config.json's chat_template: for a run checkpoint, of the
-tokenizer files it records), else step35's default one (step35.data.chat); stderr says which. The
+tokenizer files it records), else step35's default one (step35.data.chat_template); stderr says which. The
 rendered ids are preceded by the start token as above unless the template already begins with it.
 """
 
@@ -50,7 +50,8 @@ from step35.commands.function_cli import run_function
 from step35.checkpoint.peft import is_peft_folder, peft_base, peft_model
 from step35.checkpoint.pretrained import load_pretrained
 from step35.config import Step35Config
-from step35.data.chat import ChatTemplate, ChatTemplateError
+from step35.data.chat_messages import ChatTemplateError
+from step35.data.chat_template import ChatTemplate
 from step35.data.tokenizer import TextTokenizer
 from step35.run import checkpoint_of
 from step35.model import KVCache, Step35ForCausalLM, build_model

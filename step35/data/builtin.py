@@ -5,7 +5,7 @@ then the module docstrings (over 200 characters) of the top-level stdlib modules
 no module is imported (some have side effects, e.g. `antigravity`). About 160 documents, 0.6 MB.
 
 Tokenizer: byte-level BPE trained on that corpus with the `tokenizers` library, saved as a Hugging Face
-tokenizer folder with step35's default chat template (`chat_template.jinja`, see chat.py), so that runs on it
+tokenizer folder with step35's default chat template (`chat_template.jinja`, see chat_template.py), so that runs on it
 record the template in their checkpoints and exports, and `step35 generate --chat` finds it. Ids: 0 is `<|endoftext|>` (EOS, the document separator); 1..256 are the 256 byte symbols;
 the rest are merges. It trains in well under a second.
 
@@ -27,7 +27,7 @@ import tokenize
 from pathlib import Path
 from typing import Optional
 
-from step35.data.chat import TEMPLATE_FILE, ChatTemplate
+from step35.data.chat_template import TEMPLATE_FILE, ChatTemplate
 
 EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # EOS + 256 byte symbols: every string stays encodable

@@ -17,7 +17,7 @@ from step35.data.builtin_chat import builtin_chat_path
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
-from step35.data.chat import check_train_choice
+from step35.data.chat_messages import check_train_choice
 from step35.data.sft import FORMATS, OVERLONG, resolve_template
 from step35.data.sources import Holdout, Source
 from step35.data.spec import TXT_MODES, SourceSpec, open_source

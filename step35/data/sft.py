@@ -5,7 +5,7 @@ Formats (`data.format`, or `format` of a `data.sources` entry):
 
 * `text`: a text field per record, or plain text files (packing.py's `PackedSource`).
 * `chat`: records with `messages` (a list of {role, content, ...}; optional `tools`), rendered with the chat
-  template (chat.py), trained where `data.train_on` says.
+  template (chat_template.py), trained where `data.train_on` says.
 * `prompt_completion`: records with a string `prompt` and `completion`: ids(prompt) + ids(completion) + EOS,
   trained on the completion and the EOS (`train_on: all` trains the prompt too). When both are lists of
   messages, the record is the conversation prompt + completion, rendered with the template like `chat`.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from step35.data.chat import ChatTemplateError, check_messages, check_train_choice
+from step35.data.chat_messages import ChatTemplateError, check_messages, check_train_choice
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
 from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 
@@ -113,7 +113,7 @@ class SftEncoder:
     """Turns a record of a `chat` or `prompt_completion` source into an `Example` (the `read` of
     `Source.documents`). Picklable: it travels to DataLoader workers with the stream.
 
-    `template` is a chat.ChatTemplate (or None when the tokenizer folder has none: then a conversation
+    `template` is a chat_template.ChatTemplate (or None when the tokenizer folder has none: then a conversation
     record is an error naming `template_missing`, the message saying what to set).
 
     `window`: the packer's window. A record longer than it is encoded only as far as one token past it (an
@@ -206,7 +206,7 @@ def resolve_template(tokenizer_folder: Path, chat_template: Optional[str]) -> tu
     """(the chat template conversations are rendered with, or None; the error to give when one is needed and
     there is none). `data.chat_template` wins; then the tokenizer folder's own (the built-in tokenizer's
     folder carries step35's default template: builtin.py)."""
-    from step35.data.chat import ChatTemplate
+    from step35.data.chat_template import ChatTemplate
 
     if chat_template:
         path = Path(chat_template).expanduser()

@@ -87,13 +87,13 @@ class TextTokenizer:
         while True:
             end = cut_after(text, start, limit)
             if end < len(text) or start > 0:
-                self._check_piecewise_exact()
+                self.check_piecewise_exact()
             yield start, self.encode(text[start:end])
             if end >= len(text):
                 return
             start = end
 
-    def _check_piecewise_exact(self) -> None:
+    def check_piecewise_exact(self) -> None:
         """Warn once if this tokenizer gives other tokens in pieces than whole on a probe text (e.g. a
         SentencePiece-style normalizer that prepends "▁" to every piece): long documents then differ slightly."""
         if self._piecewise_checked:

@@ -90,6 +90,19 @@ def builtin_cache(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def step35_here(capfd, monkeypatch, builtin_cache):
+    """`step35 <args>` in this process (tests/runner.cli), as a job started by tests/runner.step35 would see
+    it: in the repository root, with the session's built-in cache. Returns a function of the arguments
+    giving (exit code, stdout, stderr), captured at the file descriptors (step35.faults reports a failure
+    with os.write to fd 2). For refusals and reports where the process boundary is not what is tested."""
+    from tests.runner import ROOT, cli
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
+    return lambda *args: cli(capfd, *args)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, builtin_cache):
     """A from-scratch tiny run of 3 steps on the built-in corpus, saved as a run folder would be
@@ -97,7 +110,7 @@ def tiny_run(tmp_path_factory, builtin_cache):
     import lightning.pytorch as pl
 
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

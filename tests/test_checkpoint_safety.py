@@ -3,8 +3,8 @@
 - Crafted pickles (a DCP `.metadata`, a sharded folder's `meta.pt`, a single-file `.ckpt`, a
   non-tensor item of a `.distcp` shard that a clean `.metadata` points at) whose payload would create
   a marker file are refused by `step35 fit --ckpt_path`, `step35 validate` and `step35 export` (and
-  `step35 generate` for the shard item), the real CLI in a subprocess, naming the file; the marker
-  never appears. The crafted files carry a freshly written manifest, as an attacker would leave
+  `step35 generate` for the shard item), the real CLI (step35.cli.main, in this process), naming the
+  file; the marker never appears. The crafted files carry a freshly written manifest, as an attacker would leave
   them, so it is the unpickling policy that stops them, not the checksums.
 - A `.metadata` entry pointing outside the folder (`../x.distcp`, an absolute path) is refused by name.
 - Flipped byte, truncated file, deleted file, NaN weights in a sharded folder, a `.ckpt` and an HF
@@ -65,12 +65,16 @@ def run_args(command: str, run: Path, sharded: bool, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, builtin_cache) -> dict[str, Path]:
-    """A 2-step run of each kind through the CLI: {"file": last.ckpt, "sharded": last.ckpt/ (DCP)}."""
+    """A 2-step run of each kind through the CLI (in this process): {"file": last.ckpt, "sharded": last.ckpt/ (DCP)}."""
+    from step35.cli import main
+
     out = {}
     for kind in ("file", "sharded"):
         run = tmp_path_factory.mktemp(kind)
-        result = step35(run_args("fit", run, kind == "sharded", "--trainer.max_steps=2"), builtin_cache)
-        assert result.returncode == 0, result.stderr[-3000:]
+        with pytest.MonkeyPatch.context() as patch:  # as tests/runner.step35 starts a job: the root, the cache
+            patch.chdir(ROOT)
+            patch.setenv("STEP35_CACHE", str(builtin_cache))
+            main(run_args("fit", run, kind == "sharded", "--trainer.max_steps=2"))
         out[kind] = run / "checkpoints" / "last.ckpt"  # the run folder's pointer to its newest checkpoint
         assert is_complete(out[kind]), list(out[kind].parent.iterdir())
     return out
@@ -160,22 +164,21 @@ def test_payloads_are_live(checkpoints, tmp_path):
 @pytest.mark.parametrize("kind,command", [(kind, command) for kind in ("metadata", "meta.pt", "ckpt")
                                           for command in ("fit", "validate", "export")]
                          + [("bytes", command) for command in ("fit", "validate", "export", "generate")])
-def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoints, builtin_cache, tmp_path):
+def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoints, step35_here, tmp_path):
     (tmp_path / "in").mkdir()
     marker = tmp_path / "marker"
     path, bad = craft(kind, checkpoints, tmp_path / "in", marker)
     if command == "export":
-        result = step35(["export", "--checkpoint", str(path), "--out", str(tmp_path / "hf")], builtin_cache)
+        code, out, err = step35_here("export", "--checkpoint", str(path), "--out", str(tmp_path / "hf"))
     elif command == "generate":
-        result = step35(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max_new_tokens", "2"],
-                        builtin_cache)
+        code, out, err = step35_here("generate", "--checkpoint", str(path), "--prompt", "Once", "--max_new_tokens", "2")
     else:
         extra = ["--trainer.max_steps=3"] if command == "fit" else []
-        result = step35(run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}", *extra),
-                        builtin_cache)
-    assert result.returncode != 0, result.stdout[-2000:]
+        code, out, err = step35_here(*run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}",
+                                               *extra))
+    assert code != 0, out[-2000:]
     assert not marker.exists(), "the payload ran"
-    line = error_line(result.stderr, f"{bad}: refused to unpickle")
+    line = error_line(err, f"{bad}: refused to unpickle")
     assert len(line) < 500, line
     assert not (tmp_path / "hf").exists()
 
@@ -228,17 +231,17 @@ def truncate(file: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["file", "sharded"])
-def test_flipped_byte_refused_by_resume(kind, checkpoints, builtin_cache, tmp_path):
+def test_flipped_byte_refused_by_resume(kind, checkpoints, step35_here, tmp_path):
     path = tmp_path / "last.ckpt"
     (shutil.copytree if kind == "sharded" else shutil.copy)(checkpoints[kind], path)
     if kind == "file":
         shutil.copy(manifest_path(checkpoints[kind]), manifest_path(path))
     damaged = path / "__0_0.distcp" if kind == "sharded" else path
     flip_byte(damaged)
-    result = step35(run_args("fit", tmp_path / "run", kind == "sharded", f"--ckpt_path={path}",
-                             "--trainer.max_steps=3"), builtin_cache)
-    assert result.returncode != 0
-    error_line(result.stderr, f"{damaged}: checksum mismatch")
+    code, _, err = step35_here(*run_args("fit", tmp_path / "run", kind == "sharded", f"--ckpt_path={path}",
+                                         "--trainer.max_steps=3"))
+    assert code != 0
+    error_line(err, f"{damaged}: checksum mismatch")
 
 
 def resume_in_process(path: Path, sharded: bool, cache: Path) -> pl.Trainer:

@@ -4,9 +4,6 @@ text unchanged bit for bit."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from step35.model import IGNORE_INDEX
-from step35.module import Step35LightningModule, micro_batch_loss
+from step35.module import Step35LightningModule
+from step35.training.objective import micro_batch_loss
 from tests.helpers import tiny_model
+from tests.runner import run_dist_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist" / "global_batch_grads.py"
@@ -241,20 +240,17 @@ def test_labels_of_the_wrong_shape_are_refused():
     module = Step35LightningModule(config="tiny")
     batch = {"input_ids": torch.zeros(2, 9, dtype=torch.long), "labels": torch.zeros(2, 9, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"batch\['labels'\] has shape \(2, 9\).*\(2, 8\)"):
-        module._loss(batch)
+        module.objective.micro_batch(module.model, batch)
 
 
 def run_split(tmp_path: Path, name: str, world: int, batch: int, accumulate: int) -> dict:
-    out = tmp_path / f"{name}.pt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [str(SCRIPT), "--out", str(out), "--batch", str(batch), "--accum", str(accumulate)]
-    if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
-    else:
-        cmd = [sys.executable, *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return torch.load(out)
+    """tests/dist/global_batch_grads.py's step: in this process for one rank, on `world` gloo ranks under torchrun."""
+    if world == 1:
+        from tests.dist.global_batch_grads import one_step
+
+        return one_step(batch, accumulate)
+    return run_dist_script(SCRIPT, tmp_path / f"{name}.pt", world, "--batch", str(batch), "--accum", str(accumulate),
+                           timeout=400)
 
 
 @pytest.mark.multiprocess

@@ -183,7 +183,7 @@ def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
 
     settings = read_settings(["--config", str(config)])
     for rank, got in enumerate(real):
-        state, _ = sharded_state(settings, rank=rank)
+        state = sharded_state(settings, rank=rank).state
         assert state.params == pytest.approx(got["params"], rel=0.01), rank
         assert state.grads == pytest.approx(got["grads"], rel=0.01), rank
         assert state.optimizer == pytest.approx(got["optimizer"], rel=0.01), rank

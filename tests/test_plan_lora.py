@@ -1,6 +1,9 @@
 """`step35 plan` for LoRA runs and its suggestions (LoRA, context parallelism) for layouts that do not fit.
 
-- the adapter tensors the plan counts equal adapters built on every targeted layer of a real (meta) model;
+- the adapter tensors the plan counts (read from the model training/setup.py builds) equal adapters
+  attached by hand to every targeted layer of a plain model;
+- the plan's per-rank bytes of a LoRA run equal the bytes of the real adapted model, sharded by the real
+  parallelize on 3 and 4 simulated ranks, counted here;
 - the per-rank bytes of the LoRA recipe equal a hand computation from the model's shape;
 - the recipe configs/flash-196b-lora-h200.yaml FITS on an H200 (and on 8 H100 / 16 NPUs of 64 GB);
 - a fine-tuning config that does not fit is offered a LoRA fine-tune and, for a long sequence, a
@@ -21,7 +24,8 @@ from torch import nn
 
 from step35.config import Step35Config, preset
 from step35.model import build_model
-from step35.plan.lora import DEFAULT_TARGETS, parse_lora, trained_tensors
+from step35.model.lora import DEFAULT_TARGETS, LoraConfig, apply_lora
+from step35.plan.lora import parse_lora, trained_tensors
 from step35.plan.settings import read_settings
 from tests.helpers import tiny_config
 from tests.runner import run_plan
@@ -75,6 +79,12 @@ def adapters_built_on(model, config: Step35Config, targets: set[str], rank: int,
     return counts
 
 
+def adapted_model(config: Step35Config, options: dict, mtp_loss_weight: float = 1.0):
+    from step35.training.setup import TrainedModel, training_model
+
+    return training_model(TrainedModel(config, None, mtp_loss_weight, LoraConfig.of(options)))
+
+
 @pytest.mark.parametrize("targets", [list(DEFAULT_TARGETS), ["q_proj", "o_proj", "experts"],
                                      ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head",
                                       "embed"]])
@@ -82,10 +92,9 @@ def test_adapter_tensors_match_adapters_built_on_the_model(targets):
     config = tiny_config()
     lora = parse_lora({"rank": 4, "targets": targets}, config)
     assert lora.expert_rank == max(1, 4 // config.moe_top_k)
-    model = build_model(config, device="meta")
-    built = adapters_built_on(model, config, set(targets), lora.rank, lora.expert_rank)
+    built = adapters_built_on(build_model(config, device="meta"), config, set(targets), lora.rank, lora.expert_rank)
     planned: dict[str, int] = {}
-    for t in trained_tensors(config, lora, config.num_nextn_predict_layers):
+    for t in trained_tensors(adapted_model(config, {"rank": 4, "targets": targets})):
         base = t.name.removesuffix(".lora_A").removesuffix(".lora_B")
         base = base if base.endswith(".weight") else f"{base}.weight"
         planned[base] = planned.get(base, 0) + t.numel
@@ -93,57 +102,71 @@ def test_adapter_tensors_match_adapters_built_on_the_model(targets):
     assert sum(built.values()) > 0
 
 
-def test_unsharded_tiny_plan_counts_base_in_compute_dtype_and_adapters_in_fp32():
+def test_unsharded_tiny_plan_counts_the_base_in_its_base_dtype_and_adapters_in_fp32():
     from step35.plan.planner import sharded_state
 
     base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lora", "{rank: 4}"]
     config = tiny_config()
     lora = parse_lora({"rank": 4}, config)
-    n_adapters = sum(t.numel for t in trained_tensors(config, lora, config.num_nextn_predict_layers))
+    n_adapters = sum(adapters_built_on(build_model(config, device="meta"), config, set(DEFAULT_TARGETS), 4,
+                                       lora.expert_rank).values())
     n_base = sum(p.numel() for p in build_model(config, device="meta").parameters())
-    for precision, base_bytes in (("32-true", 4), ("bf16-mixed", 2)):
-        s = read_settings([*base, "--trainer.precision", precision])
-        assert s.lora == lora
-        state, _ = sharded_state(s)
-        assert state.frozen == n_base * base_bytes, precision  # the frozen base in the compute dtype
+    # As apply_lora: the base in model.lora.base_dtype, default the config's torch_dtype, whatever the precision.
+    stored = torch.empty((), dtype=getattr(torch, config.torch_dtype)).element_size()
+    for precision, base_dtype, base_bytes in (("32-true", None, stored), ("bf16-mixed", None, stored),
+                                              ("bf16-mixed", "bfloat16", 2), ("32-true", "float16", 2)):
+        args = [*base, "--trainer.precision", precision]
+        if base_dtype:
+            args[3] = f"{{rank: 4, base_dtype: {base_dtype}}}"
+        s = read_settings(args)
+        assert s.lora.rank == lora.rank and s.lora.targets == lora.targets
+        state = sharded_state(s).state
+        assert state.frozen == n_base * base_bytes, precision  # the frozen base in its base dtype
         assert state.adapter_params == state.grads == n_adapters * 4, precision  # fp32 master + fp32 grads
         assert state.optimizer == 2 * n_adapters * 4
         assert state.params == state.frozen + state.adapter_params
     # The override of one key changes the count like the fit parser would.
     s = read_settings([*base, "--model.lora.rank", "2"])
-    assert s.lora.rank == 2 and s.lora.targets == DEFAULT_TARGETS
+    assert s.lora.rank == 2 and s.lora.targets == tuple(DEFAULT_TARGETS)
     # MTP adapters without an MTP loss would never learn: the plan says so.
     s = read_settings([*base, "--model.lora.targets", "[attention, mtp]", "--model.mtp_loss_weight", "0"])
     assert any("names mtp but no MTP loss is trained" in n for n in s.notes)
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_rank0_adapter_shards_equal_fully_shard_of_real_adapter_parameters(world):
-    """Adapters attached as real parameters to the tiny model's modules, sharded by the real
-    `parallelize` (FSDP2, EP 1) for `world` simulated ranks: rank 0's local elements equal the plan's
-    rule (ceil chunks of dim 0; 3 ranks make the chunks uneven)."""
+@pytest.mark.parametrize("world,ep", [(3, 1), (4, 1), (4, 2)])
+def test_plan_bytes_equal_the_real_adapted_sharded_model(world, ep):
+    """The tiny model adapted by apply_lora and sharded by the real `parallelize` (FSDP2; EP 2 on 4 ranks)
+    for `world` simulated ranks, counted here tensor by tensor on every rank: local shards in their dtype,
+    a gradient like each trainable shard, two AdamW states like it. The plan's numbers are those, exactly
+    (3 ranks make FSDP's chunks uneven)."""
     from step35.parallel import ParallelDims, parallelize
-    from step35.plan.lora import local_numel
+    from step35.plan.planner import sharded_state
     from step35.plan.world import close_world, simulated_world
 
+    options = {"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "router"]}
+    yaml_lora = "{rank: 4, targets: [attention, mlp, shared_expert, experts, router]}"
+    s = read_settings(["--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lora", yaml_lora,
+                       "--trainer.devices", str(world), "--trainer.strategy", "step35.strategy.Step35Strategy",
+                       "--trainer.strategy.expert_parallel_size", str(ep)])
     config = tiny_config()
-    lora = parse_lora({"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "mtp"]}, config)
-    simulated_world(world, 0)
-    try:
-        model = build_model(config, device="meta")
-        modules = dict(model.named_modules())
-        for t in trained_tensors(config, lora, config.num_nextn_predict_layers):
-            owner, _, leaf = t.name.rpartition(".")
-            owner = owner.removesuffix(".weight")
-            modules[owner].register_parameter(leaf, nn.Parameter(torch.empty(t.shape, device="meta")))
-        parallelize(model, ParallelDims(world, 1, num_experts=config.moe_num_experts).build("cpu"))
-        real = sum(p.to_local().numel() for name, p in model.named_parameters() if ".lora_" in name)
-    finally:
-        close_world()
-    planned = sum(local_numel(t, world=world, shard_size=world, ep=1, sharded=True)
-                  for t in trained_tensors(config, lora, config.num_nextn_predict_layers))
-    assert real == planned
-    assert planned > sum(t.numel for t in trained_tensors(config, lora, config.num_nextn_predict_layers)) // world
+    for rank in range(world):
+        simulated_world(world, rank)
+        try:
+            model = build_model(config, device="meta")
+            apply_lora(model, LoraConfig.of(options))
+            parallelize(model, ParallelDims(world, ep, num_experts=config.moe_num_experts).build("cpu"))
+            for layer in model.model.mtp_layers:  # mtp_loss_weight 0 in tiny.yaml
+                layer.requires_grad_(False)
+            local = {n: (p.to_local() if hasattr(p, "to_local") else p, p.requires_grad)
+                     for n, p in model.named_parameters()}
+        finally:
+            close_world()
+        params = sum(t.numel() * t.element_size() for t, _ in local.values())
+        grads = sum(t.numel() * t.element_size() for t, trained in local.values() if trained)
+        adapters = sum(t.numel() * t.element_size() for n, (t, _) in local.items() if ".lora_" in n)
+        state = sharded_state(s, rank=rank).state
+        assert (state.params, state.grads, state.optimizer, state.adapter_params) == (params, grads, 2 * grads, adapters)
+        assert 0 < adapters < grads < params  # the router trains in full; the base is frozen
 
 
 # ------------------------------------------------------------------------------ the 196B recipe
@@ -327,6 +350,9 @@ def test_a_lora_on_only_a_flash_layer_kind_counts_that_kind():
     config = preset("flash-196b")
     lora = parse_lora({"rank": 16, "targets": ["experts"]}, config)
     assert lora.expert_rank == 2
-    kinds = {t.kind for t in trained_tensors(config, lora, 0)}
+    from step35.training.setup import TrainedModel, training_model
+
+    model = training_model(TrainedModel(config, 0, 0.0, lora.options))
+    kinds = {t.kind for t in trained_tensors(model)}
     assert kinds == {"experts"}
-    assert sum(t.numel for t in trained_tensors(config, lora, 0)) == 42 * 3 * 288 * 2 * (4096 + 1280)
+    assert sum(t.numel for t in trained_tensors(model)) == 42 * 3 * 288 * 2 * (4096 + 1280)

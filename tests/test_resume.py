@@ -5,102 +5,28 @@ resumes follow one rule (command line wins; a different model shape is refused, 
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from step35.checkpoint import catalog
+from step35.checkpoint.training import catalog
 from step35.checkpoint.integrity import is_complete, write_manifest
 from step35.checkpoint.publish import leftover_of
 from step35.training.optimizer import apply_resumed_settings
-from tests.runner import run_process_group
-
-ROOT = Path(__file__).parent.parent
-
-CONFIG = """
-seed_everything: 0
-trainer:
-  accelerator: cpu
-  devices: 1
-  precision: 32-true
-  max_steps: 10
-  val_check_interval: 1000
-  check_val_every_n_epoch: null
-  limit_val_batches: 0
-  num_sanity_val_steps: 0
-  log_every_n_steps: 1
-  gradient_clip_val: 1.0
-  enable_progress_bar: false
-  enable_model_summary: false
-  logger:
-    - class_path: step35.loggers.CSVLogger
-      init_args:
-        name: csv
-        flush_logs_every_n_steps: 1
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.LearningRateMonitor
-      init_args:
-        logging_interval: step
-    - class_path: step35.callbacks.RunCheckpoint   # last in the list: --trainer.callbacks.keep_last=N sets it
-      init_args:
-        every_n_train_steps: 5
-        keep_last: 3
-model:
-  config: tiny
-  mtp_loss_weight: 0.3
-  lr: 3.0e-3
-  warmup_steps: 4
-  moe_bias_update_rate: 1.0e-3
-data:
-  seq_len: 32
-  micro_batch_size: 2
-  num_workers: 0
-"""
+from tests.helpers import metric_rows, saved_steps, steps_of, write_run_config
+from tests.runner import fit, step35
 
 SHARDED = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1"]
-
-
-def config_file(folder: Path) -> Path:
-    path = folder / "resume.yaml"
-    path.write_text(CONFIG)
-    return path
-
-
-def step35(args: list[str], cache: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    return run_process_group([sys.executable, "-m", "step35", *args], timeout=timeout, cwd=ROOT, env=env)
-
-
-def fit(config: Path, run: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    proc = step35(["fit", "--config", str(config), f"--run_dir={run}", *extra], cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def metric_rows(folder: Path) -> list[dict]:
-    with open(folder / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
-def steps_of(rows: list[dict], column: str) -> dict[int, float]:
-    return {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
-
-
-def saved_steps(folder: Path) -> list[int]:
-    return [c.global_step for c in catalog.complete_checkpoints(folder)]
 
 
 # ------------------------------------------------------------------------------ the run folder
 @pytest.mark.timeout(900)
 def test_auto_starts_fresh_then_last_resumes_the_newest_complete_checkpoint(tmp_path, builtin_cache):
-    config, run = config_file(tmp_path), tmp_path / "run"
+    config, run = write_run_config(tmp_path), tmp_path / "run"
     ckpts = run / "checkpoints"
     ckpts.mkdir(parents=True)
     leftover = ckpts / ".step=000005.ckpt.partial-1234-deadbeef"  # a save killed in an earlier life
@@ -138,8 +64,8 @@ def test_last_without_a_complete_checkpoint_fails_saying_where_it_looked(tmp_pat
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step=000005.ckpt").write_bytes(b"no manifest: never finished")
-    proc = step35(["fit", "--config", str(config_file(tmp_path)), f"--run_dir={run}", "--ckpt_path=last"],
-                  builtin_cache)
+    proc = step35(["fit", "--config", str(write_run_config(tmp_path)), f"--run_dir={run}", "--ckpt_path=last"],
+                  builtin_cache, check=False)
     assert proc.returncode != 0
     assert f"--ckpt_path last: no complete checkpoint in {run / 'checkpoints'}" in proc.stderr
     assert f"ignored: {run / 'checkpoints' / 'step=000005.ckpt'}" in proc.stderr
@@ -158,7 +84,7 @@ def expected_lr(lr: float, step: int, warmup: int, total: int, min_ratio: float 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fmt", ["ckpt", "sharded"])
 def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, builtin_cache, fmt):
-    config, run = config_file(tmp_path), tmp_path / "run"
+    config, run = write_run_config(tmp_path), tmp_path / "run"
     strategy = SHARDED if fmt == "sharded" else []
     fit(config, run, builtin_cache, *strategy)
     newest = run / "checkpoints" / "step=000010.ckpt"
@@ -174,7 +100,8 @@ def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, built
     assert "mtp_loss_weight: 0.1" in (run / "csv" / "version_1" / "hparams.yaml").read_text()
 
     refused = step35(["fit", "--config", str(config), f"--run_dir={run}", *strategy, "--ckpt_path=last",
-                      "--trainer.max_steps=20", "--model.config_overrides={hidden_size: 64}"], builtin_cache)
+                      "--trainer.max_steps=20", "--model.config_overrides={hidden_size: 64}"], builtin_cache,
+                     check=False)
     assert refused.returncode != 0
     assert "the model shape differs: hidden_size: 128 -> 64" in refused.stderr, refused.stderr[-3000:]
     assert saved_steps(run / "checkpoints") == [5, 10, 15]  # nothing trained, nothing saved

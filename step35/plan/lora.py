@@ -1,30 +1,22 @@
-"""A LoRA run as the plan counts it: the `model.lora` options, the adapter tensors they create, what
-each rank holds of them, and the activations they add.
+"""A LoRA run as the plan counts it: the `model.lora` options resolved, the tensors the adapted model
+trains (read from the real adapted model that training/setup.py builds, sharded as fit shards it), and
+the activations the adapters add.
 
 The options of `model.lora` and their rules belong to step35.model.lora.LoraConfig; this module resolves
-them (alpha default rank, expert_rank default max(1, rank // moe_top_k)) and counts.
-A dense `nn.Linear` with weight [out, in] gets A [r, in] and B [out, r]; the routed experts of a layer
-get [E, in, r] and [E, r, out] for each of gate, up and down, sharded like the experts (Shard(0) over
-ep, then Shard(1) over efsdp). The base is frozen in the compute dtype; adapters and the full targets
-(router, lm_head, embed) keep master weights, gradients and AdamW state in the stored dtype (fp32 under
-precision 32-true).
+them (alpha default rank, expert_rank default max(1, rank // moe_top_k)) for the report and counts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
 
 from step35.config import Step35Config
-from step35.model.lora import ATTENTION_TARGETS, FULL_TARGETS, VALID_TARGETS, LoraConfig, LoraError, check_sizes
-from step35.model.lora import DEFAULT_TARGETS as MODEL_DEFAULT_TARGETS
-
-ATTENTION = ATTENTION_TARGETS
-KINDS = ("mlp", "shared_expert", "experts", "mtp")
-FULL = FULL_TARGETS  # trained as in a full fine-tune, no adapter
-TARGETS = VALID_TARGETS
-DEFAULT_TARGETS = tuple(MODEL_DEFAULT_TARGETS)
+from step35.model.lora import ATTENTION_TARGETS, LoraConfig, LoraError, check_sizes, is_adapter
 
 
 class LoraInputError(ValueError):
@@ -40,13 +32,14 @@ class LoraSettings:
     dropout: float
     targets: tuple[str, ...]
     expert_rank: int
+    options: LoraConfig = field(compare=False, repr=False)  # what apply_lora is given, as fit gives it
 
     @property
     def projections(self) -> tuple[str, ...]:
         """The attention projections adapted ("attention" names all five)."""
         if "attention" in self.targets:
-            return ATTENTION
-        return tuple(p for p in ATTENTION if p in self.targets)
+            return ATTENTION_TARGETS
+        return tuple(p for p in ATTENTION_TARGETS if p in self.targets)
 
     def adapts(self, kind: str) -> bool:
         return kind in self.targets
@@ -70,22 +63,21 @@ def parse_lora(value: Any, config: Step35Config) -> LoraSettings | None:
         # A field of the wrong type (e.g. dropout "x") surfaces as a TypeError in the comparisons above.
     except (LoraError, TypeError) as err:
         raise LoraInputError(str(err) if isinstance(err, LoraError) else f"model.lora={value!r}: {err}") from None
-    lora = LoraSettings(options.rank, options.scale_alpha, float(options.dropout), tuple(dict.fromkeys(options.targets)),
-                        options.resolved_expert_rank(config) if config.use_moe else options.expert_rank or options.rank)
-    if not list(trained_tensors(config, lora, config.num_nextn_predict_layers)):
-        raise LoraInputError(f"model.lora.targets={list(options.targets)!r}: adapts nothing in this model")
-    return lora
+    return LoraSettings(options.rank, options.scale_alpha, float(options.dropout), tuple(dict.fromkeys(options.targets)),
+                        options.resolved_expert_rank(config) if config.use_moe else options.expert_rank or options.rank,
+                        options)
 
 
 # ------------------------------------------------------------------------------------- the tensors
 @dataclass(frozen=True)
 class Trained:
-    """One trained tensor of a LoRA run: an adapter matrix, or a base weight trained in full."""
+    """One trained tensor of a LoRA run, as the adapted model holds it: an adapter matrix, or a base
+    weight trained in full (router, lm_head, embedding when named)."""
 
-    name: str  # the base weight's name, plus .lora_A / .lora_B for adapters
+    name: str  # the parameter's name (adapters: the base module's name + .lora_A / .lora_B)
     layer: int | None  # decoder / MTP layer index; None for the root (embedding, lm_head)
     kind: str  # attention | mlp | shared_expert | experts | mtp | router | lm_head | embed
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # global shape (a DTensor's, not its local shard's)
     expert: bool  # stacked over the routed experts (sharded like them)
     adapter: bool
 
@@ -94,96 +86,42 @@ class Trained:
         return math.prod(self.shape)
 
 
-def _pair(name: str, layer: int, kind: str, out: int, inp: int, r: int) -> Iterator[Trained]:
-    yield Trained(f"{name}.lora_A", layer, kind, (r, inp), False, True)
-    yield Trained(f"{name}.lora_B", layer, kind, (out, r), False, True)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def _expert_pair(name: str, layer: int, E: int, out: int, inp: int, r: int) -> Iterator[Trained]:
-    yield Trained(f"{name}.lora_A", layer, "experts", (E, inp, r), True, True)
-    yield Trained(f"{name}.lora_B", layer, "experts", (E, r, out), True, True)
+def _kind(name: str, layer: int | None, config: Step35Config) -> str:
+    if layer is None:
+        return "embed" if "embed_tokens" in name else "lm_head"
+    if name.endswith("moe.gate.weight"):
+        return "router"
+    if layer >= config.num_hidden_layers:
+        return "mtp"
+    for part, kind in ((".self_attn.", "attention"), (".moe.", "experts"), (".share_expert.", "shared_expert"),
+                       (".mlp.", "mlp")):
+        if part in name:
+            return kind
+    raise ValueError(f"{name}: an adapted tensor of no kind the plan knows")
 
 
-def _swiglu(prefix: str, layer: int, kind: str, H: int, I: int, r: int) -> Iterator[Trained]:
-    yield from _pair(f"{prefix}.gate_proj", layer, kind, I, H, r)
-    yield from _pair(f"{prefix}.up_proj", layer, kind, I, H, r)
-    yield from _pair(f"{prefix}.down_proj", layer, kind, H, I, r)
-
-
-def trained_tensors(config: Step35Config, lora: LoraSettings, num_mtp_layers: int) -> Iterator[Trained]:
-    """Every tensor a LoRA run trains, with its global shape, built from the config alone. MTP layers
-    (named `mtp`) get the adapters of the other targets and one on eh_proj; without `mtp` they stay
-    frozen whole. The ranks fit every layer: parse_lora checked them."""
-    H, r, re = config.hidden_size, lora.rank, lora.expert_rank
-    for i in range(config.num_hidden_layers + num_mtp_layers):
-        spec = config.layer(i)
-        mtp = i >= config.num_hidden_layers
-        if mtp and not lora.adapts("mtp"):
+def trained_tensors(model: nn.Module) -> list[Trained]:
+    """The adapters of the adapted `model` (trained or, in MTP layers whose loss is not trained, held
+    frozen) and the base weights it trains in full, with their global shapes."""
+    config = model.config
+    out = []
+    for name, p in model.named_parameters():
+        adapter = is_adapter(name)
+        if not (adapter or p.requires_grad):
             continue
-        p = f"model.layers.{i}"
-
-        def kind(k: str) -> str:
-            return "mtp" if mtp else k
-
-        nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        shapes = {"q_proj": (nq * d, H), "k_proj": (nkv * d, H), "v_proj": (nkv * d, H), "o_proj": (H, nq * d)}
-        if config.use_head_wise_attn_gate:
-            shapes["g_proj"] = (nq, H)
-        for proj in lora.projections:
-            if proj in shapes:
-                yield from _pair(f"{p}.self_attn.{proj}", i, kind("attention"), *shapes[proj], r)
-        if spec.is_moe:
-            if lora.adapts("experts"):
-                E, I = config.moe_num_experts, config.moe_intermediate_size
-                yield from _expert_pair(f"{p}.moe.gate_proj", i, E, I, H, re)
-                yield from _expert_pair(f"{p}.moe.up_proj", i, E, I, H, re)
-                yield from _expert_pair(f"{p}.moe.down_proj", i, E, H, I, re)
-            if lora.adapts("shared_expert"):
-                yield from _swiglu(f"{p}.share_expert", i, kind("shared_expert"), H, config.share_expert_dim, r)
-            if lora.adapts("router"):
-                yield Trained(f"{p}.moe.gate.weight", i, "router", (config.moe_num_experts, H), False, False)
-        elif lora.adapts("mlp"):
-            yield from _swiglu(f"{p}.mlp", i, kind("mlp"), H, config.intermediate_size, r)
-        if mtp:
-            yield from _pair(f"{p}.eh_proj", i, "mtp", H, 2 * H, r)
-    if lora.adapts("embed"):
-        yield Trained("model.embed_tokens.weight", None, "embed", (config.vocab_size, H), False, False)
-    if lora.adapts("lm_head"):
-        yield Trained("lm_head.weight", None, "lm_head", (config.vocab_size, H), False, False)
-
-
-def full_target(name: str, config: Step35Config, lora: LoraSettings) -> bool:
-    """Is this base parameter trained in full (router, lm_head, embedding when named)?"""
-    if name.endswith("moe.gate.weight") and lora.adapts("router"):
-        layer = int(name.split("layers.")[1].split(".")[0])
-        return layer < config.num_hidden_layers or lora.adapts("mtp")
-    return (name == "lm_head.weight" and lora.adapts("lm_head")) or \
-        (name == "model.embed_tokens.weight" and lora.adapts("embed"))
-
-
-def local_numel(t: Trained, *, world: int, shard_size: int, ep: int, sharded: bool) -> int:
-    """Elements of `t` on rank 0 (the largest shard: FSDP2 gives the first ranks ceil-sized chunks).
-    Expert tensors: Shard(0) over ep, then Shard(1) over efsdp = world / ep (as the experts; with ep 1
-    they belong to the layer's FSDP unit, Shard(0) over the dense mesh); the rest: Shard(0) over
-    the dense mesh of `shard_size` ranks."""
-    if not sharded:
-        return t.numel
-    if t.expert and ep > 1:
-        E, a, b = t.shape
-        return (E // ep) * math.ceil(a / (world // ep)) * b
-    return math.ceil(t.shape[0] / shard_size) * math.prod(t.shape[1:])
-
-
-def group_of(t: Trained, ep: int) -> str:
-    """The FSDP unit (state.fsdp_groups' name) that holds `t`."""
-    if t.layer is None:
-        return "root"
-    return f"layers.{t.layer}.moe.experts" if t.expert and ep > 1 else f"layers.{t.layer}"
+        match = _LAYER.match(name)
+        layer = int(match.group(1)) if match else None
+        kind = _kind(name, layer, config)
+        out.append(Trained(name, layer, kind, tuple(p.shape), adapter and kind == "experts", adapter))
+    return out
 
 
 # ------------------------------------------------------------------------------------- activations
-def activations_per_token(config: Step35Config, lora: LoraSettings, act_bytes: int, mode: str, *,
-                          num_mtp_layers: int) -> dict[int, dict[str, float]]:
+def activations_per_token(tensors: list[Trained], config: Step35Config, lora: LoraSettings, act_bytes: int, mode: str,
+                          *, num_mtp_layers: int) -> dict[int, dict[str, float]]:
     """Bytes per token each layer's adapters add to what its forward keeps, by kind: {layer: {kind: bytes}}.
 
     An adapter computes B(A(dropout(x))) * alpha / r beside the frozen base. Without checkpointing
@@ -191,11 +129,12 @@ def activations_per_token(config: Step35Config, lora: LoraSettings, act_bytes: i
     the dropped input and the dropout its mask (bool), per adapted linear. The routed experts do the
     same on every routed row (top-k rows per token). Under selective checkpointing every matmul
     result is kept instead: A's output and B's output (the width of the base output). Only trained
-    MTP layers run. What the frozen base stops keeping (weight-gradient inputs) is not subtracted."""
+    MTP layers run (`num_mtp_layers`: those that run). What the frozen base stops keeping (weight-gradient
+    inputs) is not subtracted. `tensors`: trained_tensors of the adapted model."""
     K = config.moe_top_k if config.use_moe else 0
     out: dict[int, dict[str, float]] = {}
-    for t in trained_tensors(config, lora, num_mtp_layers):
-        if not t.adapter:
+    for t in tensors:
+        if not t.adapter or (t.layer is not None and t.layer >= config.num_hidden_layers + num_mtp_layers):
             continue
         rows = K if t.expert else 1
         if t.name.endswith(".lora_A"):

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from step35.model import build_model
 from step35.parallel import ParallelDims
 from step35.plan.activations import ActivationEstimate, Shape, model_activations
 from step35.plan.devices import Device
-from step35.plan.lora import activations_per_token
+from step35.plan.lora import Trained, activations_per_token, trained_tensors
 from step35.plan.memory import Phase, Transients, Verdict, phases, transients, verdict
-from step35.plan.settings import RunSettings
+from step35.plan.settings import PlanInputError, RunSettings
 from step35.plan.speed import Speed, speed
-from step35.plan.state import FsdpGroup, RankState, fsdp_groups, lora_groups, lora_rank_state, rank_state
+from step35.plan.state import FsdpGroup, RankState, fsdp_groups, rank_state
 from step35.plan.world import close_world, sharded_meta_model
+from step35.training.setup import TrainedModel, training_model
 
 GiB = 1024**3
 
@@ -38,38 +38,50 @@ class Plan:
     seconds: float
     suggestions: list["Plan"] = field(default_factory=list)
     other_ways: list = field(default_factory=list)  # suggest.OtherWay: LoRA, context parallelism
+    trained: list[Trained] = field(default_factory=list)  # LoRA: the adapted model's trained tensors
 
 
-_STATE_CACHE: dict[tuple, tuple[RankState, list[FsdpGroup]]] = {}
+@dataclass(frozen=True)
+class ShardedState:
+    """What the plan reads of the model fit would build, on one rank."""
+
+    state: RankState
+    groups: list[FsdpGroup]
+    trained: list[Trained]  # LoRA: the adapters and full targets (empty for a full fine-tune)
 
 
-def sharded_state(s: RunSettings, rank: int = 0) -> tuple[RankState, list[FsdpGroup]]:
-    """Local shards of `rank` (rank 0 holds the largest: FSDP gives the first ranks the rounded-up chunks)."""
+_STATE_CACHE: dict[tuple, ShardedState] = {}
+
+
+def trained_model_of(s: RunSettings) -> TrainedModel:
+    """The training setup's description of the run's model (what fit gives training_model)."""
+    return TrainedModel(s.model_config, s.num_mtp_layers, s.mtp_loss_weight,
+                        s.lora.options if s.lora is not None else None)
+
+
+def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
+    """Local shards of `rank` (rank 0 holds the largest: FSDP gives the first ranks the rounded-up chunks)
+    of the real model: built, adapted, sharded and frozen by the one training setup, on the meta device."""
     cfg = s.model_config
+    lora = None if s.lora is None else json.dumps(asdict(s.lora.options), sort_keys=True)
     key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.context_parallel_size,
-           s.replicate_size, s.sharded, s.stored_dtype, s.num_mtp_layers, s.train_mtp, rank, s.lora, s.base_dtype)
+           s.replicate_size, s.sharded, s.stored_dtype, s.num_mtp_layers, s.train_mtp, rank, lora, s.optimizer_slots)
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
     dims = parallel_dims(s)
-    ep = dims.expert_parallel_size
+    spec = trained_model_of(s)
     if s.sharded:
-        model = sharded_meta_model(cfg, s.num_mtp_layers, dims, rank=rank, stored_dtype=s.stored_dtype,
-                                   param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype,
-                                   reshard_after_forward=s.reshard_after_forward, train_mtp=s.train_mtp)
+        model = sharded_meta_model(spec, dims, rank=rank, stored_dtype=s.stored_dtype, param_dtype=s.param_dtype,
+                                   reduce_dtype=s.reduce_dtype, reshard_after_forward=s.reshard_after_forward)
         close_world()
     else:
-        model = build_model(cfg, s.num_mtp_layers, dtype=s.stored_dtype)
-        if not s.train_mtp:
-            for layer in model.model.mtp_layers:
-                layer.requires_grad_(False)
-    groups = fsdp_groups(model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=ep, train_mtp=s.train_mtp)
-    if s.lora is None:
-        result = rank_state(model), groups
-    else:
-        state = lora_rank_state(model, s.lora, base_dtype=s.base_dtype, trained_dtype=s.stored_dtype,
-                                num_mtp_layers=s.num_mtp_layers, world=s.world_size if s.sharded else 1,
-                                shard_size=dims.shard_size, ep=ep, sharded=s.sharded)
-        result = state, lora_groups(groups, s.lora, cfg, s.num_mtp_layers, ep)
+        model = training_model(spec, dtype=s.stored_dtype)
+    trained = trained_tensors(model) if s.lora is not None else []
+    if s.lora is not None and not any(t.adapter for t in trained):
+        raise PlanInputError(f"model.lora.targets={list(s.lora.targets)!r}: adapts nothing in this model")
+    groups = fsdp_groups(model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=dims.expert_parallel_size,
+                         train_mtp=s.train_mtp)
+    result = ShardedState(rank_state(model, s.optimizer_slots), groups, trained)
     _STATE_CACHE[key] = result
     return result
 
@@ -94,13 +106,13 @@ def activation_shape(s: RunSettings) -> Shape:
                  context_parallel=s.context_parallel_size)
 
 
-def with_adapter_activations(act: ActivationEstimate, s: RunSettings) -> ActivationEstimate:
+def with_adapter_activations(act: ActivationEstimate, s: RunSettings, trained: list[Trained]) -> ActivationEstimate:
     """`act` plus what the adapters keep (lora.activations_per_token), under the run's checkpointing:
     without it they are kept; under full checkpointing only the rebuilt block holds them; under
     selective their matmul results are kept too. Parts are named `lora <kind>`."""
     shape = activation_shape(s)
     mtp = s.num_mtp_layers if s.train_mtp else 0
-    per_layer = activations_per_token(s.model_config, s.lora, shape.act_bytes, s.activation_checkpointing,
+    per_layer = activations_per_token(trained, s.model_config, s.lora, shape.act_bytes, s.activation_checkpointing,
                                       num_mtp_layers=mtp)
     parts, total = dict(act.parts), act.total
     largest = 0
@@ -121,14 +133,16 @@ def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtim
     start = time.perf_counter()
     cfg = s.model_config
     dims = parallel_dims(s)  # refuse bad sizes first
-    state, groups = sharded_state(s)
+    sharded = sharded_state(s)
+    state, groups = sharded.state, sharded.groups
     act = model_activations(cfg, activation_shape(s), mode=s.activation_checkpointing,
                             num_mtp_layers=s.num_mtp_layers if s.train_mtp else 0, aux_loss=s.aux_loss)
     if s.lora is not None:
-        act = with_adapter_activations(act, s)
+        act = with_adapter_activations(act, s, sharded.trained)
     t = transients(s, state, groups)
     phase_list = phases(s, state, t, act)
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
-    return Plan(s, device, dims.efsdp, state, act, t, phase_list, v, speed(s, groups, device), time.perf_counter() - start)
+    return Plan(s, device, dims.efsdp, state, act, t, phase_list, v, speed(s, groups, device, sharded.trained),
+                time.perf_counter() - start, trained=sharded.trained)

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import torch
 
+from step35.kernels.sequence_split import rank_tokens
 from step35.plan.lora import activations_per_token
 from step35.plan.planner import GiB, Plan, activation_shape
 
@@ -25,10 +26,11 @@ def _dtype(d: torch.dtype | None) -> str:
 
 def layout_line(p: Plan) -> str:
     s = p.settings
+    cp = s.context_parallel_size
     par = (f"FSDP over {s.world_size} ranks, EP {s.expert_parallel_size} (efsdp {p.efsdp})"
            + (f", HSDP replicate {s.replicate_size}" if s.replicate_size > 1 else "")
-           + (f", context parallel {s.context_parallel_size} ({s.seq_len // s.context_parallel_size} tokens of each "
-              "sequence per rank)" if s.context_parallel_size > 1 else "")) if s.sharded else "1 device, unsharded"
+           + (f", context parallel {cp} ({rank_tokens(s.seq_len, cp)} tokens of each sequence per rank)"
+              if cp > 1 else "")) if s.sharded else "1 device, unsharded"
     return (f"{s.num_nodes} node(s) x {s.devices_per_node} devices; {par}; activation checkpointing "
             f"{s.activation_checkpointing}; micro-batch {s.micro_batch_size} x seq {s.seq_len}")
 
@@ -37,7 +39,7 @@ def adapter_activation_line(p: Plan) -> str:
     """Bytes per token the adapters keep, by layer kind (per layer, and how many layers), and the total."""
     s = p.settings
     mtp = s.num_mtp_layers if s.train_mtp else 0
-    per_layer = activations_per_token(s.model_config, s.lora, activation_shape(s).act_bytes,
+    per_layer = activations_per_token(p.trained, s.model_config, s.lora, activation_shape(s).act_bytes,
                                       s.activation_checkpointing, num_mtp_layers=mtp)
     kinds: dict[str, list[float]] = {}
     for by_kind in per_layer.values():
@@ -71,7 +73,7 @@ def text(p: Plan) -> str:
     lines += ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
     lines += [f"    parameters          {_gib(st.params)}   {st.params_local / 1e6:,.1f} M local values",
               f"    gradients           {_gib(st.grads)}   trainable shards",
-              f"    optimizer states    {_gib(st.optimizer)}   AdamW exp_avg + exp_avg_sq",
+              f"    optimizer states    {_gib(st.optimizer)}   {s.optimizer}: {s.optimizer_slots} per trained value",
               f"    buffers             {_gib(st.buffers)}   router biases, token counters"]
     if s.lora is not None:
         full = st.params - st.frozen - st.adapter_params
@@ -177,7 +179,7 @@ def as_dict(p: Plan) -> dict:
         "other_ways": [{"what": w.what, "fits": w.verdict.fits,
                         "required_bytes": w.verdict.required, "margin_pct": round(w.verdict.margin_pct, 2)}
                        for w in p.other_ways],
-        "lora": None if s.lora is None else {**asdict(s.lora), "adapter_params": p.state.adapters_total,
+        "lora": None if s.lora is None else {**{k: v for k, v in asdict(s.lora).items() if k != "options"}, "adapter_params": p.state.adapters_total,
                                              "base_dtype": _dtype(s.base_dtype)},
         "notes": s.notes,
         "seconds": round(p.seconds, 3),

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
-from step35.config import Step35Config, load_config
+from step35.config import Step35Config
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
+from step35.training.optimizer import OptimizerOptions, state_slots
+from step35.training.setup import model_config_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 STEP35_STRATEGY = "step35.strategy.Step35Strategy"
@@ -28,7 +30,7 @@ class RunSettings:
     model_config: Step35Config
     model_source: str  # where the model shape came from
     num_mtp_layers: int  # MTP layers built (held in memory)
-    train_mtp: bool  # mtp_loss_weight > 0: they also run and learn
+    mtp_loss_weight: float  # > 0 (with MTP layers built): they also run and learn
     aux_loss: bool
     accelerator: str  # cuda | npu | cpu (the kernels and the default device come from it)
     devices_per_node: int
@@ -51,6 +53,12 @@ class RunSettings:
     finetune: bool = False  # model.checkpoint given: the run starts from trained weights
     notes: list[str] = field(default_factory=list)
     plan_device: str | None = None  # the device the config says it is sized for (top-level `plan_device`)
+    optimizer: str = "adamw"  # model.optimizer
+    optimizer_slots: int = 2  # states the optimizer keeps per trained parameter (training/optimizer.state_slots)
+
+    @property
+    def train_mtp(self) -> bool:
+        return self.num_mtp_layers > 0 and self.mtp_loss_weight > 0
 
     @property
     def world_size(self) -> int:
@@ -63,13 +71,14 @@ class RunSettings:
 
     @property
     def stored_dtype(self) -> torch.dtype:
-        """The dtype trained parameters, their gradients and AdamW states are kept in (Lightning's precision)."""
+        """The dtype trained parameters, their gradients and optimizer states are kept in (Lightning's precision)."""
         return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(self.precision, torch.float32)
 
     @property
     def base_dtype(self) -> torch.dtype:
-        """The dtype of the parameters held: the stored dtype, or under LoRA the compute dtype of the frozen base."""
-        return self.compute_dtype if self.lora is not None else self.stored_dtype
+        """The dtype of the parameters held: the stored dtype, or under LoRA the frozen base's (model.lora.base_dtype,
+        default the config's torch_dtype: the rule apply_lora follows)."""
+        return self.lora.options.resolved_base_dtype(self.model_config) if self.lora is not None else self.stored_dtype
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -165,24 +174,30 @@ def parse_fit_args(args: list[str]):
 
 
 def _model_config(model) -> tuple[Step35Config, str, list[str]]:
+    """The model config fit would train (training/setup.model_config_of), or, when model.checkpoint is not
+    readable on this machine, the shape model.config gives (said in a note)."""
     notes = []
-    checkpoint = model.get("checkpoint")
-    if checkpoint:
-        if (Path(checkpoint) / "config.json").is_file() or Path(checkpoint).suffix == ".json":
-            config, source = load_config(checkpoint), f"model.checkpoint {checkpoint}"
-        elif model.get("config") and model.get("config") != "tiny":
-            config, source = load_config(model.config), f"model.config {model.config}"
-            notes.append(f"model.checkpoint {checkpoint} is not readable here: planned with the shape of "
-                         f"model.config={model.config}")
-        else:
+    checkpoint, overrides = model.get("checkpoint"), model.get("config_overrides")
+    if checkpoint and not ((Path(checkpoint) / "config.json").is_file() or Path(checkpoint).suffix == ".json"):
+        if not model.get("config") or model.get("config") == "tiny":
             raise PlanInputError(f"model.checkpoint {checkpoint}: no config.json here. Give the model's shape with "
                                  "--model.config (a preset such as flash-196b, or a config.json)")
-    else:
-        config, source = load_config(model.config), f"model.config {model.config}"
-    if model.get("config_overrides"):
-        config = Step35Config.from_dict({**config.to_dict(), **model.config_overrides})
-        source += " + model.config_overrides"
-    return config, source, notes
+        notes.append(f"model.checkpoint {checkpoint} is not readable here: planned with the shape of "
+                     f"model.config={model.config}")
+        checkpoint = None
+    source = f"model.checkpoint {checkpoint}" if checkpoint else f"model.config {model.config}"
+    config = model_config_of(model.config, checkpoint, overrides)  # a ConfigError names the option
+    return config, source + (" + model.config_overrides" if overrides else ""), notes
+
+
+def _optimizer(model) -> dict[str, Any]:
+    """model.optimizer and the states it keeps per trained parameter, asked of the optimizer itself."""
+    try:
+        options = OptimizerOptions.of({k: model.get(k) for k in ("optimizer", "optimizer_options", "lr",
+                                                                 "weight_decay", "betas", "eps") if model.get(k) is not None})
+        return {"optimizer": options.name, "optimizer_slots": state_slots(options)}
+    except ValueError as err:
+        raise PlanInputError(str(err)) from None
 
 
 def _count(value, name: str) -> int:
@@ -214,12 +229,12 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     num_mtp = config.num_nextn_predict_layers if model.num_mtp_layers is None else model.num_mtp_layers
     settings = RunSettings(
         model_config=config, model_source=source, num_mtp_layers=num_mtp,
-        train_mtp=num_mtp > 0 and model.mtp_loss_weight > 0, aux_loss=model.moe_aux_loss_coef > 0,
+        mtp_loss_weight=float(model.mtp_loss_weight), aux_loss=model.moe_aux_loss_coef > 0,
         accelerator=device, devices_per_node=devices, num_nodes=nodes, sharded=class_path == STEP35_STRATEGY,
         precision=str(trainer.precision), seq_len=data.seq_len, micro_batch_size=data.micro_batch_size,
         loss_chunk_size=model.loss_chunk_size, accumulate_grad_batches=int(trainer.accumulate_grad_batches or 1),
         document_masking=bool(data.get("document_masking", False)), lora=lora, finetune=bool(model.get("checkpoint")),
-        notes=notes, plan_device=cfg.get("plan_device"))
+        notes=notes, plan_device=cfg.get("plan_device"), **_optimizer(model))
     if settings.sharded:
         args = strategy.init_args
         settings = settings.with_layout(

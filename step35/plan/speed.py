@@ -11,7 +11,7 @@ import torch
 from step35.flops import attention_flops_per_token, training_flops_per_token
 from step35.plan.context import communication_bytes
 from step35.plan.devices import Device
-from step35.plan.lora import trained_tensors
+from step35.plan.lora import Trained
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup
 
@@ -39,28 +39,29 @@ def _bytes(dtype: torch.dtype | None) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def adapter_params_per_token(s: RunSettings) -> float:
+def adapter_params_per_token(s: RunSettings, trained: list[Trained]) -> float:
     """Adapter parameters one token passes through in a LoRA run (a routed expert's adapters for top-k
     of the experts; MTP layers only when they run). Each costs 2 FLOPs forward and 4 backward, while
     the frozen base's matmuls skip their weight gradients (4 of their 6 FLOPs per parameter remain)."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     active = 0.0
-    for t in trained_tensors(cfg, s.lora, s.num_mtp_layers):
+    for t in trained:
         if not t.adapter or (t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp):
             continue  # full targets are in the base count; MTP layers that do not run
         active += t.numel * (cfg.moe_top_k / cfg.moe_num_experts if t.expert else 1.0)
     return active
 
 
-def speed(s: RunSettings, groups: list[FsdpGroup], device: Device) -> Speed:
+def speed(s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list[Trained] = ()) -> Speed:
+    """`trained`: the LoRA run's trained tensors (planner.sharded_state), empty for a full fine-tune."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
     attention = attention_flops_per_token(cfg, s.seq_len, mtp)
     forward = fpt / 3
     if s.lora is not None:
-        adapters = adapter_params_per_token(s)
+        adapters = adapter_params_per_token(s, list(trained))
         fpt = attention + (fpt - attention) * 4 / 6 + 6 * adapters
         forward += 2 * adapters
     if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)

@@ -4,11 +4,14 @@ is built on the meta device and sharded by the real `parallelize`, so nothing is
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from step35.model import Step35ForCausalLM, build_model
+from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, parallelize
+from step35.training.setup import TrainedModel, training_model
 
 
 def simulated_world(world_size: int, rank: int = 0) -> None:
@@ -28,20 +31,17 @@ def simulated_world(world_size: int, rank: int = 0) -> None:
                            f"{world_size} ranks") from err
 
 
-def sharded_meta_model(config, num_mtp_layers: int, dims: ParallelDims, *, rank: int = 0,
+def sharded_meta_model(spec: TrainedModel, dims: ParallelDims, *, rank: int = 0,
                        stored_dtype: torch.dtype = torch.float32, activation_checkpointing: str = "none",
                        param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
-                       reshard_after_forward: bool = True, train_mtp: bool = True) -> Step35ForCausalLM:
-    """The model exactly as Step35LightningModule.configure_model shards it on `rank` (meta tensors):
-    built in the stored dtype, parallelized, MTP layers frozen when they are not trained."""
+                       reshard_after_forward: bool = True) -> Step35ForCausalLM:
+    """The model exactly as Step35LightningModule.configure_model makes it on `rank` (meta tensors): the
+    one training setup (training/setup.py) in the stored dtype, sharded by the real `parallelize`."""
     simulated_world(dims.world_size, rank)
-    model = build_model(config, num_mtp_layers, dtype=stored_dtype)  # the router bias stays fp32
-    parallelize(model, dims.build("cpu"), activation_checkpointing=activation_checkpointing,
-                reshard_after_forward=reshard_after_forward, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    if not train_mtp:
-        for layer in model.model.mtp_layers:
-            layer.requires_grad_(False)
-    return model
+    meshes = dims.build("cpu")
+    return training_model(spec, dtype=stored_dtype, shard=functools.partial(
+        parallelize, meshes=meshes, activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=reshard_after_forward, param_dtype=param_dtype, reduce_dtype=reduce_dtype))
 
 
 def close_world() -> None:

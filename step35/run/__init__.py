@@ -13,10 +13,10 @@ from pathlib import Path
 from step35.run.layout import RunFolder, preempt_checkpoint, run_dir_of
 from step35.run.lock import RunFolderBusy
 from step35.run.resolution import ALLOW_UNVERIFIED, NoCheckpoint, Resume, checkpoint_of, is_lightning_value, resolve
-from step35.run.resume import ResumeMismatchError, SavedRun, apply_optimizer_settings, check_resume, read_saved_run
+from step35.run.resume import ResumeMismatchError, SavedRun, check_resume, read_saved_run
 
 __all__ = ["ALLOW_UNVERIFIED", "NoCheckpoint", "Resume", "is_lightning_value", "ResumeMismatchError", "RunFolder", "RunFolderBusy",
-           "SavedRun", "apply_optimizer_settings", "check_resume", "checkpoint_of", "checkpoint_to_load", "preempt_checkpoint",
+           "SavedRun", "check_resume", "checkpoint_of", "checkpoint_to_load", "preempt_checkpoint",
            "read_saved_run", "resolve", "run_dir_of"]
 
 

@@ -4,7 +4,9 @@
   lr and its schedule, betas, eps, weight_decay, mtp_loss_weight (while it stays non-zero),
   moe_* rates, loss_chunk_size, and config fields that change no shape (e.g. rope_scaling,
   sliding_window). The optimizer's restored param groups and the LR scheduler's base lr are
-  overwritten with the command line's values after the restore (`apply_optimizer_settings`).
+  overwritten with the command line's values after the restore (training/optimizer.py's
+  `apply_resumed_settings`; that room names what of the optimizer a resume may change, and refuses
+  another `model.optimizer`, whose state would not fit).
 - a different model shape (config / config_overrides fields that change a tensor, num_mtp_layers)
   or a different set of trained parameters (mtp_loss_weight 0 <-> non-zero: MTP layers are frozen
   at 0, so the optimizer state has no entries for them) is refused before anything is loaded,
@@ -24,18 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.safe_load import load_torch
-from step35.checkpoint.trainer_io import check_loadable, load_meta
+from step35.checkpoint.training import keys
+from step35.checkpoint.training.trainer_io import check_loadable, load_meta
 from step35.config import Step35Config
 from step35.model import build_model
 from step35.model.lora import LoraConfig
+from step35.training import objective, optimizer
 
 # Module options a resume may change (the command line wins); each one is reported when it does.
-RUN_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "betas", "eps",
-                "loss_chunk_size", "mtp_loss_weight", "moe_bias_update_rate", "moe_aux_loss_coef")
+RUN_SETTINGS = optimizer.RESUMABLE + objective.RESUMABLE + ("moe_bias_update_rate",)
 
 
 class ResumeMismatchError(ValueError):
@@ -58,7 +59,7 @@ def read_saved_run(path: str | Path) -> SavedRun:
     state = load_meta(path) if path.is_dir() else load_torch(path, mmap=True)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
-    return SavedRun(path, dict(state.get("hyper_parameters") or {}), state.get("step35_config"))
+    return SavedRun(path, dict(state.get(keys.HYPER_PARAMETERS) or {}), state.get(keys.MODEL_CONFIG))
 
 
 def _shapes(config: dict, num_mtp_layers: int | None) -> dict[str, tuple]:
@@ -109,6 +110,7 @@ def check_resume(saved: SavedRun, model_config: Step35Config, hparams: dict[str,
     if saved_weight is not None and (saved_weight == 0) != (weight == 0) and _has_mtp(current, mtp):
         refused.append(f"mtp_loss_weight: {saved_weight} -> {weight} changes which parameters train (MTP layers "
                        f"are frozen at 0), so the checkpoint's optimizer state does not fit")
+    refused += optimizer.resume_refusals(saved.hparams, hparams)
     lora_refused, lora_notes = _lora_changes(saved.hparams.get("lora"), hparams.get("lora"), model_config)
     refused += lora_refused
     notes += lora_notes
@@ -169,27 +171,3 @@ def _differs(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) != list(b)
     return a != b
-
-
-def apply_optimizer_settings(optimizer: torch.optim.Optimizer, group_settings: list[dict[str, Any]],
-                             scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
-    """After a restore, give each param group the run's settings (`group_settings[i]`: lr, betas,
-    eps, weight_decay of group i) and rebase the LR schedule on the run's lr at the restored step.
-    With unchanged settings the values are the ones the restore produced, bit for bit."""
-    if len(group_settings) != len(optimizer.param_groups):
-        raise ValueError(f"{len(optimizer.param_groups)} param groups restored, {len(group_settings)} configured")
-    for group, settings in zip(optimizer.param_groups, group_settings):
-        for key, value in settings.items():
-            if key != "lr":
-                group[key] = value
-    if scheduler is None:
-        for group, settings in zip(optimizer.param_groups, group_settings):
-            group["lr"] = settings["lr"]
-        return
-    scheduler.base_lrs = [settings["lr"] for settings in group_settings]
-    # The multiplier per group: step35's WarmupCosineLR has one (`lr_factor`), torch's LambdaLR one per group.
-    factors = getattr(scheduler, "lr_lambdas", None) or [scheduler.lr_factor] * len(scheduler.base_lrs)
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, factors):
-        group["initial_lr"] = base
-        group["lr"] = base * factor(scheduler.last_epoch)  # as the scheduler's get_lr computes it
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

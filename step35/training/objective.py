@@ -1,0 +1,172 @@
+"""The objective room: what one micro-batch's loss is, how an optimizer step's losses are summed over its
+micro-batches and data-parallel ranks, and the gradient factor that makes the applied gradient the one of
+the step's mean (docs/architecture.md §2.11).
+
+An objective has three parts the LightningModule calls and nothing else:
+- `micro_batch(model, batch, training)` -> MicroBatch: the loss to backpropagate and a float64 vector of
+  sums (on the device, no host sync) that the module adds up over the step;
+- `reduce(sums, group, over_ranks)` -> StepResult: the sums over the ranks, the step's trained count, the
+  gradient factor and what is logged;
+- `validation(model, batch)` -> (the value logged as val/loss, its weight).
+
+`LanguageModelObjective` (next-token loss, MTP and the sequence balance loss) is the only one today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from step35.model import LossOutput, Step35ForCausalLM
+from step35.training.options import check_rules
+
+# Objective options a resume may change (the command line wins; each is reported when it does).
+RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef")
+
+
+@dataclass
+class MicroBatch:
+    loss: torch.Tensor  # what the micro-batch backpropagates
+    sums: torch.Tensor  # float64 [n]: added over the micro-batches of the step, then over the ranks
+    slots: int  # label slots of the micro-batch (logged as train/tokens)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, summed over its micro-batches and data-parallel ranks."""
+
+    trained: int  # tokens whose loss trains (0: nothing to average over, the step is skipped)
+    logged: dict[str, float]  # the step's values, the same on every rank
+    numerator: int  # the gradient factor as a ratio of integers (see gradient_factor)
+    denominator: int
+
+    def gradient_factor(self, accumulate_grad_batches: int, ranks: int) -> float | None:
+        """What the summed gradient is multiplied by: Lightning divided each micro-batch's loss by
+        accumulate_grad_batches and the sharding averaged over the ranks; undo both, then divide the
+        summed losses by the trained tokens. Integers decide: None when the factor is exactly 1 (every
+        label trained, plain text), so the gradients stay bit for bit as they were."""
+        numerator, denominator = accumulate_grad_batches * ranks * self.numerator, self.denominator
+        return None if numerator == denominator else numerator / denominator
+
+
+def labels_of(batch: dict) -> torch.Tensor:
+    """batch['labels'] [B, S] (-100 = no loss), default input_ids[:, 1:] of input_ids [B, S + 1]."""
+    tokens = batch["input_ids"]
+    labels = batch.get("labels")
+    if labels is None:
+        return tokens[:, 1:]
+    if labels.shape != (tokens.shape[0], tokens.shape[1] - 1):
+        raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, but batch['input_ids'] of shape "
+                         f"{tuple(tokens.shape)} needs labels of shape {(tokens.shape[0], tokens.shape[1] - 1)} "
+                         "(the targets of input_ids[:, :-1])")
+    return labels
+
+
+class LanguageModelObjective:
+    """Next-token cross-entropy as the mean over every trained token of the optimizer step, plus
+    mtp_loss_weight x the mean MTP loss and the sequence balance loss (moe_aux_loss_coef)."""
+
+    name = "lm"
+
+    def __init__(self, mtp_loss_weight: float = 0.0, moe_aux_loss_coef: float = 0.0, loss_chunk_size: int = 1024):
+        check_rules({
+            "loss_chunk_size": (loss_chunk_size, lambda v: v >= 1, ">= 1"),
+            "mtp_loss_weight": (mtp_loss_weight, lambda v: v >= 0, ">= 0"),
+            "moe_aux_loss_coef": (moe_aux_loss_coef, lambda v: v >= 0, ">= 0"),
+        })
+        self.mtp_loss_weight = mtp_loss_weight
+        self.moe_aux_loss_coef = moe_aux_loss_coef
+        self.loss_chunk_size = loss_chunk_size
+
+    def forward(self, model: Step35ForCausalLM, batch: dict, training: bool) -> tuple[LossOutput, torch.Tensor]:
+        """(LossOutput, labels [B, S]) of a batch: input_ids [B, S + 1], optional labels [B, S] and
+        position_ids [B, S] (data.document_masking). MTP and the aux loss only in training."""
+        labels = labels_of(batch)
+        return model.loss(batch["input_ids"][:, :-1], labels,
+                          mtp_loss_weight=self.mtp_loss_weight if training else 0.0,
+                          moe_aux_loss_coef=self.moe_aux_loss_coef if training else 0.0,
+                          loss_chunk_size=self.loss_chunk_size, position_ids=batch.get("position_ids")), labels
+
+    def micro_batch(self, model: Step35ForCausalLM, batch: dict, training: bool = True) -> MicroBatch:
+        out, labels = self.forward(model, batch, training)
+        loss = micro_batch_loss(out, tuple(labels.shape), self.mtp_loss_weight)
+        count = out.num_tokens.double()
+        aux = out.aux_loss.detach().double() if out.aux_loss is not None else count.new_zeros(())
+        # [trained tokens, label slots, micro-batches, loss, main-head loss sum, aux loss,
+        #  MTP sums per depth, MTP counts per depth]
+        parts = [count, count.new_full((), labels.numel()), count.new_ones(()), loss.detach().double(),
+                 out.lm_sum.detach().double(), aux]
+        parts += [s.detach().double() for s in out.mtp_sums] + [c.double() for c in out.mtp_counts]
+        return MicroBatch(loss, torch.stack(parts), labels.numel())
+
+    def reduce(self, sums: torch.Tensor, group=None, over_ranks: bool = True) -> StepResult:
+        """Sum the step's `sums` over the data-parallel ranks `group` (None: the world; every rank must
+        call it) and read the means (one host sync)."""
+        if over_ranks:
+            torch.distributed.all_reduce(sums, group=group)
+        values = sums.tolist()
+        depths = (len(values) - 6) // 2
+        trained, slots, micro_batches = int(values[0]), int(values[1]), int(values[2])
+        objective, lm_sum, aux_sum = values[3], values[4], values[5]
+        mtp_sums, mtp_counts = values[6:6 + depths], values[6 + depths:6 + 2 * depths]
+        per = max(trained, 1)
+        # The objective whose gradient is applied: the sum of the micro-batch losses times the gradient
+        # factor over accumulate_grad_batches * ranks (the aux loss: its part of it).
+        factor = slots / (micro_batches * per) if micro_batches else 0.0
+        logged = {"train/loss": objective * factor, "train/lm_loss": lm_sum / per}
+        for depth, (total, n) in enumerate(zip(mtp_sums, mtp_counts), start=1):
+            logged[f"train/mtp{depth}_loss"] = total / max(n, 1)  # each depth's own mean
+        if self.moe_aux_loss_coef > 0:
+            logged["train/aux_loss"] = aux_sum * factor
+        logged["train/trained_tokens"] = float(trained)
+        return StepResult(trained, logged, slots, micro_batches * trained)
+
+    def validation(self, model: Step35ForCausalLM, batch: dict) -> tuple[torch.Tensor, int]:
+        """The batch's mean main-head loss and its trained tokens (the weight: val/loss is the mean over
+        every trained token of the validation set)."""
+        out, _ = self.forward(model, batch, training=False)
+        return out.lm_loss, int(out.num_tokens)
+
+
+def add_micro_batch(step_sums: torch.Tensor | None, micro_batch: MicroBatch) -> torch.Tensor:
+    """The step's sums so far plus one micro-batch's (None: the step's first)."""
+    if step_sums is None:
+        return micro_batch.sums.clone()
+    if step_sums.shape != micro_batch.sums.shape:
+        raise RuntimeError(f"a micro-batch summed {micro_batch.sums.numel()} values, the step's first "
+                           f"{step_sums.numel()} (another number of MTP depths?)")
+    return step_sums + micro_batch.sums
+
+
+def micro_batch_loss(out: LossOutput, label_shape: tuple[int, int], mtp_loss_weight: float) -> torch.Tensor:
+    """What one micro-batch backpropagates: its summed losses over its label slots, not its trained tokens.
+
+    (summed main-head loss) / (B * S) + w * mean over depths k of (summed depth-k loss) / (B * (S - k))
+    + aux. StepResult.gradient_factor then multiplies the step's gradient by
+    (accumulate_grad_batches * data-parallel ranks * label slots) / (micro-batches * trained tokens),
+    all summed over the step, so the main loss is the sum over every trained token of the step divided
+    by their number, whatever the split into micro-batches and ranks.
+
+    With every label trained (plain text) the counts equal the slots: this is exactly the old
+    per-micro-batch mean (lm_loss + w * mean MTP loss + aux) and the factor is exactly 1.
+
+    MTP depth k shares the main head's normalisation: its sum is divided by the step's trained tokens
+    times (S - k) / S (the share of positions that have a depth-k target), not by its own count, which
+    one factor for the whole gradient cannot also respect; with labels trained in spans (chat) the
+    two differ by about k / S. The aux balance loss stays a mean over sequences and layers, but each
+    sequence's balance loss is weighted by its share of trained labels (model.loss does it): under the
+    factor the aux term becomes coef x sum over the step's sequences of (trained labels x balance
+    loss) / trained tokens: a trained-token weighted mean, so the coefficient keeps its scale against
+    the cross-entropy (unweighted, the factor would multiply it by slots / trained tokens).
+    All slot counts must be equal across micro-batches for the factor to be exact (fixed B and S).
+    """
+    B, S = label_shape
+    count = out.num_tokens
+    loss = out.lm_sum / count.new_full((), B * S)  # a tensor divisor, as the old lm_sum / count
+    if out.mtp_sums:
+        per_depth = [total / count.new_full((), max(B * (S - k), 1)) for k, total in enumerate(out.mtp_sums, start=1)]
+        loss = loss + mtp_loss_weight * torch.stack(per_depth).mean()
+    if out.aux_loss is not None:
+        loss = loss + out.aux_loss
+    return loss

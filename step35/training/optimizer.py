@@ -1,0 +1,229 @@
+"""The optimizer room: which parameters train in which group, the optimizer and its LR schedule, the checks
+of their options, the state an optimizer keeps per parameter, and what a resume may change of them.
+
+`model.optimizer` chooses the optimizer: `adamw` (default; torch's AdamW with `betas`, `eps`) or the class
+path of any `torch.optim.Optimizer` (e.g. `torch.optim.SGD`), built with `lr`, `weight_decay` (when the
+class has one) and `model.optimizer_options` (its own keyword arguments, e.g. `{momentum: 0.9}`).
+Every optimizer gets two param groups, `decay` and `no_decay` (norm weights: no weight decay), so
+LearningRateMonitor logs `lr/decay` and `lr/no_decay`; frozen parameters (the LoRA base, untrained MTP
+layers) are in neither.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from step35.schedule import WarmupCosineLR
+from step35.training.options import check_rules
+
+# Above this peak lr a warning is printed (see OptimizerOptions.check).
+LR_WARN_ABOVE = 0.1
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """A named optimizer: how it is built from the two param groups, and which group settings step35's
+    own options give it (the ones a resume overwrites with the run's values)."""
+
+    build: Callable[[list[dict], "OptimizerOptions"], torch.optim.Optimizer]
+    group_keys: tuple[str, ...]
+
+
+def _adamw(groups: list[dict], options: "OptimizerOptions") -> torch.optim.AdamW:
+    params = [p for g in groups for p in g["params"]]
+    return torch.optim.AdamW(groups, lr=options.lr, betas=tuple(options.betas), eps=options.eps,
+                             foreach=foreach_ok(params), **options.extra)
+
+
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "adamw": OptimizerKind(_adamw, ("lr", "betas", "eps", "weight_decay")),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The module's optimisation options (`model.optimizer`, `model.lr`, ...), checked on creation."""
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    extra: dict[str, Any] = field(default_factory=dict)  # model.optimizer_options
+
+    @classmethod
+    def of(cls, hparams: dict[str, Any]) -> "OptimizerOptions":
+        """The options of a module's hyper-parameters (missing keys: the defaults, as in old checkpoints)."""
+        names = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "eps")
+        values = {k: hparams[k] for k in names if k in hparams}
+        if "betas" in hparams:
+            values["betas"] = tuple(hparams["betas"])
+        return cls(name=hparams.get("optimizer") or "adamw", extra=dict(hparams.get("optimizer_options") or {}),
+                   **values)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse options that cannot mean anything, naming the option (`model.lr=-1: must be >= 0`); warn
+        about an lr above LR_WARN_ABOVE (allowed, but it diverges)."""
+        check_rules({
+            "lr": (self.lr, lambda v: v >= 0, ">= 0"),  # 0 is allowed: the weights stay, e.g. to study the router alone
+            "min_lr_ratio": (self.min_lr_ratio, lambda v: 0 <= v <= 1, "between 0 and 1"),
+            "warmup_steps": (self.warmup_steps, lambda v: v >= 0, ">= 0"),
+            "decay_steps": (self.decay_steps, lambda v: v is None or v > self.warmup_steps,
+                            "> model.warmup_steps (or null: trainer.max_steps)"),
+            "weight_decay": (self.weight_decay, lambda v: v >= 0, ">= 0"),
+            "betas": (self.betas, lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+            "eps": (self.eps, lambda v: v > 0, "> 0"),
+        })
+        self.kind()  # an unknown name or class path: now, not at configure_optimizers
+        if self.name in OPTIMIZERS and self.extra:
+            accepted = set(inspect.signature(torch.optim.AdamW).parameters) - {"params", "lr", "betas", "eps",
+                                                                                  "weight_decay", "foreach"}
+            unknown = sorted(set(self.extra) - accepted)
+            if unknown:
+                raise ValueError(f"model.optimizer_options={self.extra}: {unknown} are not options of AdamW "
+                                 f"(accepted: {sorted(accepted)}; lr, betas, eps and weight_decay are model.* options)")
+        if self.lr > LR_WARN_ABOVE:
+            # Legal but almost surely a slip (1e6 for 1e-6): said, not refused, so an experiment can still try it.
+            warnings.warn(f"model.lr={self.lr} is above {LR_WARN_ABOVE}: AdamW moves every weight by about lr per "
+                          f"step whatever the gradient's size, and Step-3.5's weights start with std 0.02, so a step "
+                          f"would change each weight by more than its own size and training diverges (pretraining "
+                          f"uses about 1e-5 to 1e-2; a slip such as 1e6 for 1e-6?)", stacklevel=4)
+
+    def kind(self) -> OptimizerKind:
+        """The named optimizer, or one made from a class path of a torch.optim.Optimizer."""
+        if self.name in OPTIMIZERS:
+            return OPTIMIZERS[self.name]
+        cls = _optimizer_class(self.name)
+        defaults = inspect.signature(cls).parameters
+        if self.weight_decay > 0 and "weight_decay" not in defaults:
+            raise ValueError(f"model.optimizer={self.name} has no weight_decay, but model.weight_decay="
+                             f"{self.weight_decay}; set model.weight_decay 0")
+        keys = ("lr", "weight_decay") if "weight_decay" in defaults else ("lr",)
+
+        def build(groups: list[dict], options: OptimizerOptions) -> torch.optim.Optimizer:
+            try:
+                return cls(groups, lr=options.lr, **options.extra)
+            except TypeError as err:
+                raise ValueError(f"model.optimizer={options.name} with model.optimizer_options={options.extra}: "
+                                 f"{err}") from None
+
+        return OptimizerKind(build, keys)
+
+    def group_settings(self) -> list[dict[str, Any]]:
+        """The settings of the two param groups (decayed, then the norms without decay), as the optimizer
+        gets them and as a resume restores them."""
+        values = {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps}
+        keys = self.kind().group_keys
+        common = {k: v for k, v in values.items() if k in keys}
+        if "weight_decay" not in keys:
+            return [{**common, "name": "decay"}, {**common, "name": "no_decay"}]
+        return [{**common, "weight_decay": self.weight_decay, "name": "decay"},
+                {**common, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
+    module, _, name = path.rpartition(".")
+    known = ", ".join(OPTIMIZERS)
+    if not module:
+        raise ValueError(f"model.optimizer={path!r}: not one of {known}, nor a class path (e.g. torch.optim.SGD)")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model.optimizer={path!r}: cannot import it ({err}); use one of {known} or the "
+                         "class path of a torch.optim.Optimizer") from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"model.optimizer={path!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def param_groups(model: nn.Module, options: OptimizerOptions) -> list[dict]:
+    """The trained parameters in two groups: `decay`, and `no_decay` (the norm weights)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if name.endswith("norm.weight") else decay).append(param)
+    decay_settings, no_decay_settings = options.group_settings()
+    return [{"params": decay, **decay_settings}, {"params": no_decay, **no_decay_settings}]
+
+
+def build_optimizer(model: nn.Module, options: OptimizerOptions) -> torch.optim.Optimizer:
+    return options.kind().build(param_groups(model, options), options)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, options: OptimizerOptions, max_steps: int | None) -> WarmupCosineLR:
+    """Warmup then cosine over `model.decay_steps` (default: the trainer's max_steps). A resumed run keeps
+    the length its checkpoint was started with, unless decay_steps is set."""
+    total = options.decay_steps or max_steps
+    if total is None or total < 0:
+        raise ValueError("set trainer.max_steps or model.decay_steps: the cosine schedule needs a length")
+    return WarmupCosineLR(optimizer, options.warmup_steps, total, options.min_lr_ratio,
+                          length_from_option=options.decay_steps is not None)
+
+
+def foreach_ok(params: list[torch.Tensor]) -> bool:
+    """Whether torch's foreach kernels can take these parameters: they group tensors by device and dtype
+    but cannot mix DTensors of different meshes (dense params on the FSDP mesh, experts on efsdp x ep)."""
+    meshes = {id(getattr(p, "device_mesh", None)) for p in params}
+    return len(meshes) <= 1
+
+
+def state_slots(options: OptimizerOptions) -> int:
+    """Tensors the size of the parameter that the optimizer keeps per trained parameter (AdamW: exp_avg
+    and exp_avg_sq; SGD with momentum: one; without: none), asked of the optimizer itself: one step of it
+    on a probe parameter, its state counted."""
+    probe = nn.Parameter(torch.zeros(4, 4))
+    optimizer = options.kind().build([{"params": [probe], **options.group_settings()[0]}], options)
+    probe.grad = torch.ones_like(probe)
+    optimizer.step()
+    return sum(1 for v in optimizer.state[probe].values() if torch.is_tensor(v) and v.shape == probe.shape)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+# Options a resume may change (the command line wins; each is reported when it does).
+RESUMABLE = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "betas", "eps", "optimizer_options")
+
+
+def resume_refusals(saved: dict[str, Any], hparams: dict[str, Any]) -> list[str]:
+    """Why the run's optimizer cannot take the checkpoint's state: another optimizer keeps other state."""
+    before, after = saved.get("optimizer") or "adamw", hparams.get("optimizer") or "adamw"
+    if before != after:
+        return [f"model.optimizer: {before} -> {after}: the checkpoint's optimizer state belongs to {before}; "
+                f"resume with model.optimizer={before}"]
+    return []
+
+
+def apply_resumed_settings(optimizer: torch.optim.Optimizer, group_settings: list[dict[str, Any]],
+                           scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    """After a restore, give each param group the run's settings (`group_settings[i]`: lr, betas,
+    eps, weight_decay of group i) and rebase the LR schedule on the run's lr at the restored step.
+    With unchanged settings the values are the ones the restore produced, bit for bit."""
+    if len(group_settings) != len(optimizer.param_groups):
+        raise ValueError(f"{len(optimizer.param_groups)} param groups restored, {len(group_settings)} configured")
+    for group, settings in zip(optimizer.param_groups, group_settings):
+        for key, value in settings.items():
+            if key != "lr":
+                group[key] = value
+    if scheduler is None:
+        for group, settings in zip(optimizer.param_groups, group_settings):
+            group["lr"] = settings["lr"]
+        return
+    scheduler.base_lrs = [settings["lr"] for settings in group_settings]
+    # The multiplier per group: step35's WarmupCosineLR has one (`lr_factor`), torch's LambdaLR one per group.
+    factors = getattr(scheduler, "lr_lambdas", None) or [scheduler.lr_factor] * len(scheduler.base_lrs)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, factors):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)  # as the scheduler's get_lr computes it
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

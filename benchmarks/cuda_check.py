@@ -18,9 +18,11 @@ import time
 
 import torch
 
-from step35 import kernels
 from step35.config import PRESETS, Step35Config, preset
 from step35.flops import training_flops_per_token
+from step35.kernels.attention import attention
+from step35.kernels.grouped_gemm import _grouped_mm_by_segments, grouped_mm
+from step35.kernels.masks import DocumentMask, SequenceShard, causal_mask
 from step35.model import build_model
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
@@ -35,8 +37,8 @@ def check_kernels(report: dict) -> None:
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     w = torch.randn(16, 512, 1024, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     counts = torch.bincount(torch.randint(0, 16, (4096,), device="cuda", generator=g), minlength=16)
-    y = kernels.grouped_mm(x, w, counts)
-    ref = kernels._grouped_mm_by_segments(x, w, counts)
+    y = grouped_mm(x, w, counts)
+    ref = _grouped_mm_by_segments(x, w, counts)
     grad = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), grad)
     rx, rw = torch.autograd.grad(ref, (x, w), grad)
@@ -44,8 +46,8 @@ def check_kernels(report: dict) -> None:
     q = torch.randn(2, 12, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     k = torch.randn(2, 4, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    out = kernels.attention(q, k, v, window=512, scale=128 ** -0.5)  # FlexAttention on CUDA
-    mask = kernels.causal_mask(2048, 512, "cuda")
+    out = attention(q, k, v, window=512, scale=128 ** -0.5)  # FlexAttention on CUDA
+    mask = causal_mask(2048, 512, "cuda")
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128 ** -0.5, enable_gqa=True)
     go = torch.randn_like(out)
     a = torch.autograd.grad(out, (q, k, v), go)
@@ -53,9 +55,9 @@ def check_kernels(report: dict) -> None:
     report["flex_sliding_rel_err"] = {"out": rel(out, dense), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)}}
     # packed documents (data.document_masking): FlexAttention document block mask vs the dense mask
     positions = torch.cat([torch.arange(n, device="cuda") for n in (700, 300, 1048)])[None].repeat(2, 1)
-    docs = kernels.DocumentMask(positions)
+    docs = DocumentMask(positions)
     for window in (None, 512):
-        out = kernels.attention(q, k, v, window=window, scale=128 ** -0.5, documents=docs)
+        out = attention(q, k, v, window=window, scale=128 ** -0.5, documents=docs)
         dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=docs.dense(window),
                                                                  scale=128 ** -0.5, enable_gqa=True)
         a = torch.autograd.grad(out, (q, k, v), go)
@@ -65,10 +67,10 @@ def check_kernels(report: dict) -> None:
 
 
 def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int, windows, documents: bool) -> dict:
-    """Context parallelism's attention (kernels.SequenceShard) on `device`, every cp rank simulated in
+    """Context parallelism's attention (kernels.masks.SequenceShard) on `device`, every cp rank simulated in
     this process (the exchanges read the whole K/V): the ranks' outputs and the gradients of q, k, v
     summed over ranks against whole-sequence attention. Relative errors per window."""
-    from step35.parallel.context import chunk_size, local_positions
+    from step35.kernels.sequence_split import chunk_tokens, local_positions
 
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 8, seq, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
@@ -76,11 +78,11 @@ def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int
     v = torch.randn(1, 1, seq, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
     go = torch.randn(1, 8, seq, 64, device=device, dtype=dtype, generator=g)
     lens = (seq // 3, seq // 2, seq - seq // 3 - seq // 2)
-    docs = kernels.DocumentMask(torch.cat([torch.arange(n, device=device) for n in lens])[None]) if documents else None
-    c = chunk_size(seq, cp)
+    docs = DocumentMask(torch.cat([torch.arange(n, device=device) for n in lens])[None]) if documents else None
+    c = chunk_tokens(seq, cp)
     errors = {}
     for window in windows:
-        whole = kernels.attention(q, k, v, window, 0.125, documents=docs)
+        whole = attention(q, k, v, window, 0.125, documents=docs)
         ref = torch.autograd.grad(whole, (q, k, v), go)
         kv = torch.stack([k, v])
         outs, total = [], 0
@@ -94,8 +96,8 @@ def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int
                     pieces.append(kv[..., idx.clamp(min=0), :] * (idx >= 0).to(dtype)[:, None])
                 return torch.cat(pieces, dim=-2)
 
-            shard = kernels.SequenceShard(p, seq, c, docs.ids if docs else None, gather=lambda x: kv, halo=halo)
-            out = kernels.attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.125, documents=shard)
+            shard = SequenceShard(p, seq, c, docs.ids if docs else None, gather=lambda x: kv, halo=halo)
+            out = attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.125, documents=shard)
             outs.append((p, out))
             total = total + (out.float() * go[:, :, p].float()).sum()
         got = torch.autograd.grad(total, (q, k, v))

@@ -112,7 +112,7 @@ def npu_attention(q, k, v, window: int | None, scale: float, documents=None) -> 
     q [B, Hq, S, D], k, v [B, Hkv, S, D]. The kernel takes a 2048 x 2048 compressed upper-triangle
     mask and a sparse mode: 3 (causal, aligned to the bottom right) or 4 (band: pre_tockens keys
     before the query, next_tockens after), band with pre_tockens = window - 1, next_tockens = 0
-    for a window of `window` keys including the query. With `documents` (kernels.DocumentMask) the
+    for a window of `window` keys including the query. With `documents` (kernels.masks.DocumentMask) the
     rows are flattened to the varlen TND layout [B*S, H, D] and each document is its own sequence
     (actual_seq_qlen = actual_seq_kvlen = cumulative document ends). Semantics checked against
     Huawei's CPU reference (tests/test_npu_golden.py, docs/npu.md)."""

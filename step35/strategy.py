@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
 from step35 import faults
 from step35.parallel import Meshes, ParallelDims, parallelize
+from step35.parallel.mesh import data_parallel_place
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -153,8 +154,8 @@ class Step35Strategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # dp2ep: every rank is a data-parallel rank, except that the cp consecutive ranks of a
         # context-parallel group share one (each reads the whole window and keeps its share).
-        cp = self.context_parallel_size
-        return {"num_replicas": self.world_size // cp, "rank": self.global_rank // cp}
+        rank, replicas = data_parallel_place(self.global_rank, self.world_size, self.context_parallel_size)
+        return {"num_replicas": replicas, "rank": rank}
 
     @property
     def data_parallel_group(self):

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.activation_memory import _config, measure
-from step35 import kernels
+from step35.kernels.attention import _MaskedAttentionCPU
+from step35.kernels.masks import DocumentMask, causal_mask
 from step35.model.attention import _GatedOutput
 from step35.model.mlp import clamped_swiglu
 from step35.model.moe import fp32_linear, weighted_combine
@@ -131,13 +132,13 @@ def test_cpu_masked_attention_is_sdpa_with_a_boolean_mask(window, documents):
     g = torch.Generator().manual_seed(6)
     q, k, v = torch.randn(2, 6, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8], list(range(10)) + list(range(6))])
-    docs = kernels.DocumentMask(positions) if documents else None
-    mask = docs.dense(window) if documents else kernels.causal_mask(16, window)
+    docs = DocumentMask(positions) if documents else None
+    mask = docs.dense(window) if documents else causal_mask(16, window)
 
     def plain(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
 
-    _check(lambda q, k, v: kernels._MaskedAttentionCPU.apply(q, k, v, window, 0.3, docs), plain, q, k, v,
+    _check(lambda q, k, v: _MaskedAttentionCPU.apply(q, k, v, window, 0.3, docs), plain, q, k, v,
            **TOL[torch.float32])
 
 

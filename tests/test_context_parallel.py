@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35 import kernels
+from step35.kernels.attention import _flex_attention, attention
+from step35.kernels.masks import DocumentMask, PositionMask, SequenceShard
+from step35.kernels.sequence_split import chunk_owner, chunk_tokens, exchanged_tokens, local_positions
 from step35.parallel import ParallelConfigError, ParallelDims, valid_cp_sizes
-from step35.parallel.context import chunk_owner, chunk_size, local_positions
 from tests.runner import run_dist_script
 
 ROOT = Path(__file__).parent.parent
@@ -30,7 +31,7 @@ def test_split_covers_every_token_once_and_balances_causal_work(cp):
     work = {int((p + 1).sum()) for p in shares}
     assert len(work) == 1, work
     assert torch.equal(local_positions(S, cp, cp - 1), local_positions(S, cp, cp - 1))  # deterministic
-    c = chunk_size(S, cp)
+    c = chunk_tokens(S, cp)
     for r, p in enumerate(shares):
         assert p[:c].tolist() == list(range(r * c, (r + 1) * c))
         assert p[c:].tolist() == list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
@@ -52,7 +53,7 @@ def simulated_shard(k, v, positions, S, c, doc_ids):
             pieces.append(full[..., idx.clamp(min=0), :] * (idx >= 0).to(full.dtype)[:, None])
         return torch.cat(pieces, dim=-2)
 
-    return kernels.SequenceShard(positions, S, c, doc_ids, gather=gather, halo=halo)
+    return SequenceShard(positions, S, c, doc_ids, gather=gather, halo=halo)
 
 
 @pytest.mark.parametrize("docs", [False, True])
@@ -62,19 +63,34 @@ def test_share_attention_equals_whole_sequence_attention(cp, docs):
     B, Hq, Hkv, S, D = 2, 8, 1, 32, 8  # the release's 8 query heads per KV group
     q, k, v = torch.randn(B, Hq, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     pos_ids = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in ([5, 13, 9, 5], [20, 12])])
-    documents = kernels.DocumentMask(pos_ids) if docs else None
-    c = chunk_size(S, cp)
+    documents = DocumentMask(pos_ids) if docs else None
+    c = chunk_tokens(S, cp)
     # windows: itself only, shorter than a chunk, chunk + 1 (the largest halo at cp 4), longer, full
     for window in (1, 3, c + 1, 12, None):
-        whole = kernels.attention(q, k, v, window, 0.3, documents=documents)
+        whole = attention(q, k, v, window, 0.3, documents=documents)
         for r in range(cp):
             p = local_positions(S, cp, r)
             shard = simulated_shard(k, v, p, S, c, documents.ids if docs else None)
             uses_halo = shard.uses_halo(window)
             assert uses_halo == (window is not None and 1 < window <= c + 1)
-            got = kernels.attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)
+            got = attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)
             torch.testing.assert_close(got, whole[:, :, p], rtol=1e-5, atol=1e-6,
                                        msg=f"cp {cp} rank {r} window {window}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_planned_exchange_is_the_keys_a_share_reads_beyond_its_own(cp):
+    """kernels.sequence_split.exchanged_tokens (what `step35 plan` counts per layer) against the keys
+    SequenceShard.keys hands to the attention kernel: the remote S - S / cp of a gathering layer, two
+    halos of window - 1, none for a window of 1 (each token reads itself)."""
+    S = 32
+    c = chunk_tokens(S, cp)
+    k = v = torch.zeros(1, 1, S, 2)
+    for window in (1, 2, 3, c + 1, c + 2, S, None):
+        for r in range(cp):
+            p = local_positions(S, cp, r)
+            _, keys, _, _ = simulated_shard(k, v, p, S, c, None).keys(k[:, :, p], v[:, :, p], window)
+            assert keys.shape[-2] - len(p) == exchanged_tokens(window, S, cp), (cp, r, window)
 
 
 def test_position_mask_flex_attention_forward_matches_on_cpu():
@@ -85,16 +101,16 @@ def test_position_mask_flex_attention_forward_matches_on_cpu():
     B, Hq, Hkv, S, D, cp = 1, 4, 2, 256, 16, 2
     q, k, v = torch.randn(B, Hq, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     pos_ids = torch.cat([torch.arange(100), torch.arange(156)])[None]
-    documents = kernels.DocumentMask(pos_ids)
-    c = chunk_size(S, cp)
+    documents = DocumentMask(pos_ids)
+    c = chunk_tokens(S, cp)
     for window in (None, 33):
-        whole = kernels.attention(q, k, v, window, 0.25, documents=documents)
+        whole = attention(q, k, v, window, 0.25, documents=documents)
         p = local_positions(S, cp, 1)
         shard = simulated_shard(k, v, p, S, c, documents.ids)
         kv = shard.gather(None) if window is None else None
         if window is None:
-            mask = kernels.PositionMask(p, torch.arange(S), documents.ids[:, p], documents.ids)
-            got = kernels._flex_attention(q[:, :, p], kv[0], kv[1], None, 0.25, mask)
+            mask = PositionMask(p, torch.arange(S), documents.ids[:, p], documents.ids)
+            got = _flex_attention(q[:, :, p], kv[0], kv[1], None, 0.25, mask)
         else:
             n = window - 1
             halo = shard.halo(None, n)
@@ -102,8 +118,8 @@ def test_position_mask_flex_attention_forward_matches_on_cpu():
                               torch.stack([k, v])[..., p[c:], :]], dim=-2)
             before = torch.arange(-n, 0)
             k_pos = torch.cat([p[0] + before, p[:c], torch.full((n,), -1), p[c:]])  # rank 1 of 2: chunks adjacent
-            mask = kernels.PositionMask(p, k_pos, documents.ids[:, p], documents.ids[:, k_pos.clamp(min=0)])
-            got = kernels._flex_attention(q[:, :, p], keys[0], keys[1], window, 0.25, mask)
+            mask = PositionMask(p, k_pos, documents.ids[:, p], documents.ids[:, k_pos.clamp(min=0)])
+            got = _flex_attention(q[:, :, p], keys[0], keys[1], window, 0.25, mask)
         torch.testing.assert_close(got, whole[:, :, p], rtol=1e-5, atol=1e-5)
 
 
@@ -124,9 +140,16 @@ def test_bad_sizes_are_refused_with_the_valid_ones():
                                                   r".*data.seq_len=36 .*valid cp sizes for this world size 8: \[1, 2\]"):
         dims.check_seq_len(36)
     assert valid_cp_sizes(8, 36) == [1, 2]
-    with pytest.raises(ParallelConfigError, match=r"context_parallel_size=4 needs a sequence length divisible by 2 x "
-                                                  r"cp = 8 .*got 36 tokens"):
-        chunk_size(36, 4)
+
+
+def test_a_sequence_the_split_cannot_cut_is_refused_at_forward_time_as_at_setup():
+    from step35.parallel.context import ContextParallel
+
+    cp = ContextParallel.__new__(ContextParallel)  # the length check comes before any communication
+    cp.size, cp.rank, cp.world_size = 4, 0, 8
+    with pytest.raises(ParallelConfigError, match=r"context_parallel_size=4 needs data.seq_len divisible by 2 x cp = 8 "
+                                                  r".*data.seq_len=36 .*valid cp sizes for this world size 8: \[1, 2\]"):
+        cp.split(torch.zeros(1, 36, dtype=torch.long))
 
 
 def test_halo_longer_than_a_chunk_is_refused():

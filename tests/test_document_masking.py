@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from step35.data import Step35DataModule
 from step35.data.packing import document_positions
-from step35.kernels import DocumentMask
+from step35.kernels.masks import DocumentMask
 from step35.module import Step35LightningModule
 from tests.helpers import tiny_model
 

@@ -1,16 +1,18 @@
 """The CUDA attention path for sliding windows and packed documents, run on the CPU.
 
-Every GPU run's sliding-window and document-masked attention goes through `kernels._flex_attention`
-with the block masks built in step35/kernels.py. torch compiles FlexAttention's forward for the CPU
-too (its backward is not supported there), so the forward, masks included, is checked here against
-the CPU path (`kernels.attention` on CPU: SDPA with an explicit boolean mask) at every landing. The
-first call compiles (tens of seconds); the three cases share the compiled function.
+Every GPU run's sliding-window and document-masked attention goes through
+`step35.kernels.attention._flex_attention` with the block masks built in step35/kernels/masks.py.
+torch compiles FlexAttention's forward for the CPU too (its backward is not supported there), so the
+forward, masks included, is checked here against the CPU path (`kernels.attention.attention` on CPU:
+SDPA with an explicit boolean mask) at every landing. The first call compiles (tens of seconds); the
+three cases share the compiled function.
 """
 
 import pytest
 import torch
 
-from step35 import kernels
+from step35.kernels.attention import _compiled_flex_attention, _flex_attention, attention
+from step35.kernels.masks import DocumentMask, sliding_block_mask
 
 B, HQ, HKV, S, D = 2, 4, 2, 256, 32
 WINDOW = 64
@@ -42,8 +44,8 @@ def flex_available():
     except ImportError:
         pytest.skip(f"torch {torch.__version__} has no FlexAttention")
     yield
-    kernels._compiled_flex_attention.cache_clear()
-    kernels._sliding_block_mask.cache_clear()
+    _compiled_flex_attention.cache_clear()
+    sliding_block_mask.cache_clear()
 
 
 @pytest.mark.parametrize("window, packed", [(WINDOW, False), (None, True), (WINDOW, True)],
@@ -51,10 +53,10 @@ def flex_available():
 def test_flex_forward_matches_the_cpu_path(qkv, window, packed):
     q, k, v = qkv
     scale = D ** -0.5
-    documents = kernels.DocumentMask(packed_positions()) if packed else None
-    expected = kernels.attention(q, k, v, window, scale, documents)  # CPU: SDPA with the dense mask
+    documents = DocumentMask(packed_positions()) if packed else None
+    expected = attention(q, k, v, window, scale, documents)  # CPU: SDPA with the dense mask
     with torch.no_grad():
-        got = kernels._flex_attention(q, k, v, window, scale, documents)
+        got = _flex_attention(q, k, v, window, scale, documents)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     # The masks mattered: without them the output differs (a test of an unmasked call would pass too).

@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from step35 import kernels
 from step35.config import preset
+from step35.kernels.attention import attention
+from step35.kernels.grouped_gemm import grouped_mm
+from step35.kernels.masks import causal_mask
 from step35.model import DecoderLayer, Step35ForCausalLM
 from step35.model.attention import Attention
 from step35.model.mlp import SwiGLU, clamped_swiglu
@@ -198,7 +200,7 @@ def test_rotate_half_partial_rope(rotary_dim):
 # =================================================================================== attention
 @pytest.mark.parametrize("seq,window", [(1, 1), (7, 1), (7, 3), (20, 5), (20, 20), (20, 64), (600, 512)])
 def test_sliding_window_mask_bruteforce(seq, window):
-    mask = kernels.causal_mask(seq, window)
+    mask = causal_mask(seq, window)
     brute = [[(i - window < j <= i) for j in range(seq)] for i in range(seq)]
     assert mask.dtype == torch.bool and mask.tolist() == brute
     # Row i sees min(i + 1, window) keys, itself included.
@@ -206,7 +208,7 @@ def test_sliding_window_mask_bruteforce(seq, window):
 
 
 def test_release_window_is_512_keys_including_query():
-    mask = kernels.causal_mask(700, 512)
+    mask = causal_mask(700, 512)
     i = 650
     assert mask[i, i] and mask[i, i - 511] and not mask[i, i - 512] and not mask[i, i + 1]
 
@@ -216,7 +218,7 @@ def test_attention_kernel_vs_bruteforce(seq, window):
     torch.manual_seed(1)
     B, Hq, Hkv, D = 2, 6, 2, 8
     q, k, v = torch.randn(B, Hq, seq, D), torch.randn(B, Hkv, seq, D), torch.randn(B, Hkv, seq, D)
-    out = kernels.attention(q, k, v, window, scale=D ** -0.5)
+    out = attention(q, k, v, window, scale=D ** -0.5)
     torch.testing.assert_close(out.double(), hand_attention(q, k, v, window, D ** -0.5), **TOL)
 
 
@@ -228,7 +230,7 @@ def test_gqa_head_mapping(window):
     B, Hq, Hkv, S, D = 1, 6, 3, 8, 4
     q, k = torch.randn(B, Hq, S, D), torch.randn(B, Hkv, S, D)
     v = torch.arange(1.0, Hkv + 1)[None, :, None, None].expand(B, Hkv, S, D).contiguous()
-    out = kernels.attention(q, k, v, window, scale=D ** -0.5)
+    out = attention(q, k, v, window, scale=D ** -0.5)
     for h in range(Hq):
         torch.testing.assert_close(out[0, h], torch.full((S, D), float(h // 2 + 1)), **TOL)
 
@@ -448,7 +450,7 @@ def test_grouped_mm_forward_backward(in_dim, counts, monkeypatch):
     n = sum(counts)
     x = torch.randn(n, in_dim, requires_grad=True)
     w = torch.randn(len(counts), out_dim, in_dim, requires_grad=True)
-    y = kernels.grouped_mm(x, w, torch.tensor(counts))
+    y = grouped_mm(x, w, torch.tensor(counts))
     assert bool(calls) == aligned  # aligned shapes take torch._grouped_mm, others the segment loop
     assert y.shape == (n, out_dim)
     # Per-expert loop reference in float64 with autograd.

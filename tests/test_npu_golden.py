@@ -1,9 +1,10 @@
 """The NPU kernel calls (step35/accelerators.py) checked on CPU, without an NPU:
 
 - `npu_attention` (full, sliding window, document-masked varlen) and, under context parallelism,
-  `kernels.npu_position_attention` (a rank's chunks against gathered or halo keys) with `torch_npu.npu_fusion_attention`
-  replaced by Huawei's own CPU reference of that kernel, `msprobe.pytorch.bench_functions.
-  npu_fusion_attention` from the `mindstudio-probe` package, against our CPU attention path. The
+  `kernels.attention.npu_position_attention` (a rank's chunks against gathered or halo keys) with
+  `torch_npu.npu_fusion_attention` replaced by Huawei's own CPU reference of that kernel,
+  `msprobe.pytorch.bench_functions.npu_fusion_attention` from the `mindstudio-probe` package, against
+  our CPU attention path. The
   reference decodes the compressed 2048 x 2048 mask for sparse modes 2/3/4 and applies
   pre_tockens / next_tockens itself, so our sparse-mode arguments are checked by Huawei's code.
   It has no TND (varlen) layout: the stand-in below runs it once per `actual_seq_qlen` segment, as
@@ -26,7 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35 import accelerators, kernels
+from step35 import accelerators
+from step35.kernels.attention import _varlen_segments, attention, npu_position_attention
+from step35.kernels.grouped_gemm import _grouped_mm_by_segments
+from step35.kernels.masks import DocumentMask, causal_mask
 
 
 def _load_reference():
@@ -111,11 +115,11 @@ def test_npu_attention_matches_huawei_reference(reference, fake_torch_npu, windo
     B, Hq, Hkv, S, D = 2, 6, 2, 16, 8
     q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 0, 1, 2, 3], list(range(11)) + list(range(5))])
-    docs = kernels.DocumentMask(positions) if documents else None
+    docs = DocumentMask(positions) if documents else None
     calls: list = []
     fake_torch_npu.npu_fusion_attention = _reference_kernel(reference, calls)
     got = accelerators.npu_attention(q, k, v, window, 0.35, docs)
-    expected = kernels.attention(q, k, v, window, 0.35, documents=docs)  # the CPU path
+    expected = attention(q, k, v, window, 0.35, documents=docs)  # the CPU path
     assert got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected, atol=2e-6, rtol=1e-5)  # reference runs in float64
     (call,) = calls
@@ -136,40 +140,40 @@ def test_reference_band_semantics_directly(reference):
     S, window = 12, 4
     compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
     masked = reference.generate_atten_mask(4, compressed, 1, 1, S, S, window - 1, 0, torch.float64).bool()
-    assert torch.equal(~masked, kernels.causal_mask(S, window))
+    assert torch.equal(~masked, causal_mask(S, window))
     causal = reference.generate_atten_mask(3, compressed, 1, 1, S, S, 2147483647, 2147483647, torch.float64).bool()
-    assert torch.equal(~causal, kernels.causal_mask(S, None))
+    assert torch.equal(~causal, causal_mask(S, None))
 
 
 @pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_attention_matches_huawei_reference(reference, fake_torch_npu, cp, docs):
     """Under context parallelism each rank's two chunks of queries (global positions) against the
-    gathered or halo keys: the NPU calls (kernels.npu_position_attention: varlen TND with causal
-    offsets for full layers, an explicit mask for sliding windows) give, through Huawei's reference,
+    gathered or halo keys: the NPU calls (kernels.attention.npu_position_attention: varlen TND with
+    causal offsets for full layers, an explicit mask for sliding windows) give, through Huawei's reference,
     the CPU path's cp attention and the whole sequence's, and the CPU path's gradients. Windows: itself only, shorter than a chunk,
     chunk + 1 (the largest halo), longer than a chunk (gathered), full; documents cross chunk borders."""
-    from step35.parallel.context import chunk_size, local_positions
+    from step35.kernels.sequence_split import chunk_tokens, local_positions
     from tests.test_context_parallel import simulated_shard
 
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, S, D = 2, 4, 2, 32, 8
     q, k, v = (torch.randn(B, h, S, D, generator=g, requires_grad=True) for h in (Hq, Hkv, Hkv))
     pos_ids = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in ([5, 13, 9, 5], [20, 12])])
-    documents = kernels.DocumentMask(pos_ids) if docs else None
-    c = chunk_size(S, cp)
+    documents = DocumentMask(pos_ids) if docs else None
+    c = chunk_tokens(S, cp)
     calls: list = []
     fake_torch_npu.npu_fusion_attention = _reference_kernel(reference, calls)
     for window in (1, 3, c + 1, 12, None):
-        whole = kernels.attention(q, k, v, window, 0.3, documents=documents)
+        whole = attention(q, k, v, window, 0.3, documents=documents)
         for r in range(cp):
             p = local_positions(S, cp, r)
             shard = simulated_shard(k, v, p, S, c, documents.ids if docs else None)
-            expected = kernels.attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)  # CPU
+            expected = attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)  # CPU
             whole_p = whole[:, :, p].detach()
             calls.clear()
             w, keys, values, mask = shard.keys(k[:, :, p], v[:, :, p], window)
-            got = kernels.npu_position_attention(q[:, :, p], keys, values, w, 0.3, mask, {})
+            got = npu_position_attention(q[:, :, p], keys, values, w, 0.3, mask, {})
             where = f"cp {cp} rank {r} window {window}"
             torch.testing.assert_close(got.float(), expected, atol=2e-6, rtol=1e-5, msg=where)
             torch.testing.assert_close(got.float(), whole_p, atol=2e-6, rtol=1e-5, msg=where)
@@ -194,15 +198,15 @@ def test_context_parallel_attention_matches_huawei_reference(reference, fake_tor
 def test_context_parallel_varlen_segments_follow_documents():
     """The full layer's TND segments on cp rank 0 of 2 (chunks 0..7 and 24..31), documents [5, 13, 9, 5]:
     runs split at document starts, each reading its document from its first token."""
-    from step35.parallel.context import local_positions
+    from step35.kernels.sequence_split import local_positions
     from tests.test_context_parallel import simulated_shard
 
     S, c = 32, 8
-    doc_ids = kernels.DocumentMask(torch.cat([torch.arange(n) for n in (5, 13, 9, 5)])[None]).ids
+    doc_ids = DocumentMask(torch.cat([torch.arange(n) for n in (5, 13, 9, 5)])[None]).ids
     p = local_positions(S, 2, 0)
     k = torch.zeros(1, 1, S, 2)
     _, keys, _, mask = simulated_shard(k, k, p, S, c, doc_ids).keys(k[:, :, p], k[:, :, p], None)
-    q_ends, kv_ends, index = kernels._varlen_segments(mask, 1)
+    q_ends, kv_ends, index = _varlen_segments(mask, 1)
     # queries 0-4 (doc 0), 5-7 (doc 1), 24-26 (doc 2: 18..26), 27-31 (doc 3)
     assert q_ends == [5, 8, 11, 16]
     assert kv_ends == [5, 5 + 3, 8 + 9, 17 + 5]
@@ -235,7 +239,7 @@ def test_npu_grouped_matmul_argument_conventions(fake_torch_npu):
     cot = torch.randn(10, 7, generator=g)
     gx, gw = torch.autograd.grad(y, (x, weight), cot)
     x2, w2 = x.detach().requires_grad_(), weight.detach().requires_grad_()
-    y2 = kernels._grouped_mm_by_segments(x2, w2, counts)
+    y2 = _grouped_mm_by_segments(x2, w2, counts)
     gx2, gw2 = torch.autograd.grad(y2, (x2, w2), cot)
     torch.testing.assert_close(y, y2)
     torch.testing.assert_close(gx, gx2)

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from step35.callbacks.memory import GiB, device_memory_stats
-from step35.callbacks.throughput import batch_tokens, context_parallel_size
+from step35.callbacks.throughput import rank_batch_tokens
 
 
 class Step35ProgressBar(TQDMProgressBar):
@@ -60,7 +60,7 @@ class Step35ProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        self._tokens += batch_tokens(batch)[0] // context_parallel_size(trainer)  # a cp rank computes its share
+        self._tokens += rank_batch_tokens(trainer, batch)[0]  # a cp rank computes its share
         step = trainer.global_step
         if step == self._step:  # within gradient accumulation: the step has not ended
             return

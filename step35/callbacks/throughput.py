@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from step35.callbacks.reporting import StepEnds, every, log_metrics
 from step35.flops import training_flops_per_token
+from step35.kernels.sequence_split import rank_tokens
 
 # Peak dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s, matched by substring of the device name in
 # this order (specific names first). NVIDIA datasheets print bf16 "with sparsity"; dense is half.
@@ -73,6 +74,13 @@ def batch_tokens(batch) -> tuple[int, int]:
     return B * (S1 - 1), S1 - 1
 
 
+def rank_batch_tokens(trainer, batch) -> tuple[int, int]:
+    """(tokens this rank computes, sequence length) of one micro-batch: under context parallelism the
+    rank's share of every row (kernels.sequence_split), else all of `batch_tokens`."""
+    tokens, seq_len = batch_tokens(batch)
+    return rank_tokens(tokens, context_parallel_size(trainer)), seq_len
+
+
 class SpeedMonitor(pl.Callback):
     """Step time, tokens/s (global and per device), TFLOP/s per device and MFU of the step35 model.
 
@@ -122,8 +130,7 @@ class SpeedMonitor(pl.Callback):
             self._t0 = self.clock()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        tokens, seq_len = batch_tokens(batch)
-        tokens //= context_parallel_size(trainer)  # under cp this rank computes its share of each row
+        tokens, seq_len = rank_batch_tokens(trainer, batch)
         self._tokens += tokens
         self._flops += tokens * self._model_flops_per_token(seq_len)
         if not self._step_ends(trainer):

@@ -271,7 +271,7 @@ def document_positions(input_ids: torch.Tensor, eos_token_ids: list[int]) -> tor
 
     input_ids [B, S] (the model's inputs); a document starts at column 0 and right after every EOS
     token. Returns int64 [B, S], e.g. [5, 6, EOS, 9, 9] -> [0, 1, 2, 0, 1]. The model derives both its
-    RoPE positions and the attention's document mask (step35.kernels.DocumentMask) from this."""
+    RoPE positions and the attention's document mask (step35.kernels.masks.DocumentMask) from this."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     B, S = input_ids.shape

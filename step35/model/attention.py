@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from step35 import kernels
+from step35.kernels.attention import attention
+from step35.kernels.masks import DocumentMask, SequenceShard
 from step35.config import LayerSpec
 from step35.model.cache import LayerKV
 from step35.model.norm import RMSNorm
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: kernels.DocumentMask | kernels.SequenceShard | None = None,
+                documents: DocumentMask | SequenceShard | None = None,
                 cache: LayerKV | None = None) -> torch.Tensor:
         """x: [B, S, H]; cos, sin: [S, r] or [B, 1, S, r] (per-document positions). With `cache` (decoding,
         no documents), x holds the tokens that follow the cached ones, which they read as well."""
@@ -52,7 +53,7 @@ class Attention(nn.Module):
             k, v, past = cache.update(k, v)
         if past == 0:
             # [B, Hq, S, D]; the prompt of a decode takes this path too
-            o = kernels.attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)
+            o = attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)
         else:
             o = attention_after(q, k, v, past, self.window, scale=self.head_dim ** -0.5)
         o = o.transpose(1, 2)  # [B, S, Hq, D]

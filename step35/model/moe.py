@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from step35 import kernels
+from step35.kernels.grouped_gemm import grouped_mm
 from step35.model.mlp import clamped_swiglu
 
 
@@ -38,8 +38,8 @@ class ExpertWeight(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [N, in] rows sorted by expert, counts: [E_held] rows per expert held here -> [N, out].
 
-        Under expert parallelism this module holds a slice of the experts (see kernels.grouped_mm)."""
-        y = kernels.grouped_mm(x, self.weight, counts)
+        Under expert parallelism this module holds a slice of the experts (see kernels.grouped_gemm.grouped_mm)."""
+        y = grouped_mm(x, self.weight, counts)
         if "lora_A" not in self._parameters:
             return y
         return y + expert_lora_delta(x, self.lora_A, self.lora_B, counts, self.lora_scale, self.lora_dropout,
@@ -62,8 +62,8 @@ def expert_lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, counts:
         B = F.pad(B, (0, 0, 0, step - r % step))  # [E, r', out] zero rows
     h = F.dropout(x, dropout, training) if dropout > 0 else x
     # grouped_mm takes nn.Linear-layout stacks [E, out, in]: hand it A and B transposed (views).
-    h = kernels.grouped_mm(h, A.transpose(-2, -1), counts)  # [N, r']
-    return kernels.grouped_mm(h, B.transpose(-2, -1), counts) * scale  # [N, out]
+    h = grouped_mm(h, A.transpose(-2, -1), counts)  # [N, r']
+    return grouped_mm(h, B.transpose(-2, -1), counts) * scale  # [N, out]
 
 
 def expert_swiglu(moe: "MoE", x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from step35.config import LayerSpec, Step35Config
-from step35.kernels import DocumentMask, SequenceShard
+from step35.kernels.masks import DocumentMask, SequenceShard
 from step35.model.attention import Attention
 from step35.model.cache import KVCache, LayerKV
 from step35.model.init import init_tensor

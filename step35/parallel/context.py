@@ -1,13 +1,13 @@
 """Context parallelism: every sequence of a micro-batch split over the `cp` ranks of its group.
 
-Split (load-balanced for causal attention): the S tokens are cut in 2 cp chunks of c = S / (2 cp);
-cp rank r holds chunk r and chunk 2 cp - 1 - r, so every rank has one cheap (early) and one
-expensive (late) chunk and the same attention work. Deterministic: a function of (S, cp, r) only.
+Split (load-balanced for causal attention, step35.kernels.sequence_split has its arithmetic): the S
+tokens are cut in 2 cp chunks of c = S / (2 cp); cp rank r holds chunk r and chunk 2 cp - 1 - r, so
+every rank has one cheap (early) and one expensive (late) chunk and the same attention work.
 
 All ranks of a cp group read the same window from the data stream (they are one data-parallel
 rank) and each takes its share here, before the first layer: no scatter is needed.
 
-Attention, per layer (step35.kernels.SequenceShard.attend decides which):
+Attention, per layer (step35.kernels.masks.SequenceShard.keys decides which):
 - full layers and sliding windows longer than a chunk: all-gather of K/V over the cp group (small
   under GQA; docs/parallelism.md has the bytes), backward reduce-scatters dK/dV to their owners;
 - sliding windows of at most chunk + 1 keys: a halo exchange of the window - 1 keys that precede
@@ -24,31 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from step35.kernels import SequenceShard
-from step35.parallel.mesh import ParallelConfigError
-
-
-def chunk_size(seq_len: int, cp: int) -> int:
-    """Tokens per chunk (each rank holds two), or a one-line error naming the valid cp sizes."""
-    if seq_len % (2 * cp):
-        valid = [d for d in range(1, min(seq_len // 2, 64) + 1) if seq_len % (2 * d) == 0]
-        raise ParallelConfigError(f"context_parallel_size={cp} needs a sequence length divisible by 2 x cp = "
-                                  f"{2 * cp} (two chunks per rank); got {seq_len} tokens (cp sizes up to 64 that "
-                                  f"split it: {valid})")
-    return seq_len // (2 * cp)
-
-
-def chunk_owner(j: int, cp: int) -> tuple[int, int]:
-    """(rank, slot) holding global chunk j: chunks 0..cp-1 are the ranks' first slots, the rest their
-    second slots in reverse (chunk 2 cp - 1 - r on rank r)."""
-    return (j, 0) if j < cp else (2 * cp - 1 - j, 1)
-
-
-def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """[2 c] global positions of rank `rank`'s tokens: chunk r, then chunk 2 cp - 1 - r."""
-    c = chunk_size(seq_len, cp)
-    first, second = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
+from step35.kernels.masks import SequenceShard
+from step35.kernels.sequence_split import chunk_order, chunk_tokens, halo_fits, local_positions
+from step35.parallel.mesh import ParallelConfigError, ParallelDims
 
 
 class ContextParallel:
@@ -61,14 +39,15 @@ class ContextParallel:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.peers = [dist.get_global_rank(group, i) for i in range(self.size)]
+        self.world_size = dist.get_world_size()  # a refused sequence length names this world's valid cp sizes
 
     def split(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> SequenceShard:
         """The SequenceShard of rows [B, S] (the same rows on every rank of the cp group)."""
         S = input_ids.shape[1]
-        c = chunk_size(S, self.size)
+        ParallelDims(self.world_size, context_parallel_size=self.size).check_seq_len(S)  # as at setup
         positions = local_positions(S, self.size, self.rank, input_ids.device)
         doc_ids = torch.cumsum(position_ids == 0, dim=1) if position_ids is not None else None  # as DocumentMask
-        return SequenceShard(positions, S, c, doc_ids, gather=self.gather, halo=self.halo)
+        return SequenceShard(positions, S, chunk_tokens(S, self.size), doc_ids, gather=self.gather, halo=self.halo)
 
     @staticmethod
     def take(shard: SequenceShard, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +73,7 @@ class ContextParallel:
         before the second (zeros before the sequence's start, and before the last rank's second chunk,
         whose preceding keys are its own first chunk)."""
         c = x.shape[-2] // 2
-        if not 0 < n <= c:
+        if not halo_fits(n, c):
             raise ParallelConfigError(f"a halo of {n} keys does not fit in one chunk of {c} tokens: a sliding "
                                       f"window longer than chunk + 1 = {c + 1} must gather the whole sequence")
         return _Halo.apply(x, n, self)
@@ -117,15 +96,6 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-def _chunk_order(cp: int) -> list[int]:
-    """For each global chunk j, its index in the rank-major gathered layout [rank, slot]."""
-    order = []
-    for j in range(2 * cp):
-        rank, slot = chunk_owner(j, cp)
-        order.append(2 * rank + slot)
-    return order
-
-
 class _GatherSequence(torch.autograd.Function):
     """All-gather along dim -2 then reorder chunks to global order; backward: reorder back and
     reduce-scatter (each rank gets the sum over ranks of the gradient of its own chunks)."""
@@ -137,8 +107,9 @@ class _GatherSequence(torch.autograd.Function):
         seq_first = x.movedim(-2, 0).contiguous()  # [L, ...]
         out = seq_first.new_empty((cp * L, *seq_first.shape[1:]))
         dist.all_gather_single(out, seq_first, group=group)
-        chunks = out.view(2 * cp, L // 2, *seq_first.shape[1:])
-        ordered = chunks[_chunk_order(cp)].reshape(cp * L, *seq_first.shape[1:])
+        order = chunk_order(cp)
+        chunks = out.view(len(order), L // 2, *seq_first.shape[1:])
+        ordered = chunks[order].reshape(cp * L, *seq_first.shape[1:])
         return ordered.movedim(0, -2)
 
     @staticmethod
@@ -146,10 +117,11 @@ class _GatherSequence(torch.autograd.Function):
         cp = ctx.cp
         seq_first = grad.movedim(-2, 0)
         S = seq_first.shape[0]
-        c = S // (2 * cp)
-        chunks = seq_first.reshape(2 * cp, c, *seq_first.shape[1:])
-        inverse = [0] * (2 * cp)
-        for j, idx in enumerate(_chunk_order(cp)):
+        c = chunk_tokens(S, cp)
+        order = chunk_order(cp)
+        chunks = seq_first.reshape(len(order), c, *seq_first.shape[1:])
+        inverse = [0] * len(order)
+        for j, idx in enumerate(order):
             inverse[idx] = j
         rank_major = chunks[inverse].reshape(S, *seq_first.shape[1:]).contiguous()
         if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce_scatter: sum everywhere, keep mine
@@ -166,7 +138,7 @@ class _Halo(torch.autograd.Function):
     """Point-to-point halo exchange along dim -2. Rank r's first chunk (r) is preceded by chunk r - 1,
     the first chunk of rank r - 1; its second chunk (2 cp - 1 - r) by chunk 2 cp - 2 - r, the second
     chunk of rank r + 1, or for r = cp - 1 its own first chunk (that halo is left empty: attention
-    reads those keys in place, SequenceShard.attend). So each rank sends the tail of its first chunk
+    reads those keys in place, SequenceShard.keys). So each rank sends the tail of its first chunk
     to r + 1 and the tail of its second to r - 1, and receives from both."""
 
     @staticmethod

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from step35.kernels.sequence_split import splits
+
 
 class ParallelConfigError(ValueError):
     """Parallel sizes that cannot work together; raised before any collective or large allocation."""
@@ -32,7 +34,14 @@ def valid_cp_sizes(world_size: int, seq_len: int | None = None) -> list[int]:
     """Context-parallel sizes that divide the world size and, when given, split `seq_len` into 2 x cp
     equal chunks (the load-balanced split), ascending."""
     return [d for d in range(1, world_size + 1)
-            if world_size % d == 0 and (seq_len is None or seq_len % (2 * d) == 0 or d == 1)]
+            if world_size % d == 0 and (seq_len is None or splits(seq_len, d))]
+
+
+def data_parallel_place(global_rank: int, world_size: int, context_parallel_size: int) -> tuple[int, int]:
+    """(data-parallel rank, number of data-parallel ranks) of a global rank: the cp consecutive ranks of
+    a context-parallel group read the same micro-batches (each keeps its share of the rows), so they
+    are one data-parallel rank; without cp every rank is one. The sampler and the meshes read it here."""
+    return global_rank // context_parallel_size, world_size // context_parallel_size
 
 
 @dataclass(frozen=True)
@@ -66,15 +75,16 @@ class ParallelDims:
     @property
     def data_parallel_size(self) -> int:
         """Data-parallel ranks: groups of cp ranks that read different micro-batches."""
-        return self.world_size // self.context_parallel_size
+        return data_parallel_place(0, self.world_size, self.context_parallel_size)[1]
 
     def data_parallel_rank(self, global_rank: int) -> int:
-        return global_rank // self.context_parallel_size
+        """The data-parallel rank (cp group) of a global rank."""
+        return data_parallel_place(global_rank, self.world_size, self.context_parallel_size)[0]
 
     def check_seq_len(self, seq_len: int) -> None:
         """Refuse a sequence length the cp split cannot cut in 2 x cp equal chunks, listing valid cp sizes."""
         cp = self.context_parallel_size
-        if cp > 1 and seq_len % (2 * cp):
+        if not splits(seq_len, cp):
             raise ParallelConfigError(f"context_parallel_size={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} "
                                       f"(two chunks per rank); data.seq_len={seq_len} (valid cp sizes for this "
                                       f"world size {self.world_size}: {valid_cp_sizes(self.world_size, seq_len)})")

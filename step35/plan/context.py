@@ -1,5 +1,6 @@
 """Context parallelism counted (step35/parallel/context.py): every sequence of a micro-batch split over
-the `cp` ranks of its group, each rank holding S / cp tokens of it (two chunks of c = S / (2 cp)).
+the `cp` ranks of its group, each rank holding S / cp tokens of it (two chunks of c = S / (2 cp)); the
+split's arithmetic, which layers gather and how long a halo is, is step35/kernels/sequence_split.py's.
 
 What the exchange adds per attention layer, beyond the rank's share (the only formulas of it in the plan):
 - full layers, and sliding windows longer than c + 1 keys: the all-gathered K and V of the whole sequence.
@@ -16,24 +17,17 @@ and receives 2 (window - 1) tokens of K/V each way, forward and backward.
 from __future__ import annotations
 
 from step35.config import LayerSpec, Step35Config
+from step35.kernels.sequence_split import chunk_tokens, exchanged_tokens, gathers_sequence
 
 
-def halo_keys(config: Step35Config, spec: LayerSpec, seq: int, cp: int) -> int:
-    """Keys before each local chunk that a sliding layer exchanges (window - 1), or 0 when the layer
-    gathers the whole sequence instead (full attention, or a window longer than a chunk + 1)."""
-    window = config.sliding_window if spec.sliding else None
-    chunk = seq // (2 * cp)
-    if cp > 1 and window is not None and 1 < window <= chunk + 1:
-        return window - 1
-    return 0
+def _window(config: Step35Config, spec: LayerSpec) -> int | None:
+    return config.sliding_window if spec.sliding else None
 
 
 def exchange_tokens(config: Step35Config, spec: LayerSpec, seq: int, cp: int) -> int:
-    """Tokens of K/V per sequence one rank holds for a layer's attention beyond its own S / cp."""
-    if cp <= 1:
-        return 0
-    halo = halo_keys(config, spec, seq, cp)
-    return 2 * halo if halo else seq - seq // cp
+    """Tokens of K/V per sequence one rank holds for a layer's attention beyond its own S / cp
+    (kernels.sequence_split.exchanged_tokens, the split's own rule)."""
+    return exchanged_tokens(_window(config, spec), seq, cp)
 
 
 def kv_bytes_per_token(spec: LayerSpec, act_bytes: int) -> int:
@@ -45,7 +39,8 @@ def gathered_gradient_bytes(config: Step35Config, layers: list[LayerSpec], batch
                             act_bytes: int) -> int:
     """The largest whole-sequence dK/dV a gathering layer builds in backward (the gradient and its
     reordered copy, parallel/context._GatherSequence.backward), before the reduce-scatter."""
-    gathering = [spec for spec in layers if cp > 1 and not halo_keys(config, spec, seq, cp)]
+    gathering = [spec for spec in layers
+                 if cp > 1 and gathers_sequence(_window(config, spec), chunk_tokens(seq, cp))]
     return max((2 * batch * seq * kv_bytes_per_token(spec, act_bytes) for spec in gathering), default=0)
 
 

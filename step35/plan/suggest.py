@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from step35.parallel import valid_ep_sizes
+from step35.kernels.sequence_split import rank_tokens
+from step35.parallel import valid_cp_sizes, valid_ep_sizes
 from step35.plan.lora import LoraInputError, parse_lora
 from step35.plan.memory import Verdict
 from step35.plan.settings import RunSettings
@@ -127,10 +128,10 @@ def context_parallel_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
         return None
     found = None
     cp = 2 * s.context_parallel_size
-    while cp <= s.world_size and s.world_size % cp == 0 and s.seq_len % (2 * cp) == 0:
+    while cp in valid_cp_sizes(s.world_size, s.seq_len):
         plan = evaluate(s.with_layout(context_parallel_size=cp))
         found = OtherWay(f"context parallel size {cp} (trainer.strategy.context_parallel_size: seq {s.seq_len} "
-                         f"over {cp} ranks, {s.seq_len // cp} tokens each)", plan.verdict)
+                         f"over {cp} ranks, {rank_tokens(s.seq_len, cp)} tokens each)", plan.verdict)
         if plan.verdict.fits:
             break
         cp *= 2

@@ -50,11 +50,14 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         return [base * factor for base in self.base_lrs]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "total_steps" not in state_dict:
+            raise ValueError(f"the checkpoint's LR scheduler state (keys {sorted(state_dict)}) is not step35's "
+                             "warmup-cosine schedule: it has no total_steps")
         mine = (self.warmup_steps, self.total_steps, self.min_ratio, self.length_from_option)
         super().load_state_dict(state_dict)  # the position (last_epoch), base lrs, ...
         self.warmup_steps, self.total_steps, self.min_ratio, self.length_from_option = mine
-        saved = state_dict.get("total_steps")  # absent in checkpoints of older step35 versions
-        if saved is not None and saved != self.total_steps:
+        saved = state_dict["total_steps"]
+        if saved != self.total_steps:
             if self.length_from_option:
                 rank_zero_info(f"LR schedule: model.decay_steps={self.total_steps} replaces the checkpoint's "
                                f"schedule length of {saved} steps")

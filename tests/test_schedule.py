@@ -65,18 +65,19 @@ def test_resume_with_other_max_steps_keeps_the_schedule_and_decay_steps_sets_a_n
     assert stretched[5] > longer[5]  # really another curve
 
 
-def test_schedule_state_is_plain_data_and_old_states_still_load():
+def test_schedule_state_is_plain_data_and_another_schedulers_state_is_refused():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
     scheduler = WarmupCosineLR(optimizer, WARMUP, 8, FLOOR)
     state = scheduler.state_dict()
     assert state["total_steps"] == 8
     assert all(isinstance(v, (int, float, bool, list, type(None))) for v in state.values()), state  # weights_only-safe
-    # A state saved by torch's LambdaLR (older step35 checkpoints) has no length: this run's is used.
+    # A state saved by another scheduler (torch's LambdaLR) has no length: refused by name, not guessed.
     legacy = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR),
                                                lambda s: 1.0)
     for _ in range(3):
         legacy.optimizer.step()
         legacy.step()
     fresh = WarmupCosineLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR), WARMUP, 20, FLOOR)
-    fresh.load_state_dict(legacy.state_dict())
-    assert fresh.total_steps == 20 and fresh.last_epoch == 3
+    with pytest.raises(ValueError, match="is not step35's warmup-cosine schedule: it has no total_steps"):
+        fresh.load_state_dict(legacy.state_dict())
+    assert fresh.total_steps == 20 and fresh.last_epoch == 0  # nothing of it was taken

@@ -8,7 +8,7 @@ the total against a count of the real saved tensors for none, selective and full
 Conventions: T tokens of the micro-batch one rank holds (batch x seq / cp under context parallelism), `a` bytes per element of the compute dtype
 (activations), fp32 = 4. A tensor that several ops save is counted once, by the first module that
 saves it (as the storage count does). Where the saved set depends on the kernel (the attention
-statistics) `device_type` picks the kernel's behaviour (step35/kernels.py).
+statistics) `device_type` picks the kernel's behaviour (step35/kernels/).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from step35.config import LayerSpec, Step35Config
+from step35.kernels.sequence_split import rank_tokens
 from step35.plan.context import exchange_tokens
 
 FP32, INT64, INT32 = 4, 8, 4
@@ -40,7 +41,7 @@ class Shape:
     @property
     def tokens(self) -> int:
         """Tokens of the micro-batch on one rank."""
-        return self.batch * self.seq // self.context_parallel
+        return rank_tokens(self.batch * self.seq, self.context_parallel)
 
     @property
     def act_is_fp32(self) -> bool:
@@ -188,7 +189,7 @@ class ActivationEstimate:
 def _rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int:
     """cos and sin [S, rotary_dim] fp32, one pair per distinct (rotary dim, theta, scaled), shared by layers."""
     keys = {(spec.rotary_dim, spec.rope_theta, spec.rope_scaled) for spec in layers if spec.uses_rope}
-    rows = s.tokens if s.document_masking else s.seq // s.context_parallel  # a cp rank's own positions
+    rows = s.tokens if s.document_masking else rank_tokens(s.seq, s.context_parallel)  # a cp rank's own positions
     return sum(2 * rows * rd * FP32 for rd, _, _ in keys)
 
 

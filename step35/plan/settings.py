@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from step35.config import Step35Config
+from step35.kernels.sequence_split import rank_tokens
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
 from step35.training.optimizer import OptimizerOptions, state_slots
 from step35.training.setup import model_config_of
@@ -67,7 +68,7 @@ class RunSettings:
     @property
     def tokens_per_rank(self) -> int:
         """Tokens of one micro-batch a rank holds: its 1 / cp share of every sequence."""
-        return self.micro_batch_size * self.seq_len // self.context_parallel_size
+        return rank_tokens(self.micro_batch_size * self.seq_len, self.context_parallel_size)
 
     @property
     def stored_dtype(self) -> torch.dtype:

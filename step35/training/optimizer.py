@@ -63,7 +63,7 @@ class OptimizerOptions:
 
     @classmethod
     def of(cls, hparams: dict[str, Any]) -> "OptimizerOptions":
-        """The options of a module's hyper-parameters (missing keys: the defaults, as in old checkpoints)."""
+        """The options of a module's hyper-parameters (a key not given: its default)."""
         names = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "eps")
         values = {k: hparams[k] for k in names if k in hparams}
         if "betas" in hparams:

@@ -75,7 +75,7 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     loss_fwd = chunk * V * (a + 2 * 4)  # h @ W^T, its fp32 copy, the exp of logsumexp
     loss_bwd = (2 * V * H * 4 + V * H * a if lm_head_trained else 0) + chunk * V * (2 * a + 2 * 4)
     trainable_local = state.grads
-    foreach = s.expert_parallel_size == 1  # module._foreach_ok: one mesh only
+    foreach = s.expert_parallel_size == 1  # training/optimizer.foreach_ok: one mesh only
     optimizer = trainable_local if foreach else 2 * state.largest_local_param
     if not s.sharded:
         return Transients(0, 0, 0, 0, 0, 0, 0, 0, loss_fwd, loss_bwd, optimizer)

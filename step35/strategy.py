@@ -179,7 +179,8 @@ class Step35Strategy(ModelParallelStrategy):
         its partial folder is removed at once."""
         from step35.checkpoint.integrity import hash_files, write_manifest
         from step35.checkpoint.publish import partial_path, publish, remove_path
-        from step35.checkpoint.trainer_io import disk_full, manifest_extra, no_space, rank_files, save_file
+        from step35.checkpoint.training.keys import manifest_extra
+        from step35.checkpoint.training.trainer_io import disk_full, no_space, rank_files, save_file
 
         path = Path(self.broadcast(str(filepath)))
         if not self._save_distributed_checkpoint:  # full state dicts, gathered on rank 0 by Lightning
@@ -229,7 +230,8 @@ class Step35Strategy(ModelParallelStrategy):
         from step35.checkpoint.errors import raise_together
         from step35.checkpoint.integrity import verify_on_all_ranks
         from step35.checkpoint.safe_load import lightning_types, load_torch
-        from step35.checkpoint.trainer_io import check_loadable, finite_modules, load_full_optimizers, load_sharded
+        from step35.checkpoint.training import keys
+        from step35.checkpoint.training.trainer_io import check_loadable, finite_modules, load_full_optimizers, load_sharded
 
         path = Path(self.broadcast(str(checkpoint_path)))
         raise_together(lambda: check_loadable(path))
@@ -241,7 +243,7 @@ class Step35Strategy(ModelParallelStrategy):
         else:
             raise_together(lambda: load_torch(path, mmap=True))  # refuses a crafted file before Lightning reads it
             with lightning_types():  # Lightning's model loader, with weights_only=True and our allowlist
-                meta = _load_checkpoint(path, {"state_dict": self.model}, strict=strict, weights_only=True)
+                meta = _load_checkpoint(path, {keys.STATE_DICT: self.model}, strict=strict, weights_only=True)
             # The optimizers ourselves: Lightning re-keys a full optimizer state by module order,
             # wrong for one saved by a one-process run (optimizer order, grouped by weight decay).
             load_full_optimizers(meta, path, self.model, self.optimizers, strict)
@@ -250,7 +252,7 @@ class Step35Strategy(ModelParallelStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0:
-            from step35.checkpoint.trainer_io import remove
+            from step35.checkpoint.training.trainer_io import remove
 
             remove(filepath)
 

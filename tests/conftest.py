@@ -110,7 +110,7 @@ def tiny_run(tmp_path_factory, builtin_cache):
     import lightning.pytorch as pl
 
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint import catalog
+from step35.checkpoint.training import catalog
 from step35.checkpoint.publish import leftovers
 
 ROOT = Path(__file__).parent.parent

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from step35.checkpoint.hf import INDEX_FILE, CheckpointError
-from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.hf.folder import INDEX_FILE, CheckpointError
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.model import Step35ForCausalLM
 
 from tests.helpers import flash_config_dict, tiny_config_dict, tiny_model
@@ -453,7 +453,7 @@ def test_bad_checkpoint_raises_naming_the_problem(corrupt, bf16_checkpoint, tmp_
 
 
 def test_save_killed_between_the_two_renames_points_at_the_intact_copy(tmp_path):
-    from step35.checkpoint import CheckpointError
+    from step35.checkpoint.errors import CheckpointError
     from step35.model import Step35ForCausalLM
     from step35.config import preset
 

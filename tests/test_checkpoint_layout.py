@@ -1,5 +1,6 @@
 """The checkpoint package's layering, read from the source: imports go one way (format I/O below the
-code that fills a model, below model <-> folder glue), and one module owns the atomic switch."""
+code that fills a model, below model <-> folder glue; the training side over the HF side over the
+common part), and one module owns the atomic switch."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def module_name(file: Path) -> str:
 
 def test_checkpoint_modules_import_one_way():
     """Every import inside step35/checkpoint, lazy ones included, forms a DAG."""
-    files = sorted((PACKAGE / "checkpoint").glob("*.py"))
+    files = sorted((PACKAGE / "checkpoint").rglob("*.py"))
     graph = {module_name(f): {m for m in imports(f, top_level_only=False) if m.startswith("step35.checkpoint")}
              for f in files}
     graph = {m: deps - {m, "step35.checkpoint"} for m, deps in graph.items() if m != "step35.checkpoint"}
@@ -48,7 +49,7 @@ def test_checkpoint_modules_import_one_way():
 
 
 def test_format_io_knows_no_model():
-    hf = imports(PACKAGE / "checkpoint" / "hf.py", top_level_only=False)
+    hf = imports(PACKAGE / "checkpoint" / "hf" / "folder.py", top_level_only=False)
     assert not {m for m in hf if m.startswith("step35.model") or m.endswith(("materialize", "pretrained"))}, hf
 
 
@@ -56,7 +57,7 @@ def test_model_reaches_checkpoints_only_through_the_pretrained_glue():
     for file in sorted((PACKAGE / "model").glob("*.py")):
         assert not {m for m in imports(file, top_level_only=True) if m.startswith("step35.checkpoint")}, file
         lazy = {m for m in imports(file, top_level_only=False) if m.startswith("step35.checkpoint")}
-        assert lazy <= {"step35.checkpoint.pretrained"}, (file, lazy)
+        assert lazy <= {"step35.checkpoint.hf.pretrained"}, (file, lazy)
 
 
 def test_one_atomic_switch():
@@ -67,6 +68,20 @@ def test_one_atomic_switch():
         text = file.read_text()
         for spelling in ('.partial"', ".partial-", '.old"', ".old-", "shutil.move"):
             assert spelling not in text, (file, spelling)
-    for writer in ("hf.py", "trainer_io.py"):
+    for writer in ("hf/folder.py", "hf/peft.py", "training/trainer_io.py"):
         assert "publish(tmp" in (PACKAGE / "checkpoint" / writer).read_text(), writer
     assert "publish(tmp" in (PACKAGE / "strategy.py").read_text()
+
+
+def test_the_common_part_is_held_apart_from_both_sides():
+    """tests/test_layers.py keeps hf/ from importing training/ and every file at the top of checkpoint/ (the
+    common part) from importing either side: a file added there is covered too, or this test names it."""
+    from tests.test_layers import APART, CHECKPOINT_COMMON
+
+    top = sorted(p.name for p in (PACKAGE / "checkpoint").glob("*.py"))
+    assert top == sorted(CHECKPOINT_COMMON)
+    sides = {"step35/checkpoint/hf/", "step35/checkpoint/training/"}
+    assert all((PACKAGE.parent / side).is_dir() for side in sides)
+    for name in top:
+        assert set(APART[f"step35/checkpoint/{name}"]) == sides, name
+    assert APART["step35/checkpoint/hf/"] == ("step35/checkpoint/training/",)

@@ -27,12 +27,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from step35.checkpoint import CheckpointError
-from step35.checkpoint.export import export_checkpoint
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
-from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
-from step35.checkpoint.trainer_io import Step35CheckpointIO, load_file
+from step35.checkpoint.training.trainer_io import Step35CheckpointIO, load_file
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
@@ -186,7 +186,7 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoin
 def test_bytes_item_refused_by_the_loader_itself(checkpoints, tmp_path):
     """The guard is in the reader DCP calls, not only in the early check: a crafted shard item loaded
     straight through `dcp_load` is refused naming the shard, and the marker never appears."""
-    from step35.checkpoint.trainer_io import dcp_load
+    from step35.checkpoint.training.trainer_io import dcp_load
 
     marker = tmp_path / "marker"
     path, bad = craft("bytes", checkpoints, tmp_path, marker)

@@ -33,8 +33,8 @@ import torch
 
 from step35 import config as config_module
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import INDEX_FILE, read_tensor_infos
-from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.hf.folder import INDEX_FILE, read_tensor_infos
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.config import ConfigError, ConfigWarning, Step35Config, load_config, preset
 from step35.module import Step35LightningModule
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from step35.checkpoint.pretrained import save_pretrained
+from step35.checkpoint.hf.pretrained import save_pretrained
 from step35.config import preset
 from step35.parallel import ParallelDims
 

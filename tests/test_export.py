@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from step35.checkpoint import run_tokenizer
-from step35.checkpoint.export import export_checkpoint
-from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
+from step35.checkpoint.training import keys
+from step35.checkpoint.training.export import export_checkpoint
+from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
 from step35.run import checkpoint_of
-from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.data import Step35DataModule
 from step35.data.builtin import builtin_tokenizer_dir
@@ -98,10 +98,10 @@ def test_exported_tokenizer_is_the_runs_and_agrees_with_config(tiny_run, exporte
 
 def test_tokenizer_travels_inside_the_checkpoint(tiny_run, builtin_cache):
     """The recorded files are what export uses: the built-in cache may be gone on the export machine."""
-    from step35.checkpoint.trainer_io import load_file as load_ckpt
+    from step35.checkpoint.training.trainer_io import load_file as load_ckpt
 
     run, _ = tiny_run
-    saved = load_ckpt(checkpoint_of(run))[run_tokenizer.RECORD_KEY]
+    saved = load_ckpt(checkpoint_of(run))[keys.TOKENIZER]
     builtin = builtin_tokenizer_dir(cache_dir=builtin_cache)
     assert saved["source"] == str(builtin.resolve()) and saved["eos_token_id"] == 0
     assert saved["files"]["tokenizer.json"] == (builtin / "tokenizer.json").read_bytes()
@@ -277,7 +277,7 @@ def test_an_old_checkpoint_names_its_config_and_tokenizer_folders_known_files_on
     only a config.json (any other file is refused) and the tokenizer files, each said aloud."""
     home = tmp_path / "home"
     public = home_like_folder(home, builtin_tokenizer_dir(cache_dir=builtin_cache))
-    old = ("step35_config", run_tokenizer.RECORD_KEY)
+    old = (keys.MODEL_CONFIG, keys.TOKENIZER)
     ckpt = planted_checkpoint(tiny_run, tmp_path / "key.ckpt", drop=old, checkpoint=None, config=str(home / "id_rsa"))
     with pytest.raises(SystemExit, match=r"names '.*id_rsa' as its model config, .* pass --model_config"):
         main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "no")])
@@ -312,7 +312,7 @@ def test_libraries_import_no_command():
 
 
 def test_remote_code_is_what_auto_map_names_in_this_repository():
-    from step35.checkpoint.export import remote_code_modules
+    from step35.checkpoint.training.export import remote_code_modules
 
     config = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     tokenizer = {"AutoTokenizer": ["tokenization_x.XTokenizer", None], "AutoProcessor": "other/repo--proc_x.P"}

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import step35.checkpoint.export as export_lib
+import step35.checkpoint.training.export as export_lib
 from step35.checkpoint import publish
-from step35.checkpoint.pretrained import load_pretrained
-from step35.checkpoint.trainer_io import remove, save_file
+from step35.checkpoint.hf.pretrained import load_pretrained
+from step35.checkpoint.training.trainer_io import remove, save_file
 from step35.cli import main
 
 

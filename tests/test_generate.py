@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint.export import export_checkpoint
+from step35.checkpoint.training.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
 from step35.data.chat_template import ChatTemplate
 from step35.run import checkpoint_of

@@ -1,4 +1,4 @@
-"""Exports load in transformers as a causal LM (step35/checkpoint/hf_modeling/modeling_step35.py): no missing or
+"""Exports load in transformers as a causal LM (step35/checkpoint/hf/modeling/modeling_step35.py): no missing or
 unexpected keys, the logits of step35.model within 1e-5 (fp32), and `generate` gives `step35 generate`'s tokens."""
 
 import json
@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from step35.checkpoint.export import export_checkpoint
-from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
-from step35.checkpoint.pretrained import save_pretrained
+from step35.checkpoint.training.export import export_checkpoint
+from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
+from step35.checkpoint.hf.pretrained import save_pretrained
 from step35.commands.generate import load_generator
 from step35.config import preset
 from step35.model import build_model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint.pretrained import save_pretrained
+from step35.checkpoint.hf.pretrained import save_pretrained
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 from tests.helpers import tiny_config

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from step35.checkpoint.materialize import materialize
+from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, LoraError, adapter_parameters, apply_lora, is_adapter
@@ -84,7 +84,7 @@ def test_adapter_names_shapes_and_init_are_deterministic():
     again = lora_model(lora)
     assert all(torch.equal(p, again.get_parameter(n)) for n, p in adapter_parameters(model).items())
     # no adapters in the HF view of the model (what a checkpoint folder holds)
-    from step35.checkpoint.materialize import checkpoint_state
+    from step35.checkpoint.hf.materialize import checkpoint_state
     assert not any(is_adapter(n) for n in checkpoint_state(model))
 
 
@@ -341,7 +341,7 @@ def test_lora_run_saves_and_resumes(tmp_path, builtin_cache):
     """The LoRA options travel in the checkpoint's hyper-parameters (a plain dict: checkpoints load
     with weights_only) and a resumed run continues with the saved adapters."""
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

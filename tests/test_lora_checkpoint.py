@@ -1,4 +1,4 @@
-"""A LoRA run's training checkpoints (step35/checkpoint/lora_base.py, docs/lora.md): they hold the adapters,
+"""A LoRA run's training checkpoints (step35/checkpoint/hf/lora_base.py, docs/lora.md): they hold the adapters,
 the trained targets, buffers and optimizer state plus the identity of the frozen base, not the base; resume
 reads the base again from its HF folder (or the init) and refuses another base naming what differs; a resumed
 run continues exactly as one that never stopped."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.lora_base import RECORD_KEY
-from step35.checkpoint.materialize import materialize
-from step35.checkpoint.pretrained import save_pretrained
+from step35.checkpoint.training.keys import LORA_BASE
+from step35.checkpoint.hf.materialize import materialize
+from step35.checkpoint.hf.pretrained import save_pretrained
 from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import is_adapter
@@ -31,7 +31,7 @@ def hf_base(folder, seed):
 
 def fit(root, cache, steps, base=None, ckpt_path=None, init_seed=0):
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 
@@ -60,7 +60,7 @@ def test_checkpoint_holds_the_trained_state_and_the_base_identity_not_the_base(t
     buffers = {n for n, _ in model.named_buffers() if n in model.state_dict()}
     assert names == trained | buffers  # adapters, the router, the router bias: no frozen weight
     assert any(is_adapter(n) for n in names) and "model.layers.0.self_attn.q_proj.weight" not in names
-    record = saved[RECORD_KEY]
+    record = saved[LORA_BASE]
     assert record["folder"] == str(base) and set(record["sizes"]) == {p.name for p in base.glob("*.safetensors")}
     assert record["index_sha256"] is None or len(record["index_sha256"]) == 64
     assert record["crc32"] and record["crc32"].keys() == record["sizes"].keys()  # the base's manifest checksums
@@ -94,7 +94,7 @@ def test_resume_rereads_the_base_and_refuses_another(tmp_path, builtin_cache):
 def test_a_base_from_the_init_is_recorded_by_its_seed(tmp_path, builtin_cache):
     fit(tmp_path / "run", builtin_cache, 2)
     ckpt = next((tmp_path / "run").rglob("step=000002.ckpt"))
-    assert torch.load(ckpt, weights_only=True)[RECORD_KEY] == {"folder": None, "init_seed": 0}
+    assert torch.load(ckpt, weights_only=True)[LORA_BASE] == {"folder": None, "init_seed": 0}
     with pytest.raises(CheckpointError, match=r"the run's base was drawn with model.init_seed=0, this run's is 5"):
         fit(tmp_path / "run", builtin_cache, 4, ckpt_path=ckpt, init_seed=5)
 
@@ -117,7 +117,7 @@ def test_lora_run_killed_twice_resumes_bitwise(tmp_path, builtin_cache):
 
     chaos(tmp_path, builtin_cache, max_steps=16, kills=2, seed=5, deadline_s=1200, config_text=lora_config_text())
     final = torch.load(tmp_path / "chaos" / "checkpoints" / "step=000016.ckpt", weights_only=True)
-    assert final[RECORD_KEY] == {"folder": None, "init_seed": 0}
+    assert final[LORA_BASE] == {"folder": None, "init_seed": 0}
     assert not [k for k in final["state_dict"] if k.endswith("self_attn.q_proj.weight")]  # no frozen base
 
 

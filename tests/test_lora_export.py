@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.materialize import materialize
-from step35.checkpoint.peft import CONFIG_FILE, WEIGHTS_FILE, apply_peft_folder
-from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.hf.materialize import materialize
+from step35.checkpoint.hf.peft import CONFIG_FILE, WEIGHTS_FILE, apply_peft_folder
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.commands.generate import load_generator
 from step35.model import build_model
@@ -34,7 +34,7 @@ def lora_run(tmp_path_factory, builtin_cache):
     """A tiny LoRA run of 3 steps (every adapter kind, MTP and a full-trained router; alpha != rank and
     an expert rank of its own, so each scale differs), saved as a run folder. Returns (run, model)."""
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

@@ -1,9 +1,9 @@
 """Issue 24: a LoRA run knows its base by content, and the PEFT folder reader trusts nothing.
 
-- The base's fingerprint (step35/checkpoint/lora_base.py) samples each shard's content, so two HF folders of one
+- The base's fingerprint (step35/checkpoint/hf/lora_base.py) samples each shard's content, so two HF folders of one
   shape and no step35 manifest (every HF release) are told apart at resume, a moved copy is accepted, and the
   cost is bounded (the header and 3 x 1 MiB a shard).
-- `apply_peft_folder` (step35/checkpoint/peft.py) validates adapter_config.json (types, ranges, pattern keys
+- `apply_peft_folder` (step35/checkpoint/hf/peft.py) validates adapter_config.json (types, ranges, pattern keys
   matched literally, never run as regexes), every tensor's name and shape, and the merged weights' finiteness,
   with one-line errors naming the file.
 - `check_resume` (step35/run/resume.py) refuses a LoRA resume with another rank, expert rank or alpha.
@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from step35.checkpoint import lora_base
+from step35.checkpoint.hf import lora_base
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import MANIFEST
 
@@ -129,7 +129,7 @@ Q, UP = "model.layers.0.self_attn.q_proj", "model.layers.1.moe.up_proj"
 
 @pytest.fixture(scope="module")
 def tiny_base():
-    from step35.checkpoint.materialize import materialize
+    from step35.checkpoint.hf.materialize import materialize
     from step35.config import preset
     from step35.model import build_model
 
@@ -177,7 +177,7 @@ def write_peft(folder, model, config_changes=None, tensor_changes=None, scale=0.
 def test_a_valid_folder_merges_as_peft_computes(tmp_path, tiny_base):
     """The checks refuse nothing PEFT's own layout holds: W + 8/4 B A for q_proj, PEFT's per-expert delta at
     the pattern's rank 2 and alpha 3 for up_proj, lm_head copied; literal suffix keys apply as PEFT's regex."""
-    from step35.checkpoint.peft import apply_peft_folder
+    from step35.checkpoint.hf.peft import apply_peft_folder
 
     folder, tensors = write_peft(tmp_path / "adapter", tiny_base)
     model = base_model(tiny_base)
@@ -221,7 +221,7 @@ CONFIG_CASES = {
 def test_a_bad_adapter_config_is_one_line_naming_the_file(tmp_path, tiny_base, case):
     """Before: the patterns ran as regexes on every module name (`(.|.)*!` backtracks ~2^38 steps on a layer's
     name: generate hung), a string r raised a raw TypeError, other cases merged something else or KeyError'd."""
-    from step35.checkpoint.peft import apply_peft_folder
+    from step35.checkpoint.hf.peft import apply_peft_folder
 
     changes, message = CONFIG_CASES[case]
     folder, _ = write_peft(tmp_path / "adapter", tiny_base, config_changes=changes)
@@ -233,7 +233,7 @@ def test_a_bad_adapter_config_is_one_line_naming_the_file(tmp_path, tiny_base, c
 
 def test_an_overflowing_alpha_is_refused_naming_the_config(tmp_path, tiny_base):
     """lora_alpha 1e38 with adapters of size ~10: W + 2.5e37 B A overflows float32. Before: merged into inf."""
-    from step35.checkpoint.peft import apply_peft_folder
+    from step35.checkpoint.hf.peft import apply_peft_folder
 
     folder, _ = write_peft(tmp_path / "adapter", tiny_base, config_changes={"lora_alpha": 1e38}, scale=10.0)
     model = base_model(tiny_base)
@@ -244,8 +244,8 @@ def test_an_overflowing_alpha_is_refused_naming_the_config(tmp_path, tiny_base):
 
 def test_peft_model_refuses_a_merge_that_overflows_the_dtype(tmp_path, tiny_base):
     """Finite in float32, the merge runs before the cast: lora_alpha 1e6 fits float32 but not float16."""
-    from step35.checkpoint.peft import peft_model
-    from step35.checkpoint.pretrained import save_pretrained
+    from step35.checkpoint.hf.peft import peft_model
+    from step35.checkpoint.hf.pretrained import save_pretrained
 
     save_pretrained(tiny_base, tmp_path / "base")
     folder, _ = write_peft(tmp_path / "adapter", tiny_base, scale=10.0,
@@ -258,7 +258,7 @@ def test_peft_model_refuses_a_merge_that_overflows_the_dtype(tmp_path, tiny_base
 def test_generate_on_a_hostile_folder_stops_in_one_line(tmp_path, tiny_base, builtin_cache):
     """`step35 generate` on a PEFT folder over a real base folder: the catastrophic alpha_pattern (before: a hang)
     and a [1, H] lm_head (before: broadcast into lm_head, generate ran on) each end the command in one line."""
-    from step35.checkpoint.pretrained import save_pretrained
+    from step35.checkpoint.hf.pretrained import save_pretrained
     from step35.cli import main
     from step35.data.builtin import builtin_tokenizer_dir
 
@@ -302,7 +302,7 @@ TENSOR_CASES = {
 def test_a_bad_adapter_tensor_is_one_line_naming_the_file(tmp_path, tiny_base, case):
     """Before: a [1, H] lm_head was broadcast into lm_head by copy_, an extra tensor ignored, a missing one a raw
     KeyError, a wrong shape a LoraError naming no file, NaN merged in."""
-    from step35.checkpoint.peft import apply_peft_folder
+    from step35.checkpoint.hf.peft import apply_peft_folder
 
     changes, message = TENSOR_CASES[case]
     folder, _ = write_peft(tmp_path / "adapter", tiny_base, tensor_changes=changes)
@@ -318,7 +318,7 @@ def test_a_bad_adapter_tensor_is_one_line_naming_the_file(tmp_path, tiny_base, c
 def test_unreadable_files_are_named(tmp_path, tiny_base, damage):
     from safetensors.torch import save_file
 
-    from step35.checkpoint.peft import apply_peft_folder
+    from step35.checkpoint.hf.peft import apply_peft_folder
 
     folder, tensors = write_peft(tmp_path / "adapter", tiny_base)
     if damage == "config":

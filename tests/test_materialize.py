@@ -4,9 +4,9 @@ does not fit the config is refused before anything is allocated."""
 import pytest
 import torch
 
-from step35.checkpoint import CheckpointError
-from step35.checkpoint.materialize import materialize
-from step35.checkpoint.pretrained import save_pretrained
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.materialize import materialize
+from step35.checkpoint.hf.pretrained import save_pretrained
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.model.init import init_tensor

@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from step35.checkpoint.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.config import preset
 from step35.data import Step35DataModule
 from step35.model import Step35ForCausalLM

@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import Logger
 
-from step35.checkpoint import catalog
+from step35.checkpoint.training import catalog
 from step35.checkpoint.integrity import is_complete
 from step35.faults import EXIT_FAILED, EXIT_PREEMPTED
 
@@ -205,7 +205,7 @@ def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step
 def async_plugins(kind: str) -> list:
     from lightning.pytorch.plugins import AsyncCheckpointIO
 
-    from step35.checkpoint.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
 
     return [AsyncCheckpointIO()] if kind == "plain" else [AsyncCheckpointIO(Step35CheckpointIO())]
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from step35.checkpoint.pretrained import load_pretrained
+from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.module import Step35LightningModule
 from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
@@ -69,7 +69,7 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from step35.checkpoint.export import export_checkpoint
+    from step35.checkpoint.training.export import export_checkpoint
 
     export_checkpoint(step4[0], tmp_path / "hf", max_shard_size="2MB")
     dcp_to_torch_save(step4[0], tmp_path / "consolidated.pt")

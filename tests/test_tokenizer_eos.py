@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from step35.checkpoint import run_tokenizer
+from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
 from step35.data.tokenizer import TextTokenizer
 

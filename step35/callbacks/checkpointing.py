@@ -26,9 +26,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from step35 import lightning_private
-from step35.checkpoint import catalog
+from step35.checkpoint.training import catalog, keys
 from step35.checkpoint.integrity import is_complete, recorded_damage, remove_manifest, write_manifest
-from step35.checkpoint.trainer_io import refuse_asynchronous_io
+from step35.checkpoint.training.trainer_io import refuse_asynchronous_io
 from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load
 from step35.run import lock
 
@@ -174,7 +174,7 @@ class RunCheckpoint(ModelCheckpoint):
         if not is_complete(path):
             # A strategy whose save writes no manifest (Lightning's own single-file save): the file
             # is in place, so the manifest can be written now; until then the checkpoint is incomplete.
-            write_manifest(path, extra={"global_step": trainer.global_step})
+            write_manifest(path, extra={keys.MANIFEST_GLOBAL_STEP: trainer.global_step})
         newest = catalog.newest_complete([path.parent])  # this save, unless the folder holds later steps
         catalog.point_last(path.parent, newest.path)
         protect = [self._resumed_from] if self._resumed_from is not None else []

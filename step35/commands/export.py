@@ -5,7 +5,7 @@
                   [--merge true]  (a LoRA run: the adapters merged into the weights; without: a PEFT folder)
                   [--overwrite true]  (replace an --out that step35 did not write)
 
-The work is `step35.checkpoint.export.export_checkpoint` (what lands in the folder, and which
+The work is `step35.checkpoint.training.export.export_checkpoint` (what lands in the folder, and which
 `--out` it refuses, is described there); this command parses the options, finds the checkpoint's
 run folder (never to be replaced), and prints each file written besides the weights, with where it
 came from, then every change to config.json and every path read from the checkpoint.
@@ -28,9 +28,9 @@ from typing import Literal
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.export import export_checkpoint
+from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.integrity import manifest_path
-from step35.checkpoint.trainer_io import disk_full
+from step35.checkpoint.training.trainer_io import disk_full
 from step35.commands.function_cli import run_function
 from step35.config import load_config
 from step35.run import RunFolder, checkpoint_of

@@ -42,13 +42,13 @@ from typing import Callable, Literal
 
 import torch
 
-from step35.checkpoint import run_tokenizer
+from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.export import align_special_ids
-from step35.checkpoint.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
+from step35.checkpoint.training.export import align_special_ids
+from step35.checkpoint.training.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
 from step35.commands.function_cli import run_function
-from step35.checkpoint.peft import is_peft_folder, peft_base, peft_model
-from step35.checkpoint.pretrained import load_pretrained
+from step35.checkpoint.hf.peft import is_peft_folder, peft_base, peft_model
+from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.config import Step35Config
 from step35.data.chat_messages import ChatTemplateError
 from step35.data.chat_template import ChatTemplate

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from step35.checkpoint import catalog
+from step35.checkpoint.training import catalog, keys
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import require_manifest, verify
 from step35.run.layout import RunFolder
@@ -107,7 +107,7 @@ def checkpoint_of(path: str | Path, say: Callable[[str], None] = print) -> Path:
     are skipped and said); any other path as it is (a `.ckpt` file, a sharded checkpoint folder,
     `last.ckpt`), for the checkpoint readers to check."""
     path = Path(path)
-    is_checkpoint = (path.is_file() or path.is_symlink() or (path / "meta.pt").is_file()
+    is_checkpoint = (path.is_file() or path.is_symlink() or (path / keys.META_FILE).is_file()
                      or (path / ".metadata").is_file())
     if is_checkpoint or not path.is_dir():
         return path

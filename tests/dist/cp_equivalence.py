@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from step35.checkpoint.materialize import materialize
+from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, parallelize

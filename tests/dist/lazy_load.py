@@ -10,7 +10,7 @@ import resource
 import torch
 import torch.distributed as dist
 
-from step35.checkpoint.materialize import materialize
+from step35.checkpoint.hf.materialize import materialize
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, parallelize

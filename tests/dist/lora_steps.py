@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from step35.checkpoint.materialize import materialize
+from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, apply_lora

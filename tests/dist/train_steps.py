@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from step35.checkpoint.materialize import materialize
+from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, clip_grad_norm_, parallelize

@@ -23,18 +23,10 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from step35.checkpoint.errors import CheckpointError, raise_together
-from step35.checkpoint.lora_base import RECORD_KEY as LORA_BASE_KEY
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, damage_record, verify_for_load, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish, remove_path
 from step35.checkpoint.safe_load import check_bytes_items, check_finite, load_torch, safe_reader
-
-META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded folder
-
-
-def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
-    """What a manifest records about a training checkpoint, readable without loading it."""
-    return {"kind": "lightning", "layout": layout, "global_step": checkpoint.get("global_step"),
-            "epoch": checkpoint.get("epoch"), "world_size": world_size}
+from step35.checkpoint.training import keys
 
 
 def disk_full(error: BaseException, folder: Path) -> bool:
@@ -73,7 +65,7 @@ def save_file(checkpoint: dict, path: str | Path) -> None:
     try:
         with open(tmp, "wb") as f:  # a file object: a full disk raises ENOSPC, not "unexpected pos"
             torch.save(checkpoint, f)
-        write_manifest(tmp, manifest_extra(checkpoint, "file"))
+        write_manifest(tmp, keys.manifest_extra(checkpoint, "file"))
         publish(tmp, path)
     except (OSError, RuntimeError) as e:
         if not disk_full(e, path.parent):
@@ -111,8 +103,8 @@ def check_loadable(path: str | Path) -> Path:
 
 def finite_state(checkpoint: dict, path: Path) -> None:
     """NaN/Inf in the weights or optimizer state of a loaded single-file checkpoint is refused."""
-    check_finite(checkpoint.get("state_dict", {}).items(), path)
-    for i, optim in enumerate(checkpoint.get("optimizer_states", [])):
+    check_finite(checkpoint.get(keys.STATE_DICT, {}).items(), path)
+    for i, optim in enumerate(checkpoint.get(keys.OPTIMIZER_STATES, [])):
         for param, values in (optim.get("state") or {}).items():
             check_finite(((f"optimizer {i} {k} of parameter {param}", v) for k, v in values.items()), path)
 
@@ -135,7 +127,7 @@ def load_meta(folder: str | Path) -> dict:
     """Lightning's `meta.pt` of a sharded folder (no tensors of the model), read safely; the
     folder's non-tensor DCP items (optimizer param_groups) are checked too, so every reader of a
     sharded folder (resume, export, generate) refuses a crafted one before loading anything else."""
-    meta = Path(folder) / META_FILE
+    meta = Path(folder) / keys.META_FILE
     if not meta.is_file():
         raise CheckpointError(f"{meta}: missing; {folder} is not a Lightning sharded checkpoint")
     checkpoint = load_torch(meta)
@@ -173,14 +165,15 @@ def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, 
     folder = Path(folder)
     meta = load_meta(folder)  # first: a crafted meta.pt is refused before any collective
     state = get_model_state_dict(module)
-    if meta.get(LORA_BASE_KEY) is not None:  # a LoRA run's: the frozen base was read from its folder
+    lora = meta.get(keys.LORA_BASE) is not None  # a LoRA run's: the frozen base was read from its folder
+    if lora:
         frozen = frozen_state_keys(module)
         state = {k: v for k, v in state.items() if k not in frozen}
-    module_state = {"state_dict": state}
+    module_state = {keys.STATE_DICT: state}
     dcp_load(module_state, folder)  # every key of `state` must be in the folder
-    module.load_state_dict(module_state["state_dict"], strict=strict and meta.get(LORA_BASE_KEY) is None)
+    module.load_state_dict(module_state[keys.STATE_DICT], strict=strict and not lora)
     for i, optimizer in enumerate(optimizers):
-        key = f"optimizer_{i}"
+        key = keys.optimizer_key(i)
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
         dcp_load(optim_state, folder)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
@@ -245,7 +238,7 @@ def load_full_optimizers(checkpoint: dict, path: Path, module: torch.nn.Module, 
         return
 
     def named_states() -> list[dict]:
-        saved = checkpoint.get("optimizer_states") or []
+        saved = checkpoint.get(keys.OPTIMIZER_STATES) or []
         if len(saved) != len(optimizers):
             raise CheckpointError(f"{path}: holds {len(saved)} optimizer states, this run has {len(optimizers)} "
                                   f"optimizers")

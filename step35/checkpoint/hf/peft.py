@@ -11,8 +11,8 @@ checkpoint's, under PEFT's `base_model.model.` prefix:
   k*E + e is column k of expert e's B_e^T), so PEFT's delta of expert e is scale * B_e^T A_e^T, the
   (A_e B_e)^T our forward adds; `rank_pattern` / `alpha_pattern` give the expert rank when it differs;
 - full-trained targets (router, lm_head, embed) as `modules_to_save`, stored under their own names.
-The base's identity (checkpoint/lora_base.py) is kept in the safetensors metadata, so a loader can
-refuse a different base. The router bias, a buffer that `moe_bias_update_rate` > 0 moves, has no
+The base's identity (hf/lora_base.py) is kept in the safetensors metadata (BASE_METADATA), so a loader
+can refuse a different base. The router bias, a buffer that `moe_bias_update_rate` > 0 moves, has no
 place in a PEFT folder: the export says so (use --merge for the exact model).
 
 `apply_peft_folder` / `peft_model` read such a folder, ours or PEFT's, trusting none of it: the config's
@@ -31,18 +31,23 @@ from pathlib import Path
 
 import torch
 
-from step35.checkpoint import lora_base
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf import lora_base
+from step35.checkpoint.hf.materialize import ignored_mtp_tensors
 from step35.checkpoint.integrity import write_manifest
-from step35.checkpoint.materialize import ignored_mtp_tensors
 from step35.checkpoint.publish import partial_path, publish
 from step35.checkpoint.safe_load import check_finite
-from step35.model.lora import is_adapter, is_full_target
+from step35.config import Step35Config
+from step35.model.lora import LoraConfig
 
 PEFT_VERSION = "0.21.2"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+# The safetensors metadata of a step35 PEFT folder: the model config and the base's identity, under the
+# names a training checkpoint gives them (training/keys.py: MODEL_CONFIG, LORA_BASE).
+CONFIG_METADATA = "step35_config"
+BASE_METADATA = "step35_lora_base"
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -62,16 +67,17 @@ def from_peft(A: torch.Tensor, B: torch.Tensor, num_experts: int | None) -> tupl
     return A.reshape(E, r, A.shape[1]).transpose(1, 2), B.reshape(B.shape[0], r, E).permute(2, 1, 0)
 
 
-def write_peft_folder(trained, out: str | Path, dtype: torch.dtype) -> list[str]:
-    """Write the adapters of the LoRA run checkpoint `trained` (a TrainedCheckpoint) as a PEFT folder at
-    `out`, adapters in `dtype`; returns notes (one line each) on what the folder cannot hold."""
+def write_peft_folder(out: str | Path, adapters: dict[str, torch.Tensor], full: dict[str, torch.Tensor],
+                      lora: LoraConfig, config: Step35Config, base: dict | None, base_folder: str | None,
+                      dtype: torch.dtype) -> list[str]:
+    """Write a LoRA run's `adapters` (our layout, model/lora.py: `X.lora_A` / `X.lora_B` of the adapted
+    module X) and its full-trained tensors `full` (by HF name) as a PEFT folder at `out`, in `dtype`.
+    `lora`: the run's LoRA options; `config`: its model config and `base`: its base's identity
+    (lora_base.base_identity), both kept in the safetensors metadata; `base_folder`: the base's HF folder
+    (base_model_name_or_path; None for a base drawn from the init). Returns notes (one line each) on
+    what the folder cannot hold."""
     from safetensors.torch import save_file
 
-    lora = trained.lora
-    config = trained.config
-    targets = lora.expanded_targets()
-    adapters = dict(trained.tensors(only=is_adapter))
-    full = dict(trained.tensors(only=lambda n: is_full_target(n, targets)))
     tensors, modules, parameters = {}, [], []
     expert_rank = None
     for prefix in sorted({n.rsplit(".", 1)[0] for n in adapters}):
@@ -95,12 +101,9 @@ def write_peft_folder(trained, out: str | Path, dtype: torch.dtype) -> list[str]
         notes.append(f"lora_dropout written as 0 (the run trained with {dropout}): PEFT refuses dropout on "
                      "3-D expert parameters")
         dropout = 0.0
-    if (trained.hyper_parameters.get("moe_bias_update_rate") or 0) > 0:
-        notes.append("the run moved the router bias (model.moe_bias_update_rate > 0), which a PEFT folder cannot "
-                     "hold: serving base + adapters uses the base's bias; export with --merge for the exact model")
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "peft_version": PEFT_VERSION,
-        "base_model_name_or_path": trained.start_folder(), "inference_mode": True,
+        "base_model_name_or_path": base_folder, "inference_mode": True,
         "r": lora.rank, "lora_alpha": lora.scale_alpha, "lora_dropout": dropout,
         "target_modules": modules, "target_parameters": parameters or None,
         "rank_pattern": pattern, "alpha_pattern": {k: lora.scale_alpha for k in pattern},
@@ -108,9 +111,7 @@ def write_peft_folder(trained, out: str | Path, dtype: torch.dtype) -> list[str]
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
     }
-    record = trained.meta.get(lora_base.RECORD_KEY)
-    metadata = {"format": "pt", "step35_config": json.dumps(config.to_dict()),
-                lora_base.RECORD_KEY: json.dumps(record)}
+    metadata = {"format": "pt", CONFIG_METADATA: json.dumps(config.to_dict()), BASE_METADATA: json.dumps(base)}
     out = Path(out)
     tmp = partial_path(out)
     tmp.mkdir(parents=True)
@@ -220,7 +221,7 @@ def _is_name(value) -> bool:
 
 
 def _names_match(key: str, name: str) -> bool:
-    """PEFT's `(.*\.)?({key})$` for a literal key: `name` is `key` or ends with "." + key."""
+    r"""PEFT's `(.*\.)?({key})$` for a literal key: `name` is `key` or ends with "." + key."""
     return name == key or name.endswith("." + key)
 
 
@@ -238,7 +239,7 @@ def read_adapter_weights(adapter: str | Path) -> tuple[dict[str, torch.Tensor], 
 
 def _recorded_base(adapter: Path, metadata: dict[str, str]) -> dict | None:
     """The base identity a step35 export keeps in the safetensors metadata (None: a PEFT folder from elsewhere)."""
-    text = metadata.get(lora_base.RECORD_KEY) or "null"
+    text = metadata.get(BASE_METADATA) or "null"
     try:
         record = json.loads(text)
     except ValueError:
@@ -247,7 +248,7 @@ def _recorded_base(adapter: Path, metadata: dict[str, str]) -> dict | None:
         return record
     if isinstance(record, dict) and record.get("folder") is None and _is_int(record.get("init_seed")):
         return record
-    raise CheckpointError(f"{adapter / WEIGHTS_FILE}: its metadata {lora_base.RECORD_KEY} is not a base identity")
+    raise CheckpointError(f"{adapter / WEIGHTS_FILE}: its metadata {BASE_METADATA} is not a base identity")
 
 
 @dataclass
@@ -407,8 +408,7 @@ def peft_model(adapter: str | Path, dtype: torch.dtype, device: str) -> tuple[to
     """(the main model of a step35 PEFT folder's base with the adapters merged in, the base folder or
     None for a base drawn from the init). The base is the folder adapter_config.json names (its
     fingerprint checked), else the init of the seed recorded, with the model config recorded."""
-    from step35.checkpoint.pretrained import load_pretrained
-    from step35.config import Step35Config
+    from step35.checkpoint.hf.pretrained import load_pretrained
     from step35.model import build_model
 
     adapter = Path(adapter)
@@ -418,14 +418,14 @@ def peft_model(adapter: str | Path, dtype: torch.dtype, device: str) -> tuple[to
     else:
         _, metadata = read_adapter_weights(adapter)
         record = _recorded_base(adapter, metadata)
-        if record is None or record.get("folder") is not None or "step35_config" not in metadata:
+        if record is None or record.get("folder") is not None or CONFIG_METADATA not in metadata:
             raise CheckpointError(f"{adapter}: names no base (base_model_name_or_path) and records no step35 base")
-        from step35.checkpoint.materialize import materialize
+        from step35.checkpoint.hf.materialize import materialize
 
         try:
-            model_config = Step35Config.from_dict(json.loads(metadata["step35_config"]))
+            model_config = Step35Config.from_dict(json.loads(metadata[CONFIG_METADATA]))
         except (ValueError, TypeError, KeyError) as e:
-            raise CheckpointError(f"{adapter / WEIGHTS_FILE}: its metadata step35_config is not a model config "
+            raise CheckpointError(f"{adapter / WEIGHTS_FILE}: its metadata {CONFIG_METADATA} is not a model config "
                                   f"({type(e).__name__}: {e})") from None
         model = build_model(model_config, 0)
         materialize(model, "cpu", seed=record["init_seed"])

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from step35.checkpoint.errors import raise_together
-from step35.checkpoint.hf import TensorInfo, check_tensors, read_tensor_infos
+from step35.checkpoint.hf.folder import TensorInfo, check_tensors, read_tensor_infos
 from step35.checkpoint.integrity import verify_on_all_ranks
 from step35.checkpoint.safe_load import check_finite
 from step35.config import Step35Config

@@ -1,9 +1,9 @@
 """A training checkpoint -> an HF folder that loads as it is (the library behind `step35 export`).
 
-The weights come from `trained.open_checkpoint` and are written by `hf.write_hf_folder` (shards,
+The weights come from `trained.open_checkpoint` and are written by `hf.folder.write_hf_folder` (shards,
 index, manifest, one atomic publish); a LoRA run's are exported with `merge`, its adapters merged
 into the weights (`TrainedCheckpoint.merged_tensors`), or without it as a PEFT adapter folder
-(`peft.write_peft_folder`, nothing else written). What lands next to a full export's weights:
+(`hf.peft.write_peft_folder`, nothing else written). What lands next to a full export's weights:
 - From the HF folder the run started from (`--source`, else the `model.checkpoint` the checkpoint
   names), only files of the kinds an HF model folder publishes, looked up by name at its top level,
   never by walking it: the tokenizer files, chat template and generation config
@@ -11,7 +11,7 @@ into the weights (`TrainedCheckpoint.merged_tensors`), or without it as a PEFT a
   `auto_map` names (with the modules that code imports relatively). The folder is named by a file
   from elsewhere; a checkpoint naming a home folder must not publish its `id_rsa`. config.json keeps
   the start folder's fields (auto_map included), as training read them.
-- Our own transformers modeling file (`hf_modeling/modeling_step35.py`, config and causal LM in one
+- Our own transformers modeling file (`hf/modeling/modeling_step35.py`, config and causal LM in one
   file) with config.json's `auto_map` pointing at it, unless the start folder brings the remote code
   its `auto_map` names (the release's, copied as above): so that `AutoModelForCausalLM.from_pretrained(
   out, trust_remote_code=True)` loads every export. `architectures` stays `Step3p5ForCausalLM`, which
@@ -43,14 +43,15 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from step35.checkpoint import lora_base, run_tokenizer
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf_modeling import AUTO_MAP, MODELING_FILE
-from step35.checkpoint.hf import write_hf_folder
+from step35.checkpoint.hf.folder import write_hf_folder
+from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.publish import dead_partials, partial_writer, remove_path
-from step35.checkpoint.trained import TrainedCheckpoint, open_checkpoint
+from step35.checkpoint.training import keys, run_tokenizer
+from step35.checkpoint.training.trained import TrainedCheckpoint, open_checkpoint
 from step35.config import Step35Config
+from step35.model.lora import is_adapter, is_full_target
 
 # Model card and licence files, by the names the Hugging Face hub gives them.
 CARD_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "NOTICE", "USE_POLICY.md")
@@ -173,7 +174,7 @@ def align_special_ids(config: Step35Config, ids: run_tokenizer.SpecialIds, run_e
 
 
 # ------------------------------------------------------------------------------ where an export may write
-_EXPORT_KINDS = ("hf", "peft")  # the manifest kinds of the HF folders step35 writes (hf.py, peft.py)
+_EXPORT_KINDS = ("hf", "peft")  # the manifest kinds of the HF folders step35 writes (hf/folder.py, hf/peft.py)
 
 
 def is_step35_export(path: str | Path) -> bool:
@@ -268,7 +269,7 @@ def read_paths(trained: TrainedCheckpoint, given: str | Path, source: str | Path
     add(trained.path, "the checkpoint")
     add(given, "the checkpoint")
     add(run_folder, "the run folder of the checkpoint")
-    add((trained.meta.get(lora_base.RECORD_KEY) or {}).get("folder"), "the LoRA run's base (model.checkpoint)")
+    add((trained.meta.get(keys.LORA_BASE) or {}).get("folder"), "the LoRA run's base (model.checkpoint)")
     add(trained.start_folder(), "the HF folder the run started from (model.checkpoint)")
     add(source, "the --source folder")
     add(tokenizer, "the --tokenizer folder")
@@ -299,6 +300,23 @@ def prepare_out(trained: TrainedCheckpoint, given: str | Path, out: str | Path, 
     return replaced
 
 
+def _write_peft(trained: TrainedCheckpoint, out: str | Path, dtype: torch.dtype) -> list[str]:
+    """A LoRA run's checkpoint -> a PEFT adapter folder at `out` (hf/peft.py): its adapters and full-trained
+    targets, over the base it records. Returns the notes on what the folder cannot hold."""
+    from step35.checkpoint.hf.peft import write_peft_folder
+
+    lora = trained.lora
+    targets = lora.expanded_targets()
+    adapters = dict(trained.tensors(only=is_adapter))
+    full = dict(trained.tensors(only=lambda n: is_full_target(n, targets)))
+    notes = write_peft_folder(out, adapters, full, lora, trained.config, trained.meta.get(keys.LORA_BASE),
+                              trained.start_folder(), dtype)
+    if (trained.hyper_parameters.get("moe_bias_update_rate") or 0) > 0:
+        notes.append("the run moved the router bias (model.moe_bias_update_rate > 0), which a PEFT folder cannot "
+                     "hold: serving base + adapters uses the base's bias; export with --merge for the exact model")
+    return notes
+
+
 @dataclass
 class ExportReport:
     """What `export_checkpoint` wrote: `copied` maps each file besides the weights, index and
@@ -322,7 +340,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     tokenizer folder instead of the run's; `source`: the HF folder the run started from (default: the
     one the checkpoint names); `merge`: a LoRA run's adapters merged into the weights, W + (alpha/r)·BA
     computed in fp32 (refused for a run without adapters); a LoRA run without `merge` writes a PEFT
-    adapter folder instead (checkpoint/peft.py). `out` is checked first (`check_out`: `overwrite`
+    adapter folder instead (checkpoint/hf/peft.py). `out` is checked first (`check_out`: `overwrite`
     lets it replace what step35 did not write; `run_folder`, the checkpoint's run folder, and
     `model_config`, the file `config` came from, are never replaced). `say` hears, as they happen,
     which dead exports' partial copies are removed (default: into the notes).
@@ -338,10 +356,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     if replaced:
         early.append(replaced)
     if lora is not None and not merge:  # the adapters alone, as a PEFT folder over the run's base
-        from step35.checkpoint.peft import write_peft_folder
-
         dtype = dtype or getattr(torch, trained.config.torch_dtype)
-        notes = early + list(trained.notes) + write_peft_folder(trained, out, dtype)
+        notes = early + list(trained.notes) + _write_peft(trained, out, dtype)
         notes.append(f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
                      f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead")
         return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)

@@ -20,16 +20,15 @@ from typing import Callable, Iterator
 
 import torch
 
-from step35.checkpoint import lora_base, run_tokenizer
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import INDEX_FILE, SINGLE_FILE, read_tensor_infos
+from step35.checkpoint.hf import lora_base
+from step35.checkpoint.hf.folder import INDEX_FILE, SINGLE_FILE, read_tensor_infos
 from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
-from step35.checkpoint.trainer_io import META_FILE, check_loadable, dcp_load, load_file, load_meta
+from step35.checkpoint.training import keys, run_tokenizer
+from step35.checkpoint.training.trainer_io import check_loadable, dcp_load, load_file, load_meta
 from step35.config import PRESETS, ConfigError, Step35Config, load_config
 from step35.model.lora import LoraConfig, LoraError, is_adapter, merged_weight
-
-_PREFIX = "model."  # the LightningModule's attribute holding Step35ForCausalLM
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -44,7 +43,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if path.is_symlink():  # last.ckpt: read (and verify) what it points at, whose manifest is beside it
         path = path.resolve()
-    if path.is_dir() and not ((path / META_FILE).is_file() or (path / ".metadata").is_file()):
+    if path.is_dir() and not ((path / keys.META_FILE).is_file() or (path / ".metadata").is_file()):
         raise CheckpointError(f"{path}: not a checkpoint (a .ckpt file or a sharded checkpoint folder); for a run "
                               "folder, step35 export / generate pick its newest intact checkpoint")
     return check_loadable(path)
@@ -80,22 +79,22 @@ def _dcp_tensors(folder: Path, only: Callable[[str], bool]) -> Iterator[tuple[st
 
     entries = safe_reader(folder).read_metadata().state_dict_metadata
     for key, info in entries.items():
-        if not key.startswith("state_dict." + _PREFIX) or not isinstance(info, TensorStorageMetadata):
+        if not key.startswith(keys.DCP_MODEL_PREFIX) or not isinstance(info, TensorStorageMetadata):
             continue
-        if not only(key[len("state_dict." + _PREFIX):]):
+        if not only(key[len(keys.DCP_MODEL_PREFIX):]):
             continue  # not read at all
         tensor = torch.empty(info.size, dtype=info.properties.dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp_load({key: tensor}, folder)
         check_finite([(key, tensor)], folder)
-        yield key[len("state_dict." + _PREFIX):], tensor
+        yield key[len(keys.DCP_MODEL_PREFIX):], tensor
 
 
 def _file_tensors(meta: dict, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, tensor in meta["state_dict"].items():
-        if key.startswith(_PREFIX) and only(key[len(_PREFIX):]):
-            yield key[len(_PREFIX):], tensor
+    for key, tensor in meta[keys.STATE_DICT].items():
+        if key.startswith(keys.MODEL_PREFIX) and only(key[len(keys.MODEL_PREFIX):]):
+            yield key[len(keys.MODEL_PREFIX):], tensor
 
 
 @dataclass
@@ -121,19 +120,19 @@ class TrainedCheckpoint:
             saved.add(name)
             yield name, tensor
         if not saved and only is None:
-            raise CheckpointError(f"{self.path}: holds no model weights (keys starting with '{_PREFIX}')")
-        if self.meta.get(lora_base.RECORD_KEY) is not None:
+            raise CheckpointError(f"{self.path}: holds no model weights (keys starting with '{keys.MODEL_PREFIX}')")
+        if self.meta.get(keys.LORA_BASE) is not None:
             yield from self._base_tensors(lambda n: wanted(n) and n not in saved)
 
     def _base_tensors(self, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
         """The frozen base of a LoRA run's checkpoint, read again as the run read it."""
         from safetensors import safe_open
 
-        from step35.checkpoint.materialize import checkpoint_state
+        from step35.checkpoint.hf.materialize import checkpoint_state
         from step35.model import build_model
         from step35.model.init import init_tensor
 
-        record = self.meta[lora_base.RECORD_KEY]
+        record = self.meta[keys.LORA_BASE]
         num_mtp = self.hyper_parameters.get("num_mtp_layers")
         model = build_model(self.config, num_mtp, device="meta")
         names = {n: tuple(t.shape) for n, t in checkpoint_state(model).items() if only(n)}
@@ -194,14 +193,14 @@ class TrainedCheckpoint:
 
     def tokenizer_files(self) -> tuple[dict[str, bytes], int | None, str]:
         """(files, the run's EOS id or None, where they came from) of the tokenizer the run trained with."""
-        saved = self.meta.get(run_tokenizer.RECORD_KEY)
+        saved = self.meta.get(keys.TOKENIZER)
         if saved is not None:
             saved = run_tokenizer.read_record(saved, self.path)
             return saved["files"], saved["eos_token_id"], f"the run's tokenizer ({saved['source']}, saved in {self.path})"
         # Checkpoints written before the tokenizer was recorded: the folder the data module read, as the
         # checkpoint names it (only the tokenizer files, by name), else the built-in tokenizer rebuilt in
         # this machine's cache (the run's cache_dir is a path of the training machine: not written to).
-        data = self.meta.get("datamodule_hyper_parameters") or {}
+        data = self.meta.get(keys.DATAMODULE_HYPER_PARAMETERS) or {}
         eos = data.get("eos_token_id") if isinstance(data.get("eos_token_id"), int) else None
         folder = data.get("tokenizer") or self.start_folder()
         if isinstance(folder, str) and folder:
@@ -223,10 +222,10 @@ def open_checkpoint(path: str | Path, config: Step35Config | None = None) -> Tra
     hyper-parameters name (older checkpoints; said in `notes`)."""
     path = resolve_checkpoint(path)
     meta = lightning_meta(path)
-    hp = dict(meta.get("hyper_parameters") or {})
+    hp = dict(meta.get(keys.HYPER_PARAMETERS) or {})
     notes = []
-    if config is None and "step35_config" in meta:
-        config = Step35Config.from_dict(meta["step35_config"])
+    if config is None and keys.MODEL_CONFIG in meta:
+        config = Step35Config.from_dict(meta[keys.MODEL_CONFIG])
     elif config is None:
         named = hp.get("checkpoint") or hp.get("config")
         config = named_config(named, path)

@@ -4,8 +4,8 @@ the `last.ckpt` pointer to it, what killed saves left behind, and retention of t
 A checkpoint is any `*.ckpt` entry of the folder (a single file or a sharded folder) that carries
 its manifest (`step35.checkpoint.integrity`, written last by every save): without one, its save
 did not finish and it is never picked. "Newest" is the highest global step (the manifest's
-`extra.global_step`, else the `step=N` in the name), whoever wrote it: the periodic
-`RunCheckpoint` callback or a pre-emption save.
+`extra.global_step`, keys.MANIFEST_GLOBAL_STEP, else the `step=N` in the name), whoever wrote it:
+the periodic `RunCheckpoint` callback or a pre-emption save.
 
 `last.ckpt` is a relative symlink to the newest complete checkpoint, switched by one rename of a
 freshly made link (`publish`), so there is no moment without it and never one where it names a partial
@@ -24,7 +24,8 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, is_complete, manifest_info, manifest_path
 from step35.checkpoint.publish import (interrupted_publish, leftover_of, leftovers, partial_path, publish, remove_path,
                                        restore)
-from step35.checkpoint.trainer_io import remove
+from step35.checkpoint.training import keys
+from step35.checkpoint.training.trainer_io import remove
 
 LAST = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -54,7 +55,7 @@ def step_from_name(path: str | Path) -> int:
 
 
 def _global_step(path: Path) -> int:
-    step = manifest_info(path).get("extra", {}).get("global_step")
+    step = manifest_info(path).get("extra", {}).get(keys.MANIFEST_GLOBAL_STEP)
     return step if isinstance(step, int) else step_from_name(path)
 
 

@@ -1,8 +1,9 @@
 """The frozen base of a LoRA run, as its checkpoints record it instead of a second copy of it.
 
 A LoRA run's training checkpoint holds the adapters, the full-trained targets, the buffers and the
-optimizer state, not the frozen base weights (docs/lora.md). It records the base's identity under
-RECORD_KEY: the HF folder it was read from (`model.checkpoint`) with a fingerprint of that folder,
+optimizer state, not the frozen base weights (docs/lora.md). It records the base's identity,
+`base_identity` (under `training.keys.LORA_BASE`; a PEFT export keeps it in its safetensors metadata,
+hf/peft.py): the HF folder it was read from (`model.checkpoint`) with a fingerprint of that folder,
 or, for a base drawn from the deterministic init, the init seed. Resume and `step35 export` /
 `generate` read the base again and refuse a different one, naming the file that differs; a folder
 that moved but is the same is accepted (the fingerprint decides, not the path).
@@ -35,10 +36,9 @@ import zlib
 from pathlib import Path
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import INDEX_FILE
+from step35.checkpoint.hf.folder import INDEX_FILE
 from step35.checkpoint.integrity import manifest_info
 
-RECORD_KEY = "step35_lora_base"
 SAMPLE_BYTES = 1 << 20  # each of the three spans read from a shard's data
 SAMPLE_SCHEME = f"crc32(header + 3 x {SAMPLE_BYTES} bytes: start, middle, end of the data)"
 

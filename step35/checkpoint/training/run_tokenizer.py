@@ -3,7 +3,7 @@
 The data module resolves its tokenizer at setup (data.tokenizer, the HF checkpoint folder's own, or
 the built-in BPE trained into a cache folder). A path alone would not survive a cleaned cache or a
 checkpoint copied to another machine, so the module stores the folder's tokenizer files themselves
-(a few MB at most) under `checkpoint["step35_tokenizer"]`, with the EOS id the data stream put
+(a few MB at most) under `keys.TOKENIZER` (`step35_tokenizer`), with the EOS id the data stream put
 between documents. `step35 export` writes them next to the weights; `step35 generate` encodes with them.
 
 The EOS id is read by the data stream's own rule (step35/data/tokenizer.py); bos and pad ids the way
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.training import keys
 
-RECORD_KEY = "step35_tokenizer"
 # What a Hugging Face tokenizer folder may hold (fast and slow tokenizers, chat templates) plus the
 # generation config, which names the same special ids.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -38,7 +38,7 @@ def folder_files(folder: str | Path) -> dict[str, bytes]:
 
 
 def record(folder: str | Path, eos_token_id: int) -> dict[str, Any]:
-    """What `checkpoint["step35_tokenizer"]` holds: where the tokenizer was, its files, the run's EOS id."""
+    """What a checkpoint holds under `keys.TOKENIZER`: where the tokenizer was, its files, the run's EOS id."""
     return {"source": str(Path(folder).expanduser().resolve()), "eos_token_id": int(eos_token_id),
             "files": folder_files(folder)}
 
@@ -49,11 +49,11 @@ def read_record(value: Any, where: str | Path) -> dict[str, Any]:
           and all(isinstance(k, str) and isinstance(v, bytes) for k, v in value["files"].items())
           and "tokenizer.json" in value["files"] and isinstance(value.get("eos_token_id"), int))
     if not ok:
-        raise CheckpointError(f"{where}: {RECORD_KEY} is malformed (expected files with tokenizer.json, an "
+        raise CheckpointError(f"{where}: {keys.TOKENIZER} is malformed (expected files with tokenizer.json, an "
                               "eos_token_id and its source folder); pass the tokenizer folder explicitly")
     unknown = sorted(set(value["files"]) - set(TOKENIZER_FILES))
     if unknown:
-        raise CheckpointError(f"{where}: {RECORD_KEY} holds files that are no tokenizer files: {unknown}")
+        raise CheckpointError(f"{where}: {keys.TOKENIZER} holds files that are no tokenizer files: {unknown}")
     return value
 
 

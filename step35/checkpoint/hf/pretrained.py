@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf import check_config_fits, write_hf_folder
-from step35.checkpoint.materialize import checkpoint_state, materialize
+from step35.checkpoint.hf.folder import check_config_fits, write_hf_folder
+from step35.checkpoint.hf.materialize import checkpoint_state, materialize
 from step35.checkpoint.publish import check_not_interrupted
 from step35.config import ConfigError, Step35Config
 from step35.model import Step35ForCausalLM, build_model

@@ -35,9 +35,6 @@ LEAVES = ("step35/data/",)
 # The common part of checkpoint/, at its top: what both of its sides (hf/, training/) use.
 CHECKPOINT_COMMON = ("__init__.py", "errors.py", "integrity.py", "publish.py", "safe_load.py")
 
-# The common part of checkpoint/, at its top: what both of its sides (hf/, training/) use.
-CHECKPOINT_COMMON = ("__init__.py", "errors.py", "integrity.py", "publish.py", "safe_load.py")
-
 # Imports within a layer that go the wrong way: importer prefix -> prefixes it must not import.
 APART: dict[str, tuple[str, ...]] = {
     "step35/parallel/": ("step35/checkpoint/",),

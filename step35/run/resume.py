@@ -29,7 +29,6 @@ from typing import Any
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.safe_load import load_torch
 from step35.checkpoint.training import keys
-from step35.checkpoint.training import keys
 from step35.checkpoint.training.trainer_io import check_loadable, load_meta
 from step35.config import Step35Config
 from step35.model import build_model

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from step35.balancing import ExpertCounter, update_router_bias
 from step35.checkpoint.hf import lora_base
 from step35.checkpoint.training import keys, run_tokenizer
-from step35.checkpoint.training.trainer_io import frozen_state_keys
+from step35.checkpoint.training.trainer_io import check_lora_state, frozen_state_keys
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 from step35.model.lora import LoraConfig
@@ -184,7 +184,7 @@ class Step35LightningModule(pl.LightningModule):
             where = checkpoint_to_load(self.trainer) or "the checkpoint"
             lora_base.check_base(checkpoint.get(keys.LORA_BASE), self._lora_base, where)
             if keys.STATE_DICT in checkpoint and keys.LORA_BASE in checkpoint:  # a file: loaded non-strictly
-                _check_lora_state(checkpoint[keys.STATE_DICT], self, where)
+                check_lora_state(checkpoint[keys.STATE_DICT], self, where)
         # Without the CLI (`trainer.fit(ckpt_path=...)`) nobody checked the checkpoint yet: for a
         # single-file checkpoint this is still before the weights are loaded (a sharded one has loaded
         # them and failed on a shape).
@@ -282,17 +282,3 @@ class Step35LightningModule(pl.LightningModule):
         optimizer = build_optimizer(self.model, self.optimization)
         scheduler = lr_schedule(optimizer, self.optimization, self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
-
-
-def _check_lora_state(saved: dict, module: pl.LightningModule, where) -> None:
-    """A LoRA checkpoint file must hold every state-dict key of `module` but the frozen base, and no other."""
-    from step35.checkpoint.errors import CheckpointError
-    from step35.checkpoint.training.trainer_io import _bare_name
-
-    expected = {_bare_name(k) for k in module.state_dict()} - frozen_state_keys(module)
-    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: a LoRA checkpoint that does not fit this model: "
-                              + (f"lacks {missing[:3]} " if missing else "")
-                              + (f"holds unknown {unexpected[:3]}" if unexpected else "")
-                              + f" ({len(missing)} missing, {len(unexpected)} unknown; same model.lora options?)")

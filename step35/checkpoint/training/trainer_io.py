@@ -198,6 +198,17 @@ def frozen_state_keys(module: torch.nn.Module) -> set[str]:
     return {_bare_name(n) for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
+def check_lora_state(saved: dict, module: torch.nn.Module, where) -> None:
+    """A LoRA checkpoint file must hold every state-dict key of `module` but the frozen base, and no other."""
+    expected = {_bare_name(k) for k in module.state_dict()} - frozen_state_keys(module)
+    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: a LoRA checkpoint that does not fit this model: "
+                              + (f"lacks {missing[:3]} " if missing else "")
+                              + (f"holds unknown {unexpected[:3]}" if unexpected else "")
+                              + f" ({len(missing)} missing, {len(unexpected)} unknown; same model.lora options?)")
+
+
 def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path: Path, index: int = 0) -> dict:
     """A full (unsharded) optimizer state saved with integer parameter ids, re-keyed by parameter
     name for `set_optimizer_state_dict`.

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from step35.checkpoint.training import keys
+
 _MODEL_CHECKPOINT = ("_save_checkpoint", "_should_skip_saving_checkpoint", "_save_topk_checkpoint",
                      "_monitor_candidates")
 
@@ -91,7 +93,7 @@ def record_as_at_step_end(checkpoint: dict) -> None:
     step right only when the resumed run validates at that step too (seen: every metric one step
     early after a resume with another val_check_interval)."""
     try:
-        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        progress = checkpoint[keys.LOOPS]["fit_loop"]["epoch_loop.batch_progress"]
         counts = [progress["total"], progress["current"]]
         consistent = all(c["completed"] == c["processed"] >= 1 for c in counts)
     except (KeyError, TypeError):

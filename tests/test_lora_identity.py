@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import warnings
 
 import pytest
 import torch
@@ -54,29 +53,21 @@ def test_resume_refuses_a_same_shaped_base_without_manifest_and_accepts_the_move
         fit(tmp_path / "run", builtin_cache, 2, base=other, ckpt_path=ckpt)
     moved = tmp_path / "elsewhere" / "base"
     shutil.copytree(base, moved)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*predates content fingerprints")
-        fit(tmp_path / "run", builtin_cache, 2, base=moved, ckpt_path=ckpt)  # the same content: accepted
+    fit(tmp_path / "run", builtin_cache, 2, base=moved, ckpt_path=ckpt)  # the same content: accepted
 
 
-def test_an_old_record_compares_what_it_can_and_says_what_it_cannot(tmp_path):
-    """A record written before `sampled_crc32`: with a manifest crc32 it still refuses other weights; without
-    one it accepts a same-shaped base, with a warning naming the file compared by size only."""
-    base, other = hf_release(tmp_path / "base", seed=1), hf_release(tmp_path / "other", seed=2)
-    old = {k: v for k, v in lora_base.base_identity(base, 0).items() if k not in ("sampled_crc32", "sample_scheme")}
-    with pytest.warns(UserWarning, match=rf"ckpt: the record of the base .*base predates content fingerprints: "
-                                         rf"{SHARD} compared by size only"):
-        lora_base.check_base(old, lora_base.base_identity(other, 0), "ckpt")
-    from tests.test_lora_checkpoint import hf_base
-
-    with_manifest, other_with_manifest = hf_base(tmp_path / "m1", seed=1), hf_base(tmp_path / "m2", seed=2)
-    old = {k: v for k, v in lora_base.base_identity(with_manifest, 0).items()
-           if k not in ("sampled_crc32", "sample_scheme")}
-    with pytest.raises(CheckpointError, match=rf"{SHARD} has crc32 \w+ in its manifest, was \w+"):
-        lora_base.check_base(old, lora_base.base_identity(other_with_manifest, 0), "ckpt")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every file covered by the manifest: nothing to warn about
-        lora_base.check_base(old, lora_base.base_identity(with_manifest, 0), "ckpt")
+def test_a_record_without_a_comparable_fingerprint_is_refused(tmp_path):
+    """A folder record without `sampled_crc32` (or of another sample_scheme) cannot tell a same-shaped base
+    with other weights apart: refused, naming the scheme, even where its layout matches."""
+    base = hf_release(tmp_path / "base", seed=1)
+    current = lora_base.base_identity(base, 0)
+    bare = {k: v for k, v in current.items() if k not in ("sampled_crc32", "sample_scheme")}
+    with pytest.raises(CheckpointError, match=r"ckpt: its record of the base .*base holds no content fingerprint of "
+                                              r"sample_scheme .* \(it has None\)"):
+        lora_base.check_base(bare, current, "ckpt")
+    with pytest.raises(CheckpointError, match=r"it has 'another'"):
+        lora_base.check_base({**current, "sample_scheme": "another"}, current, "ckpt")
+    lora_base.check_base(current, lora_base.base_identity(base, 0), "ckpt")  # its own record: accepted
 
 
 def big_shards(folder, count: int, mib: int):

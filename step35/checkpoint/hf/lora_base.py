@@ -22,16 +22,13 @@ The fingerprint of a folder:
   what the manifest's crc32 is for. `sample_scheme` names the sampling, so a later change of it
   is not mistaken for another base.
 
-What an old record (written before `sampled_crc32`) can tell: folder versus init, the index, file
-names and sizes, and, when the base had a step35 manifest, every file's content. What it cannot:
-two same-shaped bases without a manifest (an HF release and its fine-tune); such a record is
-accepted with a warning that says so (refusing would strand every old run on the same base).
+A folder record without a content fingerprint of this step35's `sample_scheme` cannot tell two
+same-shaped bases apart (an HF release and its fine-tune): it is refused, not accepted on its layout.
 """
 
 from __future__ import annotations
 
 import hashlib
-import warnings
 import zlib
 from pathlib import Path
 
@@ -128,20 +125,6 @@ def _comparable_samples(saved: dict, current: dict) -> bool:
     return bool(saved.get("sampled_crc32")) and saved.get("sample_scheme") == current.get("sample_scheme")
 
 
-def unverified_content(saved: dict, current: dict) -> str | None:
-    """Why a base that `base_difference` accepts may still hold other weights, or None: a record
-    without a comparable content fingerprint, for files no manifest checksum covered either."""
-    if saved.get("folder") is None or _comparable_samples(saved, current):
-        return None
-    covered = set(saved.get("crc32") or {}) & set(current.get("crc32") or {})
-    unchecked = sorted(set(saved.get("sizes") or {}) - covered)
-    if not unchecked:
-        return None
-    return (f"the record of the base {saved['folder']} predates content fingerprints: {unchecked[0]}"
-            f"{f' (and {len(unchecked) - 1} more)' if len(unchecked) > 1 else ''} compared by size only, so a "
-            f"base of the same shape with other weights is not told apart; make sure model.checkpoint is that base")
-
-
 def _described(identity: dict) -> str:
     folder = identity.get("folder")
     return f"the HF folder {folder}" if folder else f"the init (seed {identity.get('init_seed')})"
@@ -149,12 +132,14 @@ def _described(identity: dict) -> str:
 
 def check_base(saved: dict | None, current: dict, where: str | Path) -> None:
     """Refuse a base that is not the one checkpoint `where` recorded (CheckpointError naming what differs);
-    warn when an old record can compare the base's layout only."""
+    or a folder record without a content fingerprint this step35 can compare."""
     if saved is None:
         return  # a checkpoint that holds the whole model: nothing to compare
     difference = base_difference(saved, current)
     if difference:
         raise CheckpointError(f"{where}: a LoRA checkpoint of another base: {difference}")
-    caveat = unverified_content(saved, current)
-    if caveat:
-        warnings.warn(f"{where}: {caveat}", stacklevel=2)
+    if saved.get("folder") is not None and not _comparable_samples(saved, current):
+        raise CheckpointError(f"{where}: its record of the base {saved['folder']} holds no content fingerprint of "
+                              f"sample_scheme {current.get('sample_scheme')!r} (it has "
+                              f"{saved.get('sample_scheme')!r}), so a base of the same shape with other weights "
+                              f"cannot be told apart; resume with the step35 that wrote it, or start a new run")

@@ -7,6 +7,7 @@ in the test that needs it, written from docs/architecture.md."""
 from __future__ import annotations
 
 import copy
+import csv
 import math
 from pathlib import Path
 
@@ -118,6 +119,203 @@ def wandb_records(run_root, kind: str) -> list:
         if record.WhichOneof("record_type") == kind:
             records.append(record)
     return records
+
+
+def tensorboard_events(folder: Path) -> list:
+    """Every Event of the tfevents files under `folder` (TFRecord framing: length, crc, data, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(Path(folder).rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[at + 12:at + 12 + length])
+            events.append(event)
+            at += 12 + length + 4
+    return events
+
+# ------------------------------------------------------------------------------ run configs and what runs leave
+# The tiny run of the run-folder tests (10 steps, RunCheckpoint every 5 steps keeping 3, the CSV flushed every
+# step); `--trainer.callbacks.<option>` sets RunCheckpoint's options (it is the list's last callback).
+RUN_CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  precision: 32-true
+  max_steps: 10
+  val_check_interval: 1000
+  check_val_every_n_epoch: null
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  gradient_clip_val: 1.0
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    - class_path: step35.loggers.CSVLogger
+      init_args:
+        name: csv
+        flush_logs_every_n_steps: 1
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.LearningRateMonitor
+      init_args:
+        logging_interval: step
+    - class_path: step35.callbacks.RunCheckpoint   # last in the list: --trainer.callbacks.keep_last=N sets it
+      init_args:
+        every_n_train_steps: 5
+        keep_last: 3
+model:
+  config: tiny
+  mtp_loss_weight: 0.3
+  lr: 3.0e-3
+  warmup_steps: 4
+  moe_bias_update_rate: 1.0e-3
+data:
+  seq_len: 32
+  micro_batch_size: 2
+  num_workers: 0
+"""
+
+# The chaos runs' config (tests/test_chaos.py): no max_steps (the command line gives it), RunCheckpoint every
+# 5 steps keeping 2, warmup 10.
+CHAOS_CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  precision: 32-true
+  val_check_interval: 1000
+  check_val_every_n_epoch: null
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  gradient_clip_val: 1.0
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    - class_path: step35.loggers.CSVLogger
+      init_args:
+        name: csv
+  callbacks:
+    - class_path: step35.callbacks.RunCheckpoint
+      init_args:
+        every_n_train_steps: 5
+        keep_last: 2
+model:
+  config: tiny
+  mtp_loss_weight: 0.3
+  lr: 3.0e-3
+  warmup_steps: 10
+  moe_bias_update_rate: 1.0e-3
+data:
+  seq_len: 32
+  micro_batch_size: 2
+  num_workers: 0
+"""
+
+
+def write_run_config(folder: Path, text: str = RUN_CONFIG, name: str = "resume.yaml") -> Path:
+    """`text` (RUN_CONFIG unless given) written as `folder`/`name`; the path."""
+    path = Path(folder) / name
+    path.write_text(text)
+    return path
+
+
+def lora_config(text: str = CHAOS_CONFIG) -> str:
+    """A run config (CHAOS_CONFIG unless given) turned into a LoRA run: rank 4 on every target, decay over 20 steps."""
+    assert "  config: tiny\n" in text and "mtp_loss_weight: 0.3" in text
+    return text.replace("  config: tiny\n", "  config: tiny\n  decay_steps: 20\n  lora:\n    rank: 4\n"
+                        "    targets: [attention, mlp, shared_expert, experts, mtp, router]\n")
+
+
+def metric_rows(folder: Path) -> list[dict]:
+    """The rows of `folder`/metrics.csv (a CSVLogger version folder), as dicts of strings."""
+    with open(Path(folder) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def steps_of(rows: list[dict], column: str) -> dict[int, float]:
+    """{step: value} of the rows that hold `column`."""
+    return {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
+
+
+def run_losses(run: Path, column: str = "train/lm_loss") -> dict[int, float]:
+    """{step: `column`} of every metrics.csv under `run` (every attempt of a run folder, in version order)."""
+    out: dict[int, float] = {}
+    for file in sorted(Path(run).rglob("metrics.csv")):
+        out.update(steps_of(metric_rows(file.parent), column))
+    return out
+
+
+def saved_steps(folder: Path) -> list[int]:
+    """Global steps of the complete checkpoints in `folder`, oldest first."""
+    from step35.checkpoint.training import catalog
+
+    return [c.global_step for c in catalog.complete_checkpoints(folder)]
+
+
+# ------------------------------------------------------------------------------ LoRA runs in this process
+LORA = {"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "router"]}
+
+
+def hf_base(folder: Path, seed: int) -> Path:
+    """A tiny model drawn with `seed`, saved as an HF folder at `folder` (a LoRA run's frozen base)."""
+    from step35.checkpoint.hf.materialize import materialize
+    from step35.checkpoint.hf.pretrained import save_pretrained
+    from step35.config import preset
+    from step35.model import build_model
+
+    model = build_model(preset("tiny"))
+    materialize(model, "cpu", seed=seed)
+    save_pretrained(model, folder)
+    return folder
+
+
+def lora_fit(root: Path, cache: Path, steps: int, base: Path | None = None, ckpt_path: Path | None = None,
+             init_seed: int = 0) -> torch.nn.Module:
+    """A tiny LoRA run (LORA) of `steps` steps in this process, RunCheckpoint every 2 steps under `root`, on the base
+    HF folder `base` (else the init drawn with `init_seed`), resumed from `ckpt_path` when given; its model."""
+    import lightning.pytorch as pl
+
+    from step35.callbacks import RunCheckpoint
+    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    module = Step35LightningModule(config="tiny", checkpoint=str(base) if base else None, lora=dict(LORA), lr=1e-2,
+                                   warmup_steps=1, decay_steps=4, init_seed=init_seed, moe_bias_update_rate=1e-3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
+                         plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=2)])
+    trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache)),
+                ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return module.model
+
+
+# ------------------------------------------------------------------------------ context parallelism in one process
+def simulated_shard(k, v, positions, S, c, doc_ids):
+    """A SequenceShard whose exchanges read the whole K/V of this process (what the cp ranks hold)."""
+    from step35.kernels.masks import SequenceShard
+
+    full = torch.stack([k, v])
+
+    def gather(x):
+        return full
+
+    def halo(x, n):
+        pieces = []
+        for start in (int(positions[0]), int(positions[c])):
+            idx = torch.arange(start - n, start)
+            pieces.append(full[..., idx.clamp(min=0), :] * (idx >= 0).to(full.dtype)[:, None])
+        return torch.cat(pieces, dim=-2)
+
+    return SequenceShard(positions, S, c, doc_ids, gather=gather, halo=halo)
 
 
 def train_byte_bpe(texts: list[str], special_tokens: list[str], folder, vocab_size: int = 400):

@@ -22,17 +22,19 @@ import torch
 
 ROOT = Path(__file__).parent.parent
 
-# Variables a launcher sets for its ranks (torchrun, Lightning, SLURM, LSF) and step35's job identity.
+# Variables a launcher sets for its ranks (torchrun, Lightning, SLURM, LSF, jsrun) and step35's job identity
+# (step35.job.JOB_VARIABLE): none of them reaches a job a test starts, nor an in-process case of step35.job.
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "LSB_JOBID",
                     "STEP35_JOB")
+LAUNCH_PREFIXES = ("SLURM_", "LSB_", "JSM_")
 LAUNCHERS = ("lightning", "torchrun", "slurm")
 
 
 def environment(cache: Path | None = None, threads: int = 1, **extra: str) -> dict[str, str]:
-    """os.environ without launcher variables (LAUNCH_VARIABLES, SLURM_*), with STEP35_CACHE=`cache` (when
+    """os.environ without launcher variables (LAUNCH_VARIABLES, LAUNCH_PREFIXES), with STEP35_CACHE=`cache` (when
     given), OMP_NUM_THREADS=`threads`, the repository on PYTHONPATH, then `extra` on top."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith(LAUNCH_PREFIXES)}
     env.update(OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
     if cache is not None:
         env["STEP35_CACHE"] = str(cache)
@@ -84,13 +86,25 @@ def step35(args: list[str], cache: Path | None, *, nproc: int = 1, launcher: str
     return proc
 
 
-def run_dist_script(script: Path, out: Path, nproc: int | None, *args: str, timeout: float) -> dict:
-    """Run a tests/dist script in one plain process (nproc None) or under torchrun with nproc ranks;
-    it writes its results to `out` (`--out`), which is returned loaded."""
+def python(code: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -c <code>` in the repository root, output captured, in `env` (default: `environment()`), for a
+    process whose own end is what a test checks (an exit code, a signal, a watchdog)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout)
+
+def run_script(script: Path, nproc: int | None, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """A tests/dist script in one plain process (nproc None) or under torchrun with `nproc` ranks, in the repository
+    root; it must succeed (the output's tails are the assertion's message)."""
     launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = run_process_group([sys.executable, *launcher, str(script), "--out", str(out), *args], env=environment(),
+    proc = run_process_group([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=environment(),
                              timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def run_dist_script(script: Path, out: Path, nproc: int | None, *args: str, timeout: float) -> dict:
+    """`run_script` for a script that writes its results to `out` (`--out`), returned loaded (torch.load)."""
+    run_script(script, nproc, "--out", str(out), *args, timeout=timeout)
     return torch.load(out)
 
 
@@ -218,21 +232,43 @@ def kill_job(proc: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------------------ the CLI in this process
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """`step35 <args>` in this process (step35.cli.main): (exit code, stdout, stderr). For refusals and
-    reports where the process boundary is not what is tested; a return without SystemExit is exit code 0."""
+def cli(capture, args: list[str], cache: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`step35 <args>` in this process (step35.cli.main) with STEP35_CACHE=`cache` while it runs, for a run or a
+    refusal whose process is not what a test checks. `capture` is the test's capfd (step35 and Lightning print
+    through streams bound before the test's, which only fd capture sees) or capsys. A CompletedProcess as
+    `step35` gives: the exit code (SystemExit's; 0 for a return; a SystemExit("message") prints the message and is
+    1, as Python does), stdout, stderr (both empty with `capture` None, e.g. in a module-scoped fixture). With
+    `check` it must succeed. An exception other than SystemExit is raised as it is: a step35 command must never
+    end in a traceback."""
     from step35.cli import main
 
-    capsys.readouterr()
+    if capture is not None:
+        capture.readouterr()
+    before = os.environ.get("STEP35_CACHE")
+    if cache is not None:
+        os.environ["STEP35_CACHE"] = str(cache)
     try:
         main(list(args))
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         if not isinstance(exit_.code, (int, type(None))):
-            print(exit_.code, file=sys.stderr)  # SystemExit("message"): Python prints it and exits 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
+            print(exit_.code, file=sys.stderr, flush=True)
+    finally:
+        if before is None:
+            os.environ.pop("STEP35_CACHE", None)
+        else:
+            os.environ["STEP35_CACHE"] = before
+    out, err = capture.readouterr() if capture is not None else ("", "")
+    if check:
+        assert code == 0, out[-3000:] + err[-5000:]
+    return subprocess.CompletedProcess(["step35", *args], code, out, err)
+
+
+def cli_fit(capture, config: Path, run: Path, cache: Path | None, *extra: str, check: bool = True
+            ) -> subprocess.CompletedProcess:
+    """`step35 fit --config <config> --run_dir=<run> <extra>` in this process (see `cli`)."""
+    return cli(capture, ["fit", "--config", str(config), f"--run_dir={run}", *extra], cache, check)
 
 
 def run_plan(capsys, *args: str) -> tuple[int, str, str]:
@@ -245,3 +281,9 @@ def run_plan(capsys, *args: str) -> tuple[int, str, str]:
         main(["plan", *args])
     out = capsys.readouterr()
     return exit_.value.code, out.out, out.err
+
+
+def fit(config: Path, run: Path, cache: Path | None, *extra: str, **options) -> subprocess.CompletedProcess:
+    """`step35 fit --config <config> --run_dir=<run> <extra>` as a job (`step35`'s options: nproc, launcher,
+    timeout, threads, env, check)."""
+    return step35(["fit", "--config", str(config), f"--run_dir={run}", *extra], cache, **options)

@@ -6,27 +6,21 @@ the loss through FSDP's input casting and checkpoint replays, and memory max/min
 
 import csv
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from tests.runner import run_process_group
 
-ROOT = Path(__file__).parent.parent
-SCRIPT = ROOT / "tests" / "dist" / "observability_run.py"
+from tests.runner import run_script
+
+SCRIPT = Path(__file__).parent / "dist" / "observability_run.py"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_two_ranks_expert_counts_bias_and_guard(tmp_path):
     nan_step, steps = 1, 4
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
-           "--out", str(tmp_path), "--ep", "2", "--steps", str(steps), "--accum", "2",
-           "--nan-step", str(nan_step), "--nan-rank", "1", "--ac", "full", "--param-dtype", "bfloat16"]
-    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(SCRIPT, 2, "--out", str(tmp_path), "--ep", "2", "--steps", str(steps), "--accum", "2",
+               "--nan-step", str(nan_step), "--nan-rank", "1", "--ac", "full", "--param-dtype", "bfloat16", timeout=540)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     run = tmp_path / "csv" / "version_0"
     with open(run / "metrics.csv") as f:

@@ -13,11 +13,9 @@ plans come from a seeded generator."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,43 +25,9 @@ import torch
 
 from step35.checkpoint.training import catalog
 from step35.checkpoint.publish import leftovers
-
-ROOT = Path(__file__).parent.parent
-
-CONFIG = """
-seed_everything: 0
-trainer:
-  accelerator: cpu
-  devices: 1
-  precision: 32-true
-  val_check_interval: 1000
-  check_val_every_n_epoch: null
-  limit_val_batches: 0
-  num_sanity_val_steps: 0
-  log_every_n_steps: 1
-  gradient_clip_val: 1.0
-  enable_progress_bar: false
-  enable_model_summary: false
-  logger:
-    - class_path: step35.loggers.CSVLogger
-      init_args:
-        name: csv
-  callbacks:
-    - class_path: step35.callbacks.RunCheckpoint
-      init_args:
-        every_n_train_steps: 5
-        keep_last: 2
-model:
-  config: tiny
-  mtp_loss_weight: 0.3
-  lr: 3.0e-3
-  warmup_steps: 10
-  moe_bias_update_rate: 1.0e-3
-data:
-  seq_len: 32
-  micro_batch_size: 2
-  num_workers: 0
-"""
+from step35.checkpoint.training.keys import LORA_BASE
+from tests.helpers import CHAOS_CONFIG, lora_config
+from tests.runner import ROOT, command, environment, kill_job, signal_job
 
 
 @dataclass
@@ -77,12 +41,11 @@ TWO_RANKS = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.str
 
 
 def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path, nproc: int = 1) -> subprocess.Popen:
-    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *launcher, "-m", "step35", "fit", "--config", str(config), f"--run_dir={run}",
-           f"--trainer.max_steps={max_steps}", "--ckpt_path=auto", *(TWO_RANKS if nproc == 2 else [])]
+    args = ["fit", "--config", str(config), f"--run_dir={run}", f"--trainer.max_steps={max_steps}", "--ckpt_path=auto",
+            *(TWO_RANKS if nproc == 2 else [])]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command(args, nproc), cwd=ROOT, env=environment(cache), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def newest_step(folder: Path) -> int:
@@ -94,36 +57,6 @@ def save_in_progress(folder: Path, newest: int) -> bool:
     if leftovers(folder):
         return True
     return any(catalog.step_from_name(p) > newest for p in catalog.incomplete_checkpoints(folder))
-
-
-def descendants(pid: int) -> list[int]:
-    """Child processes, recursively (torchrun starts each rank in a session of its own)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for child in children:
-            out += [child, *descendants(child)]
-    return out
-
-
-def signal_job(proc: subprocess.Popen, signum: int) -> None:
-    """Send `signum` to the launcher and every process below it (torchrun starts each rank in a
-    session of its own, so the launcher's process group does not hold them)."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
-def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the whole job at once, as a node failure would: every rank, then the launcher."""
-    signal_job(proc, signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[Kill], seed: int,
@@ -162,18 +95,18 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
                     if not save_in_progress(folder, newest):  # it finished before the freeze: try the next one
                         signal_job(proc, signal.SIGCONT)
                         continue
-                    kill(proc)
+                    kill_job(proc)
                     stats["mid_save"] += 1
                 else:
                     time.sleep(rng.uniform(0.0, 0.3))
-                    kill(proc)
+                    kill_job(proc)
                 stats["kills"] += 1
                 pending.pop(0)
             if proc.poll() is None:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:
             if proc.poll() is None:
-                kill(proc)
+                kill_job(proc)
             raise
         if proc.returncode == 0:
             if pending:  # finished before the remaining kills could happen: they are dropped
@@ -218,7 +151,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float,
-          nproc: int = 1, config_text: str = CONFIG) -> dict:
+          nproc: int = 1, config_text: str = CHAOS_CONFIG) -> dict:
     config = tmp_path / "chaos.yaml"
     config.write_text(config_text)
     rng = random.Random(seed)
@@ -270,7 +203,7 @@ def test_chaos_two_ranks_sharded_bitwise_equal(tmp_path, builtin_cache):
 
 # Fine-tuning on conversations (the built-in set, step35's default template): packed windows with labels
 # and positions, the loss over the global batch, the conversation stream's position.
-SFT_CONFIG = CONFIG.replace("""data:
+SFT_CONFIG = CHAOS_CONFIG.replace("""data:
   seq_len: 32
   micro_batch_size: 2
   num_workers: 0
@@ -296,3 +229,13 @@ def test_chaos_sft_two_ranks_bitwise_equal(tmp_path, builtin_cache):
     """Conversations on 2 ranks under torchrun (EP 2, sharded checkpoints), killed twice, resumed bitwise."""
     chaos(tmp_path, builtin_cache, max_steps=16, kills=2, seed=4, deadline_s=2100, nproc=2,
           config_text=SFT_CONFIG.format(workers=0))
+
+
+@pytest.mark.timeout(1500)
+def test_lora_run_killed_twice_resumes_bitwise(tmp_path, builtin_cache):
+    """A LoRA run (tests/test_lora_checkpoint.py) SIGKILLed twice (once during a save), then --ckpt_path auto: the
+    final adapters, router, buffers and optimizer state are bitwise those of a run never killed."""
+    chaos(tmp_path, builtin_cache, max_steps=16, kills=2, seed=5, deadline_s=1200, config_text=lora_config())
+    final = torch.load(tmp_path / "chaos" / "checkpoints" / "step=000016.ckpt", weights_only=True)
+    assert final[LORA_BASE] == {"folder": None, "init_seed": 0}
+    assert not [k for k in final["state_dict"] if k.endswith("self_attn.q_proj.weight")]  # no frozen base

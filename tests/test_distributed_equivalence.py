@@ -12,19 +12,43 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.dist import train_steps
+from tests.dist.cases import case_args
 from tests.runner import run_dist_script
 
 SCRIPT = Path(__file__).parent / "dist" / "train_steps.py"
 REL = 1e-5
+# (world size, EP size, more options): every case of a world size runs in one job (tests/dist/cases.py).
+CASES = [(2, 1, ()), (2, 2, ()), (2, 2, ("--accum", "2")), (2, 2, ("--ac", "selective")),
+         (4, 1, ()), (4, 2, ()), (4, 4, ()), (4, 2, ("--accum", "2", "--ac", "full")),
+         (4, 2, ("--replicate", "2"))]
+BF16 = (2, 2, ("--param-dtype", "bfloat16"))
 
 
-def run(tmp_path: Path, name: str, nproc: int | None, *args: str, timeout: int = 240) -> dict:
-    return run_dist_script(SCRIPT, tmp_path / f"{name}.pt", nproc, *args, timeout=timeout)
+def name(case: tuple) -> str:
+    world, ep, extra = case
+    return "_".join([f"ws{world}", f"ep{ep}", *(e.lstrip("-") for e in extra)])
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> dict:
-    return run(tmp_path_factory.mktemp("plain"), "plain", None)
+def jobs(tmp_path_factory):
+    """jobs(world): {case name: result} of every case of that world size (CASES and BF16), one torchrun job each."""
+    done = {}
+
+    def of(world: int) -> dict:
+        if world not in done:
+            cases = {name(c): ["--ep", str(c[1]), *c[2]] for c in [*CASES, BF16] if c[0] == world}
+            out = tmp_path_factory.mktemp(f"ws{world}") / "results.pt"
+            done[world] = run_dist_script(SCRIPT, out, world, *case_args(cases), timeout=900)
+        return done[world]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict:
+    return train_steps.plain()  # one plain process: this one
 
 
 def assert_same(ref: dict, got: dict) -> None:
@@ -39,15 +63,10 @@ def assert_same(ref: dict, got: dict) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world,ep,extra", [
-    (2, 1, ()), (2, 2, ()), (2, 2, ("--accum", "2")), (2, 2, ("--ac", "selective")),
-    (4, 1, ()), (4, 2, ()), (4, 4, ()), (4, 2, ("--accum", "2", "--ac", "full")),
-    (4, 2, ("--replicate", "2")),
-], ids=lambda v: str(v))
-def test_matches_one_process(tmp_path, plain, world, ep, extra):
-    got = run(tmp_path, f"ws{world}_ep{ep}", world, "--ep", str(ep), *extra)
-    assert_same(plain, got)
+@pytest.mark.timeout(1200)  # the first case of a world size waits for its job
+@pytest.mark.parametrize("world,ep,extra", CASES, ids=lambda v: str(v))
+def test_matches_one_process(jobs, plain, world, ep, extra):
+    assert_same(plain, jobs(world)[name((world, ep, extra))])
 
 
 def test_clipping_was_active(plain):
@@ -55,11 +74,11 @@ def test_clipping_was_active(plain):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_bf16_compute_stays_close(tmp_path, plain):
+@pytest.mark.timeout(1200)
+def test_bf16_compute_stays_close(jobs, plain):
     """FSDP mixed precision (bf16 gathered params, fp32 reduce and master weights): losses within
     1% of fp32 over the same steps; not bit-equal by design."""
-    got = run(tmp_path, "bf16", 2, "--ep", "2", "--param-dtype", "bfloat16")
+    got = jobs(BF16[0])[name(BF16)]
     assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(plain["losses"]), rtol=1e-2, atol=0)
     assert all(p.dtype == torch.float32 for p in got["params"].values())  # master weights stay fp32
 
@@ -69,4 +88,5 @@ def test_bf16_compute_stays_close(tmp_path, plain):
 @pytest.mark.timeout(900)
 def test_per_block_compile_matches(tmp_path, plain):
     """torch.compile of every block (inductor on CPU, ~1 min) with EP 2 computes the same steps."""
-    assert_same(plain, run(tmp_path, "compiled", 2, "--ep", "2", "--compile", timeout=800))
+    got = run_dist_script(SCRIPT, tmp_path / "compiled.pt", 2, "--ep", "2", "--compile", timeout=800)
+    assert_same(plain, got)

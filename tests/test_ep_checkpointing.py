@@ -3,31 +3,28 @@ the backward replay of a layer runs no all-to-all and no host read of split size
 EP 2, the tiny model's 4 MoE layers, counted per step by tests/dist/ep_all_to_all_count.py)."""
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runner import run_process_group
+from tests.dist.cases import case_args
+from tests.runner import run_script
 
 SCRIPT = Path(__file__).parent / "dist" / "ep_all_to_all_count.py"
-ROOT = Path(__file__).parent.parent
 
 
-def counts(tmp_path: Path, ac: str) -> dict:
-    out = tmp_path / f"{ac}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
-           "--ac", ac, "--out", str(out)]
-    proc = run_process_group(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+def counts(tmp_path: Path, *modes: str) -> list[dict]:
+    """The counts of each activation checkpointing mode, all from one 2-rank job."""
+    out = tmp_path / "counts.json"
+    run_script(SCRIPT, 2, "--out", str(out), *case_args({ac: ["--ac", ac] for ac in modes}), timeout=400)
+    found = json.loads(out.read_text())
+    return [found[ac] for ac in modes]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_selective_checkpointing_replays_no_all_to_all(tmp_path):
-    none, selective, full = (counts(tmp_path, ac) for ac in ("none", "selective", "full"))
+    none, selective, full = counts(tmp_path, "none", "selective", "full")
     layers = none["moe_layers"]
     assert layers == 4
     # forward: count exchange + rows out + rows back per MoE layer; one split-size read each

@@ -10,7 +10,6 @@ import csv
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,100 +19,7 @@ import pytest
 import torch
 
 from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
-
-ROOT = Path(__file__).parent.parent
-
-
-class Job:
-    """A command (torchrun or the CLI) in its own session, output to a file. Leaving the `with`
-    block kills it and every process it started (torchrun's workers live in their own sessions,
-    so killing torchrun's process group alone would leave them running)."""
-
-    def __init__(self, cmd: list[str], log: Path, cache: Path, env: dict | None = None):
-        self.log = log
-        full_env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-                    **(env or {})}
-        self._out = open(log, "w")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self._seen: dict[int, psutil.Process] = {}
-
-    def __enter__(self) -> "Job":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.workers()  # remember the last set
-        for p in [*self._seen.values(), psutil.Process(self.proc.pid) if self.proc.poll() is None else None]:
-            if p is None:
-                continue
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.wait(timeout=30)
-        self._out.close()
-
-    def workers(self) -> list[psutil.Process]:
-        """The training processes (torchrun's children running step35), ordered by rank."""
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        for child in children:
-            try:
-                if "step35" in " ".join(child.cmdline()):
-                    self._seen.setdefault(child.pid, child)
-            except psutil.NoSuchProcess:
-                pass
-        ranks = []
-        for p in self._seen.values():
-            try:
-                ranks.append((int(p.environ().get("RANK", 0)), p))
-            except psutil.NoSuchProcess:
-                pass
-        return [p for _, p in sorted(ranks, key=lambda t: t[0])]
-
-    def output(self) -> str:
-        self._out.flush()
-        return self.log.read_text(errors="replace")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running after {timeout} s:\n{self.output()[-6000:]}") from None
-
-
-def ended(process: psutil.Process) -> bool:
-    try:
-        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_for(condition, timeout: float, job: Job, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        if job.proc.poll() is not None:
-            result = condition()  # it may have come true just before the end
-            if result:
-                return result
-            raise AssertionError(f"ended (rc {job.proc.returncode}) before {what}:\n{job.output()[-6000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"no {what} after {timeout} s:\n{job.output()[-6000:]}")
-
-
-def stop_job(job: Job, sig: int) -> tuple[int, float]:
-    """Send `sig` to the job's process; its exit code and the seconds it took to end (120 s at most)."""
-    sent = time.monotonic()
-    job.proc.send_signal(sig)
-    rc = job.wait(timeout=120)
-    return rc, time.monotonic() - sent
-
+from tests.runner import ROOT, Job, command, ended, python, stop_job, wait_for
 
 def two_ranks_after_two_steps(job: Job, run: Path) -> list:
     """The two rank processes of a torchrun job, once its run has logged 2 steps."""
@@ -122,7 +28,7 @@ def two_ranks_after_two_steps(job: Job, run: Path) -> list:
 
 
 def torchrun(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35", *args]
+    return command(args, nproc=2)
 
 
 def fit_args(run: Path, *extra: str, ranks: int = 2) -> list[str]:
@@ -274,7 +180,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_exit_code_75
 @pytest.mark.timeout(300)
 def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, builtin_cache):
     # SLURM's `--signal=USR1@secs` warning, on the plain tiny run (no Step35Strategy).
-    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1)]
+    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1))
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: logged_steps(tmp_path / "run") >= 2, 200, job, "2 steps")
         rc, stopped_in = stop_job(job, signal.SIGUSR1)
@@ -286,15 +192,14 @@ def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, bu
     assert ckpt.is_file() and f"stopped by SIGUSR1 after step {step}" in out
     assert max(losses(tmp_path / "run")) == step - 1  # the stopped step's row (0-based) is in the CSV
     # It resumes: the next run starts at that step.
-    with Job([sys.executable, "-m", "step35", *fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}",
-                                                        f"--ckpt_path={ckpt}", ranks=1)],
+    with Job(command(fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}", f"--ckpt_path={ckpt}", ranks=1)),
              tmp_path / "resumed.txt", builtin_cache) as job:
         assert job.wait(timeout=200) == 0, job.output()[-4000:]
     assert sorted(losses(tmp_path / "resumed")) == [step, step + 1]
 
 
 def slow_backward(*args: str) -> list[str]:
-    return ["--trainer.callbacks+=tests.dist.slow_steps.SlowBackward", *(f"--trainer.callbacks.{a}" for a in args)]
+    return ["--trainer.callbacks+=tests.dist.hooks.SlowBackward", *(f"--trainer.callbacks.{a}" for a in args)]
 
 
 def signal_grace(seconds: float) -> list[str]:
@@ -310,8 +215,8 @@ def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_an
     # Every backward takes over 3 s, the signal_grace_s option is 2 s: the grace derived from the
     # step time (3 x the slowest recent step) lets the stopped step finish (before: exit 76 after
     # 2 s of 'backward', no checkpoint, and "a peer" blamed in a one-process run).
-    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1),
-           *slow_backward("sleep_s=3"), *signal_grace(2)]
+    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=500", *slow_backward("sleep_s=3"), *signal_grace(2),
+                           ranks=1))
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: backward_started(job, 3), 200, job, "the backward of step 3")  # step 2 timed (1: warm-up)
         rc, _ = stop_job(job, signal.SIGTERM)  # in the middle of the 3 s backward
@@ -325,8 +230,8 @@ def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_an
 
 @pytest.mark.timeout(300)
 def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_blaming_no_peer(tmp_path, builtin_cache):
-    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=500", ranks=1),
-           *slow_backward("sleep_s=1", "stuck_at=4"), *signal_grace(1)]
+    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=500", *slow_backward("sleep_s=1", "stuck_at=4"),
+                           *signal_grace(1), ranks=1))
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: backward_started(job, 4), 200, job, "the backward of step 4")
         rc, ended_in = stop_job(job, signal.SIGTERM)
@@ -344,8 +249,9 @@ def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_b
 def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tmp_path, builtin_cache):
     # FaultTolerance runs after every other callback (Lightning puts Checkpoint callbacks last): its
     # phases are set by PhaseMarks, first in the list (before: reported as 'data: next batch').
-    cmd = [sys.executable, "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=5", ranks=1),
-           "--trainer.callbacks+=tests.dist.slow_steps.RaiseAtBatchStart", "--trainer.callbacks.at_step=2"]
+    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=5",
+                           "--trainer.callbacks+=tests.dist.hooks.RaiseAtBatchStart", "--trainer.callbacks.at_step=2",
+                           ranks=1))
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         rc = job.wait(timeout=200)
         out = job.output()
@@ -432,8 +338,7 @@ def test_watchdog_names_the_phase_and_exits_76(tmp_path):
     code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=3)\n"
             "faults.set_phase('checkpoint save', step=7)\nw.start()\ntime.sleep(30)\n")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python(code)
     assert proc.returncode == EXIT_STALLED and time.monotonic() - started < 15
     assert "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
     assert "time.sleep(30)" in proc.stderr or "<string>" in proc.stderr  # the stacks follow
@@ -443,8 +348,7 @@ def test_watchdog_names_the_phase_and_exits_76(tmp_path):
 def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
     code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=1, world_size=2)\n"
             "w.start()\ntime.sleep(30)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python(code)
     assert proc.returncode == EXIT_STALLED
     assert "Waiting there means another rank stopped responding or died" in proc.stderr, proc.stderr
 
@@ -460,8 +364,7 @@ def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_o
             "os.kill(os.getpid(), signal.SIGTERM)\nstart = time.monotonic()\n"
             "while time.monotonic() - start < 30:\n    time.sleep(0.5)\n"
             "    print(f'alive {time.monotonic() - start:.1f}', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python(code)
     assert proc.returncode == EXIT_STALLED, proc.stderr
     alive = [float(line.split()[1]) for line in proc.stdout.splitlines()]
     assert 5.0 <= max(alive) < 9.0, alive  # not ended after the option's 1 s: after the derived 6 s
@@ -480,8 +383,7 @@ def test_a_sigterm_late_in_the_exit_after_a_preemption_does_not_change_the_exit_
             "class Late:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(0.2)\n"
             "builtins._late = Late()  # dropped late in the interpreter's finalization\n"
             f"raise SystemExit({EXIT_PREEMPTED})\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python(code)
     assert proc.returncode == (EXIT_PREEMPTED if ignored else -signal.SIGTERM), (proc.returncode, proc.stderr)
 
 
@@ -516,8 +418,7 @@ def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shel
     # (a STEP35_JOB left in this process by an in-process run is kept: a rank must not take it for its launcher's)
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
     env.setdefault("STEP35_JOB", f"{os.getpid()}-inherited")
-    proc = subprocess.run([sys.executable, "-c", SUPERVISOR], capture_output=True, text=True, timeout=90,
-                          env={**env, "PYTHONPATH": str(ROOT), **launcher_env})
+    proc = python(SUPERVISOR, timeout=90, env={**env, "PYTHONPATH": str(ROOT), **launcher_env})
     assert proc.returncode == 0, proc.stderr
     if not launcher_env:  # started from a shell: its parent's death is no reason to stop
         assert proc.stdout.strip() == "watched=False alive", proc.stdout + proc.stderr
@@ -539,7 +440,7 @@ def test_torchrun_restart_after_a_failure_runs_the_job_to_its_end(tmp_path, buil
     # torch 2.13 it did not: its device-mesh subgroups read the first attempt's addresses).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=4",
-                                     "--trainer.callbacks+=tests.dist.fail_once.FailOnce")]
+                                     "--trainer.callbacks+=tests.dist.hooks.FailOnce")]
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         rc = job.wait(timeout=300)
         out = job.output()

@@ -1,11 +1,6 @@
 """`step35 generate`: text from a run checkpoint and from its exported HF folder, the same tokens greedily;
 top-p sampling draws from the nucleus with the renormalised probabilities."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,9 +8,8 @@ from step35.checkpoint.training.export import export_checkpoint
 from step35.commands.generate import load_generator, next_token
 from step35.data.chat_template import ChatTemplate
 from step35.run import checkpoint_of
-from tests.runner import step35 as run_step35
+from tests.runner import ROOT, cli, step35
 
-ROOT = Path(__file__).parent.parent
 PROMPT = "The for statement"
 
 
@@ -63,45 +57,46 @@ def test_top_p_samples_the_nucleus_with_renormalised_probabilities():
     assert {next_token(logits, 1.0, 0.3, rng) for _ in range(50)} == {1}  # the top token alone reaches 0.3
 
 
-def step35(args: list[str], cache: Path) -> str:
-    return run_step35(args, cache, timeout=300).stdout
+def in_process(capfd, *args: str) -> tuple[str, str]:
+    """`step35 <args>` in this process (where what is compared is the output, not the process): stdout, stderr."""
+    done = cli(capfd, list(args))
+    return done.stdout, done.stderr
 
 
 @pytest.mark.timeout(600)
-def test_generate_command_prints_text_from_run_and_export(folders, builtin_cache):
+def test_generate_command_prints_text_from_run_and_export(folders, builtin_cache, capfd):
     run, hf = folders
     args = ["--prompt", PROMPT, "--max_new_tokens", "16"]
-    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
+    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache, timeout=300).stdout  # as users do
     assert from_run.startswith(PROMPT) and len(from_run.strip()) > len(PROMPT), from_run
-    assert step35(["generate", "--checkpoint", str(hf), *args], builtin_cache) == from_run
+    assert in_process(capfd, "generate", "--checkpoint", str(hf), *args)[0] == from_run
 
 
 @pytest.mark.timeout(900)
-def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cache):
+def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cache, capfd, monkeypatch):
     """A sharded (DCP) checkpoint of Step35Strategy: `step35 generate` reads it through the same readers
-    as `step35 export`, and the exported folder gives the same text."""
+    as `step35 export`, and the exported folder gives the same text (each command in this process)."""
+    monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
     run = tmp_path / "run"
     saves = '[{"class_path": "step35.callbacks.RunCheckpoint", "init_args": {"every_n_train_steps": 2}}]'
-    step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=2",
-            "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1",
-            "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-            "--data.seq_len=16", "--data.micro_batch_size=1", f"--trainer.callbacks={saves}"], builtin_cache)
+    in_process(capfd, "fit", "--config", str(ROOT / "configs" / "tiny.yaml"), f"--run_dir={run}",
+               "--trainer.max_steps=2", "--trainer.strategy=step35.strategy.Step35Strategy",
+               "--trainer.strategy.expert_parallel_size=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+               "--trainer.enable_progress_bar=false", "--data.seq_len=16", "--data.micro_batch_size=1",
+               f"--trainer.callbacks={saves}")
     assert (run / "checkpoints" / "step=000002.ckpt" / "meta.pt").is_file()  # a sharded folder
-    step35(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")], builtin_cache)
+    in_process(capfd, "export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"))
     args = ["--prompt", PROMPT, "--max_new_tokens", "8", "--temperature", "0.8", "--top_p", "0.9", "--seed", "1"]
-    from_run = step35(["generate", "--checkpoint", str(run), *args], builtin_cache)
-    from_export = step35(["generate", "--checkpoint", str(tmp_path / "hf"), *args], builtin_cache)
+    from_run, _ = in_process(capfd, "generate", "--checkpoint", str(run), *args)
+    from_export, _ = in_process(capfd, "generate", "--checkpoint", str(tmp_path / "hf"), *args)
     assert from_run.startswith(PROMPT) and from_run == from_export
 
 
 @pytest.mark.timeout(600)
-def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(folders, builtin_cache):
+def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(folders, builtin_cache, capfd):
     run, hf = folders
-    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     args = ["--chat", "true", "--prompt", "How do loops work?", "--system", "Be brief.", "--max_new_tokens", "12"]
-    proc = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(run), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = step35(["generate", "--checkpoint", str(run), *args], builtin_cache, timeout=300)
     # The template recorded with the run's tokenizer (the built-in one carries step35's default as
     # chat_template.jinja), said on stderr with the checkpoint read.
     assert "step35 generate: chat template: chat_template.jinja of the run's tokenizer (" in proc.stderr, proc.stderr
@@ -118,9 +113,8 @@ def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(
     assert proc.stdout == generator.decode(reply_ids) + "\n"  # the reply alone: no prompt, no headers
     assert "How do loops work?" not in proc.stdout and "<|assistant|>" not in proc.stdout
     # The export carries the same tokenizer files, so its chat gives the same reply.
-    from_hf = subprocess.run([sys.executable, "-m", "step35", "generate", "--checkpoint", str(hf), *args], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=300)
-    assert from_hf.returncode == 0 and from_hf.stdout == proc.stdout, from_hf.stderr[-3000:]
+    from_hf, err = in_process(capfd, "generate", "--checkpoint", str(hf), *args)
+    assert from_hf == proc.stdout, err[-3000:]
 
 
 def test_system_without_chat_is_refused_before_anything_loads(tmp_path):

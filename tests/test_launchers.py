@@ -20,25 +20,21 @@ import pytest
 
 from step35 import job
 from step35.run import lock
-from tests.runner import run_process_group
-from tests.test_resume import config_file, metric_rows, steps_of
+from tests.helpers import metric_rows, steps_of, write_run_config
+from tests.runner import LAUNCH_PREFIXES, LAUNCH_VARIABLES, LAUNCHERS, ROOT, cli_fit, command, environment, step35
 
-ROOT = Path(__file__).parent.parent
 REL = 1e-5
 STEPS = ["--trainer.max_steps=4", "--trainer.callbacks.every_n_train_steps=4"]
 STRATEGY = ["--trainer.strategy=step35.strategy.Step35Strategy"]
-LAUNCHERS = ("lightning", "torchrun", "slurm")
-
-# Every variable a launcher sets, cleared before each in-process case (the test process may itself run
-# under one of them, e.g. CI under SLURM).
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                       "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "LSB_JOBID", job.JOB_VARIABLE)
 
 
 # ------------------------------------------------------------------------------ in process: step35.job
 @pytest.fixture
-def environment(monkeypatch):
-    for name in [*_LAUNCHER_VARIABLES, *(k for k in os.environ if k.startswith(("SLURM_", "LSB_", "JSM_")))]:
+def launched_as(monkeypatch):
+    """place(variables): step35.job's reading of this process with only `variables` set of every launcher's
+    (the test process may itself run under a launcher, e.g. CI under SLURM)."""
+    assert job.JOB_VARIABLE in LAUNCH_VARIABLES
+    for name in [*LAUNCH_VARIABLES, *(k for k in os.environ if k.startswith(LAUNCH_PREFIXES))]:
         monkeypatch.delenv(name, raising=False)
 
     def place(variables: dict, devices_per_node: int | None = None) -> job.JobPlace:
@@ -55,14 +51,14 @@ def slurm_task(rank: int, ntasks: int = 4, per_node: int = 2, job_name: str = "t
             "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": job_name}
 
 
-def test_a_process_started_from_a_shell_is_rank_zero_of_its_job(environment):
-    place = environment({})
+def test_a_process_started_from_a_shell_is_rank_zero_of_its_job(launched_as):
+    place = launched_as({})
     assert (place.launcher, place.global_rank, place.is_rank_zero, place.started_by_launcher) == \
         ("lightning", 0, True, False)
 
 
-def test_torchrun_ranks(environment):
-    place = environment({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "3",
+def test_torchrun_ranks(launched_as):
+    place = launched_as({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "3",
                          "LOCAL_RANK": "1", "GROUP_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n0",
                          "MASTER_PORT": "29500"})
     assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == \
@@ -77,40 +73,40 @@ def test_torchrun_ranks(environment):
                                "MASTER_PORT": "29500"})
 
 
-def test_srun_tasks_on_two_nodes(environment):
-    place = environment(slurm_task(3))
+def test_srun_tasks_on_two_nodes(launched_as):
+    place = launched_as(slurm_task(3))
     assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == \
         ("slurm", 1, 1, 3, 4)
     assert not place.is_rank_zero and not place.started_by_launcher  # srun ends its tasks itself
     assert place.same_job({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})
     assert not place.same_job({"SLURM_JOB_ID": "78", "SLURM_STEP_ID": "0"})
-    assert environment(slurm_task(0)).is_rank_zero
+    assert launched_as(slurm_task(0)).is_rank_zero
 
 
-def test_lightning_launcher_inside_an_interactive_slurm_allocation(environment):
+def test_lightning_launcher_inside_an_interactive_slurm_allocation(launched_as):
     """`salloc` then `step35 fit --trainer.devices 2`: SLURM_PROCID is 0 in every process (inherited from the
     shell), and Lightning uses its own launcher (job name 'bash'); the started local rank 1 is not rank 0."""
     shell = {**slurm_task(0, ntasks=1, per_node=1, job_name="bash")}
-    assert environment(shell).launcher == "lightning" and environment(shell).is_rank_zero
-    child = environment({**shell, "LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", job.JOB_VARIABLE: "j1"})
+    assert launched_as(shell).launcher == "lightning" and launched_as(shell).is_rank_zero
+    child = launched_as({**shell, "LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", job.JOB_VARIABLE: "j1"})
     assert (child.launcher, child.global_rank, child.is_rank_zero, child.started_by_launcher) == \
         ("lightning", 1, False, True)
 
 
-def test_lightning_launcher_local_ranks_know_their_job_by_the_inherited_id(environment):
-    rank0 = environment({})
+def test_lightning_launcher_local_ranks_know_their_job_by_the_inherited_id(launched_as):
+    rank0 = launched_as({})
     assert rank0.is_rank_zero
     recorded = job.start_job_identity()  # (reads this process's cached place; only the id matters here)
-    child = environment({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+    child = launched_as({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                          "MASTER_PORT": "40000", job.JOB_VARIABLE: recorded[job.JOB_VARIABLE]})
     assert child.same_job(recorded)  # rank 0 recorded no port: it was chosen when the children started
     assert not child.same_job({**recorded, job.JOB_VARIABLE: "another job"})
 
 
-def test_lightning_multi_node_ranks(environment):
+def test_lightning_multi_node_ranks(launched_as):
     variables = {"NODE_RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "n0", "MASTER_PORT": "1234"}
-    assert environment(variables).global_rank is None  # devices per node unknown
-    place = environment(variables, devices_per_node=8)
+    assert launched_as(variables).global_rank is None  # devices per node unknown
+    place = launched_as(variables, devices_per_node=8)
     assert (place.global_rank, place.is_rank_zero, place.describe()) == (8, False, "rank 8")
     assert place.same_job({"MASTER_ADDR": "n0", "MASTER_PORT": "1234", job.JOB_VARIABLE: "x"})
     assert not place.same_job({"MASTER_ADDR": "n0", "MASTER_PORT": "999"})
@@ -124,27 +120,15 @@ def test_devices_per_node_reads_every_spelling_of_trainer_devices():
 
 
 # ------------------------------------------------------------------------------ real jobs
-def command(launcher: str, nproc: int, args: list[str]) -> list[str]:
-    """`step35 <args>` on `nproc` ranks of one node, started the way `launcher` starts a job."""
-    step35 = ["-m", "step35", *args, f"--trainer.devices={nproc}"]
-    if launcher == "lightning" or nproc == 1:
-        return [sys.executable, *step35]
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *step35]
-    return [sys.executable, str(ROOT / "tests" / "dist" / "fake_srun.py"), f"--ntasks={nproc}", "--",
-            sys.executable, *step35]
-
-
-def environment_for(cache: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    return {**env, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def on_ranks(launcher: str, nproc: int, args: list[str]) -> list[str]:
+    """The argv of `step35 <args>` on `nproc` ranks of one node (`--trainer.devices` said), started by `launcher`."""
+    return command([*args, f"--trainer.devices={nproc}"], nproc, launcher)
 
 
 def fit(launcher: str, nproc: int, run: Path, config: Path, cache: Path, *extra: str) -> dict[int, float]:
     """The job's per-step train/loss (its CSV)."""
-    args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *extra]
-    proc = run_process_group(command(launcher, nproc, args), timeout=600, cwd=ROOT, env=environment_for(cache))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *extra, f"--trainer.devices={nproc}"]
+    step35(args, cache, nproc=nproc, launcher=launcher, threads=1)
     return losses(run)
 
 
@@ -160,12 +144,15 @@ def assert_same_losses(reference: dict[int, float], got: dict[int, float]) -> No
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
-    return config_file(tmp_path_factory.mktemp("launchers"))
+    return write_run_config(tmp_path_factory.mktemp("launchers"))
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
-    return fit("lightning", 1, tmp_path_factory.mktemp("one") / "run", config, builtin_cache)
+    """The losses of the same run in one process: this one."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    cli_fit(None, config, run, builtin_cache, *STEPS)
+    return losses(run)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +165,14 @@ def ep1_two_ranks(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, config, builtin_cache, ep1_two_ranks):
-    """EP 2 on 2 ranks, started by `launcher`, logs EP 1's losses. While it is held at step 2 (tests.test_run.Gate),
+    """EP 2 on 2 ranks, started by `launcher`, logs EP 1's losses. While it is held at step 2 (tests.dist.hooks.Gate),
     a second job started the same way in its run folder is refused, naming the first's rank 0; the first
     then finishes with its checkpoint, and the second wrote nothing."""
     run, go = tmp_path / "run", tmp_path / "go"
     args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *STRATEGY,
-            "--trainer.strategy.expert_parallel_size=2", "--trainer.callbacks+=tests.test_run.Gate",
+            "--trainer.strategy.expert_parallel_size=2", "--trainer.callbacks+=tests.dist.hooks.Gate",
             f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=2"]
-    first = subprocess.Popen(command(launcher, 2, args), cwd=ROOT, env=environment_for(builtin_cache),
+    first = subprocess.Popen(on_ranks(launcher, 2, args), cwd=ROOT, env=environment(builtin_cache),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -194,9 +181,8 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
             time.sleep(0.2)
         holder = lock.read_holder(run / ".step35.lock")
         assert holder["launcher"] == launcher, holder
-        second = run_process_group(command(launcher, 2, ["fit", "--config", str(config), f"--run_dir={run}",
-                                                         "--trainer.max_steps=9", *STRATEGY]),
-                                   timeout=300, cwd=ROOT, env=environment_for(builtin_cache))
+        second = step35(["fit", "--config", str(config), f"--run_dir={run}", "--trainer.max_steps=9", *STRATEGY,
+                         "--trainer.devices=2"], builtin_cache, nproc=2, launcher=launcher, timeout=300, check=False)
         assert first.poll() is None  # alive all along
         assert second.returncode != 0
         assert f"in use by a live run (pid {holder['pid']} on host" in second.stderr, second.stderr[-4000:]
@@ -233,7 +219,7 @@ def test_a_bad_expert_parallel_size_ends_the_whole_lightning_launched_job_at_onc
     args = ["fit", "--config", str(config), f"--run_dir={tmp_path / 'run'}", *STRATEGY,
             "--trainer.strategy.expert_parallel_size=3"]
     started = time.monotonic()
-    proc = run_process_group(command("lightning", 2, args), timeout=240, cwd=ROOT, env=environment_for(builtin_cache))
+    proc = step35([*args, "--trainer.devices=2"], builtin_cache, nproc=2, launcher="lightning", timeout=240, check=False)
     took = time.monotonic() - started
     assert proc.returncode != 0
     assert "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: " \
@@ -257,10 +243,10 @@ def test_a_rank_whose_launcher_died_before_it_looked_ends_at_once(tmp_path):
         time.sleep(0.05)
     code = "from step35 import faults; import time; print(faults.watch_launcher(), flush=True); time.sleep(3)"
     for job_id, expected in ((f"{dead.pid}-x", 77), (f"{zombie.pid}-x", 77), (f"{os.getpid()}-x", 0)):
-        env = {**environment_for(tmp_path), "LOCAL_RANK": "1", job.JOB_VARIABLE: job_id}
+        env = environment(tmp_path, LOCAL_RANK="1", **{job.JOB_VARIABLE: job_id})
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == expected, (job_id, proc.returncode, proc.stderr[-2000:])
     assert f"the launcher (pid {dead.pid}) is gone" in subprocess.run(
-        [sys.executable, "-c", code], env={**environment_for(tmp_path), "LOCAL_RANK": "1", job.JOB_VARIABLE: f"{dead.pid}-x"},
+        [sys.executable, "-c", code], env=environment(tmp_path, LOCAL_RANK="1", **{job.JOB_VARIABLE: f"{dead.pid}-x"}),
         capture_output=True, text=True, timeout=120).stderr
     zombie.wait()

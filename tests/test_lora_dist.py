@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist import lora_steps
+from tests.dist.cases import case_args
 from tests.runner import run_dist_script
 
 SCRIPT = Path(__file__).parent / "dist" / "lora_steps.py"
 REL = 1e-5
-
-
-def run(tmp_path: Path, name: str, nproc: int | None, *args: str, timeout: int = 300) -> dict:
-    return run_dist_script(SCRIPT, tmp_path / f"{name}.pt", nproc, *args, timeout=timeout)
+EP_CASES = [(1, "none"), (2, "none"), (4, "none"), (2, "selective")]  # on 4 ranks, one job for all
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -25,8 +24,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> dict:
-    return run(tmp_path_factory.mktemp("plain"), "plain", None)
+def plain() -> dict:
+    return lora_steps.plain()  # one plain process: this one
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    """{f"ep{ep}_{ac}": result} of every EP_CASES case, one torchrun job on 4 ranks."""
+    cases = {f"ep{ep}_{ac}": ["--ep", str(ep), "--ac", ac] for ep, ac in EP_CASES}
+    return run_dist_script(SCRIPT, tmp_path_factory.mktemp("four") / "results.pt", 4, *case_args(cases), timeout=900)
 
 
 def check_frozen(run_: dict) -> None:
@@ -42,10 +48,10 @@ def test_plain_run_trains_only_adapters(plain):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("ep,ac", [(1, "none"), (2, "none"), (4, "none"), (2, "selective")])
-def test_lora_matches_one_process_at_every_ep_size(tmp_path, plain, ep, ac):
-    got = run(tmp_path, f"ep{ep}", 4, "--ep", str(ep), "--ac", ac)
+@pytest.mark.timeout(1200)  # the first case waits for the job
+@pytest.mark.parametrize("ep,ac", EP_CASES)
+def test_lora_matches_one_process_at_every_ep_size(four_ranks, plain, ep, ac):
+    got = four_ranks[f"ep{ep}_{ac}"]
     check_frozen(got)
     a, b = torch.tensor(plain["losses"]), torch.tensor(got["losses"])
     assert torch.allclose(a, b, rtol=REL, atol=0), f"losses {a.tolist()} vs {b.tolist()}"
@@ -65,7 +71,7 @@ def test_lora_matches_one_process_at_every_ep_size(tmp_path, plain, ep, ac):
 def test_bf16_base_with_fp32_adapters_shards_and_trains(tmp_path, plain):
     """A bf16 frozen base and fp32 adapters in the same FSDP2 units (EP 2 on 2 ranks): the base stays
     bf16 and bitwise unchanged, adapters and their gradients stay fp32, losses within 2 % of fp32."""
-    got = run(tmp_path, "bf16", 2, "--ep", "2", "--base-dtype", "bfloat16")
+    got = run_dist_script(SCRIPT, tmp_path / "bf16.pt", 2, "--ep", "2", "--base-dtype", "bfloat16", timeout=300)
     check_frozen(got)
     assert got["base_dtypes"] == ["torch.bfloat16"] and plain["base_dtypes"] == ["torch.float32"]
     assert all(p.dtype == torch.float32 for p in got["params"].values())

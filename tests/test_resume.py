@@ -1,7 +1,8 @@
 """Runs live in one folder and resume does what it says: `--ckpt_path last|auto` find the newest
 complete checkpoint of the run folder (or fail / start fresh, saying so), RunCheckpoint keeps an
 atomic `last.ckpt` and the newest K and tidies what killed saves left, and single-file and sharded
-resumes follow one rule (command line wins; a different model shape is refused, fields named)."""
+resumes follow one rule (command line wins; a different model shape is refused, fields named). The runs are
+`step35 fit` in this process (tests/runner.py's cli): what they leave in the run folder and say is the point."""
 
 from __future__ import annotations
 
@@ -18,22 +19,22 @@ from step35.checkpoint.integrity import is_complete, write_manifest
 from step35.checkpoint.publish import leftover_of
 from step35.training.optimizer import apply_resumed_settings
 from tests.helpers import metric_rows, saved_steps, steps_of, write_run_config
-from tests.runner import fit, step35
+from tests.runner import cli_fit
 
 SHARDED = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1"]
 
 
 # ------------------------------------------------------------------------------ the run folder
 @pytest.mark.timeout(900)
-def test_auto_starts_fresh_then_last_resumes_the_newest_complete_checkpoint(tmp_path, builtin_cache):
+def test_auto_starts_fresh_then_last_resumes_the_newest_complete_checkpoint(tmp_path, builtin_cache, capfd):
     config, run = write_run_config(tmp_path), tmp_path / "run"
     ckpts = run / "checkpoints"
     ckpts.mkdir(parents=True)
     leftover = ckpts / ".step=000005.ckpt.partial-1234-deadbeef"  # a save killed in an earlier life
     leftover.write_bytes(b"half a checkpoint")
 
-    first = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=20",
-                "--trainer.callbacks.keep_last=2")
+    first = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=20",
+                    "--trainer.callbacks.keep_last=2")
     assert f"--ckpt_path auto: no complete checkpoint in {ckpts}" in first.stderr and "starting from scratch" in first.stderr
     assert f"removed {leftover}" in first.stderr and not leftover.exists()
     assert saved_steps(ckpts) == [15, 20]  # keep_last=2: steps 5 and 10 deleted, manifests with them
@@ -44,8 +45,8 @@ def test_auto_starts_fresh_then_last_resumes_the_newest_complete_checkpoint(tmp_
 
     # A newer save that never finished (no manifest) must not be picked, but said.
     shutil.copy(ckpts / "step=000020.ckpt", ckpts / "step=000025.ckpt")
-    second = fit(config, run, builtin_cache, "--ckpt_path=last", "--trainer.max_steps=30",
-                 "--trainer.callbacks.keep_last=1")
+    second = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=last", "--trainer.max_steps=30",
+                     "--trainer.callbacks.keep_last=1")
     assert f"--ckpt_path last: resuming from {ckpts / 'step=000020.ckpt'} (global step 20" in second.stderr
     assert f"ignoring {ckpts / 'step=000025.ckpt'}: its save did not finish" in second.stderr
     # keep_last=1 keeps the newest, and the checkpoint this attempt resumed from is never deleted.
@@ -60,12 +61,11 @@ def test_auto_starts_fresh_then_last_resumes_the_newest_complete_checkpoint(tmp_
 
 
 @pytest.mark.timeout(300)
-def test_last_without_a_complete_checkpoint_fails_saying_where_it_looked(tmp_path, builtin_cache):
+def test_last_without_a_complete_checkpoint_fails_saying_where_it_looked(tmp_path, builtin_cache, capfd):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step=000005.ckpt").write_bytes(b"no manifest: never finished")
-    proc = step35(["fit", "--config", str(write_run_config(tmp_path)), f"--run_dir={run}", "--ckpt_path=last"],
-                  builtin_cache, check=False)
+    proc = cli_fit(capfd, write_run_config(tmp_path), run, builtin_cache, "--ckpt_path=last", check=False)
     assert proc.returncode != 0
     assert f"--ckpt_path last: no complete checkpoint in {run / 'checkpoints'}" in proc.stderr
     assert f"ignored: {run / 'checkpoints' / 'step=000005.ckpt'}" in proc.stderr
@@ -83,15 +83,15 @@ def expected_lr(lr: float, step: int, warmup: int, total: int, min_ratio: float 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fmt", ["ckpt", "sharded"])
-def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, builtin_cache, fmt):
+def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, builtin_cache, capfd, fmt):
     config, run = write_run_config(tmp_path), tmp_path / "run"
     strategy = SHARDED if fmt == "sharded" else []
-    fit(config, run, builtin_cache, *strategy)
+    cli_fit(capfd, config, run, builtin_cache, *strategy)
     newest = run / "checkpoints" / "step=000010.ckpt"
     assert newest.is_dir() == (fmt == "sharded") and is_complete(newest)
 
-    resumed = fit(config, run, builtin_cache, *strategy, "--ckpt_path=last", "--trainer.max_steps=15",
-                  "--model.lr=0.001", "--model.mtp_loss_weight=0.1", "--model.decay_steps=15")
+    resumed = cli_fit(capfd, config, run, builtin_cache, *strategy, "--ckpt_path=last", "--trainer.max_steps=15",
+                      "--model.lr=0.001", "--model.mtp_loss_weight=0.1", "--model.decay_steps=15")
     assert "lr: 0.003 -> 0.001" in resumed.stdout and "mtp_loss_weight: 0.3 -> 0.1" in resumed.stdout
     lrs = steps_of(metric_rows(run / "csv" / "version_1"), "lr/decay")
     assert set(range(10, 15)) <= set(lrs), sorted(lrs)
@@ -99,9 +99,8 @@ def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, built
         assert lrs[step] == pytest.approx(expected_lr(1e-3, step, warmup=4, total=15), rel=1e-6), step
     assert "mtp_loss_weight: 0.1" in (run / "csv" / "version_1" / "hparams.yaml").read_text()
 
-    refused = step35(["fit", "--config", str(config), f"--run_dir={run}", *strategy, "--ckpt_path=last",
-                      "--trainer.max_steps=20", "--model.config_overrides={hidden_size: 64}"], builtin_cache,
-                     check=False)
+    refused = cli_fit(capfd, config, run, builtin_cache, *strategy, "--ckpt_path=last", "--trainer.max_steps=20",
+                      "--model.config_overrides={hidden_size: 64}", check=False)
     assert refused.returncode != 0
     assert "the model shape differs: hidden_size: 128 -> 64" in refused.stderr, refused.stderr[-3000:]
     assert saved_steps(run / "checkpoints") == [5, 10, 15]  # nothing trained, nothing saved

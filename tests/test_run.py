@@ -18,10 +18,9 @@ import pytest
 
 from step35.checkpoint.integrity import manifest_path, write_manifest
 from step35.run import RunFolder, RunFolderBusy, lock
-from tests.runner import run_process_group
-from tests.test_resume import config_file, fit, saved_steps, step35
+from tests.helpers import saved_steps, write_run_config
+from tests.runner import ROOT, cli_fit, command, environment, fit
 
-ROOT = Path(__file__).parent.parent
 HOLD = ("import os, sys, time\n"
         "from step35.run import RunFolder, lock\n"
         "lock.acquire(RunFolder(sys.argv[1]))\n"
@@ -32,24 +31,9 @@ HOLD = ("import os, sys, time\n"
         "time.sleep(600)\n")
 
 
-class Gate(pl.Callback):
-    """Holds the run at `at_step` until `file` exists (so a test can act while it is surely alive)."""
-
-    def __init__(self, file: str, at_step: int):
-        self.file, self.at_step = Path(file), at_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.at_step:
-            (self.file.parent / "gate.reached").touch()
-            deadline = time.monotonic() + 600
-            while not self.file.exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-
-
 def hold(run: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
     """A process holding the run folder's lock (and, with `fork`, a forked child sharing it)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), *(["fork"] if fork else [])], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), *(["fork"] if fork else [])], env=environment(),
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     words = proc.stdout.readline().split()
     assert words and words[0] == "held", words
@@ -59,10 +43,6 @@ def hold(run: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
 def kill9(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait(timeout=30)
-
-
-def env_for(cache: Path) -> dict:
-    return {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 # ------------------------------------------------------------------------------ the lock, in process
@@ -108,14 +88,14 @@ def test_ckpt_path_is_read_in_one_place():
 
 # ------------------------------------------------------------------------------ two jobs, one folder
 @pytest.mark.timeout(900)
-def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, builtin_cache):
-    config, run = config_file(tmp_path), tmp_path / "run"
+def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, builtin_cache, capfd):
+    config, run = write_run_config(tmp_path), tmp_path / "run"
     ckpts = run / "checkpoints"
     go = tmp_path / "go"
     first = subprocess.Popen(
-        [sys.executable, "-m", "step35", "fit", "--config", str(config), f"--run_dir={run}",
-         "--trainer.callbacks+=tests.test_run.Gate", f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=6"],
-        cwd=ROOT, env=env_for(builtin_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command(["fit", "--config", str(config), f"--run_dir={run}", "--trainer.callbacks+=tests.dist.hooks.Gate",
+                 f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=6"]),
+        cwd=ROOT, env=environment(builtin_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -125,8 +105,7 @@ def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, built
         # The first run's save in progress, as the tidy-up of a second run used to delete it.
         in_progress = ckpts / f".step=000010.ckpt.partial-{first.pid}-0123abcd"
         in_progress.write_bytes(b"being written")
-        second = step35(["fit", "--config", str(config), f"--run_dir={run}", "--trainer.max_steps=99",
-                         "--ckpt_path=auto"], builtin_cache)
+        second = cli_fit(capfd, config, run, builtin_cache, "--trainer.max_steps=99", "--ckpt_path=auto", check=False)
         assert first.poll() is None  # the first run was alive all along
         assert second.returncode != 0
         assert f"in use by a live run (pid {first.pid} on host {socket.gethostname()}" in second.stderr, second.stderr[-3000:]
@@ -144,14 +123,13 @@ def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, built
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_two_ranks_refused_together_then_take_over_a_dead_holders_lock(tmp_path, builtin_cache):
-    config, run = config_file(tmp_path), tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35", "fit",
-           "--config", str(config), f"--run_dir={run}", "--trainer.max_steps=2", "--trainer.devices=2",
-           "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2"]
+    config, run = write_run_config(tmp_path), tmp_path / "run"
+    two_ranks = ["--trainer.max_steps=2", "--trainer.devices=2", "--trainer.strategy=step35.strategy.Step35Strategy",
+                 "--trainer.strategy.expert_parallel_size=2"]
     holder, _ = hold(run)
     try:
         started = time.monotonic()
-        refused = run_process_group(cmd, timeout=400, cwd=ROOT, env=env_for(builtin_cache))
+        refused = fit(config, run, builtin_cache, *two_ranks, nproc=2, timeout=400, check=False)
         took = time.monotonic() - started
     finally:
         kill9(holder)
@@ -165,24 +143,23 @@ def test_two_ranks_refused_together_then_take_over_a_dead_holders_lock(tmp_path,
     assert not (run / "checkpoints").exists() and not (run / "csv").exists()
     print(f"2-rank refusal took {took:.0f} s")
 
-    done = run_process_group(cmd, timeout=600, cwd=ROOT, env=env_for(builtin_cache))
-    assert done.returncode == 0, done.stderr[-5000:]
+    done = fit(config, run, builtin_cache, *two_ranks, nproc=2)
     assert f"took over the lock of {run} from a run that is no longer running (pid {holder.pid}" in done.stderr
     assert saved_steps(run / "checkpoints") == [2]
 
 
 # ------------------------------------------------------------------------------ damaged and unverified checkpoints
 @pytest.mark.timeout(900)
-def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_flag(tmp_path, builtin_cache):
-    config, run = config_file(tmp_path), tmp_path / "run"
+def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_flag(tmp_path, builtin_cache, capfd):
+    config, run = write_run_config(tmp_path), tmp_path / "run"
     ckpts = run / "checkpoints"
-    fit(config, run, builtin_cache)  # saves steps 5 and 10
+    cli_fit(capfd, config, run, builtin_cache)  # saves steps 5 and 10 (each run in this process but the failing one)
     newest = ckpts / "step=000010.ckpt"
     size = newest.stat().st_size
     with open(newest, "r+b") as f:
         f.truncate(size // 2)  # damaged: the manifest still vouches for the full size
 
-    resumed = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
+    resumed = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
     assert (f"--ckpt_path auto: skipping {newest} (global step 10), it is damaged: {newest}: {size // 2} bytes, "
             f"the manifest says {size}: truncated") in resumed.stderr, resumed.stderr[-3000:]
     assert f"resuming from {ckpts / 'step=000005.ckpt'} (global step 5" in resumed.stderr
@@ -190,15 +167,14 @@ def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_
 
     older = ckpts / "step=000005.ckpt"
     manifest_path(older).unlink()
-    refused = step35(["fit", "--config", str(config), f"--run_dir={run}", f"--ckpt_path={older}",
-                      "--trainer.max_steps=7"], builtin_cache)
+    refused = cli_fit(capfd, config, run, builtin_cache, f"--ckpt_path={older}", "--trainer.max_steps=7", check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert (f"{older}: no {manifest_path(older).name}, so its integrity cannot be checked" in refused.stderr and
             "--allow_unverified_checkpoint" in refused.stderr and
             f"python -m step35.checkpoint.integrity write {older}" in refused.stderr), refused.stderr[-3000:]
 
-    accepted = fit(config, run, builtin_cache, f"--ckpt_path={older}", "--allow_unverified_checkpoint=true",
-                   "--trainer.max_steps=7")
+    accepted = cli_fit(capfd, config, run, builtin_cache, f"--ckpt_path={older}", "--allow_unverified_checkpoint=true",
+                       "--trainer.max_steps=7")
     assert f"ignoring {older}" not in accepted.stderr  # it is loaded on purpose, not "ignored"
     assert 7 in saved_steps(ckpts)
 
@@ -210,12 +186,11 @@ def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    failed = step35(["fit", "--config", str(config), f"--run_dir={run}", "--ckpt_path=auto",
-                     "--trainer.max_steps=14"], builtin_cache)
+    failed = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=14", check=False)  # a process
     assert failed.returncode != 0, failed.stderr[-3000:]
     assert f"{newest}: checksum mismatch" in failed.stderr and ".step=000012.ckpt.damaged" in failed.stderr, \
         failed.stderr[-3000:]
-    restarted = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
+    restarted = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
     assert (f"skipping {newest} (global step 12), it is damaged: {newest}: checksum mismatch" in restarted.stderr and
             "found by an earlier load" in restarted.stderr), restarted.stderr[-3000:]
     assert f"resuming from {ckpts / 'step=000010.ckpt'} (global step 10" in restarted.stderr
@@ -241,9 +216,9 @@ def test_last_refuses_when_every_checkpoint_is_damaged(tmp_path):
 
 
 # ------------------------------------------------------------------------------ command-line edges
-def test_an_abbreviated_option_is_refused_with_a_suggestion(tmp_path, builtin_cache):
-    proc = step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path}", "--trainer.max_step", "5"],
-                  builtin_cache)
+def test_an_abbreviated_option_is_refused_with_a_suggestion(tmp_path, builtin_cache, capfd):
+    proc = cli_fit(capfd, ROOT / "configs" / "tiny.yaml", tmp_path, builtin_cache, "--trainer.max_step", "5",
+                   check=False)
     assert proc.returncode != 0
     assert "unrecognized arguments: --trainer.max_step 5" in proc.stderr, proc.stderr[-2000:]
     assert "did you mean --trainer.max_steps" in proc.stderr

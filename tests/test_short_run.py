@@ -5,27 +5,19 @@ gets the metrics and the heatmap image."""
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.runner import run_process_group
-from tests.test_callbacks import tensorboard_events
-
-ROOT = Path(__file__).parent.parent
+from tests.helpers import tensorboard_events
+from tests.runner import step35
 
 
 @pytest.mark.timeout(900)
 def test_short_run_validates_and_draws_a_heatmap_into_tensorboard(tmp_path, builtin_cache):
-    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "step35", "fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "6",
-           "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger", "--trainer.logger.save_dir",
-           str(tmp_path / "tb"), f"--trainer.default_root_dir={tmp_path}",
-           "--data.seq_len=32", "--data.micro_batch_size=2", "--data.val_batches=2", "--trainer.limit_val_batches=2"]
-    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    step35(["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "6",
+            "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger", "--trainer.logger.save_dir",
+            str(tmp_path / "tb"), f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=32",
+            "--data.micro_batch_size=2", "--data.val_batches=2", "--trainer.limit_val_batches=2"], builtin_cache,
+           timeout=840)
     version = tmp_path / "tb" / "lightning_logs" / "version_0"
     assert sorted(p.name for p in (version / "expert_load").glob("heatmap_*.png")) == ["heatmap_step0000006.png"]
     values = [(e.step, v) for e in tensorboard_events(version) for v in e.summary.value]

@@ -14,99 +14,34 @@ during a periodic save, Lightning's AsyncCheckpointIO, and a disk that fills up 
   while Lightning ended the run after the reported checkpoint failure); now every line that ends
   the output is a `step35:` line.
 
-The callbacks below are loaded by the runs (`--trainer.callbacks+=tests.test_stop_edges.<name>`)."""
+The runs load their slow validation, slow save and full-disk logger from tests/dist/hooks.py."""
 
 from __future__ import annotations
 
-import errno
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.loggers import Logger
 
 from step35.checkpoint.training import catalog
 from step35.checkpoint.integrity import is_complete
 from step35.faults import EXIT_FAILED, EXIT_PREEMPTED
-
-ROOT = Path(__file__).parent.parent
-
-
-# ----------------------------------------------------------------------------------- callbacks of the runs
-class SlowValidation(pl.Callback):
-    """Sleeps `sleep_s` after every validation batch (outside the sanity check), printing
-    'slow validation batch N after step S' first, so that a test can signal during a validation."""
-
-    def __init__(self, sleep_s: float = 1.0):
-        self.sleep_s = sleep_s
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if trainer.sanity_checking:
-            return
-        print(f"slow validation batch {batch_idx + 1} after step {trainer.global_step}", flush=True)
-        time.sleep(self.sleep_s)
-
-
-class SlowSave(pl.Callback):
-    """Sleeps `sleep_s` in every full checkpoint save (Lightning calls on_save_checkpoint while it
-    prepares the save, the write follows), printing 'slow save of step S' first."""
-
-    def __init__(self, sleep_s: float = 3.0):
-        self.sleep_s = sleep_s
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        print(f"slow save of step {trainer.global_step}", flush=True)
-        time.sleep(self.sleep_s)
-
-
-class FullDiskLogger(Logger):
-    """A logger whose writes fail with ENOSPC from optimizer step `from_step` on, as a CSV file's do
-    once its disk is full (a writer raising it, as in tests/test_strategy_save.py: a real full tmpfs
-    does not fail a small append that fits into the file's last block)."""
-
-    def __init__(self, from_step: int = 3):
-        self.from_step = from_step
-        self._step = 0
-
-    @property
-    def name(self) -> str:
-        return "full-disk"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self._step = step if step is not None else self._step
-
-    def save(self) -> None:  # Lightning calls it after every step's metrics, and when it ends a failed run
-        if self._step + 1 >= self.from_step:
-            raise OSError(errno.ENOSPC, "No space left on device")
+from tests.helpers import metric_rows, steps_of, write_run_config
+from tests.runner import Job, command, stop_job, wait_for
 
 
 # ----------------------------------------------------------------------------------- helpers
 def run_args(run: Path, *extra: str) -> list[str]:
-    from tests.test_resume import config_file
-
     run.mkdir(parents=True, exist_ok=True)
-    return ["fit", "--config", str(config_file(run)), f"--run_dir={run}", *extra]
+    return ["fit", "--config", str(write_run_config(run)), f"--run_dir={run}", *extra]
 
 
 def run_cmd(run: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "step35", *run_args(run, *extra)]
+    return command(run_args(run, *extra))
 
 
 def losses(run: Path) -> dict[int, float]:
-    from tests.test_resume import metric_rows, steps_of
-
     (folder,) = {p.parent for p in run.glob("**/metrics.csv")}
     return steps_of(metric_rows(folder), "train/lm_loss")
 
@@ -129,12 +64,10 @@ def test_sigterm_during_a_long_validation_stops_within_seconds_and_resumes_bitwi
     (beyond torchrun's 30 s grace at scale). Now: cut short before batch 3, checkpoint of step 3,
     exit 75 within seconds; resuming it (without validation) gives bitwise the losses of an
     uninterrupted run, logged at the same steps."""
-    from tests.test_fail_fast import Job, stop_job, wait_for
-
     run = tmp_path / "run"
     # RunCheckpoint (the config's last callback) saves no step of this run: the pre-emption save must be written.
     cmd = run_cmd(run, "--trainer.max_steps=6", "--trainer.callbacks.every_n_train_steps=100", *validation(30, 3),
-                  "--trainer.callbacks+=tests.test_stop_edges.SlowValidation", "--trainer.callbacks.sleep_s=1")
+                  "--trainer.callbacks+=tests.dist.hooks.SlowValidation", "--trainer.callbacks.sleep_s=1")
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: printed(job, "slow validation batch 2 after step 3"), 300, job, "validation batch 2")
         rc, stopped_in = stop_job(job, signal.SIGTERM)
@@ -171,10 +104,8 @@ def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step
     """SIGTERM while RunCheckpoint saves step 5. Before: after that save, a second checkpoint of step
     5 (`step=000005-preempt.ckpt`) was written. Now: skipped and said, exit 75, and `--ckpt_path auto`
     resumes from the periodic one."""
-    from tests.test_fail_fast import Job, stop_job, wait_for
-
     run = tmp_path / "run"
-    cmd = run_cmd(run, "--trainer.max_steps=50", "--trainer.callbacks+=tests.test_stop_edges.SlowSave",
+    cmd = run_cmd(run, "--trainer.max_steps=50", "--trainer.callbacks+=tests.dist.hooks.SlowSave",
                   "--trainer.callbacks.sleep_s=3")
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: printed(job, "slow save of step 5"), 300, job, "the save of step 5")
@@ -196,8 +127,6 @@ def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step
     assert str(periodic) in out, out[-3000:]  # resumed from it (said by --ckpt_path auto)
     resumed = [p for p in run.glob("csv/version_*/metrics.csv")]
     assert len(resumed) == 2, resumed
-    from tests.test_resume import metric_rows, steps_of
-
     assert sorted(steps_of(metric_rows(max(resumed).parent), "train/lm_loss")) == [5, 6]
 
 
@@ -253,7 +182,7 @@ def test_a_full_disk_mid_run_ends_in_step35_lines_not_a_traceback(tmp_path, buil
     from step35.cli import main
 
     monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
-    args = run_args(tmp_path / "run", "--trainer.max_steps=6", "--trainer.logger=tests.test_stop_edges.FullDiskLogger",
+    args = run_args(tmp_path / "run", "--trainer.max_steps=6", "--trainer.logger=tests.dist.hooks.FullDiskLogger",
                     # listed, so that `fit` adds no other: no watchdog thread left in this process
                     "--trainer.callbacks+=step35.callbacks.FaultTolerance", "--trainer.callbacks.watchdog=false")
     capfd.readouterr()

@@ -2,9 +2,6 @@
 sharded (DCP) checkpoint resumes exactly, and bad parallel sizes fail before any collective."""
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,16 +15,7 @@ from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.module import Step35LightningModule
 from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
-from tests.runner import run_process_group
-
-ROOT = Path(__file__).parent.parent
-
-
-def torchrun(nproc: int, args: list[str], cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STEP35_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "step35", *args]
-    return run_process_group(cmd, cwd=ROOT, env=env, timeout=timeout)
+from tests.runner import step35
 
 
 def fit_args(run: Path, *extra: str) -> list[str]:
@@ -50,15 +38,12 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
     checkpointing = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                      "--trainer.callbacks.every_n_train_steps=4", "--trainer.callbacks.save_top_k=-1",
                      f"--trainer.callbacks.dirpath={ckpt_dir}"]
-    full = torchrun(2, fit_args(tmp_path / "full", "--trainer.max_steps=8", *checkpointing), builtin_cache)
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-5000:]
+    step35(fit_args(tmp_path / "full", "--trainer.max_steps=8", *checkpointing), builtin_cache, nproc=2)
     step4 = sorted(ckpt_dir.glob("*step=4*"))
     assert step4 and step4[0].is_dir(), list(ckpt_dir.iterdir())  # a DCP folder: shards + meta.pt
     assert (step4[0] / "meta.pt").exists() and list(step4[0].glob("*.distcp"))
     assert not list(ckpt_dir.glob(".*partial*"))  # the atomic save left no temporary folder
-    resumed = torchrun(2, fit_args(tmp_path / "resumed", "--trainer.max_steps=8", f"--ckpt_path={step4[0]}"),
-                       builtin_cache)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    step35(fit_args(tmp_path / "resumed", "--trainer.max_steps=8", f"--ckpt_path={step4[0]}"), builtin_cache, nproc=2)
     a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     # metrics are logged at 0-based global steps: the step-4 checkpoint is followed by steps 4..7
     assert set(range(4, 8)) <= set(a) and set(range(4, 8)) <= set(b), (sorted(a), sorted(b))
@@ -84,8 +69,8 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
 @pytest.mark.timeout(300)
 def test_expert_parallel_size_that_does_not_divide_experts_fails_fast(tmp_path, builtin_cache):
     # tiny has 8 experts; 2 ranks with ep=2 is fine, so ask for ep=3 (divides neither).
-    proc = torchrun(2, fit_args(tmp_path / "bad", "--trainer.max_steps=1",
-                                "--trainer.strategy.expert_parallel_size=3"), builtin_cache, timeout=240)
+    proc = step35(fit_args(tmp_path / "bad", "--trainer.max_steps=1", "--trainer.strategy.expert_parallel_size=3"),
+                  builtin_cache, nproc=2, timeout=240, check=False)
     assert proc.returncode != 0
     assert "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: " \
            "[1, 2])" in proc.stderr + proc.stdout

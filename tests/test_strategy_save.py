@@ -113,7 +113,7 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
     """2 ranks (torchrun, the real CLI) saving onto a full tmpfs: both ranks stop with the ENOSPC
     line naming the checkpoint, no rank is left waiting, and the partial folder is already gone."""
     from step35.checkpoint.publish import leftovers
-    from tests.test_checkpoint_safety import SHARDED, run_args, step35
+    from tests.runner import step35
 
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
@@ -122,9 +122,12 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()[:200]}")
     try:
-        args = [*SHARDED[:1], "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2",
-                "--trainer.max_steps=1"]
-        result = step35(run_args("fit", run, False, *args), builtin_cache, timeout=400, nproc=2)
+        args = ["fit", "--config", "configs/tiny.yaml", "--trainer.val_check_interval=1000",
+                "--trainer.limit_val_batches=1", "--data.seq_len=32", "--data.micro_batch_size=2",
+                "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}",
+                f"--trainer.logger.init_args.save_dir={run}", "--trainer.strategy=step35.strategy.Step35Strategy",
+                "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2", "--trainer.max_steps=1"]
+        result = step35(args, builtin_cache, timeout=400, nproc=2, check=False)
         assert result.returncode != 0
         for rank in (0, 1):  # each rank's failure report: one `step35:` line naming the checkpoint
             assert any(ln.startswith(f"[rank {rank}] step35: run failed during 'checkpoint save")

@@ -1,8 +1,10 @@
 """One training step of the tiny model on 2 gloo ranks with expert parallelism 2, per activation
 checkpointing mode; counts the all-to-all collectives run in the forward and in the backward, and
-the split-size host reads of the expert dispatchers. Rank 0 writes the counts and the loss to --out.
+the split-size host reads of the expert dispatchers. Rank 0 writes the counts and the loss to --out (JSON); one
+job runs every mode with --case (tests/dist/cases.py).
 
   torchrun --standalone --nproc-per-node 2 tests/dist/ep_all_to_all_count.py --ac selective --out c.json
+  torchrun --standalone --nproc-per-node 2 tests/dist/ep_all_to_all_count.py --out c.json --case none="--ac none" ...
 """
 
 import argparse
@@ -17,6 +19,7 @@ from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, parallelize
 from step35.parallel.expert_parallel import ExpertParallelDispatcher
+from tests.dist.cases import main
 
 
 class CountAllToAll(TorchDispatchMode):
@@ -34,12 +37,15 @@ class CountAllToAll(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main() -> None:
+def options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--ac", default="none")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
+    return p
+
+
+def run(args: argparse.Namespace, distributed: bool) -> dict:
+    """Two steps with activation checkpointing `args.ac`; the second step's counts."""
+    assert distributed, "run under torchrun with 2 ranks"
     rank = dist.get_rank()
     config = preset("tiny")
     with torch.device("meta"):
@@ -63,12 +69,13 @@ def main() -> None:
         counts = {"forward": forward.count, "backward": backward.count, "moe_layers": len(dispatchers),
                   "host_syncs_forward": syncs_forward, "host_syncs": sum(d.host_syncs for d in dispatchers),
                   "live_split_entries": sum(not k.expired() for d in dispatchers for k in d._splits), "loss": loss.item()}
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(counts, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return counts
+
+
+def save_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main()
+    main(options(), run, save=save_json)

@@ -2,7 +2,8 @@
 trained lengths (one row fully masked, two rows packed with several documents), MTP and the aux
 balance loss on, split as --batch sequences x --accum micro-batches per rank; rank 0 writes the
 step's gradients (as the optimizer would see them, full tensors), its logged losses and its trained
-tokens to --out. Run in one process or under torchrun (gloo, Step35Strategy: FSDP2, EP over 2 ranks).
+tokens to --out. Run in one process or under torchrun (gloo, Step35Strategy: FSDP2, EP over 2 ranks); a
+test calls one_step in its own process for the one-process splits.
 
   python tests/dist/global_batch_grads.py --out one.pt --batch 8 --accum 1
   torchrun --standalone --nproc-per-node 2 tests/dist/global_batch_grads.py --out ranks.pt --batch 2 --accum 2
@@ -51,25 +52,35 @@ class CaptureGrads(Step35LightningModule):
                 self.grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
 
+def one_step(batch: int, accumulate: int) -> dict | None:
+    """One optimizer step split as `batch` sequences x `accumulate` micro-batches on each of this job's ranks (one
+    process when not under torchrun): on rank 0 the gradients, logged losses and trained tokens; None elsewhere."""
+    torch.manual_seed(0)  # the same global generator in every process (the init itself is seeded)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = batches()
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)  # sharded over ranks by Lightning
+    module = CaptureGrads(config="tiny", warmup_steps=1, mtp_loss_weight=0.3, moe_aux_loss_coef=0.01, init_seed=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=Step35Strategy(expert_parallel_size=world),
+                         max_steps=1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader)
+    if trainer.global_rank != 0:
+        return None
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    return {"grads": module.grads, "loss": metrics["train/loss"], "lm_loss": metrics["train/lm_loss"],
+            "mtp1_loss": metrics["train/mtp1_loss"], "trained": int(metrics["train/trained_tokens"]),
+            "trained_per_row": [int((row["labels"] != IGNORE_INDEX).sum()) for row in data]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--accum", type=int, required=True)
     args = p.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    data = batches()
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch)  # sharded over ranks by Lightning
-    module = CaptureGrads(config="tiny", warmup_steps=1, mtp_loss_weight=0.3, moe_aux_loss_coef=0.01, init_seed=3)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=Step35Strategy(expert_parallel_size=world),
-                         max_steps=1, accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(module, train_dataloaders=loader)
-    if trainer.global_rank == 0:
-        metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
-        torch.save({"grads": module.grads, "loss": metrics["train/loss"], "lm_loss": metrics["train/lm_loss"],
-                    "mtp1_loss": metrics["train/mtp1_loss"], "trained": int(metrics["train/trained_tokens"]),
-                    "trained_per_row": [int((row["labels"] != IGNORE_INDEX).sum()) for row in data]}, args.out)
+    result = one_step(args.batch, args.accum)
+    if result is not None:
+        torch.save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """A few optimizer steps (SGD with momentum) of the tiny model with LoRA on every target kind, plain (one process) or
 distributed (torchrun, gloo, FSDP2 + EP), from the same init and the same global batches; rank 0
 writes the per-step global losses, every adapter's (and full target's) gradient at each step
-before clipping, the final trained parameters and a checksum of the frozen base to --out.
+before clipping, the final trained parameters and a checksum of the frozen base to --out; several runs in one
+job with --case (tests/dist/cases.py); `plain` is the one-process run, called in the test's own process.
 
   python tests/dist/lora_steps.py --out plain.pt
   torchrun --standalone --nproc-per-node 4 tests/dist/lora_steps.py --ep 2 --out ep2.pt
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, apply_lora
 from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
+from tests.dist.cases import main
 
 GLOBAL_BATCH, SEQ = 8, 32
 TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head"]
@@ -27,21 +28,24 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
 
-def main() -> None:
+def options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ac", default="none")
     p.add_argument("--base-dtype", default=None, choices=[None, "bfloat16"])
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    distributed = "WORLD_SIZE" in os.environ
+    return p
+
+
+def run(args: argparse.Namespace, distributed: bool) -> dict:
+    """The steps of one run (in this job's process group when `distributed`): losses, gradients, trained
+    parameters and what became of the frozen base."""
+    torch.manual_seed(0)  # the same global generator in every case and process (the init itself is seeded)
     config = preset("tiny")
     model = build_model(config)
     apply_lora(model, LoraConfig(rank=4, targets=TARGETS, expert_rank=2, base_dtype=args.base_dtype))
     rank, world = 0, 1
     if distributed:
-        dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         dims = ParallelDims(world, args.ep, num_experts=config.moe_num_experts)
         parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac)
@@ -76,14 +80,15 @@ def main() -> None:
     no_base_grads = all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
     base_dtypes = sorted({str(t.dtype) for n, t in state.items() if n in frozen_before})
     base_state = all(p not in opt.state for n, p in model.named_parameters() if not p.requires_grad)
-    if rank == 0:
-        torch.save({"losses": losses, "grads": grads, "params": params, "base_unchanged": base_unchanged,
-                    "no_base_grads": no_base_grads, "no_base_state": base_state, "base_dtypes": base_dtypes, "frozen": len(frozen_before)},
-                   args.out)
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    return {"losses": losses, "grads": grads, "params": params, "base_unchanged": base_unchanged,
+            "no_base_grads": no_base_grads, "no_base_state": base_state, "base_dtypes": base_dtypes,
+            "frozen": len(frozen_before)}
+
+
+def plain(*argv: str) -> dict:
+    """One plain run in this process (no process group), with `argv`'s options."""
+    return run(options().parse_args(list(argv)), distributed=False)
 
 
 if __name__ == "__main__":
-    main()
+    main(options(), run)

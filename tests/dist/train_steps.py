@@ -1,13 +1,14 @@
 """Run a few optimizer steps of the tiny model, plain (one process, no sharding) or distributed
 (torchrun, gloo, FSDP2 + EP), from the same init and the same global batches; rank 0 writes the
-per-step global losses, grad norms and the final full parameters to --out.
+per-step global losses, grad norms and the final full parameters to --out; several runs in one job with
+--case (tests/dist/cases.py); `plain` is the one-process run, called in the test's own process.
 
   python tests/dist/train_steps.py --out plain.pt
   torchrun --standalone --nproc-per-node 4 tests/dist/train_steps.py --ep 2 --out ep2.pt
+  torchrun --standalone --nproc-per-node 2 tests/dist/train_steps.py --out all.pt --case ep1="--ep 1" --case ep2="--ep 2"
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
+from tests.dist.cases import main
 
 GLOBAL_BATCH, SEQ = 8, 48
 
@@ -25,7 +27,7 @@ def batches(steps: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
 
 
-def main() -> None:
+def options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--replicate", type=int, default=1)
@@ -36,16 +38,17 @@ def main() -> None:
     p.add_argument("--ac", default="none")
     p.add_argument("--param-dtype", default=None, choices=[None, "bfloat16"])
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    return p
+
+
+def run(args: argparse.Namespace, distributed: bool) -> dict:
+    """The steps of one run (in this job's process group when `distributed`): losses, grad norms, final parameters."""
     torch.manual_seed(0)
-    distributed = "WORLD_SIZE" in os.environ
     config = preset("tiny")
     with torch.device("meta"):
         model = Step35ForCausalLM(config)
     rank, world = 0, 1
     if distributed:
-        dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         dims = ParallelDims(world, args.ep, args.replicate, num_experts=config.moe_num_experts)
         parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac, compile=args.compile,
@@ -74,12 +77,13 @@ def main() -> None:
     full = {}
     for name, t in model.state_dict().items():
         full[name] = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-    if rank == 0:
-        torch.save({"losses": losses, "norms": norms, "params": full}, args.out)
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    return {"losses": losses, "norms": norms, "params": full}
+
+
+def plain(*argv: str) -> dict:
+    """One plain run in this process (no process group), with `argv`'s options."""
+    return run(options().parse_args(list(argv)), distributed=False)
 
 
 if __name__ == "__main__":
-    main()
+    main(options(), run)

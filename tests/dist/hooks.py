@@ -1,0 +1,117 @@
+"""Callbacks and a logger that the tests' real runs load by their dotted path
+(`--trainer.callbacks+=tests.dist.hooks.<name>`, `--trainer.logger=tests.dist.hooks.FullDiskLogger`): they slow a
+step, a validation or a save down so that a test can signal in the middle of it, hold a run at a step, fail once or
+raise in a named phase, or fill the disk under the logger. Each prints what it is doing, so that a test following
+the run's output knows when to act."""
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import Logger
+
+
+class SlowBackward(pl.Callback):
+    """Sleeps `sleep_s` after every backward (the watchdog's phase 'backward'), and `stuck_s` instead
+    in the backward of step `stuck_at` (counted from 1; 0: never). Writes 'slow backward of step N'
+    to stderr when each sleep starts, so a test can signal during one."""
+
+    def __init__(self, sleep_s: float = 3.0, stuck_at: int = 0, stuck_s: float = 120.0):
+        self.sleep_s, self.stuck_at, self.stuck_s = sleep_s, stuck_at, stuck_s
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        step = trainer.global_step + 1
+        print(f"slow backward of step {step}", flush=True)
+        time.sleep(self.stuck_s if step == self.stuck_at else self.sleep_s)
+
+
+class RaiseAtBatchStart(pl.Callback):
+    def __init__(self, at_step: int = 2):
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.at_step:
+            raise RuntimeError(f"injected failure at the start of step {self.at_step}")
+
+
+class FailOnce(pl.Callback):
+    """Rank `rank` raises at the end of optimizer step `at_step`, in the first attempt of a torchrun job only
+    (TORCHELASTIC_RESTART_COUNT 0), so that the restarted attempt runs through."""
+
+    def __init__(self, at_step: int = 2, rank: int = 1):
+        self.at_step, self.rank = at_step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt == 0 and trainer.global_rank == self.rank and trainer.global_step == self.at_step:
+            raise RuntimeError(f"injected failure on rank {self.rank} after step {self.at_step} (attempt {attempt})")
+
+
+class Gate(pl.Callback):
+    """Holds the run at `at_step` until `file` exists (so a test can act while it is surely alive)."""
+
+    def __init__(self, file: str, at_step: int):
+        self.file, self.at_step = Path(file), at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            (self.file.parent / "gate.reached").touch()
+            deadline = time.monotonic() + 600
+            while not self.file.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+class SlowValidation(pl.Callback):
+    """Sleeps `sleep_s` after every validation batch (outside the sanity check), printing
+    'slow validation batch N after step S' first, so that a test can signal during a validation."""
+
+    def __init__(self, sleep_s: float = 1.0):
+        self.sleep_s = sleep_s
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking:
+            return
+        print(f"slow validation batch {batch_idx + 1} after step {trainer.global_step}", flush=True)
+        time.sleep(self.sleep_s)
+
+
+class SlowSave(pl.Callback):
+    """Sleeps `sleep_s` in every full checkpoint save (Lightning calls on_save_checkpoint while it
+    prepares the save, the write follows), printing 'slow save of step S' first."""
+
+    def __init__(self, sleep_s: float = 3.0):
+        self.sleep_s = sleep_s
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        print(f"slow save of step {trainer.global_step}", flush=True)
+        time.sleep(self.sleep_s)
+
+
+class FullDiskLogger(Logger):
+    """A logger whose writes fail with ENOSPC from optimizer step `from_step` on, as a CSV file's do
+    once its disk is full (a writer raising it, as in tests/test_strategy_save.py: a real full tmpfs
+    does not fail a small append that fits into the file's last block)."""
+
+    def __init__(self, from_step: int = 3):
+        self.from_step = from_step
+        self._step = 0
+
+    @property
+    def name(self) -> str:
+        return "full-disk"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self._step = step if step is not None else self._step
+
+    def save(self) -> None:  # Lightning calls it after every step's metrics, and when it ends a failed run
+        if self._step + 1 >= self.from_step:
+            raise OSError(errno.ENOSPC, "No space left on device")

@@ -232,21 +232,17 @@ def kill_job(proc: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------------------ the CLI in this process
-def cli(capture, args: list[str], cache: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """`step35 <args>` in this process (step35.cli.main) with STEP35_CACHE=`cache` while it runs, for a run or a
-    refusal whose process is not what a test checks. `capture` is the test's capfd (step35 and Lightning print
-    through streams bound before the test's, which only fd capture sees) or capsys. A CompletedProcess as
-    `step35` gives: the exit code (SystemExit's; 0 for a return; a SystemExit("message") prints the message and is
-    1, as Python does), stdout, stderr (both empty with `capture` None, e.g. in a module-scoped fixture). With
-    `check` it must succeed. An exception other than SystemExit is raised as it is: a step35 command must never
-    end in a traceback."""
+def cli(capture, *args: str) -> tuple[int, str, str]:
+    """`step35 <args>` in this process (step35.cli.main): (exit code, stdout, stderr), for a run or a refusal whose
+    process is not what a test checks. `capture` is the test's capfd (step35.faults and Lightning write below
+    sys.stderr, which only fd capture sees) or capsys, or None (nothing captured: "" and "", e.g. in a
+    module-scoped fixture). The exit code is SystemExit's (0 for a return; a SystemExit("message") prints the
+    message and is 1, as Python does). Any other exception is raised as it is: a step35 command must never end
+    in a traceback."""
     from step35.cli import main
 
     if capture is not None:
         capture.readouterr()
-    before = os.environ.get("STEP35_CACHE")
-    if cache is not None:
-        os.environ["STEP35_CACHE"] = str(cache)
     try:
         main(list(args))
         code = 0
@@ -254,12 +250,26 @@ def cli(capture, args: list[str], cache: Path | None = None, check: bool = True)
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         if not isinstance(exit_.code, (int, type(None))):
             print(exit_.code, file=sys.stderr, flush=True)
+    if capture is None:
+        return code, "", ""
+    out = capture.readouterr()
+    return code, out.out, out.err
+
+
+def step35_in_process(capture, args: list[str], cache: Path | None = None, check: bool = True
+                      ) -> subprocess.CompletedProcess:
+    """`cli` with STEP35_CACHE=`cache` while it runs, as a CompletedProcess like `step35`'s (a drop-in for a job
+    whose process is not what a test checks); with `check` it must succeed."""
+    before = os.environ.get("STEP35_CACHE")
+    if cache is not None:
+        os.environ["STEP35_CACHE"] = str(cache)
+    try:
+        code, out, err = cli(capture, *args)
     finally:
         if before is None:
             os.environ.pop("STEP35_CACHE", None)
         else:
             os.environ["STEP35_CACHE"] = before
-    out, err = capture.readouterr() if capture is not None else ("", "")
     if check:
         assert code == 0, out[-3000:] + err[-5000:]
     return subprocess.CompletedProcess(["step35", *args], code, out, err)
@@ -267,8 +277,8 @@ def cli(capture, args: list[str], cache: Path | None = None, check: bool = True)
 
 def cli_fit(capture, config: Path, run: Path, cache: Path | None, *extra: str, check: bool = True
             ) -> subprocess.CompletedProcess:
-    """`step35 fit --config <config> --run_dir=<run> <extra>` in this process (see `cli`)."""
-    return cli(capture, ["fit", "--config", str(config), f"--run_dir={run}", *extra], cache, check)
+    """`step35 fit --config <config> --run_dir=<run> <extra>` in this process (see `step35_in_process`)."""
+    return step35_in_process(capture, ["fit", "--config", str(config), f"--run_dir={run}", *extra], cache, check)
 
 
 def run_plan(capsys, *args: str) -> tuple[int, str, str]:

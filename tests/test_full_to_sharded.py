@@ -12,7 +12,7 @@ import torch
 
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.safe_load import load_torch
-from tests.runner import ROOT, cli, step35
+from tests.runner import ROOT, step35, step35_in_process
 
 
 def fit_args(run, *extra: str) -> list[str]:
@@ -30,7 +30,7 @@ def settings(group: dict) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_one_process_file_checkpoint_resumes_on_two_ranks_exactly(tmp_path, builtin_cache, capfd):
-    cli(capfd, fit_args(tmp_path / "one", "--trainer.max_steps=2"), builtin_cache)  # the one process: this one
+    step35_in_process(capfd, fit_args(tmp_path / "one", "--trainer.max_steps=2"), builtin_cache)  # this process
     ckpt_path = tmp_path / "one" / "checkpoints" / "last.ckpt"
     assert ckpt_path.is_file()
     out = tmp_path / "restored.pt"

@@ -59,8 +59,9 @@ def test_top_p_samples_the_nucleus_with_renormalised_probabilities():
 
 def in_process(capfd, *args: str) -> tuple[str, str]:
     """`step35 <args>` in this process (where what is compared is the output, not the process): stdout, stderr."""
-    done = cli(capfd, list(args))
-    return done.stdout, done.stderr
+    code, out, err = cli(capfd, *args)
+    assert code == 0, err[-3000:]
+    return out, err
 
 
 @pytest.mark.timeout(600)

@@ -240,9 +240,13 @@ def cli(capture, *args: str) -> tuple[int, str, str]:
     message and is 1, as Python does). Any other exception is raised as it is: a step35 command must never end
     in a traceback."""
     from step35.cli import main
+    from step35.commands import fit
 
     if capture is not None:
         capture.readouterr()
+    # fit.say's default stream is the sys.stderr of its first import, maybe an earlier test's closed capture
+    said_to = fit.say.__defaults__
+    fit.say.__defaults__ = (sys.stderr,)
     try:
         main(list(args))
         code = 0
@@ -250,6 +254,8 @@ def cli(capture, *args: str) -> tuple[int, str, str]:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         if not isinstance(exit_.code, (int, type(None))):
             print(exit_.code, file=sys.stderr, flush=True)
+    finally:
+        fit.say.__defaults__ = said_to
     if capture is None:
         return code, "", ""
     out = capture.readouterr()

@@ -97,18 +97,14 @@ def step35_here(capfd, monkeypatch, builtin_cache):
     giving (exit code, stdout, stderr), captured at the file descriptors (step35.faults reports a failure
     with os.write to fd 2); an exception that would end the process is printed with its traceback and
     gives exit code 1, as Python does. For refusals and reports where the process boundary is not tested."""
-    import sys
     import traceback
 
-    from step35.commands import fit
     from tests.runner import ROOT, cli
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
 
     def run(*args: str) -> tuple[int, str, str]:
-        # fit.say's default stream is the sys.stderr of its first import (a closed capture of an earlier test)
-        monkeypatch.setattr(fit.say, "__defaults__", (sys.stderr,))
         try:
             return cli(capfd, *args)
         except Exception:

@@ -1,16 +1,14 @@
 """`step35 fit --config configs/tiny.yaml` as a user runs it: a subprocess, the built-in data."""
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.runner import step35
 
-ROOT = Path(__file__).parent.parent
+# Fast data settings of the main job: short sequences, a small batch, one validation batch.
+SMALL = ["--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1", "--data.val_batches=1"]
 
 
 def fit(run: Path, cache: Path, *extra: str) -> Path:
@@ -47,24 +45,32 @@ def test_tiny_config_trains_and_loss_falls(tmp_path, builtin_cache):
     assert "mtp_loss_weight: 0.3" in saved and "max_steps: 60" in saved  # the resolved config, overrides applied
 
 
-def test_print_config(builtin_cache):
-    proc = step35(["fit", "--config", "configs/tiny.yaml", "--model.lr=0.01", "--print_config"], builtin_cache)
-    assert "lr: 0.01" in proc.stdout and "class_path: step35.data.Step35DataModule" not in proc.stdout.split("data:")[0]
-    assert "seq_len: 128" in proc.stdout
+def test_print_config(step35_here):
+    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", "--model.lr=0.01", "--print_config")
+    assert code == 0, err[-3000:]
+    assert "lr: 0.01" in out and "class_path: step35.data.Step35DataModule" not in out.split("data:")[0]
+    assert "seq_len: 128" in out
 
 
 @pytest.mark.timeout(900)
-def test_resume_continues_exactly(tmp_path, builtin_cache):
+def test_resume_continues_exactly(tmp_path, step35_here):
     """Kill-free stand-in for a crash: a run resumed from its step-10 checkpoint reproduces steps
-    11..20 of an uninterrupted run (model, optimizer, LR schedule and data stream restored)."""
+    11..20 of an uninterrupted run (model, optimizer, LR schedule and data stream restored). Both in this
+    process (the process boundary is test_resume.py's), on short sequences."""
+    def fit_here(run: Path, *extra: str) -> Path:
+        code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--trainer.default_root_dir={run}",
+                                     f"--trainer.logger.init_args.save_dir={run}", *SMALL, *extra)
+        assert code == 0, out[-3000:] + err[-5000:]
+        return run / "csv" / "version_0"
+
     common = ["--trainer.max_steps=20", "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=1000",
               "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
               "--trainer.callbacks.every_n_train_steps=10", "--trainer.callbacks.save_top_k=-1",
               "--trainer.callbacks.dirpath=" + str(tmp_path / "ckpt")]
-    full = train_losses(fit(tmp_path / "full", builtin_cache, *common))
+    full = train_losses(fit_here(tmp_path / "full", *common))
     ckpt = sorted((tmp_path / "ckpt").glob("*step=10*.ckpt"))
     assert ckpt, list((tmp_path / "ckpt").iterdir())
-    resumed = train_losses(fit(tmp_path / "resumed", builtin_cache, *common[:4], f"--ckpt_path={ckpt[0]}"))
+    resumed = train_losses(fit_here(tmp_path / "resumed", *common[:4], f"--ckpt_path={ckpt[0]}"))
     later = [s for s in sorted(full) if s > 10]
     assert later and all(s in resumed for s in later), (sorted(full), sorted(resumed))
     for s in later:
@@ -93,24 +99,23 @@ def test_help_lists_every_subcommand_and_each_answers(builtin_cache, capsys):
 
 
 @pytest.mark.parametrize("hidden", ["test", "predict"])
-def test_unsupported_lightning_subcommands_are_refused_by_name(hidden, builtin_cache):
-    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "step35", hidden, "--config", "configs/tiny.yaml"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and f"invalid choice: '{hidden}'" in proc.stderr, proc.stderr[-2000:]
+def test_unsupported_lightning_subcommands_are_refused_by_name(hidden, step35_here):
+    code, _, err = step35_here(hidden, "--config", "configs/tiny.yaml")
+    assert code != 0 and f"invalid choice: '{hidden}'" in err, err[-2000:]
 
 
 @pytest.mark.timeout(900)
-def test_validate_and_export_run_as_listed(tmp_path, builtin_cache, tiny_run):
+def test_validate_and_export_run_as_listed(tmp_path, step35_here, tiny_run):
     run, _ = tiny_run  # mtp_loss_weight 0 and no bias update, as saved: the resume check passes
-    proc = step35(["validate", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
-                   f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "--model.mtp_loss_weight=0",
-                   "--model.moe_bias_update_rate=0", "--trainer.limit_val_batches=1", "--data.val_batches=1",
-                   "--data.seq_len=16", "--data.micro_batch_size=1", "--trainer.logger=false"], builtin_cache)
-    assert "val/loss" in proc.stdout, proc.stdout[-2000:]
-    proc = step35(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16",
-                   "--max_shard_size", "2MB"], builtin_cache)
-    assert (tmp_path / "hf" / "tokenizer.json").is_file() and "wrote" in proc.stdout
+    code, out, err = step35_here("validate", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
+                                 f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "--model.mtp_loss_weight=0",
+                                 "--model.moe_bias_update_rate=0", "--trainer.limit_val_batches=1",
+                                 "--data.val_batches=1", "--data.seq_len=16", "--data.micro_batch_size=1",
+                                 "--trainer.logger=false")
+    assert code == 0 and "val/loss" in out, out[-2000:] + err[-3000:]
+    code, out, err = step35_here("export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--dtype",
+                                 "bfloat16", "--max_shard_size", "2MB")
+    assert code == 0 and (tmp_path / "hf" / "tokenizer.json").is_file() and "wrote" in out, err[-3000:]
 
 
 def test_cli_installs_the_step_progress_bar(builtin_cache, tmp_path):

@@ -27,8 +27,8 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from step35.config import PRESETS, Step35Config, load_config
 from step35.model import DecoderLayer, Step35ForCausalLM, build_model

@@ -89,14 +89,14 @@ def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int
         for r in range(cp):
             p = local_positions(seq, cp, r, device)
 
-            def halo(x, n, p=p):
+            def halo(x, n, p=p, kv=kv):
                 pieces = []
                 for start in (p[0], p[c]):
                     idx = start + torch.arange(-n, 0, device=device)
                     pieces.append(kv[..., idx.clamp(min=0), :] * (idx >= 0).to(dtype)[:, None])
                 return torch.cat(pieces, dim=-2)
 
-            shard = SequenceShard(p, seq, c, docs.ids if docs else None, gather=lambda x: kv, halo=halo)
+            shard = SequenceShard(p, seq, c, docs.ids if docs else None, gather=lambda x, kv=kv: kv, halo=halo)
             out = attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.125, documents=shard)
             outs.append((p, out))
             total = total + (out.float() * go[:, :, p].float()).sum()

@@ -135,7 +135,7 @@ class Step35Config:
 
     # ----------------------------------------------------------------------------- reading/writing
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Step35Config":
+    def from_dict(cls, raw: dict[str, Any]) -> Step35Config:
         check_model_family(raw)  # before the fields: another model's config fails here, not on layer_types
         raw = copy.deepcopy(raw)
         key_order = list(raw.keys())  # the source's keys, aliases included, before they are resolved
@@ -151,7 +151,7 @@ class Step35Config:
         extra = {k: v for k, v in raw.items() if k not in names}
         return cls(**known, extra=extra, key_order=key_order)
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "Step35Config":
+    def with_overrides(self, overrides: dict[str, Any]) -> Step35Config:
         """A copy with `overrides` applied and validated. Unlike a config.json, which may carry keys
         for other tools (architectures, auto_map, model_type, ...), every override must name a field:
         a misspelt one would otherwise be kept as an extra key and change nothing."""
@@ -172,7 +172,7 @@ class Step35Config:
         return Step35Config.from_dict(raw)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "Step35Config":
+    def from_json(cls, path: str | Path) -> Step35Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"

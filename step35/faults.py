@@ -327,7 +327,7 @@ class LauncherWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="step35-launcher-watch", daemon=True)
 
-    def start(self) -> "LauncherWatch":
+    def start(self) -> LauncherWatch:
         self._check()  # the launcher may already be gone
         self._thread.start()
         return self

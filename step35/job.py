@@ -88,8 +88,12 @@ class JobPlace:
 
 def _environment() -> tuple[str, object | None]:
     """The launcher's name and Lightning's cluster environment for it (None for Lightning's own launcher)."""
-    from lightning.fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
-                                                       TorchElasticEnvironment)
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
 
     with warnings.catch_warnings():
         # SLURM's "srun is available but not used" hint: the Trainer itself says it once, later.

@@ -10,7 +10,8 @@ is the length, also on resume: that is how a resumed run asks for a new curve.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info

@@ -231,7 +231,12 @@ class Step35Strategy(ModelParallelStrategy):
         from step35.checkpoint.integrity import verify_on_all_ranks
         from step35.checkpoint.safe_load import lightning_types, load_torch
         from step35.checkpoint.training import keys
-        from step35.checkpoint.training.trainer_io import check_loadable, finite_modules, load_full_optimizers, load_sharded
+        from step35.checkpoint.training.trainer_io import (
+            check_loadable,
+            finite_modules,
+            load_full_optimizers,
+            load_sharded,
+        )
 
         path = Path(self.broadcast(str(checkpoint_path)))
         raise_together(lambda: check_loadable(path))

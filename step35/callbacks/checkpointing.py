@@ -26,11 +26,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from step35 import lightning_private
-from step35.checkpoint.training import catalog, keys
 from step35.checkpoint.integrity import is_complete, recorded_damage, remove_manifest, write_manifest
+from step35.checkpoint.training import catalog, keys
 from step35.checkpoint.training.trainer_io import refuse_asynchronous_io
-from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load
-from step35.run import lock
+from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load, lock
 
 
 def say(message: str) -> None:

@@ -60,11 +60,11 @@ class DivergenceGuard(pl.Callback):
         self.last_message: str | None = None
         self._loss_bad: torch.Tensor | None = None
 
-    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         bad = ~torch.isfinite(loss.detach()).all()  # stays on the device: no host sync per micro-batch
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
 
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         named = list(pl_module.named_parameters())  # same order on every rank
         with_grad = [(i, _local(p.grad)) for i, (_, p) in enumerate(named) if p.grad is not None]
         device = with_grad[0][1].device if with_grad else pl_module.device
@@ -99,7 +99,7 @@ class DivergenceGuard(pl.Callback):
                        f"({self.consecutive_skips} in a row, stopping at {self.max_consecutive_skips})")
 
     @staticmethod
-    def _describe(trainer: "pl.Trainer", flags: torch.Tensor, names: list[str]) -> str:
+    def _describe(trainer: pl.Trainer, flags: torch.Tensor, names: list[str]) -> str:
         parts = []
         if flags[0]:
             parts.append("non-finite loss")

@@ -117,7 +117,7 @@ class ExpertLoadMonitor(pl.Callback):
         self._last_window: tuple[int, int] | None = None  # steps of last_counts
         self._heatmap_step: int | None = None  # step of the last heatmap written
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The module's counter when it has one (it also feeds the bias update), else our own.
         counter = getattr(pl_module, "expert_counter", None)
         self.counter = counter if counter is not None else ExpertCounter(pl_module)
@@ -148,7 +148,7 @@ class ExpertLoadMonitor(pl.Callback):
             self._heatmap_step = trainer.global_step
         log_metrics(trainer, metrics)
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A run that ends between heatmap intervals (a short run: max_steps below the interval, or an
         end that is not a multiple of it) still gets a heatmap of its last steps: those since the last
         window when there are any, else the last window. Runs on every rank (one collective)."""
@@ -181,7 +181,7 @@ class ExpertLoadMonitor(pl.Callback):
         return metrics
 
     @rank_zero_only
-    def _write_heatmap(self, trainer: "pl.Trainer", counts: torch.Tensor, steps: tuple[int, int]) -> None:
+    def _write_heatmap(self, trainer: pl.Trainer, counts: torch.Tensor, steps: tuple[int, int]) -> None:
         step = trainer.global_step
         self.out_dir.mkdir(parents=True, exist_ok=True)
         png = self.out_dir / f"heatmap_step{step:07d}.png"

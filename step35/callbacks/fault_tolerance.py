@@ -60,7 +60,7 @@ from step35.run.layout import RunFolder, preempt_checkpoint
 DEFAULT_TIMEOUT_MINUTES = 10.0
 
 
-def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
+def preempt_checkpoint_dir(trainer: pl.Trainer) -> str:
     """Where the pre-emption checkpoint goes: the ModelCheckpoint folder (so `--ckpt_path last|auto`
     finds it among the others), else the run folder's checkpoints/ (step35.run.layout)."""
     callback = trainer.checkpoint_callback
@@ -68,7 +68,7 @@ def preempt_checkpoint_dir(trainer: "pl.Trainer") -> str:
     return str(dirpath) if dirpath else str(RunFolder(trainer.default_root_dir).checkpoints)
 
 
-def complete_checkpoint_of(trainer: "pl.Trainer", step: int) -> str | None:
+def complete_checkpoint_of(trainer: pl.Trainer, step: int) -> str | None:
     """The newest complete checkpoint (manifest on disk) of global step `step` in the folders of the
     trainer's checkpoint callbacks and the pre-emption folder, or None. Reads this rank's view of the
     filesystem: call it on one rank and broadcast."""
@@ -79,13 +79,13 @@ def complete_checkpoint_of(trainer: "pl.Trainer", step: int) -> str | None:
     return str(max(found, key=lambda c: c.saved_ns).path) if found else None
 
 
-def _of_val_batches(trainer: "pl.Trainer") -> str:
+def _of_val_batches(trainer: pl.Trainer) -> str:
     """' of N' for the validation batches of this validation, '' when their number is not known."""
     total = sum(trainer.num_val_batches or [float("inf")])
     return f" of {int(total)}" if total != float("inf") else ""
 
 
-def _log_stopped_step(trainer: "pl.Trainer") -> None:
+def _log_stopped_step(trainer: pl.Trainer) -> None:
     """Hands the metrics of the step being stopped after to the loggers and flushes them: Lightning
     logs a step's metrics only after every on_train_batch_end hook has returned, and the pre-emption
     exit raises from one. Losing them is said, not fatal: the checkpoint matters more."""
@@ -166,7 +166,7 @@ class FaultTolerance(Checkpoint):
         self._saving_in_validation = False  # a pre-emption save during a validation is being written
 
     # ------------------------------------------------------------------------------- life cycle
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         lightning_private.disable_signal_handlers(trainer)
         if stage != "fit":
             return
@@ -190,7 +190,7 @@ class FaultTolerance(Checkpoint):
             faults.set_phase("setup: model build, checkpoint load", patient=True)
             self.watchdog.start()
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The success path only (Lightning calls no teardown hook after an exception): after a failure
         # the watchdog keeps watching the way out.
         faults.stop_watching_launcher()
@@ -204,7 +204,7 @@ class FaultTolerance(Checkpoint):
             self.stop_signals.restore()
             self.stop_signals = None
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, faults.Preempted):
             # The handlers stay: torchrun sends SIGTERM to the other ranks as soon as one has exited
             # with 75, and a rank that is itself leaving with 75 must not be killed by it. Python
@@ -284,13 +284,13 @@ class FaultTolerance(Checkpoint):
         return self.stop_signals is not None and self.stop_signals.requested
 
     @staticmethod
-    def _any_rank(trainer: "pl.Trainer", local: bool) -> bool:
+    def _any_rank(trainer: pl.Trainer, local: bool) -> bool:
         """Whether a stop signal reached any rank: one all_reduce(MAX) of one number, the same answer
         on every rank (all of them call it at the same point)."""
         flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
         return all_reduce_(flag, "max").item() > 0
 
-    def _saved_already(self, trainer: "pl.Trainer", step: int) -> str | None:
+    def _saved_already(self, trainer: pl.Trainer, step: int) -> str | None:
         """The complete checkpoint of `step` this run wrote (a periodic save at this very step), or
         None: the same answer on every rank (the in-memory step is the same on all, rank 0 reads the
         disk and broadcasts)."""
@@ -300,7 +300,7 @@ class FaultTolerance(Checkpoint):
         found = complete_checkpoint_of(trainer, step) if trainer.is_global_zero else None
         return trainer.strategy.broadcast(found, src=0)
 
-    def _stop(self, trainer: "pl.Trainer", step: int, local: bool, during: str | None = None) -> None:
+    def _stop(self, trainer: pl.Trainer, step: int, local: bool, during: str | None = None) -> None:
         """Writes the pre-emption checkpoint of `step` (unless this step is saved already) and raises
         `faults.Preempted`. `during`: the validation being cut short, if the stop comes in one."""
         cause = self.stop_signals.name() if local else "a stop signal on another rank"

@@ -24,7 +24,7 @@ class FinalValidation(pl.Callback):
         """
         self.enabled = enabled
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.enabled or trainer.max_steps is None or trainer.max_steps < 0:
             return
         # global_step has already counted this batch's optimizer step; with gradient accumulation

@@ -76,7 +76,7 @@ class MemoryMonitor(pl.Callback):
         self.prog_bar = prog_bar
         self._step_ends = StepEnds()
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step_ends.reset(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -98,7 +98,7 @@ class MemoryMonitor(pl.Callback):
         if self.prog_bar:
             pl_module.log("mem_peak_gib", metrics["memory/peak_gib_max"], prog_bar=True, logger=False)
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # No collective here: the other ranks may be anywhere. Every rank that ran out reports itself.
         if not is_out_of_memory(exception):
             return

@@ -46,7 +46,7 @@ class Step35ProgressBar(TQDMProgressBar):
     def train_description(self) -> str:
         return "step"
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         bar = self.train_progress_bar
         bar.reset(total=convert_inf(trainer.max_steps if trainer.max_steps > 0 else None))
@@ -55,10 +55,10 @@ class Step35ProgressBar(TQDMProgressBar):
         self._step = trainer.global_step
         self._tokens, self._since, self._own_rate = 0, self.clock(), None
 
-    def on_train_epoch_start(self, trainer: "pl.Trainer", *_: Any) -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         """The stream has no epochs that mean anything: the bar is not reset."""
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._tokens += rank_batch_tokens(trainer, batch)[0]  # a cp rank computes its share
         step = trainer.global_step
@@ -75,7 +75,7 @@ class Step35ProgressBar(TQDMProgressBar):
         bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         bar.refresh()
 
-    def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """lm_loss (`loss` for a module that logs no train/lm_loss), val_loss, tok/s, mfu and mem, formatted;
         no logger version number."""
         found = trainer.progress_bar_metrics

@@ -17,12 +17,12 @@ from step35.parallel.collectives import all_reduce_, distributed
 __all__ = ["StepEnds", "all_reduce_", "distributed", "every", "log_metrics", "metric_step"]
 
 
-def metric_step(trainer: "pl.Trainer") -> int:
+def metric_step(trainer: pl.Trainer) -> int:
     """The step index Lightning writes its own training metrics at (0-based optimizer steps)."""
     return lightning_private.batches_that_stepped(trainer)
 
 
-def log_metrics(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     """Send metrics to every logger (CSV, wandb, ...) at the current training step (rank 0 writes)."""
     if not metrics:
         return
@@ -38,10 +38,10 @@ class StepEnds:
     def __init__(self) -> None:
         self.last: int | None = None
 
-    def reset(self, trainer: "pl.Trainer") -> None:
+    def reset(self, trainer: pl.Trainer) -> None:
         self.last = trainer.global_step
 
-    def __call__(self, trainer: "pl.Trainer") -> bool:
+    def __call__(self, trainer: pl.Trainer) -> bool:
         step = trainer.global_step
         ended = self.last is not None and step != self.last
         self.last = step

@@ -111,7 +111,7 @@ class SpeedMonitor(pl.Callback):
     def _reset_window(self) -> None:
         self._elapsed, self._steps, self._tokens, self._flops = 0.0, 0, 0, 0.0
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step_ends.reset(trainer)
         self._reset_window()
         self._t0 = None
@@ -173,7 +173,7 @@ class SpeedMonitor(pl.Callback):
         return self._flops_per_token[seq_len]
 
     # Validation pauses the clock: its time is not training throughput.
-    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._t0 is not None:
             synchronize(pl_module.device)  # host sync: finish the training kernels before the pause
             self._elapsed += self.clock() - self._t0

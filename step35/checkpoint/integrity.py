@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from step35.checkpoint.errors import CheckpointError
 

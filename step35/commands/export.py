@@ -18,7 +18,6 @@ one line naming the file, the partial copy removed and any previous `--out` unto
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import sys
@@ -28,8 +27,8 @@ from typing import Literal
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.integrity import manifest_path
+from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.training.trainer_io import disk_full
 from step35.commands.function_cli import run_function
 from step35.config import load_config

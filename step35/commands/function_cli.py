@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from step35.checkpoint.errors import CheckpointError
 

@@ -36,25 +36,26 @@ rendered ids are preceded by the start token as above unless the template alread
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
-from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.peft import is_peft_folder, peft_base, peft_model
+from step35.checkpoint.hf.pretrained import load_pretrained
+from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.training.export import align_special_ids
 from step35.checkpoint.training.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
 from step35.commands.function_cli import run_function
-from step35.checkpoint.hf.peft import is_peft_folder, peft_base, peft_model
-from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.config import Step35Config
 from step35.data.chat_messages import ChatTemplateError
 from step35.data.chat_template import ChatTemplate
 from step35.data.tokenizer import TextTokenizer
-from step35.run import checkpoint_of
 from step35.model import KVCache, Step35ForCausalLM, build_model
+from step35.run import checkpoint_of
 
 
 @dataclass

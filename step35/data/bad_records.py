@@ -2,7 +2,7 @@
 and how the counts of all ranks and workers reach the loggers and the end-of-fit summary."""
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -102,8 +102,8 @@ class SkippedRecordsLog:
     """
 
     def __init__(self) -> None:
-        self.totals: Optional[dict[str, int]] = None  # as of `step`, the last sync
-        self.step: Optional[int] = None
+        self.totals: dict[str, int] | None = None  # as of `step`, the last sync
+        self.step: int | None = None
         self.final = False  # synced at the last batch of the run: nothing can be added after it
 
     def sync(self, train: dict[str, int], val: dict[str, int], dp_rank: int, step: int, final: bool) -> dict[str, int]:
@@ -125,7 +125,7 @@ class SkippedRecordsLog:
     def metrics(totals: dict[str, int]) -> dict[str, float]:
         return {"data/" + key: float(n) for key, n in totals.items()}
 
-    def summary(self) -> Optional[str]:
+    def summary(self) -> str | None:
         """One line for the end of fit (and one per kind of overlong conversation counted), or None when
         nothing was counted yet."""
         if self.totals is None:

@@ -25,7 +25,6 @@ import sysconfig
 import tempfile
 import tokenize
 from pathlib import Path
-from typing import Optional
 
 from step35.data.chat_template import TEMPLATE_FILE, ChatTemplate
 
@@ -33,7 +32,7 @@ EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # EOS + 256 byte symbols: every string stays encodable
 
 
-def cache_root(cache_dir: Optional[str | Path] = None) -> Path:
+def cache_root(cache_dir: str | Path | None = None) -> Path:
     root = Path(cache_dir or os.environ.get("STEP35_CACHE") or Path.home() / ".cache" / "step35").expanduser()
     root.mkdir(parents=True, exist_ok=True)
     return root
@@ -51,7 +50,7 @@ def builtin_documents() -> list[str]:
     return documents
 
 
-def module_docstring(file: Path) -> Optional[str]:
+def module_docstring(file: Path) -> str | None:
     """What `ast.get_docstring` returns, from the file's first tokens: parsing whole modules is 30x slower."""
     try:
         with tokenize.open(file) as f:
@@ -67,7 +66,7 @@ def module_docstring(file: Path) -> Optional[str]:
     return None
 
 
-def builtin_corpus_path(cache_dir: Optional[str | Path] = None) -> Path:
+def builtin_corpus_path(cache_dir: str | Path | None = None) -> Path:
     """The built-in corpus as jsonl (one {"text": ...} per line), written on first use."""
     # Keyed by interpreter version because the text comes from the interpreter's own stdlib.
     path = cache_root(cache_dir) / f"corpus-{sys.implementation.name}-{platform.python_version()}.jsonl"
@@ -77,7 +76,7 @@ def builtin_corpus_path(cache_dir: Optional[str | Path] = None) -> Path:
     return path
 
 
-def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: Optional[str | Path] = None) -> Path:
+def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: str | Path | None = None) -> Path:
     """A tokenizer folder (tokenizer.json, tokenizer_config.json, special_tokens_map.json) trained on first use.
 
     `vocab_size` is an upper bound: BPE stops early when the corpus has no more pairs to merge.

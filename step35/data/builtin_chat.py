@@ -19,9 +19,8 @@ import re
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Optional
 
-from step35.data.builtin import write_atomically, cache_root, module_docstring
+from step35.data.builtin import cache_root, module_docstring, write_atomically
 
 SYSTEM_PROMPT = "You answer questions about Python from its documentation, in its own words."
 MAX_ANSWER_CHARS = 420  # an answer stops at the last sentence end before this (the tiny job's windows are short)
@@ -69,7 +68,7 @@ def _conversations_about(subject: str, paragraphs: list[str], kind: str) -> list
     return found
 
 
-def _split_topic(text: str) -> tuple[Optional[str], list[str]]:
+def _split_topic(text: str) -> tuple[str | None, list[str]]:
     """(title, paragraphs) of a pydoc topic: a title line underlined with `*` or `=`, then paragraphs."""
     lines = text.strip("\n").splitlines()
     if len(lines) > 1 and _UNDERLINE.match(lines[1].strip()):
@@ -104,7 +103,7 @@ def _first_sentence(text: str) -> str:
     return text[: found.start()] if found else text
 
 
-def builtin_chat_path(cache_dir: Optional[str | Path] = None) -> Path:
+def builtin_chat_path(cache_dir: str | Path | None = None) -> Path:
     """The built-in conversations as jsonl (one {"messages": [...]} per line), written on first use."""
     # Keyed by interpreter version, like the corpus: the text comes from the interpreter's own stdlib.
     path = cache_root(cache_dir) / f"chat-{sys.implementation.name}-{platform.python_version()}.jsonl"

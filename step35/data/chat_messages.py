@@ -12,7 +12,7 @@ parsed first (`_parsed_arguments`).
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 TRAIN_ON = ("assistant", "last_assistant", "all")
 ROLES = ("system", "user", "assistant", "tool")
@@ -136,7 +136,7 @@ def _parsed_arguments(call: Any) -> Any:
     return call
 
 
-def _json_object(text: str) -> Optional[dict]:
+def _json_object(text: str) -> dict | None:
     try:
         value = json.loads(text)
     except ValueError:

@@ -15,14 +15,14 @@ import json
 import re
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
-from typing import Any, Callable, Optional
+from typing import Any
 
 # While `generation_marks` is in force, the `generation` tag wraps its output in this pair of strings.
-_MARKS: ContextVar[Optional[tuple[str, str]]] = ContextVar("step35_generation_marks", default=None)
+_MARKS: ContextVar[tuple[str, str] | None] = ContextVar("step35_generation_marks", default=None)
 
 
 # Resource limits of one rendering. Templates come with downloaded tokenizers, so a template must not be able
@@ -126,14 +126,14 @@ def _text_size(value: Any, limit: int, memo: dict, indent: int, depth: int) -> i
     return total
 
 
-def _namespace_attrs(value: Any) -> Optional[dict]:
+def _namespace_attrs(value: Any) -> dict | None:
     """The attributes of a Jinja `namespace()` (whose text shows them), else None."""
     attrs = getattr(type(value), "__name__", "") == "Namespace" and getattr(value, "_Namespace__attrs", None)
     return attrs if isinstance(attrs, dict) else None
 
 
 _SIZED = frozenset((str, bytes, list, tuple, dict, set))
-_BUDGET: ContextVar[Optional[_Budget]] = ContextVar("step35_render_budget", default=None)
+_BUDGET: ContextVar[_Budget | None] = ContextVar("step35_render_budget", default=None)
 
 
 def input_size(values: Any) -> int:

@@ -31,10 +31,11 @@ from __future__ import annotations
 import bisect
 import operator
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from step35.data.chat_messages import REASONING_FIELDS, ChatTemplateError, where_prefix
 from step35.data.chat_sandbox import generation_marks
+
 
 class Conversation:
     """One conversation being masked: its full rendering and, cached, where each message lies in it.
@@ -46,10 +47,10 @@ class Conversation:
     def __init__(self, render: Callable[..., str], origin: str, messages: list, where: str):
         self._render_messages, self.origin, self.messages, self.where = render, origin, messages, where
         self.text = self.render(messages, False)
-        self._regions: dict[int, tuple[Optional[int], Optional[int]]] = {}
-        self._points: dict[int, Optional[int]] = {}
+        self._regions: dict[int, tuple[int | None, int | None]] = {}
+        self._points: dict[int, int | None] = {}
 
-    def render(self, messages: list, add_generation_prompt: bool, where: Optional[str] = None) -> str:
+    def render(self, messages: list, add_generation_prompt: bool, where: str | None = None) -> str:
         """`messages` (this conversation's, or a copy with sentinels) rendered by the template."""
         where = self.where if where is None else where
         return self._render_messages(messages, where=where, add_generation_prompt=add_generation_prompt)
@@ -78,7 +79,7 @@ class Conversation:
             )
         return spans
 
-    def in_window(self, limit: Optional[int], spans_of: Callable[["Conversation"], tuple[list, bool]]) -> list:
+    def in_window(self, limit: int | None, spans_of: Callable[[Conversation], tuple[list, bool]]) -> list:
         """The spans `spans_of` finds, on the shortest cut of this conversation (`cuts`) where it stops within
         the cut (having found a turn past the first `limit` characters), else on the whole conversation (a cut
         that fails to render or mask is passed over: only the whole conversation's errors count)."""
@@ -117,7 +118,7 @@ class Conversation:
         yield self
 
     def located_spans(self, turns: list[int], ids: list[int], offsets: list[tuple[int, int]],
-                      end_of_turn: Callable[[], int], limit: Optional[int] = None) -> tuple[list[tuple[int, int]], bool]:
+                      end_of_turn: Callable[[], int], limit: int | None = None) -> tuple[list[tuple[int, int]], bool]:
         """Each turn's span, located by sentinels (module docstring): from the end of the generation prompt to
         the end-of-turn token inclusive (`end_of_turn()` gives its id; `ids`, `offsets`: the rendering's tokens).
         With `limit` (the characters `ids` cover, when they are not the whole rendering): the spans of the turns
@@ -156,7 +157,7 @@ class Conversation:
             spans.append((start, end))
         return spans, False
 
-    def reasoning_spans(self, turns: list[int], limit: Optional[int] = None) -> tuple[list[tuple[int, int]], bool]:
+    def reasoning_spans(self, turns: list[int], limit: int | None = None) -> tuple[list[tuple[int, int]], bool]:
         """Where the reasoning of each of `turns` lies in the rendering, sorted: for each piece of reasoning (the
         field, and a `<think>` block inline in the content or a text part), the text that changes when the
         piece alone is replaced by a sentinel. A piece the template does not render (dropped history) has
@@ -201,7 +202,7 @@ class Conversation:
                 pos += length
         return spans
 
-    def region(self, index: int) -> tuple[Optional[int], Optional[int]]:
+    def region(self, index: int) -> tuple[int | None, int | None]:
         """Where message `index`'s own text lies in the full rendering: (start, end) of the part that changes
         when its content, reasoning and tool-call names are replaced by sentinels; (None, None) when the
         template renders none of them."""
@@ -209,7 +210,7 @@ class Conversation:
             self._regions[index] = self._find_region(index)
         return self._regions[index]
 
-    def _find_region(self, index: int) -> tuple[Optional[int], Optional[int]]:
+    def _find_region(self, index: int) -> tuple[int | None, int | None]:
         replaced, sentinels = _with_sentinels(self.messages, index)
         if not sentinels:
             return None, None
@@ -234,7 +235,7 @@ class Conversation:
                 return at
         return 0
 
-    def start_after(self, index: int) -> Optional[int]:
+    def start_after(self, index: int) -> int | None:
         """A position inside the next message's text that renders any (`point`), else None."""
         for j in range(index + 1, len(self.messages)):
             at = self.point(j, end=False)
@@ -242,7 +243,7 @@ class Conversation:
                 return at
         return None
 
-    def point(self, index: int, end: bool) -> Optional[int]:
+    def point(self, index: int, end: bool) -> int | None:
         """A position inside message `index`'s own text in the rendering, for bounding its neighbours: where a
         sentinel inserted in the middle of its text appears, when inserting it changes nothing else (the message
         keeps its start and end, which templates test: Step-3.5's reads a user message wrapped in
@@ -254,7 +255,7 @@ class Conversation:
             return self._points[index]
         return self.region(index)[1 if end else 0]
 
-    def _find_point(self, index: int) -> Optional[int]:
+    def _find_point(self, index: int) -> int | None:
         sentinel = f"\ue000step35point{uuid.uuid4().hex}\ue001"
         inserted = _with_inserted(self.messages, index, sentinel)
         if inserted is None:
@@ -267,7 +268,7 @@ class Conversation:
             return None
         return at
 
-    def reply_start(self, index: int, low: int, first: int, last: int) -> Optional[int]:
+    def reply_start(self, index: int, low: int, first: int, last: int) -> int | None:
         """Where the model's reply for message `index` starts: the end of the generation prompt rendered after
         the messages before it, searched as whole leading lines of it (all of it first), starting in
         text[low:first]. It may reach into the turn's text: a template that writes `<think>` only when a turn has
@@ -363,7 +364,7 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
     return [*messages[:index], message, *messages[index + 1:]], sentinels
 
 
-def _inline_reasoning(text: str) -> Optional[tuple[int, int]]:
+def _inline_reasoning(text: str) -> tuple[int, int] | None:
     """Where the reasoning of a `<think>...</think>` block inline in `text` lies, without the whitespace around it
     (as templates find it: before the first `</think>`, after the last `<think>` before that, or from the start
     when the generation prompt opened the block); None when there is none."""
@@ -424,7 +425,7 @@ def subtract_spans(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -
     return out
 
 
-def _with_inserted(messages: list, index: int, sentinel: str) -> Optional[list]:
+def _with_inserted(messages: list, index: int, sentinel: str) -> list | None:
     """A copy of `messages` with `sentinel` inserted in the middle of message `index`'s first non-empty text
     (content, a text part, reasoning, a tool-call name); None when it has none."""
     message = dict(messages[index])

@@ -16,7 +16,7 @@ import uuid
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from step35.data.chat_messages import (
     ChatTemplateError,
@@ -79,7 +79,7 @@ class DroppedToolsWarning(UserWarning):
     """Records carry `tools` that the chat template does not render (`ChatTemplate.check_tools`)."""
 
 
-def _special_token(value: Any) -> Optional[str]:
+def _special_token(value: Any) -> str | None:
     """A special token as tokenizer files give it (text, or an AddedToken object with `content`), else None."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -103,7 +103,7 @@ def _read_json(data: bytes | None, file: Path) -> dict:
 class ChatTemplate:
     """A Jinja chat template (`source`), where it came from (`origin`), and the special tokens it is given."""
 
-    def __init__(self, source: str, origin: str, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None):
+    def __init__(self, source: str, origin: str, *, bos_token: str | None = None, eos_token: str | None = None):
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError(f"chat template from {origin}: empty or not text")
         self.source = source
@@ -111,8 +111,8 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._compiled = None
-        self._marked: Optional[bool] = None
-        self._uses_tools: Optional[bool] = None
+        self._marked: bool | None = None
+        self._uses_tools: bool | None = None
         self._tools_warned: set = set()  # the sources told that this template drops their `tools`
         self._end_of_turn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> end-of-turn id
 
@@ -167,14 +167,14 @@ class ChatTemplate:
     # ------------------------------------------------------------------------------------ loading
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> Optional["ChatTemplate"]:
+    def from_folder(cls, folder: str | Path) -> ChatTemplate | None:
         """The template of a tokenizer or model folder, or None when it has none (see `from_files`)."""
         folder = Path(folder).expanduser()
         return cls.from_files({name: (folder / name).read_bytes() for name in TEMPLATE_SOURCES
                                if (folder / name).is_file()}, folder)
 
     @classmethod
-    def from_files(cls, files: dict[str, bytes], folder: str | Path) -> Optional["ChatTemplate"]:
+    def from_files(cls, files: dict[str, bytes], folder: str | Path) -> ChatTemplate | None:
         """The template held by a tokenizer's files (`files`: name -> contents, e.g. those a checkpoint
         records; `folder` names where they come from in errors), or None when they hold none.
 
@@ -208,7 +208,7 @@ class ChatTemplate:
         return cls(template, "tokenizer_config.json", **tokens)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ChatTemplate":
+    def from_file(cls, path: str | Path) -> ChatTemplate:
         """A template file (a `.jinja` override); its special tokens come from a tokenizer folder via `with_tokens`."""
         path = Path(path).expanduser()
         if not path.is_file():
@@ -216,12 +216,12 @@ class ChatTemplate:
         return cls(path.read_text(encoding="utf-8"), str(path))
 
     @classmethod
-    def default(cls) -> "ChatTemplate":
+    def default(cls) -> ChatTemplate:
         """step35's own small template for tokenizers that ship none (headers `<|user|>`, `<|assistant|>` in
         plain text; each assistant turn ends with `eos_token`; marked with `{% generation %}`)."""
         return cls(DEFAULT_TEMPLATE, "default")
 
-    def with_tokens(self, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None) -> "ChatTemplate":
+    def with_tokens(self, *, bos_token: str | None = None, eos_token: str | None = None) -> ChatTemplate:
         """A copy whose missing bos/eos tokens are filled from these (e.g. a tokenizer folder's)."""
         return ChatTemplate(
             self.source, self.origin, bos_token=self.bos_token or bos_token, eos_token=self.eos_token or eos_token
@@ -275,7 +275,7 @@ class ChatTemplate:
                 f"{where_prefix(where)}chat template from {self.origin} failed to render: {type(e).__name__}: {e}"
             ) from None
 
-    def render(self, messages: list, *, add_generation_prompt: bool = False, tools: Optional[list] = None,
+    def render(self, messages: list, *, add_generation_prompt: bool = False, tools: list | None = None,
                where: str = "", **extra) -> str:
         """The conversation as text, as transformers' apply_chat_template(tokenize=False) renders it.
         `extra` reaches the template as variables (e.g. enable_thinking, bos_token, eos_token)."""
@@ -283,7 +283,7 @@ class ChatTemplate:
             messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
         )
 
-    def prompt_ids(self, tokenizer, messages: list, *, tools: Optional[list] = None, where: str = "",
+    def prompt_ids(self, tokenizer, messages: list, *, tools: list | None = None, where: str = "",
                    **extra) -> list[int]:
         """The token ids inference starts from: the conversation so far plus the generation prompt."""
         check_messages(messages, where, require_assistant=False)
@@ -301,7 +301,7 @@ class ChatTemplate:
     # ------------------------------------------------------------------------------------ masking
 
     def encode(self, tokenizer, messages: list, *, train_on: str = "assistant", train_reasoning: bool = True,
-               tools: Optional[list] = None, where: str = "", **extra) -> tuple[list[int], list[bool]]:
+               tools: list | None = None, where: str = "", **extra) -> tuple[list[int], list[bool]]:
         """(token ids of the whole rendered conversation, per token whether its loss is trained).
 
         `train_on`: "assistant" every assistant turn, "last_assistant" the final one, "all" every token. A
@@ -318,9 +318,9 @@ class ChatTemplate:
         )  # fmt: skip
         return ids, mask
 
-    def encode_prefix(self, tokenizer, messages: list, max_tokens: Optional[int], *, train_on: str = "assistant",
-                      train_reasoning: bool = True, tools: Optional[list] = None, where: str = "",
-                      **extra) -> tuple[list[int], list[bool], Optional[int]]:
+    def encode_prefix(self, tokenizer, messages: list, max_tokens: int | None, *, train_on: str = "assistant",
+                      train_reasoning: bool = True, tools: list | None = None, where: str = "",
+                      **extra) -> tuple[list[int], list[bool], int | None]:
         """As `encode`, for the first `max_tokens` tokens only (all when None): (their ids, their mask, how many
         tokens the whole conversation has, or None when it has more than `max_tokens` and was not tokenized
         whole to count them). A packer that keeps a window of a longer conversation needs no more,
@@ -363,7 +363,7 @@ class ChatTemplate:
             spans = subtract_spans(spans, reasoning)
         return ids, token_mask(offsets, spans), total
 
-    def end_of_turn_id(self, tokenizer, *, tools: Optional[list] = None, where: str = "", **extra) -> int:
+    def end_of_turn_id(self, tokenizer, *, tools: list | None = None, where: str = "", **extra) -> int:
         """The token the template ends an assistant reply with (where `generate --chat` stops): the first special
         token (added as special, or the tokenizer's EOS) after the reply in a probe conversation of one user
         and one assistant message. Cached per tokenizer; a ChatTemplateError when no special token follows."""
@@ -389,8 +389,8 @@ class ChatTemplate:
         return self._end_of_turn[tokenizer]
 
 
-def _tokenize_prefix(tokenizer, text: str, max_tokens: Optional[int]) -> tuple[list[int], list[tuple[int, int]],
-                                                                              Optional[int]]:
+def _tokenize_prefix(tokenizer, text: str, max_tokens: int | None) -> tuple[list[int], list[tuple[int, int]],
+                                                                              int | None]:
     """(ids, character offsets, how many tokens `text` has: None when not all were tokenized) of the first
     `max_tokens` tokens of `text` (all when None). A text over `2 * PIECE_CHARS` characters is tokenized in
     pieces (`cut_after`), only as far as needed, so the tokenizer's memory is a piece's (tokenizer.py), however

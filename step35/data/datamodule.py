@@ -3,7 +3,7 @@ per-rank resume."""
 
 import dataclasses
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -14,10 +14,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
 from step35.data.builtin_chat import builtin_chat_path
+from step35.data.chat_messages import check_train_choice
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
-from step35.data.chat_messages import check_train_choice
 from step35.data.sft import FORMATS, OVERLONG, resolve_template
 from step35.data.sources import Holdout, Source
 from step35.data.spec import TXT_MODES, SourceSpec, open_source
@@ -96,31 +96,31 @@ class Step35DataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        files: Optional[str | list[str]] = None,
-        weights: Optional[list[float]] = None,
+        files: str | list[str] | None = None,
+        weights: list[float] | None = None,
         text_field: str = "text",
         txt_mode: TxtMode = "file",
-        hub_dataset: Optional[str] = None,
-        hub_name: Optional[str] = None,
+        hub_dataset: str | None = None,
+        hub_name: str | None = None,
         hub_split: str = "train",
-        sources: Optional[list[SourceSpec]] = None,
-        tokenizer: Optional[str] = None,
-        eos_token_id: Optional[int] = None,
+        sources: list[SourceSpec] | None = None,
+        tokenizer: str | None = None,
+        eos_token_id: int | None = None,
         seq_len: int = 256,
         micro_batch_size: int = 4,
         num_workers: int = 0,
-        val_files: Optional[str | list[str]] = None,
-        val_fraction: Optional[float] = None,
+        val_files: str | list[str] | None = None,
+        val_fraction: float | None = None,
         val_batches: int = 8,
         strict: bool = False,
         seed: int = 0,
-        cache_dir: Optional[str] = None,
+        cache_dir: str | None = None,
         builtin_vocab_size: int = 1024,
         document_masking: bool = False,
         format: str = "auto",
         train_on: str = "assistant",
         train_reasoning: bool = True,
-        chat_template: Optional[str] = None,
+        chat_template: str | None = None,
         overlong: str = "truncate",
     ) -> None:
         super().__init__()
@@ -189,16 +189,16 @@ class Step35DataModule(pl.LightningDataModule):
         self.overlong = overlong
         self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
 
-        self.tokenizer: Optional[TextTokenizer] = None
+        self.tokenizer: TextTokenizer | None = None
         self._train_sources: list[Source] = []
         self._train_weights: list[float] = []
         self._val_sources: list[Source] = []
         self._val_fraction_is_default = False
-        self._val_cache: Optional[tuple[int, int, list[dict[str, torch.Tensor]]]] = None
+        self._val_cache: tuple[int, int, list[dict[str, torch.Tensor]]] | None = None
         self._val_skipped: dict[str, int] = {}
         self._resume = TrainStreamResume(num_workers)
         self._skipped_log = SkippedRecordsLog()
-        self._skipped_logged: Optional[tuple[int, dict[str, int]]] = None  # (step, totals) last sent to the loggers
+        self._skipped_logged: tuple[int, dict[str, int]] | None = None  # (step, totals) last sent to the loggers
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -227,7 +227,7 @@ class Step35DataModule(pl.LightningDataModule):
             return [SourceSpec(path=str(builtin_chat_path(self.cache_dir)), name="builtin-chat")]
         return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         """Resolve the tokenizer and the sources; every way the run cannot work fails here, by name."""
         if self.tokenizer is not None:
             return
@@ -243,7 +243,7 @@ class Step35DataModule(pl.LightningDataModule):
         specs = self.source_specs()
         names = _unique_names([spec.display_name for spec in specs])
 
-        def open_all(holdout: Optional[Holdout], shuffle: bool) -> list[Source]:
+        def open_all(holdout: Holdout | None, shuffle: bool) -> list[Source]:
             return [
                 open_source(spec, self.text_field, self.txt_mode, holdout, shuffle, self.seed, name, self.format)
                 for spec, name in zip(specs, names)
@@ -344,7 +344,7 @@ class Step35DataModule(pl.LightningDataModule):
         self._resume.attach(batches, rank, world_size)
         return batches
 
-    def _planned_batches(self) -> Optional[int]:
+    def _planned_batches(self) -> int | None:
         """The batches this run will draw, if Lightning knows; see train_batches.py for why it must be told."""
         trainer = self.trainer
         if trainer is None:
@@ -390,7 +390,7 @@ class Step35DataModule(pl.LightningDataModule):
             batch = {**batch, "position_ids": document_positions(batch["input_ids"][:, :-1], [self.eos_token_id])}
         return batch
 
-    def teardown(self, stage: Optional[str] = None) -> None:
+    def teardown(self, stage: str | None = None) -> None:
         self._resume.close()
         # Lightning calls this only after a fit that ended normally, after the strategy's teardown:
         # no collective here, the summary reports the last sync (normally the run's last batch).

@@ -9,7 +9,7 @@ keeps its round-robin share of the records. A resume re-streams the current file
 """
 
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 from step35.data.readers import Reader, Record, checked_text, did_you_mean
 from step35.data.sources import Holdout, Source
@@ -20,7 +20,7 @@ BATCH_ROWS = 256  # records per `IterableDataset.iter` batch
 class HubStream:
     """The `datasets` IterableDataset of one source, opened once per process (not pickled to workers)."""
 
-    def __init__(self, path: str, subset: Optional[str], split: str) -> None:
+    def __init__(self, path: str, subset: str | None, split: str) -> None:
         self.path = path
         self.subset = subset
         self.split = split
@@ -75,10 +75,10 @@ class HubPart(Reader):
                 yield Record(self, index, raw=raw)
                 index += 1
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         return checked_text(record.raw, self.text_field)
 
-    def value(self, record: Record) -> Optional[dict]:
+    def value(self, record: Record) -> dict | None:
         return record.raw
 
     def where(self, record: Record) -> str:
@@ -92,13 +92,13 @@ class HubSource(Source):
     def __init__(
         self,
         path: str,
-        name: Optional[str] = None,
+        name: str | None = None,
         split: str = "train",
         text_field: str = "text",
-        holdout: Optional[Holdout] = None,
+        holdout: Holdout | None = None,
         shuffle: bool = False,
         seed: int = 0,
-        source_name: Optional[str] = None,
+        source_name: str | None = None,
         whole_records: bool = False,
     ) -> None:
         self.stream = HubStream(path, name, split)

@@ -4,17 +4,17 @@ positions (`PackedConversations`)."""
 
 import warnings
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
-IGNORE_INDEX = -100  # a label that is no target (torch.nn.functional.cross_entropy's default ignore_index)
 
 from step35.data.bad_records import BadRecords, OverlongRecords
 from step35.data.resume import DataChangedError, DataChangedWarning
 from step35.data.sft import Example
 from step35.data.sources import Cursor
 from step35.data.tokenizer import TextTokenizer
+
+IGNORE_INDEX = -100  # a label that is no target (torch.nn.functional.cross_entropy's default ignore_index)
 
 
 def fresh_packing_state(skipped: int = 0, truncated: int = 0, dropped: int = 0) -> dict[str, Any]:
@@ -210,7 +210,7 @@ class PackedConversations(PackedSource):
         self._count()
         state["done"] = True
 
-    def _emit(self, examples: list[Example], next_start: Optional[Cursor]) -> tuple[list[int], list[int], list[int]]:
+    def _emit(self, examples: list[Example], next_start: Cursor | None) -> tuple[list[int], list[int], list[int]]:
         """The window of `examples`, with the state moved to `next_start` (the next window's first example)."""
         if next_start is not None:
             self.state["cursor"], self.state["piece"], self.state["skip"] = next_start.to_list(), 0, 0

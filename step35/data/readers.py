@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 TxtMode = Literal["file", "line", "paragraph"]
 
@@ -74,11 +74,11 @@ class Record:
     end: int = 0  # byte offset where the next record starts
     raw: Any = None
 
-    def text(self) -> Optional[str]:
+    def text(self) -> str | None:
         """The document text; None for an empty record (passed over silently); `BadRecord` if it cannot be used."""
         return self.reader.text(self)
 
-    def value(self) -> Optional[dict]:
+    def value(self) -> dict | None:
         """The whole record as a dict (a conversation, a prompt/completion pair); None for a blank line;
         `BadRecord` if it is not an object. Only for readers opened with `whole_records`."""
         return self.reader.value(self)
@@ -102,10 +102,10 @@ class Reader:
     def records(self, start: int = 0, offset: int = 0) -> Iterator[Record]:
         raise NotImplementedError
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         raise NotImplementedError
 
-    def value(self, record: Record) -> Optional[dict]:
+    def value(self, record: Record) -> dict | None:
         raise BadRecord(f"{self.path}: plain text holds no records with fields (conversations need json or columns)")
 
     def where(self, record: Record) -> str:
@@ -127,11 +127,11 @@ class _LineReader(Reader):
 class JsonlReader(_LineReader):
     """JSON Lines: one JSON object per line, the text in `text_field`; blank lines are no records."""
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         value = self._parsed(record)
         return None if value is None else _field_text(value, self.text_field)
 
-    def value(self, record: Record) -> Optional[dict]:
+    def value(self, record: Record) -> dict | None:
         return _object(self._parsed(record))
 
     def _parsed(self, record: Record) -> Any:
@@ -147,7 +147,7 @@ class JsonlReader(_LineReader):
 class TextLineReader(_LineReader):
     """Plain text, one document per non-blank line."""
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         line = _decoded(record.raw)
         return line.rstrip("\r\n") if line.strip() else None
 
@@ -174,7 +174,7 @@ class TextParagraphReader(Reader):
             if block:
                 yield Record(self, index, first, offset, b"".join(block))
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         return _decoded(record.raw).rstrip("\r\n")
 
     def where(self, record: Record) -> str:
@@ -188,7 +188,7 @@ class TextFileReader(Reader):
         if start == 0:
             yield Record(self, 0)
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         text = _decoded(Path(self.path).read_bytes())
         return text if text.strip() else None
 
@@ -217,12 +217,12 @@ class JsonArrayReader(Reader):
         if start == 0:  # the whole file is one bad record
             yield Record(self, 0, raw=BadRecord(problem))
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         if isinstance(record.raw, BadRecord):
             raise record.raw
         return _field_text(record.raw, self.text_field)
 
-    def value(self, record: Record) -> Optional[dict]:
+    def value(self, record: Record) -> dict | None:
         if isinstance(record.raw, BadRecord):
             raise record.raw
         return _object(record.raw)
@@ -240,15 +240,15 @@ class _ColumnarReader(Reader):
             for k in range(max(0, start - first), batch.num_rows):
                 yield Record(self, first + k, raw=(batch, k))
 
-    def text(self, record: Record) -> Optional[str]:
+    def text(self, record: Record) -> str | None:
         batch, k = record.raw
         return checked_text(batch.column(self.text_field)[k].as_py(), self.text_field)
 
-    def value(self, record: Record) -> Optional[dict]:
+    def value(self, record: Record) -> dict | None:
         batch, k = record.raw
         return {name: batch.column(name)[k].as_py() for name in batch.schema.names}
 
-    def columns(self) -> Optional[list[str]]:
+    def columns(self) -> list[str] | None:
         """The columns to read: None (all) for whole records."""
         return None if self.whole_records else [self.text_field]
 
@@ -372,13 +372,13 @@ def _decoded(raw: bytes) -> str:
         raise BadRecord(f"not valid UTF-8 ({error.reason} at byte {error.start})") from None
 
 
-def _object(value: Any) -> Optional[dict]:
+def _object(value: Any) -> dict | None:
     if value is not None and not isinstance(value, dict):
         raise BadRecord(f"not a JSON object but {type(value).__name__}")
     return value
 
 
-def _field_text(value: Any, field: str) -> Optional[str]:
+def _field_text(value: Any, field: str) -> str | None:
     if not isinstance(value, dict):
         raise BadRecord(f"not a JSON object but {type(value).__name__}")
     if field not in value:
@@ -386,7 +386,7 @@ def _field_text(value: Any, field: str) -> Optional[str]:
     return checked_text(value[field], field)
 
 
-def checked_text(value: Any, field: str) -> Optional[str]:
+def checked_text(value: Any, field: str) -> str | None:
     if value is None:
         raise BadRecord(f"{field!r} is missing or null")
     if not isinstance(value, str):

@@ -36,10 +36,11 @@ Two facts from the installed Lightning 2.6 decide this shape:
 
 import warnings
 from dataclasses import astuple, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
+
 
 class DataChangedWarning(UserWarning):
     """A saved stream position belongs to data that has changed since; that source's stream restarts."""
@@ -88,10 +89,10 @@ class TrainBatches:
     """The training batches as Lightning sees them: one endless StatefulDataLoader iterator, with a length.
     Iterating this again (a new Lightning epoch) continues the same stream instead of restarting it."""
 
-    def __init__(self, loader: StatefulDataLoader, num_batches: Optional[int] = None) -> None:
+    def __init__(self, loader: StatefulDataLoader, num_batches: int | None = None) -> None:
         self.loader = loader
         self.num_batches = num_batches
-        self._batches: Optional[Any] = None  # the loader's iterator, created on first use
+        self._batches: Any | None = None  # the loader's iterator, created on first use
         self._state: dict[str, Any] = {}  # the position to start from, until iteration starts
 
     def __len__(self) -> int:
@@ -136,8 +137,8 @@ class TrainStreamResume:
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
-        self.batches: Optional[TrainBatches] = None
-        self._saved: Optional[dict[str, Any]] = None  # from a checkpoint, until a loader exists to apply it to
+        self.batches: TrainBatches | None = None
+        self._saved: dict[str, Any] | None = None  # from a checkpoint, until a loader exists to apply it to
 
     def attach(self, batches: TrainBatches, rank: int, world_size: int) -> None:
         """A new loader: it continues where the previous one stopped, or at a checkpoint's position."""

@@ -18,7 +18,7 @@ An encoded record is an `Example`; `PackedConversations` (packing.py) packs whol
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from step35.data.chat_messages import ChatTemplateError, check_messages, check_train_choice
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
@@ -38,7 +38,7 @@ class Example:
     ids: list[int]
     trained: list[bool]
     where: str
-    total: Optional[int] = None  # the record's tokens when more than `ids` holds (None: not all counted)
+    total: int | None = None  # the record's tokens when more than `ids` holds (None: not all counted)
     complete: bool = True  # False: the record has more tokens than `ids` (encoded only as far as a window needs)
 
     @property
@@ -49,7 +49,7 @@ class Example:
         return str(self.total) if self.total is not None else f"more than {len(self.ids) - 1}"
 
 
-def format_of_fields(fields: Iterable[str], text_field: str) -> Optional[tuple[str, str]]:
+def format_of_fields(fields: Iterable[str], text_field: str) -> tuple[str, str] | None:
     """(format, reason) decided by a record's field names, or None when they decide nothing; "preference" for
     preference pairs (`chosen` and `rejected`, even when the text field names one of them: training on the
     chosen answer alone as text is not what such a file is for), which the caller refuses
@@ -129,7 +129,7 @@ class SftEncoder:
         train_on: str = "assistant",
         template_missing: str = "",
         train_reasoning: bool = True,
-        window: Optional[int] = None,
+        window: int | None = None,
     ) -> None:
         if format not in ("chat", "prompt_completion"):
             raise ValueError(f"SftEncoder encodes chat or prompt_completion records, not {format!r}")
@@ -142,7 +142,7 @@ class SftEncoder:
         self.train_reasoning = train_reasoning
         self.limit = None if window is None else window + 1  # tokens an example needs to show it is overlong
 
-    def __call__(self, record: Record) -> Optional[Example]:
+    def __call__(self, record: Record) -> Example | None:
         value = record.value()
         if value is None:
             return None
@@ -172,7 +172,7 @@ class SftEncoder:
         total = len(ids) if whole_prompt and whole_completion else None
         return Example(ids[: self.limit], trained[: self.limit], where, total, complete=False)
 
-    def _first_ids(self, text: str, limit: Optional[int]) -> tuple[list[int], bool]:
+    def _first_ids(self, text: str, limit: int | None) -> tuple[list[int], bool]:
         """(the ids of `text`, whether they are all of them): tokenized in pieces as the text stream does
         (tokenizer.py), only until there are more than `limit` (all when `limit` is None)."""
         if limit is None:
@@ -202,7 +202,7 @@ class SftEncoder:
         return Example(list(ids), [bool(t) for t in trained], where, total, complete=total == len(ids))
 
 
-def resolve_template(tokenizer_folder: Path, chat_template: Optional[str]) -> tuple[Any, str]:
+def resolve_template(tokenizer_folder: Path, chat_template: str | None) -> tuple[Any, str]:
     """(the chat template conversations are rendered with, or None; the error to give when one is needed and
     there is none). `data.chat_template` wins; then the tokenizer folder's own (the built-in tokenizer's
     folder carries step35's default template: builtin.py)."""

@@ -16,10 +16,10 @@ A `Cursor` names a record, so reading resumes at any document. Each shard runs i
 
 import hashlib
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Protocol
+from typing import Any, Literal, Protocol
 
 from step35.data.bad_records import BadRecords
 from step35.data.readers import (
@@ -66,7 +66,7 @@ class Part(Protocol):
 
     def open(self) -> Reader: ...
 
-    def stamp(self) -> Optional[list]:
+    def stamp(self) -> list | None:
         """A cheap fingerprint of the part's content, or None where there is none to take (a stream's part)."""
         ...
 
@@ -81,7 +81,7 @@ class FilePart:
         self.text_field = text_field
         self.txt_mode = txt_mode
         self.whole_records = whole_records
-        self._reader: Optional[Reader] = None
+        self._reader: Reader | None = None
 
     def open(self) -> Reader:
         if self._reader is None:
@@ -114,7 +114,7 @@ class Source:
         parts: Sequence[Part],
         shuffle: bool = True,
         seed: int = 0,
-        holdout: Optional[Holdout] = None,
+        holdout: Holdout | None = None,
         split_by_part: bool = False,
     ) -> None:
         self.name = name
@@ -140,7 +140,7 @@ class Source:
         keys = "\n".join(part.key for part in self.parts)
         return hashlib.blake2b(keys.encode("utf-8"), digest_size=8).hexdigest()
 
-    def stamp(self, cursor: Cursor) -> Optional[list]:
+    def stamp(self, cursor: Cursor) -> list | None:
         """The stamp of the part `cursor` points into (None past the last part)."""
         parts = self.epoch_parts(cursor.epoch)
         return parts[cursor.file].stamp() if cursor.file < len(parts) else None
@@ -160,7 +160,7 @@ class Source:
         num_shards: int,
         bad: BadRecords,
         endless: bool,
-        read: Optional[Callable[[Record], Any]] = None,
+        read: Callable[[Record], Any] | None = None,
     ) -> Iterator[Document]:
         """The documents of `shard`, kept by the holdout, from the record at `start` on, epoch after epoch
         when `endless`; bad records are reported to `bad` and skipped. A stream from the start whose first
@@ -183,7 +183,7 @@ class Source:
                 except MissingField as error:
                     missed, missing, field, what = missed + 1, missing | set(error.fields), error.field, error.what
                     if missed >= FIELD_CHECK_RECORDS and found == 0 and start == Cursor():
-                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what))
+                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what)) from None
                     bad(record.where(), str(error))
                     continue
                 except BadRecord as error:
@@ -195,7 +195,7 @@ class Source:
                 yield here, after, text
             if endless and whole_epoch and found == 0:  # a finite stream may be empty; an endless one would spin
                 if missed:  # fewer records than FIELD_CHECK_RECORDS, and the usable ones lack the field
-                    raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what))
+                    raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what)) from None
                 raise RuntimeError(empty_epoch_message(self.name, shard, num_shards, bad.count, held_out))
             if not endless:
                 return
@@ -230,7 +230,7 @@ class FileSource(Source):
         txt_mode: TxtMode = "file",
         shuffle: bool = True,
         seed: int = 0,
-        holdout: Optional[Holdout] = None,
+        holdout: Holdout | None = None,
         whole_records: bool = False,
     ) -> None:
         parts = [FilePart(f, text_field, txt_mode, whole_records) for f in files]

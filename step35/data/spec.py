@@ -19,12 +19,11 @@ becomes a readable source.
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from step35.data.files import check_files, expand_files, is_saved_dataset, saved_dataset_files
-from step35.data.readers import reader_for
 from step35.data.hub import HubSource
-from step35.data.readers import TxtMode
+from step35.data.readers import TxtMode, reader_for
 from step35.data.sft import FORMATS, PREFERENCE_FIELDS, detect_format, format_of_fields, preference_error
 from step35.data.sources import FileSource, Holdout, Source
 
@@ -49,15 +48,15 @@ class SourceSpec:
             `completion`) or "auto" (decided from the first records); None: `data.format`.
     """
 
-    path: Union[str, list[str], None] = None
-    hub: Optional[str] = None
-    subset: Optional[str] = None
+    path: str | list[str] | None = None
+    hub: str | None = None
+    subset: str | None = None
     split: str = "train"
-    text_field: Optional[str] = None
-    txt_mode: Optional[TxtMode] = None
+    text_field: str | None = None
+    txt_mode: TxtMode | None = None
     weight: float = 1.0
-    name: Optional[str] = None
-    format: Optional[str] = None
+    name: str | None = None
+    format: str | None = None
 
     def __post_init__(self) -> None:
         where = f"data.sources entry {self.name or self.path or self.hub!r}"
@@ -102,10 +101,10 @@ def open_source(
     spec: SourceSpec,
     text_field: str,
     txt_mode: TxtMode,
-    holdout: Optional[Holdout],
+    holdout: Holdout | None,
     shuffle: bool,
     seed: int,
-    name: Optional[str] = None,
+    name: str | None = None,
     format: str = "auto",
 ) -> Source:
     """The source `spec` asks for, checked: every way it cannot work fails here, naming the file or dataset.
@@ -175,7 +174,7 @@ def check_record_files(name: str, files: list[Path], format: str) -> None:
             )
 
 
-def check_holdout_leaves_documents(name: str, files: list[Path], txt_mode: TxtMode, holdout: Optional[Holdout]) -> None:
+def check_holdout_leaves_documents(name: str, files: list[Path], txt_mode: TxtMode, holdout: Holdout | None) -> None:
     """Raise when the validation holdout takes every document of a training source whose documents are
     whole .txt/.md files (`txt_mode: file`): typically one file, whose only document the holdout hashes out."""
     whole_files = txt_mode == "file" and all(f.suffix.lower() in (".txt", ".md") for f in files)

@@ -5,7 +5,7 @@ import hashlib
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -53,7 +53,7 @@ class TokenWindows(IterableDataset):
         sources: Sequence[Any],
         tokenizer: TextTokenizer,
         seq_len: int,
-        weights: Optional[Sequence[float]] = None,
+        weights: Sequence[float] | None = None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,

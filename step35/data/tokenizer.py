@@ -18,9 +18,9 @@ text and warns once if pieces differ there.
 import json
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 PIECE_CHARS = 1 << 18  # a piece holds 256 to 512 Ki characters: 40 to 80 MB of tokenizer memory (~160 B/char)
 _CUT = re.compile(r"(?<=\S) (?=\S)")  # a single space between two non-spaces: a new pre-token starts there
@@ -38,7 +38,7 @@ class TextTokenizer:
             raise ValueError(f"EOS id {eos_token_id} is outside the vocabulary of {path} (size {self.vocab_size})")
 
     @classmethod
-    def from_folder(cls, folder: str | Path, eos_token_id: Optional[int] = None) -> "TextTokenizer":
+    def from_folder(cls, folder: str | Path, eos_token_id: int | None = None) -> "TextTokenizer":
         """Load `folder/tokenizer.json` (or a tokenizer.json path); EOS from `eos_token_id` or the folder's files.
 
         The EOS rule, first match wins:
@@ -76,7 +76,7 @@ class TextTokenizer:
         # No special tokens: a BOS or template added here would be a token the packing test cannot account for.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def pieces(self, text: str, start: int = 0, piece_chars: Optional[int] = None) -> Iterator[tuple[int, list[int]]]:
+    def pieces(self, text: str, start: int = 0, piece_chars: int | None = None) -> Iterator[tuple[int, list[int]]]:
         """(where the piece starts in `text`, its ids) for the pieces of `text` from character `start` on.
 
         `start` must be 0 or a piece start yielded before: the cuts depend only on where a piece starts, so a
@@ -136,7 +136,7 @@ def find_eos_token_id(folder: Path, tokenizer: Any) -> int:
     return found
 
 
-def eos_token_id_from(read: Callable[[str], dict], tokenizer: Any, where: str | Path) -> Optional[int]:
+def eos_token_id_from(read: Callable[[str], dict], tokenizer: Any, where: str | Path) -> int | None:
     """step35's one rule for a tokenizer's end-of-text id (the data stream's document separator, the id
     `step35 export` and `step35 generate` take as the tokenizer's EOS), first found wins:
       1. tokenizer_config.json "eos_token" (a string or {"content": ...}) looked up in the vocabulary;
@@ -146,7 +146,7 @@ def eos_token_id_from(read: Callable[[str], dict], tokenizer: Any, where: str | 
     tokenizers.Tokenizer. None when no file names one; a ValueError naming the file when a named
     token is not in the vocabulary."""
 
-    def token_id(token: Any, source: str) -> Optional[int]:
+    def token_id(token: Any, source: str) -> int | None:
         if isinstance(token, dict):
             token = token.get("content")
         if not isinstance(token, str):

@@ -2,7 +2,7 @@
 
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -32,7 +32,7 @@ def validation_batches(
     num_batches: int,
     rank: int,
     world_size: int,
-    weights: Optional[Sequence[float]] = None,
+    weights: Sequence[float] | None = None,
     seed: int = 0,
     strict: bool = False,
     **stream_options: Any,

@@ -13,7 +13,7 @@ Each gives the forms the backends read: a dense boolean mask (CPU), a FlexAttent
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from step35.config import LayerSpec
 from step35.kernels.attention import attention
 from step35.kernels.masks import DocumentMask, SequenceShard
-from step35.config import LayerSpec
 from step35.model.cache import LayerKV
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary

@@ -67,7 +67,7 @@ class LoraConfig:
     base_dtype: str | None = None
 
     @classmethod
-    def of(cls, value: "LoraConfig | dict | None") -> "LoraConfig | None":
+    def of(cls, value: LoraConfig | dict | None) -> LoraConfig | None:
         """A LoraConfig from a LoraConfig, a dict of its fields, or None (LoRA off)."""
         if value is None or isinstance(value, LoraConfig):
             return value

@@ -15,7 +15,8 @@ Shape legend: T tokens, H hidden, E experts, K top-k, N = T*K routed rows, I exp
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,7 @@ def expert_lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, counts:
     return grouped_mm(h, B.transpose(-2, -1), counts) * scale  # [N, out]
 
 
-def expert_swiglu(moe: "MoE", x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def expert_swiglu(moe: MoE, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Routed experts on rows sorted by expert. x: [N, H]; counts: [E_held] -> [N, H]."""
     hidden = clamped_swiglu(moe.gate_proj(x, counts), moe.up_proj(x, counts), moe.limit)  # [N, I]
     return moe.down_proj(hidden, counts)
@@ -126,10 +127,10 @@ class ExpertDispatcher(Protocol):
     """Runs the routed experts on rows sorted by global expert id and returns their outputs in the
     same order. The default runs every expert locally; expert parallelism swaps in an all-to-all."""
 
-    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor, moe: "MoE") -> torch.Tensor: ...
+    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor, moe: MoE) -> torch.Tensor: ...
 
 
-def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, moe: "MoE") -> torch.Tensor:
+def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, moe: MoE) -> torch.Tensor:
     return expert_swiglu(moe, x_sorted, counts)
 
 

@@ -4,7 +4,7 @@ efsdp x ep, plain tensors). torch.nn.utils.clip_grad_norm_ cannot mix meshes, he
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

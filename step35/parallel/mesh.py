@@ -99,7 +99,7 @@ class ParallelDims:
         """Ranks that FSDP-shard the dense parameters (within one replica)."""
         return self.world_size // self.replicate_size
 
-    def build(self, device_type: str) -> "Meshes":
+    def build(self, device_type: str) -> Meshes:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.replicate_size > 1:
@@ -121,9 +121,9 @@ class ParallelDims:
 @dataclass
 class Meshes:
     dims: ParallelDims
-    dense: "torch.distributed.device_mesh.DeviceMesh"
-    experts: "torch.distributed.device_mesh.DeviceMesh | None"  # (efsdp, ep), None when ep == 1
-    context: "torch.distributed.device_mesh.DeviceMesh | None" = None  # (dp, cp), None when cp == 1
+    dense: torch.distributed.device_mesh.DeviceMesh
+    experts: torch.distributed.device_mesh.DeviceMesh | None  # (efsdp, ep), None when ep == 1
+    context: torch.distributed.device_mesh.DeviceMesh | None = None  # (dp, cp), None when cp == 1
 
     def data_parallel_group(self):
         """The ranks over which a per-batch quantity (a token count) is summed once per data-parallel

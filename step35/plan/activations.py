@@ -57,7 +57,7 @@ class Saved:
     def add(self, part: str, nbytes: int) -> None:
         self.parts[part] += int(nbytes)
 
-    def merge(self, other: "Saved") -> None:
+    def merge(self, other: Saved) -> None:
         for part, nbytes in other.parts.items():
             self.parts[part] += nbytes
 

@@ -36,7 +36,7 @@ class Plan:
     verdict: Verdict
     speed: Speed
     seconds: float
-    suggestions: list["Plan"] = field(default_factory=list)
+    suggestions: list[Plan] = field(default_factory=list)
     other_ways: list = field(default_factory=list)  # suggest.OtherWay: LoRA, context parallelism
     trained: list[Trained] = field(default_factory=list)  # LoRA: the adapted model's trained tensors
 

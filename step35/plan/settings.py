@@ -90,7 +90,7 @@ class RunSettings:
             return torch.bfloat16
         return self.stored_dtype
 
-    def with_layout(self, **changes: Any) -> "RunSettings":
+    def with_layout(self, **changes: Any) -> RunSettings:
         return replace(self, notes=list(self.notes), **changes)
 
 

@@ -4,7 +4,7 @@ and the FSDP groups whose gathered parameters and gradients are the large transi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn

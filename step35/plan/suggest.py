@@ -5,8 +5,8 @@ context-parallel size for a long sequence (a full plan at that size)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from step35.kernels.sequence_split import rank_tokens
 from step35.parallel import valid_cp_sizes, valid_ep_sizes

@@ -33,7 +33,7 @@ from pathlib import Path
 from step35 import job
 from step35.run.layout import RunFolder
 
-_HELD: dict[Path, "RunLock"] = {}  # this process's locks (a second flock from the same process would fail)
+_HELD: dict[Path, RunLock] = {}  # this process's locks (a second flock from the same process would fail)
 
 
 def _close_in_child() -> None:

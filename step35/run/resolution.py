@@ -18,13 +18,13 @@ The checkpoint's saved options are read here once; `Resume.check` applies the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from step35.checkpoint.training import catalog, keys
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import require_manifest, verify
+from step35.checkpoint.training import catalog, keys
 from step35.run.layout import RunFolder
 from step35.run.resume import SavedRun, check_resume, read_saved_run
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,11 +33,11 @@ class OptimizerKind:
     """A named optimizer: how it is built from the two param groups, and which group settings step35's
     own options give it (the ones a resume overwrites with the run's values)."""
 
-    build: Callable[[list[dict], "OptimizerOptions"], torch.optim.Optimizer]
+    build: Callable[[list[dict], OptimizerOptions], torch.optim.Optimizer]
     group_keys: tuple[str, ...]
 
 
-def _adamw(groups: list[dict], options: "OptimizerOptions") -> torch.optim.AdamW:
+def _adamw(groups: list[dict], options: OptimizerOptions) -> torch.optim.AdamW:
     params = [p for g in groups for p in g["params"]]
     return torch.optim.AdamW(groups, lr=options.lr, betas=tuple(options.betas), eps=options.eps,
                              foreach=foreach_ok(params), **options.extra)
@@ -62,7 +63,7 @@ class OptimizerOptions:
     extra: dict[str, Any] = field(default_factory=dict)  # model.optimizer_options
 
     @classmethod
-    def of(cls, hparams: dict[str, Any]) -> "OptimizerOptions":
+    def of(cls, hparams: dict[str, Any]) -> OptimizerOptions:
         """The options of a module's hyper-parameters (a key not given: its default)."""
         names = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "eps")
         values = {k: hparams[k] for k in names if k in hparams}

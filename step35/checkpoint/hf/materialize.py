@@ -10,9 +10,8 @@ refused if it holds NaN/Inf. Errors are raised on all ranks alike, naming the fi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import torch
 from torch import nn

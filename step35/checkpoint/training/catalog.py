@@ -22,8 +22,15 @@ from pathlib import Path
 
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, is_complete, manifest_info, manifest_path
-from step35.checkpoint.publish import (interrupted_publish, leftover_of, leftovers, partial_path, publish, remove_path,
-                                       restore)
+from step35.checkpoint.publish import (
+    interrupted_publish,
+    leftover_of,
+    leftovers,
+    partial_path,
+    publish,
+    remove_path,
+    restore,
+)
 from step35.checkpoint.training import keys
 from step35.checkpoint.training.trainer_io import remove
 

@@ -14,9 +14,9 @@ files of a known kind, never walked, and every use of one is reported: in `Train
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -159,8 +160,12 @@ def dcp_load(state: dict, folder: Path) -> None:
 def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, strict: bool = True) -> dict:
     """Fill `module` (DTensor parameters) and `optimizers` from a DCP folder; returns the rest
     (Lightning's meta.pt dict). The caller has verified the folder's manifest."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     folder = Path(folder)
     meta = load_meta(folder)  # first: a crafted meta.pt is refused before any collective

@@ -17,7 +17,6 @@ from step35.config import PRESETS, Step35Config
 from step35.model import Step35ForCausalLM
 
 
-
 def tiny_config_dict(**overrides) -> dict:
     """The `tiny` preset's config dict (released layout), with top-level keys replaced."""
     raw = PRESETS["tiny"]()

@@ -122,7 +122,7 @@ class Job:
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._seen: dict[int, psutil.Process] = {}
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc) -> None:

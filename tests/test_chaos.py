@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint.training import catalog
 from step35.checkpoint.publish import leftovers
+from step35.checkpoint.training import catalog
 from step35.checkpoint.training.keys import LORA_BASE
 from tests.helpers import CHAOS_CONFIG, lora_config
 from tests.runner import ROOT, command, environment, kill_job, signal_job
@@ -40,9 +40,10 @@ TWO_RANKS = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.str
              "--trainer.devices=2"]
 
 
-def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path, nproc: int = 1) -> subprocess.Popen:
+def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path, nproc: int = 1,
+          extra: tuple[str, ...] = ()) -> subprocess.Popen:
     args = ["fit", "--config", str(config), f"--run_dir={run}", f"--trainer.max_steps={max_steps}", "--ckpt_path=auto",
-            *(TWO_RANKS if nproc == 2 else [])]
+            *(TWO_RANKS if nproc == 2 else []), *extra]
     with open(log, "w") as out:
         return subprocess.Popen(command(args, nproc), cwd=ROOT, env=environment(cache), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -60,7 +61,7 @@ def save_in_progress(folder: Path, newest: int) -> bool:
 
 
 def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[Kill], seed: int,
-              deadline_s: float, nproc: int = 1) -> dict:
+              deadline_s: float, nproc: int = 1, extra: tuple[str, ...] = ()) -> dict:
     """Run to max_steps under `plan`, restarting after each kill. Returns counts of what happened."""
     rng = random.Random(seed)
     folder = run / "checkpoints"
@@ -71,7 +72,7 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
         log = run.parent / f"{run.name}-attempt{stats['attempts']}.log"
         run.mkdir(parents=True, exist_ok=True)
         stats["newest_at_start"].append(newest_step(folder))
-        proc = start(config, run, cache, max_steps, log, nproc)
+        proc = start(config, run, cache, max_steps, log, nproc, extra)
         stats["attempts"] += 1
         stats["logs"].append(log)
         try:
@@ -151,7 +152,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float,
-          nproc: int = 1, config_text: str = CHAOS_CONFIG) -> dict:
+          nproc: int = 1, config_text: str = CHAOS_CONFIG, extra: tuple[str, ...] = ()) -> dict:
+    """The run to `max_steps` uninterrupted, then again with `kills` SIGKILLs (every other one during a save)
+    and restarts (`--ckpt_path auto`), on `nproc` ranks with `extra` options: bitwise the same end."""
     config = tmp_path / "chaos.yaml"
     config.write_text(config_text)
     rng = random.Random(seed)
@@ -159,9 +162,9 @@ def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, de
     # Every other kill waits for a save in progress, the others land at a random moment.
     plan = [Kill(after_step=s, during_save=(i % 2 == 0)) for i, s in enumerate(steps)]
 
-    reference = supervise(config, tmp_path / "reference", cache, max_steps, [], seed, deadline_s, nproc)
+    reference = supervise(config, tmp_path / "reference", cache, max_steps, [], seed, deadline_s, nproc, extra)
     assert reference["attempts"] == 1
-    stats = supervise(config, tmp_path / "chaos", cache, max_steps, plan, seed, deadline_s, nproc)
+    stats = supervise(config, tmp_path / "chaos", cache, max_steps, plan, seed, deadline_s, nproc, extra)
     assert stats["kills"] == kills and stats["attempts"] == kills + 1, stats
     assert stats["mid_save"] >= 1, stats  # at least one kill cut a save short
     assert_bitwise_equal(final_state(tmp_path / "chaos", max_steps), final_state(tmp_path / "reference", max_steps))
@@ -199,6 +202,17 @@ def test_chaos_two_ranks_sharded_bitwise_equal(tmp_path, builtin_cache):
     """2 ranks under torchrun (Step35Strategy, EP 2, sharded checkpoints): every rank and the launcher
     killed at once, restarted with --ckpt_path auto."""
     chaos(tmp_path, builtin_cache, max_steps=30, kills=3, seed=2, deadline_s=3000, nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3600)
+def test_sigkill_then_resume_under_cp2_is_bitwise_equal(tmp_path, builtin_cache):
+    """The 2-rank run with cp 2 (and EP 2): every rank and the launcher SIGKILLed twice (once during a save),
+    restarted with --ckpt_path auto; final weights and optimizer state bitwise equal to an uninterrupted cp 2
+    run (tests/test_context_parallel.py has the cp equivalence itself)."""
+    chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=3000, nproc=2,
+          extra=("--trainer.strategy.context_parallel_size=2",))
 
 
 # Fine-tuning on conversations (the built-in set, step35's default template): packed windows with labels

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from step35.kernels.attention import _flex_attention, attention
-from step35.kernels.masks import DocumentMask, PositionMask, SequenceShard
+from step35.kernels.masks import DocumentMask, PositionMask
 from step35.kernels.sequence_split import chunk_owner, chunk_tokens, exchanged_tokens, local_positions
 from step35.parallel import ParallelConfigError, ParallelDims, valid_cp_sizes
-from tests.runner import run_dist_script
+from tests.dist.cases import case_args
+from tests.helpers import simulated_shard, write_run_config
+from tests.runner import cli_fit, run_dist_script
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "cp_equivalence.py"
@@ -39,23 +41,6 @@ def test_split_covers_every_token_once_and_balances_causal_work(cp):
 
 
 # ------------------------------------------------------------------------------ attention of a share
-def simulated_shard(k, v, positions, S, c, doc_ids):
-    """A SequenceShard whose exchanges read the whole K/V of this process (what the cp ranks hold)."""
-    full = torch.stack([k, v])
-
-    def gather(x):
-        return full
-
-    def halo(x, n):
-        pieces = []
-        for start in (int(positions[0]), int(positions[c])):
-            idx = torch.arange(start - n, start)
-            pieces.append(full[..., idx.clamp(min=0), :] * (idx >= 0).to(full.dtype)[:, None])
-        return torch.cat(pieces, dim=-2)
-
-    return SequenceShard(positions, S, c, doc_ids, gather=gather, halo=halo)
-
-
 @pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_share_attention_equals_whole_sequence_attention(cp, docs):
@@ -172,17 +157,29 @@ def test_aux_loss_with_context_parallel_is_refused():
 
 
 # ------------------------------------------------------------------------------ real ranks
+CP_CASES = [(2, "none"), (4, "selective")]  # on 4 ranks, one job for both
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    """{f"cp{cp}_{ac}": results} of every CP_CASES case, one torchrun job on 4 ranks."""
+    cases = {f"cp{cp}_{ac}": ["--cp", str(cp), "--ep", "2", "--ac", ac] for cp, ac in CP_CASES}
+    return run_dist_script(SCRIPT, tmp_path_factory.mktemp("cp") / "results.pt", 4, *case_args(cases), timeout=800)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("cp,ac", [(2, "none"), (4, "selective"),
-                                   pytest.param(2, "full", marks=pytest.mark.slow)])
-def test_cp_with_ep_matches_one_process(tmp_path, cp, ac):
+@pytest.mark.timeout(1000)  # the first case waits for the job
+@pytest.mark.parametrize("cp,ac", [*CP_CASES, pytest.param(2, "full", marks=pytest.mark.slow)])
+def test_cp_with_ep_matches_one_process(request, tmp_path, cp, ac):
     """4 gloo ranks, EP 2, cp 2 (two data-parallel groups) or cp 4, with activation checkpointing
     (the exchanges replayed in backward): loss and every parameter's gradient as one process, for
     sliding windows shorter than a chunk, of chunk + 1 keys and longer, documents crossing chunk
     borders, MTP on."""
-    results = run_dist_script(SCRIPT, tmp_path / f"cp{cp}.pt", 4, "--cp", str(cp), "--ep", "2", "--ac", ac,
-                              timeout=500)
+    if (cp, ac) in CP_CASES:
+        results = request.getfixturevalue("four_ranks")[f"cp{cp}_{ac}"]
+    else:
+        results = run_dist_script(SCRIPT, tmp_path / f"cp{cp}.pt", 4, "--cp", str(cp), "--ep", "2", "--ac", ac,
+                                  timeout=500)
     assert len(results) == 4
     for case, r in results.items():
         assert r["missing"] == [], (case, r["missing"])
@@ -196,12 +193,10 @@ def test_cp_with_ep_matches_one_process(tmp_path, cp, ac):
 # (`step35 fit` with cp 2 against one process, through each launcher: tests/test_launchers.py)
 
 
-def test_fit_refuses_a_cp_larger_than_the_world(tmp_path, builtin_cache):
-    from tests.test_resume import config_file, step35
-
-    proc = step35(["fit", "--config", str(config_file(tmp_path)), f"--run_dir={tmp_path / 'run'}",
-                   "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.context_parallel_size=2"],
-                  builtin_cache)
+def test_fit_refuses_a_cp_larger_than_the_world(tmp_path, builtin_cache, capfd):
+    proc = cli_fit(capfd, write_run_config(tmp_path), tmp_path / "run", builtin_cache,
+                   "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.context_parallel_size=2",
+                   check=False)
     assert proc.returncode != 0
     assert "context_parallel_size=2 is larger than the world size 1 (valid: [1])" in proc.stderr, proc.stderr[-3000:]
 
@@ -235,19 +230,6 @@ def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(cp_saved_bytes):
         predicted = r["cp1"] / 2 + r["exchange"]
         assert abs(got - predicted) <= 0.01 * predicted, (got, predicted, r)
     print(f"saved bytes per rank: cp 1 {r['cp1']}, cp 2 {r['cp2_by_rank']}, exchange {r['exchange']}")
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(3600)
-def test_sigkill_then_resume_under_cp2_is_bitwise_equal(tmp_path, builtin_cache, monkeypatch):
-    """The chaos test's 2-rank run with cp 2 (and EP 2): every rank and the launcher SIGKILLed twice
-    (once during a save), restarted with --ckpt_path auto; final weights and optimizer state bitwise
-    equal to an uninterrupted cp 2 run."""
-    from tests import test_chaos
-
-    monkeypatch.setattr(test_chaos, "TWO_RANKS", [*test_chaos.TWO_RANKS, "--trainer.strategy.context_parallel_size=2"])
-    test_chaos.chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=3000, nproc=2)
 
 
 @pytest.mark.parametrize("documents", [False, True])

@@ -21,6 +21,7 @@ import torch
 from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
 from tests.runner import ROOT, Job, command, ended, python, stop_job, wait_for
 
+
 def two_ranks_after_two_steps(job: Job, run: Path) -> list:
     """The two rank processes of a torchrun job, once its run has logged 2 steps."""
     wait_for(lambda: logged_steps(run) >= 2, 240, job, "2 steps")

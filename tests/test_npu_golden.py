@@ -154,7 +154,7 @@ def test_context_parallel_attention_matches_huawei_reference(reference, fake_tor
     the CPU path's cp attention and the whole sequence's, and the CPU path's gradients. Windows: itself only, shorter than a chunk,
     chunk + 1 (the largest halo), longer than a chunk (gathered), full; documents cross chunk borders."""
     from step35.kernels.sequence_split import chunk_tokens, local_positions
-    from tests.test_context_parallel import simulated_shard
+    from tests.helpers import simulated_shard
 
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, S, D = 2, 4, 2, 32, 8
@@ -199,7 +199,7 @@ def test_context_parallel_varlen_segments_follow_documents():
     """The full layer's TND segments on cp rank 0 of 2 (chunks 0..7 and 24..31), documents [5, 13, 9, 5]:
     runs split at document starts, each reading its document from its first token."""
     from step35.kernels.sequence_split import local_positions
-    from tests.test_context_parallel import simulated_shard
+    from tests.helpers import simulated_shard
 
     S, c = 32, 8
     doc_ids = DocumentMask(torch.cat([torch.arange(n) for n in (5, 13, 9, 5)])[None]).ids

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from step35.checkpoint.training import catalog
 from step35.checkpoint.integrity import is_complete, write_manifest
 from step35.checkpoint.publish import leftover_of
+from step35.checkpoint.training import catalog
 from step35.training.optimizer import apply_resumed_settings
 from tests.helpers import metric_rows, saved_steps, steps_of, write_run_config
 from tests.runner import cli_fit

@@ -8,7 +8,6 @@ import random
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule

@@ -24,8 +24,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-from step35.checkpoint.training import catalog
 from step35.checkpoint.integrity import is_complete
+from step35.checkpoint.training import catalog
 from step35.faults import EXIT_FAILED, EXIT_PREEMPTED
 from tests.helpers import metric_rows, steps_of, write_run_config
 from tests.runner import Job, command, stop_job, wait_for

@@ -1,6 +1,7 @@
 """Context parallelism (with FSDP2 and EP) against one plain model, on real gloo ranks.
 
   torchrun --standalone --nproc-per-node 4 tests/dist/cp_equivalence.py --cp 2 --ep 2 [--ac selective] --out cp2.pt
+  torchrun ... tests/dist/cp_equivalence.py --out all.pt --case cp2="--cp 2" --case cp4="--cp 4 --ac selective"
 
 Every rank builds the tiny model twice from the same init: plain (whole batch, one process's
 computation) and parallelized (cp x dp ranks, EP composed). For each case (a sliding window, packed
@@ -21,6 +22,7 @@ from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, parallelize
+from tests.dist.cases import main
 
 SEQ, ROWS = 32, 2
 # Documents crossing chunk borders (chunks of 4 or 8 tokens), per row of a group.
@@ -83,25 +85,26 @@ def run_case(window: int, docs: bool, mtp: float, cp: int, ep: int, rank: int, w
             "missing": sorted(set(want) - set(got)), "dp_group_sum": one_per_group.item(), "dp": dp}
 
 
-def main() -> None:
+def options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--cp", type=int, required=True)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--ac", default="none", help="activation checkpointing: none, selective or full")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    return p
+
+
+def run(args: argparse.Namespace, distributed: bool) -> dict:
+    """Every case at cp `args.cp` on this job's ranks: {case: losses and gradient errors}."""
+    assert distributed, "run under torchrun"
     torch.manual_seed(0)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     # windows: shorter than a chunk, exactly chunk + 1 at cp 4 (the largest halo), longer than a chunk
     for window, docs in [(3, False), (5, True), (12, True), (3, True)]:
-        results[f"window{window}_docs{int(docs)}_mtp"] = run_case(window, docs, 0.3, args.cp, args.ep, rank, world, args.ac)
-    if rank == 0:
-        torch.save(results, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+        results[f"window{window}_docs{int(docs)}_mtp"] = run_case(window, docs, 0.3, args.cp, args.ep, rank, world,
+                                                                   args.ac)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    main(options(), run)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, distributed: bool) -> dict:
     dispatchers = [m.moe.dispatcher for m in model.model.layers if m.spec.is_moe]
     assert all(isinstance(d, ExpertParallelDispatcher) for d in dispatchers)
     counts = {}
-    for step in range(2):  # the second step: nothing left over from the first (cache entries, counts)
+    for _ in range(2):  # the second step: nothing left over from the first (cache entries, counts)
         for d in dispatchers:
             d.host_syncs = 0
         with CountAllToAll() as forward:

@@ -329,3 +329,209 @@ def train_byte_bpe(texts: list[str], special_tokens: list[str], folder, vocab_si
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.save(str(Path(folder) / "tokenizer.json"))
     return tokenizer
+
+
+# ------------------------------------------------------------------------------ data files and word-level tokenizers
+def write_jsonl(path: Path, records: list) -> Path:
+    """`records` as JSON lines at `path`: a dict as it is, a string as {"text": string}."""
+    import json
+
+    path.write_text("".join(json.dumps({"text": r} if isinstance(r, str) else r) + "\n" for r in records))
+    return path
+
+
+WORD_EOS = 0  # <eos> of the word-level tokenizers below (<unk> is 1, their words follow from 2)
+
+
+def word_tokenizer_folder(folder: Path, words: list[str], chat_template: str | None = None) -> Path:
+    """A tokenizer folder at `folder` whose tokens are whole words (split at whitespace): <eos> WORD_EOS,
+    <unk> 1, then `words` in order; with `chat_template`, its chat_template.jinja."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {"<eos>": WORD_EOS, "<unk>": 1} | {w: i + 2 for i, w in enumerate(words)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    if chat_template is not None:
+        (folder / "chat_template.jinja").write_text(chat_template)
+    return folder
+
+
+# Documents that name themselves (the token stream tests): document i starts with the word `d{i}`, so every
+# token of every window traces back to its document.
+DOC_WORDS = [f"d{i}" for i in range(2000)] + [f"w{i}" for i in range(50)] + ["a", "b"]
+
+
+def make_word_tokenizer(folder: Path):
+    """The TextTokenizer of DOC_WORDS, saved at `folder`."""
+    from step35.data.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_folder(word_tokenizer_folder(folder, DOC_WORDS))
+
+
+def doc_id(token: int) -> int:
+    """The document a token of DOC_WORDS comes from (its `d{i}` word)."""
+    return int(DOC_WORDS[token - 2][1:])
+
+
+def take(loader, n: int) -> list[torch.Tensor]:
+    """The input_ids of the first `n` batches of `loader`."""
+    batches = []
+    for batch in loader:
+        batches.append(batch["input_ids"])
+        if len(batches) == n:
+            break
+    return batches
+
+
+def resume_matches(make_stream, num_batches: int, save_at: list[int], batch_size: int = 2) -> list[dict]:
+    """Run once recording a state after `save_at` batches; every restored run must replay the rest exactly."""
+    import copy
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    reference, states = [], {}
+    loader = StatefulDataLoader(make_stream(), batch_size=batch_size, num_workers=2)
+    for batch in loader:
+        reference.append(batch["input_ids"])
+        if len(reference) in save_at:
+            states[len(reference)] = copy.deepcopy(loader.state_dict())
+        if len(reference) == num_batches:
+            break
+    for k, state in states.items():
+        restored = StatefulDataLoader(make_stream(), batch_size=batch_size, num_workers=2)
+        restored.load_state_dict(state)
+        replay = take(restored, num_batches - k)
+        assert len(replay) == num_batches - k
+        for i, (a, b) in enumerate(zip(replay, reference[k:])):
+            assert torch.equal(a, b), f"state after batch {k}: batch {k + i} differs"
+    return list(states.values())
+
+
+# Conversations traceable word by word (the chat data tests): a conversation renders as `<role> <words>` per
+# turn, an assistant turn as `assistant <words> <eos>` with the words and the EOS trained.
+CHAT_ROLES = ["system", "user", "assistant", "tool"]
+CHAT_WORDS = CHAT_ROLES + [f"c{i}" for i in range(400)] + [f"w{i}" for i in range(50)]
+CHAT_IDS = {"<eos>": WORD_EOS, "<unk>": 1} | {w: i + 2 for i, w in enumerate(CHAT_WORDS)}
+# Generation marks around the trained part: the assistant's words and the EOS that ends its turn.
+CHAT_WORD_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}assistant {% generation %}{{ m.content }} {{ eos_token }}"
+    "{% endgeneration %} {% else %}{{ m.role }} {{ m.content }} {% endif %}{% endfor %}"
+)
+
+
+def make_chat_tokenizer(folder: Path, template: bool = False) -> Path:
+    """The tokenizer folder of CHAT_WORDS at `folder`, with CHAT_WORD_TEMPLATE as its chat template when `template`."""
+    return word_tokenizer_folder(folder, CHAT_WORDS, CHAT_WORD_TEMPLATE if template else None)
+
+
+def chat_source(name: str, files: list[Path], **kwargs):
+    """A FileSource of whole chat records."""
+    from step35.data.sources import FileSource
+
+    source = FileSource(name, files, whole_records=True, **kwargs)
+    source.format = "chat"
+    return source
+
+
+# ------------------------------------------------------------------------------ test chat templates
+# Written for the tests (tests/test_chat_template.py): a ChatML-style one that renders every turn the same way
+# whatever follows it, and three Step-3.5-style ones that drop the reasoning of turns before the last user
+# message (step-a: generation prompt `<|im_start|>assistant\n`; step-b: it ends in `<think>\n`; step-c: as
+# step-b, but a turn without reasoning gets no think block), each with (`marked`) and without (`plain`)
+# `{% generation %}` marks; and a conversation with reasoning, a tool call and its result.
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# [[GEN]] / [[/GEN]] become the generation tags in the marked copy and vanish in the plain one; they sit
+# between tags and expressions, never before a newline, so trim_blocks treats both copies alike.
+TOOL_CALLS = (
+    "{% for c in m.tool_calls or [] %}{{ '<tool_call>\\n' + c.function.name + '\\n' + (c.function.arguments | tojson)"
+    " + '\\n</tool_call>' }}{% endfor %}"
+)
+CHATML = (
+    "{%- if tools -%}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' }}[[GEN]]"
+    "{%- if m.reasoning_content -%}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n' }}{%- endif -%}"
+    "{{ m.content or '' }}" + TOOL_CALLS + "{{ '<|im_end|>' }}[[/GEN]]{{ '\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def step_style(think_in_prompt: bool, only_with_reasoning: bool = False) -> str:
+    """A template that renders reasoning only for assistant turns after the last user message (variant A), and
+    with `think_in_prompt` ends its generation prompt in `<think>\\n` (variant B). Reasoning comes from
+    reasoning_content or from a `<think>...</think>` block at the start of the content. A user message wrapped in
+    `<tool_response>` counts as a tool result, not as the last user message (so its content decides the
+    rendering of other turns). With
+    `only_with_reasoning` (variant C) a recent turn without reasoning gets no think block either, so the
+    generation prompt's `<think>` is part of what the turn's reasoning decides."""
+    opener = "{{ '<think>\\n' }}"
+    return (
+        "{%- set ns = namespace(last_user=-1) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'user' and not (m.content.startswith('<tool_response>')"
+        " and m.content.endswith('</tool_response>')) -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if messages[0].role == 'system' -%}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{%- set content = m.content or '' -%}{%- set reasoning = m.reasoning_content or '' -%}"
+        "{%- if '</think>' in content -%}"
+        "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+        "{%- endif -%}"
+        "{%- set recent = loop.index0 > ns.last_user" + (" and reasoning" if only_with_reasoning else "") + " -%}"
+        "{{ '<|im_start|>assistant\\n' }}"
+        + ("{%- if recent -%}" + opener + "{%- endif -%}" if think_in_prompt else "")
+        + "[[GEN]]{%- if recent -%}"
+        + ("" if think_in_prompt else opener)
+        + "{{ reasoning + '\\n</think>\\n' }}{%- endif -%}"
+        "{{ content }}" + TOOL_CALLS + "{{ '<|im_end|>' }}[[/GEN]]{{ '\\n' }}"
+        "{%- elif m.role == 'system' and loop.first -%}"
+        "{%- elif m.role == 'tool' -%}"
+        "{{ '<|im_start|>tool\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+        "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+        + (opener if think_in_prompt else "")
+        + "{%- endif -%}"
+    )
+
+
+SOURCES = {"chatml": CHATML, "step-a": step_style(False), "step-b": step_style(True), "step-c": step_style(True, True)}
+
+
+def plain(name: str) -> str:
+    return SOURCES[name].replace("[[GEN]]", "").replace("[[/GEN]]", "")
+
+
+def marked(name: str) -> str:
+    return SOURCES[name].replace("[[GEN]]", "{% generation %}").replace("[[/GEN]]", "{% endgeneration %}")
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful helper."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "reasoning_content": "Add the two numbers.", "content": "Four."},
+    {"role": "user", "content": "And the weather in Paris today?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "I need the weather tool for this.",  # another name for reasoning_content
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": '{"temp": 18, "sky": "clear"}'},
+    {"role": "assistant", "content": "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris."},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

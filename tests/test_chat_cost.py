@@ -34,9 +34,18 @@ from step35.data.packing import conversation_window
 from step35.data.sft import SftEncoder
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
-from tests.helpers import train_byte_bpe
-from tests.test_chat_template import CONVERSATION, SOURCES, SPECIAL, TOOLS, marked, plain
-from tests.test_sft_data import chat_source, make_tokenizer, write_jsonl
+from tests.helpers import (
+    CONVERSATION,
+    SOURCES,
+    SPECIAL,
+    TOOLS,
+    chat_source,
+    make_chat_tokenizer,
+    marked,
+    plain,
+    train_byte_bpe,
+    write_jsonl,
+)
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 BIG = SENTENCE * (20_000_000 // len(SENTENCE))  # 20 MB of text
@@ -221,7 +230,7 @@ PAIRS = [{"prompt": f"w{i}", "chosen": "w1 w2", "rejected": "w3"} for i in range
 def test_a_preference_file_is_refused_naming_it(tmp_path, suffix):
     """Before: no format told, so the source was text and the text-field check said 'set text_field'; set to
     `chosen`, it trained on the chosen answers as plain text and ignored the rejected ones."""
-    tok_dir = make_tokenizer(tmp_path / "tok", template=True)
+    tok_dir = make_chat_tokenizer(tmp_path / "tok", template=True)
     path = tmp_path / f"pairs.{suffix}"
     if suffix == "jsonl":
         write_jsonl(path, PAIRS)

@@ -71,17 +71,3 @@ def test_one_atomic_switch():
     for writer in ("hf/folder.py", "hf/peft.py", "training/trainer_io.py"):
         assert "publish(tmp" in (PACKAGE / "checkpoint" / writer).read_text(), writer
     assert "publish(tmp" in (PACKAGE / "strategy.py").read_text()
-
-
-def test_the_common_part_is_held_apart_from_both_sides():
-    """tests/test_layers.py keeps hf/ from importing training/ and every file at the top of checkpoint/ (the
-    common part) from importing either side: a file added there is covered too, or this test names it."""
-    from tests.test_layers import APART, CHECKPOINT_COMMON
-
-    top = sorted(p.name for p in (PACKAGE / "checkpoint").glob("*.py"))
-    assert top == sorted(CHECKPOINT_COMMON)
-    sides = {"step35/checkpoint/hf/", "step35/checkpoint/training/"}
-    assert all((PACKAGE.parent / side).is_dir() for side in sides)
-    for name in top:
-        assert set(APART[f"step35/checkpoint/{name}"]) == sides, name
-    assert APART["step35/checkpoint/hf/"] == ("step35/checkpoint/training/",)

@@ -13,7 +13,7 @@ from step35.data.readers import FIELD_CHECK_RECORDS
 from step35.data.resume import DataChangedError, DataChangedWarning
 from step35.data.sources import FileSource, Holdout
 from step35.data.stream import TokenWindows
-from tests.test_data_stream import doc_id, make_word_tokenizer, write_jsonl
+from tests.helpers import doc_id, make_word_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from step35.data import tokenizer as tokenizer_module
 from step35.data.sources import FileSource
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
-from tests.test_data_stream import make_word_tokenizer, resume_matches, write_jsonl
+from tests.helpers import make_word_tokenizer, resume_matches, write_jsonl
 
 # The pre-tokenizer regex of Llama-3 / Qwen style byte-level BPE tokenizers (a `Split` before `ByteLevel`).
 SPLIT_PATTERN = (

@@ -4,7 +4,6 @@ Documents are made identifiable with a word-level test tokenizer: document i sta
 so every token of every window traces back to its document.
 """
 
-import copy
 import json
 import random
 import warnings
@@ -19,23 +18,7 @@ from step35.data.hub import HubSource
 from step35.data.sources import Cursor, FileSource, Holdout
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
-
-EOS = 0
-WORDS = [f"d{i}" for i in range(2000)] + [f"w{i}" for i in range(50)] + ["a", "b"]
-
-
-def make_word_tokenizer(folder: Path) -> TextTokenizer:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {"<eos>": EOS, "<unk>": 1} | {w: i + 2 for i, w in enumerate(WORDS)}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    return TextTokenizer.from_folder(folder)
+from tests.helpers import WORD_EOS, doc_id, make_word_tokenizer, resume_matches, take, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -43,27 +26,9 @@ def tok(tmp_path_factory) -> TextTokenizer:
     return make_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer"))
 
 
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
-
-
 def make_docs(first: int, count: int, rng: random.Random, lengths: tuple[int, int]) -> list[str]:
     ids = range(first, first + count)
     return [f"d{i} " + " ".join(f"w{rng.randrange(50)}" for _ in range(rng.randint(*lengths))) for i in ids]
-
-
-def doc_id(token: int) -> int:
-    return int(WORDS[token - 2][1:])
-
-
-def take(loader, n: int) -> list[torch.Tensor]:
-    batches = []
-    for batch in loader:
-        batches.append(batch["input_ids"])
-        if len(batches) == n:
-            break
-    return batches
 
 
 @pytest.mark.timeout(120)
@@ -77,7 +42,7 @@ def test_two_ranks_two_workers_see_every_document_once_per_epoch(tmp_path, tok):
         finite = TokenWindows([source], tok, seq_len=7, rank=rank, world_size=2, endless=False)
         batches = list(StatefulDataLoader(finite, batch_size=3, num_workers=2))
         seen["finite"] += [doc_id(t) for b in batches for t in b["input_ids"][:, 0].tolist()]
-        assert all((b["input_ids"][:, -1] == EOS).all() for b in batches)
+        assert all((b["input_ids"][:, -1] == WORD_EOS).all() for b in batches)
 
         # The endless stream: 60 documents / 4 shards = 15 windows per worker = 5 batches per worker per epoch,
         # and workers alternate batches, so 10 batches per rank make one epoch.
@@ -106,7 +71,7 @@ def test_packing_keeps_every_token(tmp_path, tok):
     (tmp_path / "a.txt").write_text("\n".join(texts[:25]) + "\n\n")  # line mode; blank lines are no documents
     write_jsonl(tmp_path / "b.jsonl", texts[25:])
     source = FileSource("mixed", [tmp_path / "a.txt", tmp_path / "b.jsonl"], txt_mode="line", shuffle=False)
-    expected = [t for text in texts for t in tok.encode(text) + [EOS]]
+    expected = [t for text in texts for t in tok.encode(text) + [WORD_EOS]]
 
     window = 17
     got = [w["input_ids"] for w in TokenWindows([source], tok, seq_len=window - 1, endless=False)]
@@ -120,31 +85,11 @@ def test_packing_keeps_every_token(tmp_path, tok):
     shuffled = FileSource("mixed", [tmp_path / "a.txt", tmp_path / "b.jsonl"], txt_mode="line", seed=3)
     by_file = {str(tmp_path / "a.txt"): texts[:25], str(tmp_path / "b.jsonl"): texts[25:]}
     texts_in_order = [text for e in (0, 1) for f in shuffled.epoch_files(e) for text in by_file[f]]
-    two_epochs = [t for text in texts_in_order for t in tok.encode(text) + [EOS]]
+    two_epochs = [t for text in texts_in_order for t in tok.encode(text) + [WORD_EOS]]
     stream = iter(TokenWindows([shuffled], tok, seq_len=window - 1, endless=True))
     n = len(two_epochs) // window
     flat = torch.cat([next(stream)["input_ids"] for _ in range(n)]).tolist()
     assert flat == two_epochs[: n * window]
-
-
-def resume_matches(make_stream, num_batches: int, save_at: list[int], batch_size: int = 2) -> list[dict]:
-    """Run once recording a state after `save_at` batches; every restored run must replay the rest exactly."""
-    reference, states = [], {}
-    loader = StatefulDataLoader(make_stream(), batch_size=batch_size, num_workers=2)
-    for batch in loader:
-        reference.append(batch["input_ids"])
-        if len(reference) in save_at:
-            states[len(reference)] = copy.deepcopy(loader.state_dict())
-        if len(reference) == num_batches:
-            break
-    for k, state in states.items():
-        restored = StatefulDataLoader(make_stream(), batch_size=batch_size, num_workers=2)
-        restored.load_state_dict(state)
-        replay = take(restored, num_batches - k)
-        assert len(replay) == num_batches - k
-        for i, (a, b) in enumerate(zip(replay, reference[k:])):
-            assert torch.equal(a, b), f"state after batch {k}: batch {k + i} differs"
-    return list(states.values())
 
 
 def worker_epochs(loader_state: dict) -> list[int]:
@@ -321,7 +266,7 @@ def test_eos_rule(tmp_path, tok):
 
     folder = tmp_path / "t"
     shutil.copytree(tok.path, folder)
-    assert TextTokenizer.from_folder(folder).eos_token_id == EOS  # tokenizer_config.json eos_token
+    assert TextTokenizer.from_folder(folder).eos_token_id == WORD_EOS  # tokenizer_config.json eos_token
     assert TextTokenizer.from_folder(folder, eos_token_id=5).eos_token_id == 5  # explicit override
     (folder / "tokenizer_config.json").unlink()
     (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "w3"}}))

@@ -108,11 +108,11 @@ def test_what_the_export_reads_is_never_replaced_even_with_overwrite(run_copy, t
 @pytest.fixture(scope="module")
 def lora_on_a_base(tmp_path_factory, builtin_cache):
     """A LoRA run of 2 steps over an HF base folder: (run folder, base folder)."""
-    from tests.test_lora_checkpoint import fit, hf_base
+    from tests.helpers import hf_base, lora_fit
 
     root = tmp_path_factory.mktemp("lora-on-base")
     base = hf_base(root / "base", seed=1)
-    fit(root / "run", builtin_cache, 2, base=base)
+    lora_fit(root / "run", builtin_cache, 2, base=base)
     return root / "run", base
 
 

@@ -321,3 +321,15 @@ def test_checker_finds_a_circle_between_packages_and_a_banned_import(tmp_path):
                      "pkg/top/a.py -> pkg/side/b.py": "in a circle of packages: pkg/side/ -> pkg/top/ -> pkg/side/"}
     banned = breaks(graph, layers, apart={"pkg/side/": ("pkg/mid.py",)})
     assert banned["pkg/side/c.py -> pkg/mid.py"] == "pkg/side/ must not import pkg/mid.py"
+
+
+def test_the_common_part_is_held_apart_from_both_sides():
+    """APART keeps checkpoint/hf/ from importing checkpoint/training/ and every file at the top of checkpoint/
+    (the common part) from importing either side: a file added there is covered too, or this test names it."""
+    top = sorted(p.name for p in (ROOT / "step35" / "checkpoint").glob("*.py"))
+    assert top == sorted(CHECKPOINT_COMMON)
+    sides = {"step35/checkpoint/hf/", "step35/checkpoint/training/"}
+    assert all((ROOT / side).is_dir() for side in sides)
+    for name in top:
+        assert set(APART[f"step35/checkpoint/{name}"]) == sides, name
+    assert APART["step35/checkpoint/hf/"] == ("step35/checkpoint/training/",)

@@ -179,10 +179,10 @@ def test_peft_itself_attaches_the_folder_to_the_transformers_model_and_gives_the
 
 
 def test_peft_folder_refuses_another_base(tmp_path, builtin_cache):
-    from tests.test_lora_checkpoint import fit, hf_base
+    from tests.helpers import hf_base, lora_fit
 
     base = hf_base(tmp_path / "base", seed=1)
-    fit(tmp_path / "run", builtin_cache, 2, base=base)
+    lora_fit(tmp_path / "run", builtin_cache, 2, base=base)
     main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")])
     model = load_pretrained(base)
     apply_peft_folder(model, tmp_path / "adapter", base)

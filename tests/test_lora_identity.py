@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from step35.checkpoint.hf import lora_base
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf import lora_base
 from step35.checkpoint.integrity import MANIFEST
 
 SHARD = "model-00001-of-00001.safetensors"
@@ -27,7 +27,7 @@ SHARD = "model-00001-of-00001.safetensors"
 
 def hf_release(folder, seed):
     """A tiny random HF folder as a release ships it: no step35 manifest."""
-    from tests.test_lora_checkpoint import hf_base
+    from tests.helpers import hf_base
 
     hf_base(folder, seed)
     (folder / MANIFEST).unlink()
@@ -40,20 +40,20 @@ def test_resume_refuses_a_same_shaped_base_without_manifest_and_accepts_the_move
     """Before the fix both bases had the same index sha256 and file sizes and no manifest crc32: the resume on
     `other` was accepted (issue 24: rc 0, another loss). The refusal comes from on_load_checkpoint's
     lora_base.check_base, the function every resume (and export / generate) goes through."""
-    from tests.test_lora_checkpoint import fit
+    from tests.helpers import lora_fit
 
     base, other = hf_release(tmp_path / "base", seed=1), hf_release(tmp_path / "other", seed=2)
     assert lora_base.base_identity(base, 0)["sizes"] == lora_base.base_identity(other, 0)["sizes"]
     assert not lora_base.base_identity(base, 0)["crc32"]  # no manifest: the old fingerprint cannot tell them apart
-    fit(tmp_path / "run", builtin_cache, 2, base=base)
+    lora_fit(tmp_path / "run", builtin_cache, 2, base=base)
     ckpt = next((tmp_path / "run").rglob("step=000002.ckpt"))
     with pytest.raises(CheckpointError, match=rf"a LoRA checkpoint of another base: .*other \(model.checkpoint\) is not "
                                               rf"the base .*base the run trained on: {SHARD} has other content "
                                               rf"\(sampled crc32 \w{{8}}, was \w{{8}}\)"):
-        fit(tmp_path / "run", builtin_cache, 2, base=other, ckpt_path=ckpt)
+        lora_fit(tmp_path / "run", builtin_cache, 2, base=other, ckpt_path=ckpt)
     moved = tmp_path / "elsewhere" / "base"
     shutil.copytree(base, moved)
-    fit(tmp_path / "run", builtin_cache, 2, base=moved, ckpt_path=ckpt)  # the same content: accepted
+    lora_fit(tmp_path / "run", builtin_cache, 2, base=moved, ckpt_path=ckpt)  # the same content: accepted
 
 
 def test_a_record_without_a_comparable_fingerprint_is_refused(tmp_path):
@@ -328,7 +328,7 @@ def test_unreadable_files_are_named(tmp_path, tiny_base, damage):
 
 # ------------------------------------------------------------------------------------------ 3. LoRA options at resume
 
-RUN = {"lr": 1e-2, "warmup_steps": 1, "decay_steps": 4, "moe_bias_update_rate": 1e-3}  # as test_lora_checkpoint.fit
+RUN = {"lr": 1e-2, "warmup_steps": 1, "decay_steps": 4, "moe_bias_update_rate": 1e-3}  # as tests/helpers.lora_fit
 
 
 def lora_module(**lora):
@@ -341,10 +341,10 @@ def lora_module(**lora):
 def lora_checkpoint(tmp_path_factory, builtin_cache):
     """A 2-step LoRA run (rank 4, alpha null: 4) on the init base; its checkpoint as the resume reads it."""
     from step35.run import read_saved_run
-    from tests.test_lora_checkpoint import fit
+    from tests.helpers import lora_fit
 
     run = tmp_path_factory.mktemp("lora-resume")
-    fit(run, builtin_cache, 2)
+    lora_fit(run, builtin_cache, 2)
     return read_saved_run(next(run.rglob("step=000002.ckpt")))
 
 
@@ -358,7 +358,7 @@ def test_a_resume_with_another_rank_or_alpha_is_refused_by_name(lora_checkpoint)
     """Before: check_resume said nothing of model.lora; another rank reached torch's raw size-mismatch error at
     load, another alpha trained on silently with the adapters rescaled."""
     from step35.run import ResumeMismatchError
-    from tests.test_lora_checkpoint import LORA
+    from tests.helpers import LORA
 
     saved = lora_checkpoint
     same = dict(LORA)

@@ -24,38 +24,14 @@ from step35.data.chat_template import ChatTemplate
 from step35.data.sources import FileSource
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
+from tests.helpers import CHAT_IDS, CHAT_WORD_TEMPLATE, WORD_EOS, chat_source, make_chat_tokenizer, write_jsonl
 
-EOS = 0
-ROLES = ["system", "user", "assistant", "tool"]
-WORDS = ROLES + [f"c{i}" for i in range(400)] + [f"w{i}" for i in range(50)]
-ID = {"<eos>": EOS, "<unk>": 1} | {w: i + 2 for i, w in enumerate(WORDS)}
 IGNORE = -100
-
-# Generation marks around the trained part: the assistant's words and the EOS that ends its turn.
-WORD_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'assistant' %}assistant {% generation %}{{ m.content }} {{ eos_token }}"
-    "{% endgeneration %} {% else %}{{ m.role }} {{ m.content }} {% endif %}{% endfor %}"
-)
-
-
-def make_tokenizer(folder: Path, template: bool = False) -> Path:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(WordLevel(ID, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    if template:
-        (folder / "chat_template.jinja").write_text(WORD_TEMPLATE)
-    return folder
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    return make_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), template=True)
+    return make_chat_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), template=True)
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +57,17 @@ def conversation(i: int, rng: random.Random, turns: int = 2, words: tuple[int, i
 
 
 def expected_example(messages: list[dict], train_on: str = "assistant") -> tuple[list[int], list[bool]]:
-    """The tokens and trained flags of a conversation under WORD_TEMPLATE, written down directly."""
+    """The tokens and trained flags of a conversation under CHAT_WORD_TEMPLATE, written down directly."""
     ids, trained = [], []
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     for i, m in enumerate(messages):
-        words = [ID[w] for w in m["content"].split()]
+        words = [CHAT_IDS[w] for w in m["content"].split()]
         if m["role"] == "assistant":
             on = train_on == "all" or train_on == "assistant" or i == last
-            ids += [ID["assistant"], *words, EOS]
+            ids += [CHAT_IDS["assistant"], *words, WORD_EOS]
             trained += [train_on == "all", *[on] * (len(words) + 1)]
         else:
-            ids += [ID[m["role"]], *words]
+            ids += [CHAT_IDS[m["role"]], *words]
             trained += [train_on == "all"] * (len(words) + 1)
     return ids, trained
 
@@ -108,7 +84,7 @@ def expected_windows(examples: list[tuple[list[int], list[bool]]], window: int) 
             labels += [ids[k] if trained[k] else IGNORE for k in range(1, len(ids))] + [IGNORE]
             positions += list(range(len(ids)))
         pad = window - len(tokens)
-        tokens += [EOS] * pad
+        tokens += [WORD_EOS] * pad
         labels += [IGNORE] * pad
         positions += list(range(pad))
         out.append({"input_ids": tokens, "labels": labels[: window - 1], "position_ids": positions[: window - 1]})
@@ -121,17 +97,6 @@ def expected_windows(examples: list[tuple[list[int], list[bool]]], window: int) 
     if current:
         close()
     return out
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def chat_source(name: str, files: list[Path], **kwargs) -> FileSource:
-    source = FileSource(name, files, whole_records=True, **kwargs)
-    source.format = "chat"
-    return source
 
 
 def as_lists(item: dict) -> dict[str, list[int]]:
@@ -192,10 +157,11 @@ def test_prompt_completion_trains_the_completion_and_eos(tmp_path, tok):
     source = FileSource("pairs", [write_jsonl(tmp_path / "p.jsonl", pairs)], whole_records=True, shuffle=False)
     source.format = "prompt_completion"
     got = [as_lists(w) for w in TokenWindows([source], tok, seq_len=9, endless=False)]
-    first = [ID["user"], ID["w1"], ID["w2"], ID["w3"], ID["w4"], EOS]
-    second = [ID["w5"], ID["w6"], EOS]
+    first = [CHAT_IDS["user"], CHAT_IDS["w1"], CHAT_IDS["w2"], CHAT_IDS["w3"], CHAT_IDS["w4"], WORD_EOS]
+    second = [CHAT_IDS["w5"], CHAT_IDS["w6"], WORD_EOS]
     assert got == expected_windows([(first, [False] * 3 + [True] * 3), (second, [False, True, True])], 10)
-    assert got[0]["labels"] == [-100, -100, ID["w3"], ID["w4"], EOS, -100, ID["w6"], EOS, -100]
+    assert got[0]["labels"] == [-100, -100, CHAT_IDS["w3"], CHAT_IDS["w4"], WORD_EOS, -100, CHAT_IDS["w6"], WORD_EOS,
+                                -100]
 
     # Message lists on both sides: one conversation, rendered with the template.
     listed = [{"prompt": [{"role": "user", "content": "w1"}], "completion": [{"role": "assistant", "content": "w2"}]}]
@@ -207,7 +173,7 @@ def test_prompt_completion_trains_the_completion_and_eos(tmp_path, tok):
 
 
 def _word_template(folder: Path) -> Path:
-    (folder / "word.jinja").write_text(WORD_TEMPLATE)
+    (folder / "word.jinja").write_text(CHAT_WORD_TEMPLATE)
     return folder / "word.jinja"
 
 
@@ -241,14 +207,15 @@ def test_text_windows_in_a_stream_with_conversations_carry_the_same_keys(tmp_pat
     records = [{"messages": conversation(i, rng)} for i in range(9)]
     chats = chat_source("chat", [write_jsonl(tmp_path / "c.jsonl", records)])
     windows = list(TokenWindows([FileSource("text", [text]), chats], tok, seq_len=11, endless=False, template=template))
-    text_windows = [w for w in windows if ID["w1"] in w["input_ids"].tolist() and ID["user"] not in w["input_ids"]]
+    text_windows = [w for w in windows
+                    if CHAT_IDS["w1"] in w["input_ids"].tolist() and CHAT_IDS["user"] not in w["input_ids"]]
     assert text_windows and all(w.keys() == {"input_ids", "labels", "position_ids"} for w in windows)
     for w in text_windows:  # every next token a target; positions restart after each EOS
         ids = w["input_ids"].tolist()
         assert w["labels"].tolist() == ids[1:]
         expected, p = [], -1
         for i in range(11):
-            p = 0 if i == 0 or ids[i - 1] == EOS else p + 1
+            p = 0 if i == 0 or ids[i - 1] == WORD_EOS else p + 1
             expected.append(p)
         assert w["position_ids"].tolist() == expected
 
@@ -353,7 +320,7 @@ def test_a_template_that_fails_to_render_names_the_jinja_error_and_the_record(tm
 
 
 def test_chat_data_needs_a_template(tmp_path):
-    folder = make_tokenizer(tmp_path / "plain_tokenizer")  # no chat template
+    folder = make_chat_tokenizer(tmp_path / "plain_tokenizer")  # no chat template
     rng = random.Random(5)
     write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation(i, rng)} for i in range(5)])
     dm = Step35DataModule(files=str(tmp_path / "c.jsonl"), tokenizer=str(folder), seq_len=16, val_batches=0)
@@ -491,7 +458,7 @@ def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_
 
 
 # Reasoning between c0 and c1 (standing in for <think> and </think>), inside the generation block.
-REASONING_TEMPLATE = WORD_TEMPLATE.replace(
+REASONING_TEMPLATE = CHAT_WORD_TEMPLATE.replace(
     "{% generation %}", "{% generation %}{% if m.reasoning_content %}c0 {{ m.reasoning_content }} c1 {% endif %}"
 )
 
@@ -514,10 +481,11 @@ def test_train_reasoning_reaches_the_batches(tmp_path, tok_dir, train_reasoning)
     labels = torch.cat([b["labels"].flatten() for _, b in zip(range(4), dm.train_dataloader())])
     dm.teardown("fit")
     labelled = set(labels[labels != IGNORE].tolist())
-    thoughts = {ID[f"w{k}"] for k in range(10, 20)}
-    assert {ID["c0"], ID["c1"], EOS} <= labelled and labelled & {ID[f"w{k}"] for k in range(1, 10)}
+    thoughts = {CHAT_IDS[f"w{k}"] for k in range(10, 20)}
+    assert {CHAT_IDS["c0"], CHAT_IDS["c1"], WORD_EOS} <= labelled
+    assert labelled & {CHAT_IDS[f"w{k}"] for k in range(1, 10)}
     assert bool(labelled & thoughts) == train_reasoning
-    assert ID["w30"] not in labelled
+    assert CHAT_IDS["w30"] not in labelled
 
 
 def test_the_datamodule_checkpoint_entry_resumes_conversations_exactly(tmp_path, tok_dir):

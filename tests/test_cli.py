@@ -1,48 +1,15 @@
-"""`step35 fit --config configs/tiny.yaml` as a user runs it: a subprocess, the built-in data."""
+"""The step35 command line on the built-in data: what it prints and refuses, validate and export as listed, an
+exact resume. (The main job as a user runs it, a subprocess of the README's own command line, is test_readme.py's.)"""
 
-import csv
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import metric_rows, steps_of
 from tests.runner import step35
 
 # Fast data settings of the main job: short sequences, a small batch, one validation batch.
 SMALL = ["--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1", "--data.val_batches=1"]
-
-
-def fit(run: Path, cache: Path, *extra: str) -> Path:
-    step35(["fit", "--config", "configs/tiny.yaml", f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.save_dir={run}", *extra], cache)
-    return run / "csv" / "version_0"
-
-
-def rows(folder: Path) -> list[dict]:
-    with open(folder / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
-def train_losses(folder: Path) -> dict[int, float]:
-    return {int(r["step"]): float(r["train/lm_loss"]) for r in rows(folder) if r.get("train/lm_loss")}
-
-
-@pytest.mark.timeout(900)
-def test_tiny_config_trains_and_loss_falls(tmp_path, builtin_cache):
-    out = fit(tmp_path / "run", builtin_cache, "--trainer.max_steps=60", "--trainer.val_check_interval=30",
-              "--trainer.log_every_n_steps=2")
-    losses = train_losses(out)
-    steps = sorted(losses)
-    assert len(steps) >= 20, steps
-    first = sum(losses[s] for s in steps[:3]) / 3
-    last = sum(losses[s] for s in steps[-3:]) / 3
-    assert first > 6.0  # ~ln(1024) at init
-    assert first - last > 1.0, f"loss fell from {first:.3f} to {last:.3f} only"
-    header = rows(out)[0].keys()
-    assert {"step", "train/loss", "train/grad_norm", "lr/decay"} <= set(header)
-    assert any(r.get("val/loss") for r in rows(out)) and any(r.get("val/ppl") for r in rows(out))
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()  # the run folder's, not the attempt's
-    saved = (tmp_path / "run" / "config.yaml").read_text()
-    assert "mtp_loss_weight: 0.3" in saved and "max_steps: 60" in saved  # the resolved config, overrides applied
 
 
 def test_print_config(step35_here):
@@ -57,20 +24,20 @@ def test_resume_continues_exactly(tmp_path, step35_here):
     """Kill-free stand-in for a crash: a run resumed from its step-10 checkpoint reproduces steps
     11..20 of an uninterrupted run (model, optimizer, LR schedule and data stream restored). Both in this
     process (the process boundary is test_resume.py's), on short sequences."""
-    def fit_here(run: Path, *extra: str) -> Path:
+    def fit_here(run: Path, *extra: str) -> dict[int, float]:
         code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--trainer.default_root_dir={run}",
                                      f"--trainer.logger.init_args.save_dir={run}", *SMALL, *extra)
         assert code == 0, out[-3000:] + err[-5000:]
-        return run / "csv" / "version_0"
+        return steps_of(metric_rows(run / "csv" / "version_0"), "train/lm_loss")
 
     common = ["--trainer.max_steps=20", "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=1000",
               "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
               "--trainer.callbacks.every_n_train_steps=10", "--trainer.callbacks.save_top_k=-1",
               "--trainer.callbacks.dirpath=" + str(tmp_path / "ckpt")]
-    full = train_losses(fit_here(tmp_path / "full", *common))
+    full = fit_here(tmp_path / "full", *common)
     ckpt = sorted((tmp_path / "ckpt").glob("*step=10*.ckpt"))
     assert ckpt, list((tmp_path / "ckpt").iterdir())
-    resumed = train_losses(fit_here(tmp_path / "resumed", *common[:4], f"--ckpt_path={ckpt[0]}"))
+    resumed = fit_here(tmp_path / "resumed", *common[:4], f"--ckpt_path={ckpt[0]}")
     later = [s for s in sorted(full) if s > 10]
     assert later and all(s in resumed for s in later), (sorted(full), sorted(resumed))
     for s in later:

@@ -2,8 +2,6 @@
 CLI wires the checkpoint's tokenizer into the data when none is named."""
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,12 +30,11 @@ def test_production_recipe_is_consistent(path):
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES))
-def test_production_recipe_parses_with_overrides(path):
-    proc = subprocess.run([sys.executable, "-m", "step35", "fit", "--config", path, "--model.checkpoint=/ckpt",
-                           "--data.files=/corpus/*.jsonl", "--print_config"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = yaml.safe_load(proc.stdout)
+def test_production_recipe_parses_with_overrides(path, step35_here):
+    code, out, err = step35_here("fit", "--config", path, "--model.checkpoint=/ckpt", "--data.files=/corpus/*.jsonl",
+                                 "--print_config")
+    assert code == 0, err[-3000:]
+    printed = yaml.safe_load(out)
     assert printed["model"]["checkpoint"] == "/ckpt" and printed["data"]["files"] == "/corpus/*.jsonl"
 
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -19,9 +16,7 @@ from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, LoraError, adapter_parameters, apply_lora, is_adapter
-from tests.runner import run_process_group
 
-ROOT = Path(__file__).parent.parent
 ALL_TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head", "embed"]
 
 
@@ -260,15 +255,15 @@ def test_training_changes_only_adapters_and_full_targets(base_dtype, builtin_cac
 
 
 @pytest.mark.timeout(900)
-def test_cli_fit_with_lora_rank_trains(tmp_path, builtin_cache):
-    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+def test_cli_fit_with_lora_rank_trains(tmp_path, step35_here):
+    """`--model.lora.rank 4` on the command line (step35.cli.main in this process: the parsing and the training
+    are what is checked)."""
     steps = 16
-    cmd = [sys.executable, "-m", "step35", "fit", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
-           f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0",
-           "--data.seq_len=32", "--data.micro_batch_size=4", "--model.lora.rank", "4", "--model.lr=2e-2",
-           "--model.warmup_steps=2"]
-    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
+                                 f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1",
+                                 "--trainer.limit_val_batches=0", "--data.seq_len=32", "--data.micro_batch_size=4",
+                                 "--model.lora.rank", "4", "--model.lr=2e-2", "--model.warmup_steps=2")
+    assert code == 0, out[-3000:] + err[-5000:]
     metrics = list((tmp_path / "run").rglob("metrics.csv"))
     assert metrics, list((tmp_path / "run").rglob("*"))
     with open(metrics[0]) as f:

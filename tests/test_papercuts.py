@@ -48,16 +48,18 @@ def test_main_job_first_screen_val_interval_in_steps_and_lr_names(tmp_path, buil
 
 
 @pytest.mark.timeout(900)
-def test_early_stopping_says_why(tmp_path, builtin_cache):
+def test_early_stopping_says_why(tmp_path, step35_here):
     run = tmp_path / "run"
-    proc = step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=20",
-                   "--trainer.val_check_interval=1", "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
-                   "--trainer.callbacks.monitor=val/loss", "--trainer.callbacks.patience=2",
-                   "--trainer.callbacks.min_delta=10", *SMALL], builtin_cache)
+    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=20",
+                                 "--trainer.val_check_interval=1",
+                                 "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+                                 "--trainer.callbacks.monitor=val/loss", "--trainer.callbacks.patience=2",
+                                 "--trainer.callbacks.min_delta=10", *SMALL)
+    assert code == 0, out[-3000:] + err[-5000:]
     # Step 1 sets the best; steps 2 and 3 do not improve it by 10: patience 2 is spent at step 3.
     assert max(int(r["step"]) for r in metric_rows(run) if r.get("train/lm_loss")) == 2  # steps 0, 1, 2 logged
-    line = next((x for x in proc.stderr.splitlines() if x.startswith("step35: early stopping")), None)
-    assert line is not None, proc.stderr[-3000:]
+    line = next((x for x in err.splitlines() if x.startswith("step35: early stopping")), None)
+    assert line is not None, err[-3000:]
     assert line.startswith("step35: early stopping at step 3: val/loss=") and "min_delta=10" in line, line
     assert "in 2 validations (patience=2)" in line, line
 
@@ -109,13 +111,14 @@ def test_step35_warnings_print_as_step35(capsys):
 
 
 @pytest.mark.timeout(600)
-def test_the_checkpoint_interval_and_retention_are_set_from_the_command_line(tmp_path, builtin_cache):
+def test_the_checkpoint_interval_and_retention_are_set_from_the_command_line(tmp_path, step35_here):
     """`--checkpoint.every_n_train_steps 2 --checkpoint.keep_last 2` set the shipped config's RunCheckpoint
     (listed before other callbacks: `--trainer.callbacks.every_n_train_steps` would reach the last one,
     FinalValidation, which refuses it); with them the 6-step main job keeps steps 4 and 6 (it saved 2, 4, 6)."""
     run = tmp_path / "run"
-    step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=6",
-            "--checkpoint.every_n_train_steps", "2", "--checkpoint.keep_last", "2", *SMALL], builtin_cache)
+    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=6",
+                                 "--checkpoint.every_n_train_steps", "2", "--checkpoint.keep_last", "2", *SMALL)
+    assert code == 0, out[-3000:] + err[-5000:]
     saved = sorted(p.name for p in (run / "checkpoints").glob("step=*.ckpt"))
     assert saved == ["step=000004.ckpt", "step=000006.ckpt"], saved
     assert "every_n_train_steps: 2" in (run / "config.yaml").read_text()

@@ -11,9 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,12 +126,11 @@ def test_long_context_recipe_fits_with_margin(capsys, path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", sorted(RECIPES))
-def test_long_context_recipe_parses_for_fit(path):
-    proc = subprocess.run([sys.executable, "-m", "step35", "fit", "--config", path, "--model.checkpoint=/ckpt",
-                           "--data.files=/corpus/*.jsonl", "--print_config"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = yaml.safe_load(proc.stdout)
+def test_long_context_recipe_parses_for_fit(path, step35_here):
+    code, out, err = step35_here("fit", "--config", path, "--model.checkpoint=/ckpt", "--data.files=/corpus/*.jsonl",
+                                 "--print_config")
+    assert code == 0, err[-3000:]
+    printed = yaml.safe_load(out)
     assert printed["trainer"]["strategy"]["init_args"]["context_parallel_size"] == RECIPES[path][2]
     assert printed["model"]["checkpoint"] == "/ckpt"
 

@@ -13,8 +13,6 @@
 
 import inspect
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -224,7 +222,7 @@ def test_recipe_lora_bytes_equal_a_hand_computation(capsys):
     assert plan["speed"]["fsdp_reduce_bytes"] < 0.05 * plan["speed"]["fsdp_gather_bytes"]  # full: 2x the gather
 
 
-def test_recipe_is_one_node_of_eight_with_valid_ep_and_parses_for_fit(tmp_path):
+def test_recipe_is_one_node_of_eight_with_valid_ep_and_parses_for_fit(tmp_path, step35_here):
     from step35.module import Step35LightningModule
     from step35.parallel import ParallelDims
     from step35.plan.settings import parse_fit_args, split_lora_args
@@ -241,10 +239,9 @@ def test_recipe_is_one_node_of_eight_with_valid_ep_and_parses_for_fit(tmp_path):
     assert lora == model["lora"] and parse_fit_args(args).model.checkpoint == "/data/Step-3.5-Flash"
     # ... and all of it once the trainer has the option.
     if "lora" in inspect.signature(Step35LightningModule.__init__).parameters:
-        proc = subprocess.run([sys.executable, "-m", "step35", "fit", "--config", RECIPE, "--print_config"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert yaml.safe_load(proc.stdout)["model"]["lora"]["rank"] == 32
+        code, out, err = step35_here("fit", "--config", RECIPE, "--print_config")
+        assert code == 0, err[-3000:]
+        assert yaml.safe_load(out)["model"]["lora"]["rank"] == 32
 
 
 @pytest.mark.timeout(300)

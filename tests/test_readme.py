@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_resume import metric_rows, steps_of
+from tests.helpers import metric_rows, steps_of
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -56,24 +56,57 @@ def test_the_readme_commands_are_found():
     assert any("--chat" in c for c in commands) and any("--merge" in c for c in commands), commands
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(3000)
-def test_the_readme_commands_run_as_written(tmp_path, builtin_cache):
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
+@pytest.fixture(scope="module")
+def readme_runs(tmp_path_factory, builtin_cache) -> Path:
+    """The README's job commands run once, each by bash as printed, in a fresh folder (with configs/ linked in);
+    its runs/ folder. A command that fails, or a generate line that prints nothing, fails every test using it."""
+    folder = tmp_path_factory.mktemp("readme")
+    (folder / "configs").symlink_to(ROOT / "configs")
     bin_dir = Path(sys.executable).parent  # the venv's `step35` entry point
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "STEP35_CACHE": str(builtin_cache),
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "STEP35_CACHE": str(builtin_cache), "PYTHONPATH": str(ROOT)}
     for command in readme_job_commands():
-        proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+        proc = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
                               timeout=1200)
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])
         if " generate " in f" {command} ":
             assert proc.stdout.strip(), (command, proc.stderr[-2000:])
         print(f"ok: {command}")
-    runs = tmp_path / "runs"
+    return folder / "runs"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3000)
+def test_the_readme_commands_run_as_written(readme_runs):
+    runs = readme_runs
     main_val = steps_of(metric_rows(runs / "tiny" / "csv" / "version_0"), "val/loss")
     assert max(main_val) == 399 and main_val[399] < 5.0, main_val  # (Lightning logs step 400's validation at 399)
     sft_val = steps_of(metric_rows(runs / "tiny-sft" / "csv" / "version_0"), "val/loss")
     assert sft_val[max(sft_val)] < sft_val[min(sft_val)], sft_val
     assert (runs / "tiny-lora" / "merged" / "config.json").is_file()
     assert (runs / "tiny" / "hf" / "config.json").is_file()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3000)
+def test_the_main_job_trains_logs_and_saves_its_run_folder(readme_runs):
+    """`step35 fit --config configs/tiny.yaml` as a user runs it (the README's first command): the loss falls from
+    about ln(1024) at the start, the CSV has the training, learning-rate and validation columns, the run folder
+    (not the attempt's folder) has the checkpoints, and the resolved config is saved with the command line's
+    overrides applied (the LoRA line's --trainer.max_steps 150)."""
+    folder = readme_runs / "tiny" / "csv" / "version_0"
+    rows = metric_rows(folder)
+    losses = steps_of(rows, "train/lm_loss")
+    steps = sorted(losses)
+    assert len(steps) >= 20, steps
+    assert losses[steps[0]] > 6.0  # ~ln(1024) at init
+    first = sum(losses[s] for s in steps[:3]) / 3
+    last = sum(losses[s] for s in steps[-3:]) / 3
+    assert first - last > 1.0, f"loss fell from {first:.3f} to {last:.3f} only"
+    assert {"step", "train/loss", "train/grad_norm", "lr/decay"} <= set(rows[0])
+    assert steps_of(rows, "val/loss") and steps_of(rows, "val/ppl")
+    assert (readme_runs / "tiny" / "checkpoints" / "last.ckpt").exists()  # the run folder's, not the attempt's
+    saved = (readme_runs / "tiny" / "config.yaml").read_text()
+    assert "mtp_loss_weight: 0.3" in saved and "max_steps: 400" in saved  # the resolved config
+    lora = (readme_runs / "tiny-lora" / "config.yaml").read_text()
+    assert "max_steps: 150" in lora and "rank: 4" in lora  # the command line's overrides applied

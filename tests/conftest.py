@@ -8,74 +8,16 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 
 # The quick tier, `python -m pytest -m quick` (README, "for people changing the code"): every test of the
-# default run that runs in this one process and in seconds, which still covers each package. Left out,
-# besides `slow` and `multiprocess` tests: the files and tests below, each for the reason given. CI runs
-# the full default run (.ci/run).
-NOT_QUICK_FILES = {
-    # step35 started as a subprocess (the CLI, torchrun, launchers), signals, timeouts
-    "test_cli.py", "test_chaos.py", "test_process_timeouts.py", "test_resume.py",
-    "test_short_run.py", "test_wandb.py", "test_configs.py", "test_skipped_records.py",
-    "test_data_long_documents.py", "test_strategy_save.py",
-    # compiles FlexAttention for the CPU (tens of seconds)
-    "test_flex_attention_cpu.py",
-    # a fixture trains under several processes
-    "test_distributed_equivalence.py",
-}
-NOT_QUICK_TESTS = {
-    # the main job or early stopping through the CLI, as a subprocess
-    "test_papercuts.py": ("test_main_job_first_screen", "test_early_stopping_says_why", "test_help_lists",
-                          "test_the_checkpoint_interval_and_retention"),
-    # the CLI as a subprocess, or a sharded run
-    "test_validation.py": ("test_cli_",),
-    # the `checkpoints` fixture trains and saves single-file and sharded checkpoints (2 minutes)
-    "test_checkpoint_safety.py": ("test_crafted_checkpoint", "test_metadata_pointing_outside",
-                                  "test_flipped_byte_refused_by_resume", "test_damaged_checkpoint_refused_by_resume",
-                                  "test_nan_weights_refused_by_resume", "test_step35strategy_full_file",
-                                  "test_payloads_are_live", "test_bytes_item_refused", "test_damaged_sharded",
-                                  "test_manifest_records", "test_checkpoint_without_manifest"),
-    # the 196B model sharded for many simulated ranks; the wider model's activations
-    "test_plan.py": ("test_recipes_fit", "test_too_few_ranks", "test_invalid_expert_parallel_size",
-                     "test_predicted_activations_match_saved_tensors[wider"),
-    "test_module.py": ("test_precisions_train",),
-    "test_data_module.py": ("test_builtin_cache_survives", "test_two_workers", "test_lightning_resume"),
-    # the remaining ones take 10 s or more each (measured in a run of the tier)
-    "test_run.py": ("test_a_second_run_is_refused", "test_auto_falls_back", "test_an_abbreviated_option",
-                    "test_a_trainer_built_without_the_cli", "test_lock_refuses", "test_a_forked_child"),
-    "test_callbacks.py": ("test_metrics_reach_csv_and_offline_wandb",),
-    "test_schedule.py": ("test_resume_with_other_max_steps",),
-    "test_model_imports.py": ("test_importing_the_model_loads_no_higher_layer",),  # a subprocess; test_layers stays
-    "test_balancing.py": ("test_bias_update_evens_out_a_skewed_router",),
-    "test_activation_memory.py": ("test_issue10_shape_within_budget",),
-    "test_data_stream.py": ("test_resume_exact_for_arrow_save_to_disk",),
-    # the CLI or a chaos supervisor as a subprocess; a short training run; the built-in conversation set
-    "test_lora_checkpoint.py": ("test_lora_run_killed_twice",),
-    "test_lora.py": ("test_cli_fit_with_lora",),
-    "test_generate.py": ("test_generate_command", "test_sharded_run", "test_chat_renders"),
-    "test_plan_cp.py": ("test_long_context_recipe_parses_for_fit",),
-    "test_plan_lora.py": ("test_recipe_is_one_node_of_eight",),
-    "test_context_parallel.py": ("test_fit_refuses",),
-    "test_sft_training.py": ("test_assistant_only_loss",),
-    "test_builtin_chat.py": ("test_conversations_are_well_formed",),
-}
-
-
-# Files of process-level tests of which only these are quick (so that the tier still covers step35.faults).
-QUICK_ONLY = {"test_fail_fast.py": ("test_watchdog_names_the_phase_and_exits_76",)}
-
-
-def is_quick(item) -> bool:
-    if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess"):
-        return False
-    file = item.path.name
-    if file in QUICK_ONLY:
-        return item.name.startswith(QUICK_ONLY[file])
-    return file not in NOT_QUICK_FILES and not item.name.startswith(NOT_QUICK_TESTS.get(file, ()))
+# default run that runs in this one process and in seconds, which still covers each package. A test is left
+# out of it by a marker where it is written: `slow`, `multiprocess`, or `heavy` (a process of its own, a
+# compile, a training run of 10 s or more; the marker's comment says which). CI runs the full default run.
+TIER_MARKERS = ("slow", "multiprocess", "heavy")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if is_quick(item):
+        if not any(item.get_closest_marker(name) for name in TIER_MARKERS):
             item.add_marker(pytest.mark.quick)
 
 

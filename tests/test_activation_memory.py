@@ -155,6 +155,7 @@ def test_counter_counts_a_known_graph():
     out.sum().backward()
 
 
+@pytest.mark.heavy  # 10 s or more
 def test_issue10_shape_within_budget():
     """The issue-10 shape (hidden 256, 32 experts top-4, batch 2 x 256): at most 150 KB per token
     kept for backward without checkpointing (221.5 KB before this work), and checkpointing keeps

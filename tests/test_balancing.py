@@ -65,6 +65,7 @@ def count_all_reduces(monkeypatch):
     return calls
 
 
+@pytest.mark.heavy  # a training run of 10 s or more
 @pytest.mark.parametrize("rate", [0.0, 0.01])
 def test_bias_update_evens_out_a_skewed_router(rate, count_all_reduces):
     steps = 40

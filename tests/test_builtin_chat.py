@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from step35.data.builtin import builtin_documents
 from step35.data.builtin_chat import builtin_chat_path, builtin_conversations
 
 
+@pytest.mark.heavy  # the whole built-in conversation set
 def test_conversations_are_well_formed_and_answer_from_the_corpus(tmp_path):
     conversations = builtin_conversations()
     assert len(conversations) > 300

@@ -266,6 +266,7 @@ def wandb_history(run_root: Path) -> list[dict]:
             for record in wandb_records(run_root, "history")]
 
 
+@pytest.mark.heavy  # 10 s or more (a run with wandb offline)
 def test_metrics_reach_csv_and_offline_wandb(tmp_path):
     from step35.loggers import Step35WandbLogger
 

@@ -29,6 +29,8 @@ from step35.checkpoint.training.keys import LORA_BASE
 from tests.helpers import CHAOS_CONFIG, lora_config
 from tests.runner import ROOT, command, environment, kill_job, signal_job
 
+pytestmark = pytest.mark.heavy  # a chaos supervisor kills and restarts step35 processes
+
 
 @dataclass
 class Kill:

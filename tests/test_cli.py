@@ -19,6 +19,7 @@ def test_print_config(step35_here):
     assert "seq_len: 128" in out
 
 
+@pytest.mark.heavy  # two training runs
 @pytest.mark.timeout(900)
 def test_resume_continues_exactly(tmp_path, step35_here):
     """Kill-free stand-in for a crash: a run resumed from its step-10 checkpoint reproduces steps
@@ -47,6 +48,7 @@ def test_resume_continues_exactly(tmp_path, step35_here):
 SUBCOMMANDS = ("fit", "validate", "export", "generate", "plan")
 
 
+@pytest.mark.heavy  # `python -m step35 --help` as a subprocess
 def test_help_lists_every_subcommand_and_each_answers(builtin_cache, capsys):
     from step35.cli import main
 

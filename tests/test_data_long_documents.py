@@ -16,6 +16,8 @@ from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
 from tests.helpers import make_word_tokenizer, resume_matches, write_jsonl
 
+pytestmark = pytest.mark.heavy  # a child process measures memory; the resume reads with 2 workers
+
 # The pre-tokenizer regex of Llama-3 / Qwen style byte-level BPE tokenizers (a `Split` before `ByteLevel`).
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"

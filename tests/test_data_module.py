@@ -77,6 +77,7 @@ def _build_builtin(cache: str, queue) -> None:
     queue.put(str(builtin_tokenizer_dir(300, cache)))
 
 
+@pytest.mark.heavy  # processes racing
 @pytest.mark.timeout(120)
 def test_builtin_cache_survives_processes_racing_on_first_use(tmp_path):
     context = multiprocessing.get_context("fork")
@@ -111,6 +112,7 @@ def test_default_datamodule_trains_on_the_builtin_corpus(cache):
     dm.teardown("fit")
 
 
+@pytest.mark.heavy  # 2 DataLoader worker processes
 @pytest.mark.timeout(120)
 def test_two_workers_and_tokenizer_from_model_config(corpus, word_tokenizer):
     dm = Step35DataModule(files=str(corpus / "*.jsonl"), tokenizer=str(word_tokenizer), seq_len=8, num_workers=2,
@@ -327,6 +329,7 @@ class Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.heavy  # two training runs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["jsonl", "save_to_disk", "arrow", "two_text_fields", "hub_8_files"])
 def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word_tokenizer, kind):

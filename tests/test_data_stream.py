@@ -405,6 +405,7 @@ def test_hub_stream_with_too_few_files_falls_back_to_round_robin(tmp_path):
     assert abs(len(shards[0]) - len(shards[1])) <= 1  # every shard streams every file and keeps every other record
 
 
+@pytest.mark.heavy  # 10 s or more
 @pytest.mark.timeout(180)
 def test_resume_exact_for_arrow_save_to_disk_and_file_sharded_hub(tmp_path, tok):
     rng = random.Random(9)

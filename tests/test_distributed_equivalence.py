@@ -17,6 +17,8 @@ from tests.dist import train_steps
 from tests.dist.cases import case_args
 from tests.runner import run_dist_script
 
+pytestmark = pytest.mark.heavy  # a fixture trains under several processes
+
 SCRIPT = Path(__file__).parent / "dist" / "train_steps.py"
 REL = 1e-5
 # (world size, EP size, more options): every case of a world size runs in one job (tests/dist/cases.py).

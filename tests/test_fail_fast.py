@@ -178,6 +178,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_exit_code_75
     assert len(re.findall(rf"exitcode\s+:\s*{EXIT_PREEMPTED}\b", out)) == 2, out[-3000:]
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.timeout(300)
 def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, builtin_cache):
     # SLURM's `--signal=USR1@secs` warning, on the plain tiny run (no Step35Strategy).
@@ -211,6 +212,7 @@ def backward_started(job: Job, step: int) -> bool:
     return f"slow backward of step {step}\n" in job.output()
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.timeout(300)
 def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_and_exits_75(tmp_path, builtin_cache):
     # Every backward takes over 3 s, the signal_grace_s option is 2 s: the grace derived from the
@@ -229,6 +231,7 @@ def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_an
     assert "watchdog" not in out and "peer" not in out
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.timeout(300)
 def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_blaming_no_peer(tmp_path, builtin_cache):
     cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=500", *slow_backward("sleep_s=1", "stuck_at=4"),
@@ -246,6 +249,7 @@ def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_b
     assert "peer" not in out and "another rank" not in out
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.timeout(300)
 def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tmp_path, builtin_cache):
     # FaultTolerance runs after every other callback (Lightning puts Checkpoint callbacks last): its
@@ -346,6 +350,7 @@ def test_watchdog_names_the_phase_and_exits_76(tmp_path):
     assert "another rank" not in proc.stderr and "peer" not in proc.stderr  # one process: no peer to blame
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
     code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=1, world_size=2)\n"
             "w.start()\ntime.sleep(30)\n")
@@ -354,6 +359,7 @@ def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
     assert "Waiting there means another rank stopped responding or died" in proc.stderr, proc.stderr
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_one_process(tmp_path):
     # Steps of 2 s: after a SIGTERM, a phase may last 3 x 2 = 6 s (the option says 1 s) before the
     # watchdog gives up; a one-process run has no peer to blame.
@@ -374,6 +380,7 @@ def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_o
     assert "peer" not in proc.stderr and "another rank" not in proc.stderr
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.parametrize("ignored", [True, False])
 def test_a_sigterm_late_in_the_exit_after_a_preemption_does_not_change_the_exit_code(ignored):
     # torchrun SIGTERMs the other ranks as soon as one has exited with 75; one still finalizing then
@@ -412,6 +419,7 @@ else:
 """
 
 
+@pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.parametrize("launcher_env", [{"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0",
                                           "WORLD_SIZE": "1"}, {"LOCAL_RANK": "1"}, {}],
                          ids=["torchrun", "lightning", "shell"])

@@ -14,6 +14,8 @@ import torch
 from step35.kernels.attention import _compiled_flex_attention, _flex_attention, attention
 from step35.kernels.masks import DocumentMask, sliding_block_mask
 
+pytestmark = pytest.mark.heavy  # compiles FlexAttention for the CPU (tens of seconds)
+
 B, HQ, HKV, S, D = 2, 4, 2, 256, 32
 WINDOW = 64
 # Row 0: documents of 100 and 156 tokens; row 1: 170 and 86 (a boundary inside a 128-token block).

@@ -64,6 +64,7 @@ def in_process(capfd, *args: str) -> tuple[str, str]:
     return out, err
 
 
+@pytest.mark.heavy  # the CLI as a subprocess, or a short training run
 @pytest.mark.timeout(600)
 def test_generate_command_prints_text_from_run_and_export(folders, builtin_cache, capfd):
     run, hf = folders
@@ -73,6 +74,7 @@ def test_generate_command_prints_text_from_run_and_export(folders, builtin_cache
     assert in_process(capfd, "generate", "--checkpoint", str(hf), *args)[0] == from_run
 
 
+@pytest.mark.heavy  # the CLI as a subprocess, or a short training run
 @pytest.mark.timeout(900)
 def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cache, capfd, monkeypatch):
     """A sharded (DCP) checkpoint of Step35Strategy: `step35 generate` reads it through the same readers
@@ -93,6 +95,7 @@ def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cac
     assert from_run.startswith(PROMPT) and from_run == from_export
 
 
+@pytest.mark.heavy  # the CLI as a subprocess, or a short training run
 @pytest.mark.timeout(600)
 def test_chat_renders_the_user_turn_with_the_template_and_prints_only_the_reply(folders, builtin_cache, capfd):
     run, hf = folders

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import step35.model
 
 MODEL_DIR = Path(step35.model.__file__).parent
@@ -32,6 +34,7 @@ def test_model_sources_import_no_higher_layer():
     assert found == []
 
 
+@pytest.mark.heavy  # a subprocess (tests/test_layers.py stays quick)
 def test_importing_the_model_loads_no_higher_layer():
     # A fresh interpreter: this test process has long imported everything.
     code = ("import sys, step35.model; print('\\n'.join(m for m in sys.modules if m.startswith("

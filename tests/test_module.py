@@ -105,6 +105,7 @@ def test_configure_model_leaves_nothing_on_meta():
     assert all(int(b.sum()) == 0 for n, b in module.model.named_buffers() if n.endswith("tokens_per_expert"))
 
 
+@pytest.mark.heavy  # training runs in three precisions
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_precisions_train(precision, builtin_cache):
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))

@@ -24,6 +24,7 @@ def metric_rows(run: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.heavy  # the main job as a subprocess (its first screen)
 @pytest.mark.timeout(900)
 def test_main_job_first_screen_val_interval_in_steps_and_lr_names(tmp_path, builtin_cache):
     """The main job with gradient accumulation 2 and val_check_interval 2: validation at optimizer steps
@@ -47,6 +48,7 @@ def test_main_job_first_screen_val_interval_in_steps_and_lr_names(tmp_path, buil
     assert "step35: warning: model.lr=0.2 is above 0.1" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.heavy  # a training run through the CLI with a validation per step
 @pytest.mark.timeout(900)
 def test_early_stopping_says_why(tmp_path, step35_here):
     run = tmp_path / "run"
@@ -64,6 +66,7 @@ def test_early_stopping_says_why(tmp_path, step35_here):
     assert "in 2 validations (patience=2)" in line, line
 
 
+@pytest.mark.heavy  # `step35 fit --help` in a new process
 def test_help_lists_step35_strategy(builtin_cache):
     """A new process, as a user types it: the strategy is listed only if it was imported before the parser."""
     text = step35(["fit", "--help"], builtin_cache).stdout
@@ -110,6 +113,7 @@ def test_step35_warnings_print_as_step35(capsys):
     assert shown is not None and shown.__name__ != "show"  # restored on exit
 
 
+@pytest.mark.heavy  # a training run through the CLI
 @pytest.mark.timeout(600)
 def test_the_checkpoint_interval_and_retention_are_set_from_the_command_line(tmp_path, step35_here):
     """`--checkpoint.every_n_train_steps 2 --checkpoint.keep_last 2` set the shipped config's RunCheckpoint

@@ -90,8 +90,11 @@ CASES = {"tiny": (lambda: preset("tiny"), 2, 96), "wider": (wider_config, 1, 128
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-@pytest.mark.parametrize("case,dtype", [("tiny", torch.float32), ("tiny", torch.bfloat16), ("wider", torch.bfloat16)],
-                         ids=["tiny-fp32", "tiny-bf16", "wider-bf16"])
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param("tiny", torch.float32, id="tiny-fp32"),
+    pytest.param("tiny", torch.bfloat16, id="tiny-bf16"),
+    pytest.param("wider", torch.bfloat16, id="wider-bf16", marks=pytest.mark.heavy),  # the wider model's activations
+])
 def test_predicted_activations_match_saved_tensors(case, dtype, mode):
     make, batch, seq = CASES[case]
     config = make()
@@ -193,6 +196,7 @@ def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
 
 # ------------------------------------------------------------------------------ the CLI on real recipes
 
+@pytest.mark.heavy  # the 196B model sharded for many simulated ranks
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe,device,min_margin", [("npu", "Ascend 910B", 20), ("gpu", "NVIDIA H100 SXM", 10)])
 def test_recipes_fit_with_margin(capsys, recipe, device, min_margin):
@@ -221,6 +225,7 @@ def test_recipes_fit_with_margin(capsys, recipe, device, min_margin):
         assert code == 0 and "FITS:" in out and "MFU <=" in out
 
 
+@pytest.mark.heavy  # the 196B model sharded for many simulated ranks
 @pytest.mark.timeout(600)
 def test_too_few_ranks_does_not_fit_and_suggests_more_nodes(capsys):
     code, out, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--trainer.num_nodes", "1",
@@ -232,6 +237,7 @@ def test_too_few_ranks_does_not_fit_and_suggests_more_nodes(capsys):
     assert plan["suggestions"][0]["world_size"] > 8
 
 
+@pytest.mark.heavy  # the 196B model sharded for many simulated ranks
 def test_invalid_expert_parallel_size_is_refused_with_valid_sizes(capsys):
     code, _, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml",
                             "--trainer.strategy.expert_parallel_size", "64")

@@ -9,6 +9,8 @@ import pytest
 
 from tests.runner import run_process_group
 
+pytestmark = pytest.mark.heavy  # processes and their timeouts
+
 
 def test_timeout_kills_children(tmp_path):
     pidfile = tmp_path / "child.pid"

@@ -21,6 +21,8 @@ from step35.training.optimizer import apply_resumed_settings
 from tests.helpers import metric_rows, saved_steps, steps_of, write_run_config
 from tests.runner import cli_fit
 
+pytestmark = pytest.mark.heavy  # step35 started as a subprocess
+
 SHARDED = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1"]
 
 

@@ -46,6 +46,7 @@ def kill9(proc: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------------------ the lock, in process
+@pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 def test_lock_refuses_a_live_holder_and_takes_over_from_a_dead_one(tmp_path):
     folder = RunFolder(tmp_path / "run")
     holder, _ = hold(folder.root)
@@ -65,6 +66,7 @@ def test_lock_refuses_a_live_holder_and_takes_over_from_a_dead_one(tmp_path):
     again.release()
 
 
+@pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 def test_a_forked_child_does_not_keep_a_dead_holders_lock(tmp_path):
     """A DataLoader worker is a forked child: it must not keep the folder locked after its parent died."""
     folder = RunFolder(tmp_path / "run")
@@ -87,6 +89,7 @@ def test_ckpt_path_is_read_in_one_place():
 
 
 # ------------------------------------------------------------------------------ two jobs, one folder
+@pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 @pytest.mark.timeout(900)
 def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, builtin_cache, capfd):
     config, run = write_run_config(tmp_path), tmp_path / "run"
@@ -149,6 +152,7 @@ def test_two_ranks_refused_together_then_take_over_a_dead_holders_lock(tmp_path,
 
 
 # ------------------------------------------------------------------------------ damaged and unverified checkpoints
+@pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 @pytest.mark.timeout(900)
 def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_flag(tmp_path, builtin_cache, capfd):
     config, run = write_run_config(tmp_path), tmp_path / "run"
@@ -216,6 +220,7 @@ def test_last_refuses_when_every_checkpoint_is_damaged(tmp_path):
 
 
 # ------------------------------------------------------------------------------ command-line edges
+@pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 def test_an_abbreviated_option_is_refused_with_a_suggestion(tmp_path, builtin_cache, capfd):
     proc = cli_fit(capfd, ROOT / "configs" / "tiny.yaml", tmp_path, builtin_cache, "--trainer.max_step", "5",
                    check=False)
@@ -237,6 +242,7 @@ def test_an_absurd_lr_is_warned_about_a_sane_one_is_not():
         Step35LightningModule(lr=3e-3)
 
 
+@pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 def test_a_trainer_built_without_the_cli_takes_the_lock_in_runcheckpoint(tmp_path, builtin_cache):
     from step35.callbacks import RunCheckpoint
     from step35.data import Step35DataModule

@@ -46,6 +46,7 @@ def run(tmp_path, cache, max_steps: int, ckpt_path=None, decay_steps=None) -> di
     return record.lr
 
 
+@pytest.mark.heavy  # three training runs
 @pytest.mark.timeout(600)
 def test_resume_with_other_max_steps_keeps_the_schedule_and_decay_steps_sets_a_new_one(tmp_path, builtin_cache):
     first = run(tmp_path / "first", builtin_cache, max_steps=8)

@@ -48,6 +48,7 @@ def fit(data_file, cache, train_on: str, steps: int) -> list[float]:
     return log.losses
 
 
+@pytest.mark.heavy  # a training run of 10 s or more
 @pytest.mark.timeout(900)
 def test_assistant_only_loss_learns_the_fixed_reply_and_all_tokens_cannot(tmp_path, builtin_cache):
     """The reply is the same in every conversation: trained on the assistant's tokens only, the loss falls

@@ -10,6 +10,8 @@ import pytest
 from tests.helpers import tensorboard_events
 from tests.runner import step35
 
+pytestmark = pytest.mark.heavy  # a short training run as a subprocess
+
 
 @pytest.mark.timeout(900)
 def test_short_run_validates_and_draws_a_heatmap_into_tensorboard(tmp_path, builtin_cache):

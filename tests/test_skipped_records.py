@@ -25,6 +25,8 @@ from step35.data.bad_records import METRIC_PREFIX, REPORTS_PER_SOURCE
 
 from tests.runner import run_process_group
 
+pytestmark = pytest.mark.heavy  # DataLoader worker processes, or several ranks
+
 ROOT = Path(__file__).parent.parent
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs".split()
 

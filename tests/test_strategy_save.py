@@ -16,6 +16,8 @@ from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
 
+pytestmark = pytest.mark.heavy  # step35 as a subprocess, saves killed midway
+
 
 def fit(tmp_path, builtin_cache, max_steps: int, ckpt_path=None, dirpath=None, sharded: bool = True) -> pl.Trainer:
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))

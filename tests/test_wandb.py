@@ -28,6 +28,7 @@ def test_key_detection(tmp_path, monkeypatch):
     assert wandb_key_configured()
 
 
+@pytest.mark.heavy  # step35 as a subprocess, with wandb deciding offline by itself
 @pytest.mark.timeout(600)
 def test_cli_run_goes_offline_and_logs_config_and_code_version(tmp_path, builtin_cache):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # let step35 decide

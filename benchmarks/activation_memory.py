@@ -39,25 +39,55 @@ from step35.parallel.parallelize import apply_activation_checkpointing
 def _issue10_shape() -> dict:
     """The Step-3.5-shaped model of issue 10: hidden 256, 6 layers (layer 0 dense), 32 experts top-4."""
     raw = PRESETS["tiny"]()
-    raw.update({
-        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6, "vocab_size": 4096,
-        "moe_layers_enum": "1,2,3,4,5", "num_attention_heads": 8, "num_attention_groups": 2, "head_dim": 32,
-        "moe_num_experts": 32, "moe_top_k": 4, "moe_intermediate_size": 128, "share_expert_dim": 128,
-        "sliding_window": 64, "num_nextn_predict_layers": 0,
-        "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
-        "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0, 5000000.0, 10000.0],
-        "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0, 0.5, 1.0],
-        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 12,
-                                    "num_attention_groups": 2, "head_dim": 32, "true_head_dim": 32},
-        "swiglu_limits": [0.0, 0.0, 0.0, 0.0, 7.0, 7.0],
-        "swiglu_limits_shared": [0.0, 0.0, 0.0, 0.0, 0.0, 16.0],
-    })
+    raw.update(
+        {
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 6,
+            "vocab_size": 4096,
+            "moe_layers_enum": "1,2,3,4,5",
+            "num_attention_heads": 8,
+            "num_attention_groups": 2,
+            "head_dim": 32,
+            "moe_num_experts": 32,
+            "moe_top_k": 4,
+            "moe_intermediate_size": 128,
+            "share_expert_dim": 128,
+            "sliding_window": 64,
+            "num_nextn_predict_layers": 0,
+            "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
+            "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0, 5000000.0, 10000.0],
+            "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0, 0.5, 1.0],
+            "attention_other_setting": {
+                "attention_type": "sliding_attention",
+                "num_attention_heads": 12,
+                "num_attention_groups": 2,
+                "head_dim": 32,
+                "true_head_dim": 32,
+            },
+            "swiglu_limits": [0.0, 0.0, 0.0, 0.0, 7.0, 7.0],
+            "swiglu_limits_shared": [0.0, 0.0, 0.0, 0.0, 0.0, 16.0],
+        }
+    )
     return raw
 
 
 SHAPES = {"issue10": _issue10_shape}
-PARTS = ("embedding", "residual", "attention_norm", "attention", "ffn_norm", "router", "dispatch", "experts", "shared_expert",
-         "dense_mlp", "final_norm", "loss", "other")
+PARTS = (
+    "embedding",
+    "residual",
+    "attention_norm",
+    "attention",
+    "ffn_norm",
+    "router",
+    "dispatch",
+    "experts",
+    "shared_expert",
+    "dense_mlp",
+    "final_norm",
+    "loss",
+    "other",
+)
 
 
 class _PartTracker:
@@ -83,12 +113,19 @@ class _PartTracker:
         def labelled(*args, **kwargs):
             with self.part(label):
                 return fn(*args, **kwargs)
+
         return labelled
 
     def instrument(self, model: Step35ForCausalLM) -> None:
         """Label the model's modules (hooks) and the MoE steps that are not modules (instance wrappers)."""
-        labels = {"embed_tokens": "embedding", "input_layernorm": "attention_norm", "self_attn": "attention",
-                  "post_attention_layernorm": "ffn_norm", "share_expert": "shared_expert", "mlp": "dense_mlp"}
+        labels = {
+            "embed_tokens": "embedding",
+            "input_layernorm": "attention_norm",
+            "self_attn": "attention",
+            "post_attention_layernorm": "ffn_norm",
+            "share_expert": "shared_expert",
+            "mlp": "dense_mlp",
+        }
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             label = "final_norm" if name == "model.norm" else labels.get(leaf)
@@ -151,8 +188,9 @@ def count_saved(forward, tracker: _PartTracker, model: nn.Module):
     return saved, retained, out
 
 
-def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: int = 0,
-            dtype: torch.dtype = torch.float32) -> dict:
+def measure(
+    config: Step35Config, batch: int, seq: int, ac: str = "none", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict:
     """One training forward (model.loss(input_ids, labels)) on CPU; returns the JSON row."""
     torch.manual_seed(seed)
     model = build_model(config, num_mtp_layers=0, device="cpu")
@@ -181,16 +219,26 @@ def measure(config: Step35Config, batch: int, seq: int, ac: str = "none", seed: 
         for label, layer, nbytes in entries:
             if layer is not None:
                 layers[layer].append((label, layer, nbytes))
-        kinds = {layer.spec.layer_id: ("moe" if layer.spec.is_moe else "dense") + "/" + layer.spec.attention_type
-                 for layer in model.model.layers}
-        return {str(i): {"kind": kinds[i], "total": round(sum(b for *_, b in layers[i]) / n, 1), **per_part(layers[i])}
-                for i in sorted(layers)}
+        kinds = {
+            layer.spec.layer_id: ("moe" if layer.spec.is_moe else "dense") + "/" + layer.spec.attention_type
+            for layer in model.model.layers
+        }
+        return {
+            str(i): {"kind": kinds[i], "total": round(sum(b for *_, b in layers[i]) / n, 1), **per_part(layers[i])}
+            for i in sorted(layers)
+        }
 
-    row = {"batch": batch, "seq": seq, "activation_checkpointing": ac, "dtype": str(dtype).removeprefix("torch."),
-           "saved_bytes_per_token": round(sum(b for *_, b in saved.values()) / n, 1),
-           "retained_bytes_per_token": round(sum(b for *_, b in retained.values()) / n, 1),
-           "saved_by_part": per_part(saved.values()), "retained_by_part": per_part(retained.values()),
-           "saved_by_layer": per_layer(saved.values())}
+    row = {
+        "batch": batch,
+        "seq": seq,
+        "activation_checkpointing": ac,
+        "dtype": str(dtype).removeprefix("torch."),
+        "saved_bytes_per_token": round(sum(b for *_, b in saved.values()) / n, 1),
+        "retained_bytes_per_token": round(sum(b for *_, b in retained.values()) / n, 1),
+        "saved_by_part": per_part(saved.values()),
+        "retained_by_part": per_part(retained.values()),
+        "saved_by_layer": per_layer(saved.values()),
+    }
     out.backward()  # the graph is whole (a check that the instrumented model still trains)
     return row
 
@@ -211,10 +259,12 @@ def main() -> None:
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
-    row = measure(_config(args.config, args.overrides), args.batch, args.seq, args.ac,
-                  dtype=getattr(torch, args.dtype))
-    print(json.dumps({"config": args.config, **({"overrides": json.loads(args.overrides)} if args.overrides else {}),
-                      **row}))
+    row = measure(_config(args.config, args.overrides), args.batch, args.seq, args.ac, dtype=getattr(torch, args.dtype))
+    print(
+        json.dumps(
+            {"config": args.config, **({"overrides": json.loads(args.overrides)} if args.overrides else {}), **row}
+        )
+    )
 
 
 if __name__ == "__main__":

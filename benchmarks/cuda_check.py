@@ -46,24 +46,30 @@ def check_kernels(report: dict) -> None:
     q = torch.randn(2, 12, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     k = torch.randn(2, 4, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    out = attention(q, k, v, window=512, scale=128 ** -0.5)  # FlexAttention on CUDA
+    out = attention(q, k, v, window=512, scale=128**-0.5)  # FlexAttention on CUDA
     mask = causal_mask(2048, 512, "cuda")
-    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128 ** -0.5, enable_gqa=True)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128**-0.5, enable_gqa=True)
     go = torch.randn_like(out)
     a = torch.autograd.grad(out, (q, k, v), go)
     b = torch.autograd.grad(dense, (q, k, v), go)
-    report["flex_sliding_rel_err"] = {"out": rel(out, dense), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)}}
+    report["flex_sliding_rel_err"] = {
+        "out": rel(out, dense),
+        **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)},
+    }
     # packed documents (data.document_masking): FlexAttention document block mask vs the dense mask
     positions = torch.cat([torch.arange(n, device="cuda") for n in (700, 300, 1048)])[None].repeat(2, 1)
     docs = DocumentMask(positions)
     for window in (None, 512):
-        out = attention(q, k, v, window=window, scale=128 ** -0.5, documents=docs)
-        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=docs.dense(window),
-                                                                 scale=128 ** -0.5, enable_gqa=True)
+        out = attention(q, k, v, window=window, scale=128**-0.5, documents=docs)
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=docs.dense(window), scale=128**-0.5, enable_gqa=True
+        )
         a = torch.autograd.grad(out, (q, k, v), go)
         b = torch.autograd.grad(dense, (q, k, v), go)
         report[f"flex_documents_window{window}_rel_err"] = {
-            "out": rel(out, dense), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)}}
+            "out": rel(out, dense),
+            **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", a, b)},
+        }
 
 
 def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int, windows, documents: bool) -> dict:
@@ -104,7 +110,10 @@ def cp_share_attention_errors(device: str, dtype: torch.dtype, seq: int, cp: int
         out = torch.empty_like(whole)
         for p, o in outs:
             out[:, :, p] = o.detach()
-        errors[f"window{window}"] = {"out": rel(out, whole), **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", got, ref)}}
+        errors[f"window{window}"] = {
+            "out": rel(out, whole),
+            **{f"grad_{n}": rel(i, j) for n, i, j in zip("qkv", got, ref)},
+        }
     return errors
 
 
@@ -112,7 +121,8 @@ def check_context_parallel(report: dict) -> None:
     """The cp attention's CUDA path (FlexAttention with PositionMask block masks), forward and backward."""
     for documents in (False, True):
         report[f"cp4_share_attention_documents{int(documents)}_rel_err"] = cp_share_attention_errors(
-            "cuda", torch.bfloat16, 2048, 4, (None, 129, 512), documents)
+            "cuda", torch.bfloat16, 2048, 4, (None, 129, 512), documents
+        )
 
 
 def check_tiny(report: dict) -> None:
@@ -127,15 +137,35 @@ def check_tiny(report: dict) -> None:
 
 def bench_wide(report: dict) -> None:
     raw = PRESETS["tiny"]()
-    raw.update({"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8, "moe_layers_enum": "1,2,3,4,5,6,7",
-                "moe_num_experts": 64, "moe_top_k": 8, "moe_intermediate_size": 768, "share_expert_dim": 768,
-                "num_attention_heads": 16, "head_dim": 128, "num_attention_groups": 4, "vocab_size": 32768,
-                "sliding_window": 512, "num_nextn_predict_layers": 0,
-                "layer_types": (["full_attention"] + ["sliding_attention"] * 3) * 2,
-                "rope_theta": [5e6, 1e4, 1e4, 1e4] * 2, "partial_rotary_factors": [0.5, 1, 1, 1] * 2,
-                "swiglu_limits": [0.0] * 6 + [7.0, 7.0], "swiglu_limits_shared": [0.0] * 7 + [16.0],
-                "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 24,
-                                            "num_attention_groups": 4, "head_dim": 128}})
+    raw.update(
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 8,
+            "moe_layers_enum": "1,2,3,4,5,6,7",
+            "moe_num_experts": 64,
+            "moe_top_k": 8,
+            "moe_intermediate_size": 768,
+            "share_expert_dim": 768,
+            "num_attention_heads": 16,
+            "head_dim": 128,
+            "num_attention_groups": 4,
+            "vocab_size": 32768,
+            "sliding_window": 512,
+            "num_nextn_predict_layers": 0,
+            "layer_types": (["full_attention"] + ["sliding_attention"] * 3) * 2,
+            "rope_theta": [5e6, 1e4, 1e4, 1e4] * 2,
+            "partial_rotary_factors": [0.5, 1, 1, 1] * 2,
+            "swiglu_limits": [0.0] * 6 + [7.0, 7.0],
+            "swiglu_limits_shared": [0.0] * 7 + [16.0],
+            "attention_other_setting": {
+                "attention_type": "sliding_attention",
+                "num_attention_heads": 24,
+                "num_attention_groups": 4,
+                "head_dim": 128,
+            },
+        }
+    )
     config = Step35Config.from_dict(raw)
     model = build_model(config, device="cpu")
     model.init_weights(0)
@@ -152,9 +182,13 @@ def bench_wide(report: dict) -> None:
         model.zero_grad(set_to_none=True)
     step = sorted(times)[len(times) // 2]
     flops = training_flops_per_token(config, 4096) * tokens[:, 1:].numel()
-    report["wide_bf16_4k"] = {"step_s": step, "tokens_per_s": tokens[:, 1:].numel() / step,
-                              "tflops": flops / step / 1e12, "mfu": flops / step / 1e12 / PEAK_TFLOPS,
-                              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    report["wide_bf16_4k"] = {
+        "step_s": step,
+        "tokens_per_s": tokens[:, 1:].numel() / step,
+        "tflops": flops / step / 1e12,
+        "mfu": flops / step / 1e12 / PEAK_TFLOPS,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def main() -> None:

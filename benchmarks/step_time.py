@@ -50,10 +50,22 @@ def main() -> None:
     step_time = sorted(times)[len(times) // 2]
     n_tokens = args.batch * args.seq
     flops = training_flops_per_token(config, args.seq, model.num_mtp_layers if args.mtp else 0) * n_tokens
-    print(json.dumps({"config": args.config, "device": args.device, "dtype": args.dtype, "batch": args.batch,
-                      "seq": args.seq, "median_step_s": round(step_time, 4),
-                      "tokens_per_s": round(n_tokens / step_time), "model_tflops": round(flops / step_time / 1e12, 4),
-                      "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "config": args.config,
+                "device": args.device,
+                "dtype": args.dtype,
+                "batch": args.batch,
+                "seq": args.seq,
+                "median_step_s": round(step_time, 4),
+                "tokens_per_s": round(n_tokens / step_time),
+                "model_tflops": round(flops / step_time / 1e12, 4),
+                "machine": platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

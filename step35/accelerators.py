@@ -23,7 +23,8 @@ def import_torch_npu():
     except ImportError as e:
         raise NPUUnavailableError(
             "accelerator 'npu' was requested but torch_npu cannot be imported "
-            f"({e}); install it with `pip install -e '.[npu]'` on a machine with Ascend's CANN toolkit") from None
+            f"({e}); install it with `pip install -e '.[npu]'` on a machine with Ascend's CANN toolkit"
+        ) from None
     return torch_npu
 
 
@@ -87,18 +88,21 @@ class _NPUGroupedMatmul(torch.autograd.Function):
         group_list = torch.cumsum(counts, 0).to(torch.int64)
         ctx.save_for_backward(x, weight, group_list)
         # weight [G, out, in] -> per group (in, out); split_item=3: one output tensor; group_type=0: split M
-        return torch_npu.npu_grouped_matmul([x], [weight.transpose(1, 2)], group_list=group_list,
-                                            split_item=3, group_type=0, group_list_type=0)[0]
+        return torch_npu.npu_grouped_matmul(
+            [x], [weight.transpose(1, 2)], group_list=group_list, split_item=3, group_type=0, group_list_type=0
+        )[0]
 
     @staticmethod
     def backward(ctx, grad_y):
         torch_npu = import_torch_npu()
         x, weight, group_list = ctx.saved_tensors
-        grad_x = torch_npu.npu_grouped_matmul([grad_y], [weight], group_list=group_list,
-                                              split_item=3, group_type=0, group_list_type=0)[0]
+        grad_x = torch_npu.npu_grouped_matmul(
+            [grad_y], [weight], group_list=group_list, split_item=3, group_type=0, group_list_type=0
+        )[0]
         # grad_w[g] = grad_y_g^T @ x_g: groups split along K (group_type=2).
-        grad_w = torch_npu.npu_grouped_matmul([grad_y.t()], [x], group_list=group_list,
-                                              split_item=3, group_type=2, group_list_type=0)[0]
+        grad_w = torch_npu.npu_grouped_matmul(
+            [grad_y.t()], [x], group_list=group_list, split_item=3, group_type=2, group_list_type=0
+        )[0]
         return grad_x, grad_w.view_as(weight), None
 
 
@@ -118,8 +122,9 @@ def npu_attention(q, k, v, window: int | None, scale: float, documents=None) -> 
     Huawei's CPU reference (tests/test_npu_golden.py, docs/npu.md)."""
     torch_npu = import_torch_npu()
     mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=q.device), diagonal=1)
-    band = {"sparse_mode": 4, "pre_tockens": window - 1, "next_tockens": 0} if window is not None else {
-        "sparse_mode": 3}
+    band = (
+        {"sparse_mode": 4, "pre_tockens": window - 1, "next_tockens": 0} if window is not None else {"sparse_mode": 3}
+    )
     if documents is None:
         return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], "BNSD", atten_mask=mask, scale=scale, **band)[0]
     B, Hq, S, D = q.shape
@@ -128,6 +133,7 @@ def npu_attention(q, k, v, window: int | None, scale: float, documents=None) -> 
     def tnd(t: torch.Tensor) -> torch.Tensor:  # [B, H, S, D] -> [B*S, H, D]
         return t.transpose(1, 2).reshape(B * S, t.shape[1], D)
 
-    out = torch_npu.npu_fusion_attention(tnd(q), tnd(k), tnd(v), Hq, "TND", atten_mask=mask, scale=scale,
-                                         actual_seq_qlen=cu, actual_seq_kvlen=cu, **band)[0]
+    out = torch_npu.npu_fusion_attention(
+        tnd(q), tnd(k), tnd(v), Hq, "TND", atten_mask=mask, scale=scale, actual_seq_qlen=cu, actual_seq_kvlen=cu, **band
+    )[0]
     return out.reshape(B, S, Hq, D).transpose(1, 2)

@@ -34,8 +34,10 @@ class ExpertCounter:
         self.names = [name for name, _ in named]
         self.layers = [module for _, module in named]
         # "model.layers.3.moe" -> 3: the layer index of the checkpoint, used in metric names.
-        self.layer_ids = [int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name + ".")) else i
-                          for i, name in enumerate(self.names)]
+        self.layer_ids = [
+            int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name + ".")) else i
+            for i, name in enumerate(self.names)
+        ]
         self.reduce_every_step = reduce_every_step
         self._window: torch.Tensor | None = None  # [L, E] int64; global if reduce_every_step, else this rank's
         self.window_steps = 0  # optimizer steps kept in the window

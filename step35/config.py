@@ -33,11 +33,25 @@ MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 # Keys that transformers (or the hub) writes into any config.json and that mean nothing to step35's
 # model: kept and written back, but not worth a warning. Any other key that is no field is named.
-HF_BOOKKEEPING_KEYS = frozenset({
-    "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "use_cache",
-    "pad_token_id", "initializer_range", "return_dict", "output_attentions", "output_hidden_states",
-    "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
-})
+HF_BOOKKEEPING_KEYS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "use_cache",
+        "pad_token_id",
+        "initializer_range",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "torchscript",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "tokenizer_class",
+    }
+)
 
 
 class ConfigError(ValueError):
@@ -161,7 +175,9 @@ class Step35Config:
             for key in unknown:
                 close = difflib.get_close_matches(key, sorted(FIELD_NAMES), n=1)
                 hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"unknown config field {', '.join(hints)}; the fields are: {', '.join(sorted(FIELD_NAMES))}")
+            raise ConfigError(
+                f"unknown config field {', '.join(hints)}; the fields are: {', '.join(sorted(FIELD_NAMES))}"
+            )
         # A field is changed under the spelling the source used (`dtype` or `torch_dtype`, ...), so that
         # the written config.json keeps that spelling, whichever one the override used.
         raw = self.to_dict()
@@ -240,14 +256,23 @@ class Step35Config:
             return []
         if self.moe_layers_enum:
             return [int(x) for x in str(self.moe_layers_enum).split(",") if x.strip()]
-        return [i for i in range(self.num_hidden_layers)
-                if i >= self.moe_layer_offset and (i - self.moe_layer_offset) % self.moe_every_n_layer == 0]
+        return [
+            i
+            for i in range(self.num_hidden_layers)
+            if i >= self.moe_layer_offset and (i - self.moe_layer_offset) % self.moe_every_n_layer == 0
+        ]
 
     def _moe_layer_set(self) -> frozenset[int]:
         """`moe_layer_ids` as a set, kept while the fields it is computed from stay the same: `layer(i)`
         is called for every layer (validate, the model, the planner), and computing the ids anew at each
         call made a config of N layers cost N^2 (minutes for a 20,000-layer typo before any refusal)."""
-        key = (self.use_moe, self.moe_layers_enum, self.moe_layer_offset, self.moe_every_n_layer, self.num_hidden_layers)
+        key = (
+            self.use_moe,
+            self.moe_layers_enum,
+            self.moe_layer_offset,
+            self.moe_every_n_layer,
+            self.num_hidden_layers,
+        )
         cached = self.__dict__.get("_moe_cache")
         if cached is None or cached[0] != key:
             cached = (key, frozenset(self.moe_layer_ids))
@@ -297,31 +322,56 @@ class Step35Config:
         n = self.num_total_layers
         _require(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
         _require(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
-        for name in ("hidden_size", "intermediate_size", "vocab_size", "head_dim", "num_attention_heads",
-                     "num_attention_groups", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
+            "head_dim",
+            "num_attention_heads",
+            "num_attention_groups",
+            "max_position_embeddings",
+        ):
             _require(int(getattr(self, name)) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        _require(len(self.layer_types) == n, "layer_types",
-                 f"has {len(self.layer_types)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}")
+        _require(
+            len(self.layer_types) == n,
+            "layer_types",
+            f"has {len(self.layer_types)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}",
+        )
         for name in ("partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared", "use_rope_layers"):
             values = getattr(self, name)
-            _require(not values or len(values) == n, name,
-                     f"has {len(values)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}")
+            _require(
+                not values or len(values) == n,
+                name,
+                f"has {len(values)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}",
+            )
         if isinstance(self.rope_theta, list):
-            _require(len(self.rope_theta) == n, "rope_theta",
-                     f"has {len(self.rope_theta)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}")
+            _require(
+                len(self.rope_theta) == n,
+                "rope_theta",
+                f"has {len(self.rope_theta)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}",
+            )
         for i, t in enumerate(self.layer_types):
             _require(t in ATTENTION_TYPES, f"layer_types[{i}]", f"unknown layer type {t!r}; known: {ATTENTION_TYPES}")
         for t in self.yarn_only_types:
             _require(t in ATTENTION_TYPES, "yarn_only_types", f"unknown layer type {t!r}")
         other = self.attention_other_setting
         if other is not None:
-            _require(other.get("attention_type") in ATTENTION_TYPES, "attention_other_setting.attention_type",
-                     f"unknown layer type {other.get('attention_type')!r}")
-        _require(self.torch_dtype in FLOAT_DTYPE_NAMES, "torch_dtype",
-                 f"{self.torch_dtype!r} is not one of {FLOAT_DTYPE_NAMES}")
+            _require(
+                other.get("attention_type") in ATTENTION_TYPES,
+                "attention_other_setting.attention_type",
+                f"unknown layer type {other.get('attention_type')!r}",
+            )
+        _require(
+            self.torch_dtype in FLOAT_DTYPE_NAMES,
+            "torch_dtype",
+            f"{self.torch_dtype!r} is not one of {FLOAT_DTYPE_NAMES}",
+        )
         _require(self.att_impl_type == "GQA", "att_impl_type", f"only 'GQA' is implemented, got {self.att_impl_type!r}")
-        _require(self.moe_router_activation == "sigmoid", "moe_router_activation",
-                 f"only 'sigmoid' is implemented, got {self.moe_router_activation!r}")
+        _require(
+            self.moe_router_activation == "sigmoid",
+            "moe_router_activation",
+            f"only 'sigmoid' is implemented, got {self.moe_router_activation!r}",
+        )
         _require(not self.sink, "sink", "attention sinks are not implemented (the release has sink=false)")
         _require(self.sliding_window >= 1, "sliding_window", f"must be >= 1, got {self.sliding_window}")
         if self.rope_scaling is not None:
@@ -329,28 +379,45 @@ class Step35Config:
             _require(kind == "llama3", "rope_scaling.rope_type", f"only 'llama3' is implemented, got {kind!r}")
             for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"):
                 _require(key in self.rope_scaling, f"rope_scaling.{key}", "missing")
-            _require(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
-                     "rope_scaling.high_freq_factor", "must be larger than low_freq_factor")
+            _require(
+                self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
+                "rope_scaling.high_freq_factor",
+                "must be larger than low_freq_factor",
+            )
         if self.use_moe:
             _require(self.moe_num_experts >= 1, "moe_num_experts", f"must be >= 1, got {self.moe_num_experts}")
-            _require(1 <= self.moe_top_k <= self.moe_num_experts, "moe_top_k",
-                     f"must be between 1 and moe_num_experts={self.moe_num_experts}, got {self.moe_top_k}")
+            _require(
+                1 <= self.moe_top_k <= self.moe_num_experts,
+                "moe_top_k",
+                f"must be between 1 and moe_num_experts={self.moe_num_experts}, got {self.moe_top_k}",
+            )
             try:
                 ids = self.moe_layer_ids
             except ValueError:
-                raise ConfigError(f"moe_layers_enum: not a comma-separated list of layer ids: {self.moe_layers_enum!r}") from None
+                raise ConfigError(
+                    f"moe_layers_enum: not a comma-separated list of layer ids: {self.moe_layers_enum!r}"
+                ) from None
             for i in ids:
-                _require(0 <= i < self.num_hidden_layers, "moe_layers_enum",
-                         f"layer id {i} outside the main layers 0..{self.num_hidden_layers - 1}")
+                _require(
+                    0 <= i < self.num_hidden_layers,
+                    "moe_layers_enum",
+                    f"layer id {i} outside the main layers 0..{self.num_hidden_layers - 1}",
+                )
             _require(len(set(ids)) == len(ids), "moe_layers_enum", "repeats a layer id")
         for i in range(n):
             spec = self.layer(i)
             where = "attention_other_setting" if other and other.get("attention_type") == spec.attention_type else ""
-            _require(spec.num_heads % spec.num_kv_heads == 0, where or "num_attention_heads",
-                     f"layer {i} ({spec.attention_type}): {spec.num_heads} heads are not divisible by "
-                     f"{spec.num_kv_heads} KV groups (num_attention_groups)")
-            _require(0 < spec.rotary_dim <= spec.head_dim and spec.rotary_dim % 2 == 0, f"partial_rotary_factors[{i}]",
-                     f"gives {spec.rotary_dim} rotary dims of head_dim {spec.head_dim}; needs an even number in 2..head_dim")
+            _require(
+                spec.num_heads % spec.num_kv_heads == 0,
+                where or "num_attention_heads",
+                f"layer {i} ({spec.attention_type}): {spec.num_heads} heads are not divisible by "
+                f"{spec.num_kv_heads} KV groups (num_attention_groups)",
+            )
+            _require(
+                0 < spec.rotary_dim <= spec.head_dim and spec.rotary_dim % 2 == 0,
+                f"partial_rotary_factors[{i}]",
+                f"gives {spec.rotary_dim} rotary dims of head_dim {spec.head_dim}; needs an even number in 2..head_dim",
+            )
             _require(spec.swiglu_limit >= 0 and spec.swiglu_limit_shared >= 0, f"swiglu_limits[{i}]", "must be >= 0")
 
 
@@ -403,8 +470,10 @@ def check_model_family(raw: dict[str, Any]) -> None:
     accepted: hand-written configs lack them, and `from_json` warns about the file."""
     model_type = raw.get("model_type")
     if model_type is not None and (not isinstance(model_type, str) or model_type not in MODEL_FAMILIES):
-        raise ConfigError(f"model_type is {model_type!r}, not a model step35 trains (accepted: {_accepted_families()}); "
-                          "is this the config.json of another model?")
+        raise ConfigError(
+            f"model_type is {model_type!r}, not a model step35 trains (accepted: {_accepted_families()}); "
+            "is this the config.json of another model?"
+        )
     architectures = raw.get("architectures")
     if architectures is None:
         return
@@ -413,8 +482,10 @@ def check_model_family(raw: dict[str, Any]) -> None:
     allowed = MODEL_FAMILIES.get(model_type) or tuple(a for archs in MODEL_FAMILIES.values() for a in archs)
     foreign = [a for a in architectures if a not in allowed]
     if foreign:
-        raise ConfigError(f"architectures {architectures} names {foreign[0]!r}, not a model step35 trains "
-                          f"(accepted: {_accepted_families()}); is this the config.json of another model?")
+        raise ConfigError(
+            f"architectures {architectures} names {foreign[0]!r}, not a model step35 trains "
+            f"(accepted: {_accepted_families()}); is this the config.json of another model?"
+        )
 
 
 def unused_keys(raw: dict[str, Any]) -> list[str]:
@@ -428,28 +499,67 @@ def _warn_about_file(raw: dict[str, Any], path: Path) -> None:
     model_type (taken for Step-3.5's), and the keys no field uses, named (with the field meant, when
     one is close)."""
     if raw.get("model_type") is None:
-        warnings.warn(f"{path}: no model_type; read as Step-3.5 ({_accepted_families()})", ConfigWarning,
-                      stacklevel=3)
+        warnings.warn(f"{path}: no model_type; read as Step-3.5 ({_accepted_families()})", ConfigWarning, stacklevel=3)
     unused = unused_keys(raw)
     if unused:
         names = []
         for key in unused:
             close = difflib.get_close_matches(key, sorted(FIELD_NAMES), n=1)
             names.append(key + (f" (did you mean {close[0]}?)" if close else ""))
-        warnings.warn(f"{path}: {len(unused)} key(s) that are no Step-3.5 config field, kept in the file but "
-                      f"not used: {', '.join(names)}", ConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"{path}: {len(unused)} key(s) that are no Step-3.5 config field, kept in the file but "
+            f"not used: {', '.join(names)}",
+            ConfigWarning,
+            stacklevel=3,
+        )
 
 
 _RELEASE_KEY_ORDER = (
-    "architectures", "auto_map", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "max_seq_len", "vocab_size", "torch_dtype", "use_qk_norm", "moe_layers_enum", "num_attention_heads",
-    "num_attention_groups", "head_dim", "use_moe", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
-    "share_expert_dim", "moe_layer_offset", "moe_every_n_layer", "norm_expert_weight", "moe_router_activation",
-    "moe_router_scaling_factor", "att_impl_type", "tie_word_embeddings", "rope_theta", "rope_scaling",
-    "yarn_only_types", "use_head_wise_attn_gate", "sliding_window", "use_moe_router_bias", "need_fp32_gate",
-    "sink", "layer_types", "use_rope_layers", "num_nextn_predict_layers", "partial_rotary_factors",
-    "eos_token_id", "bos_token_id", "attention_other_setting", "swiglu_limits", "swiglu_limits_shared",
-    "zero_centered", "max_position_embeddings",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "max_seq_len",
+    "vocab_size",
+    "torch_dtype",
+    "use_qk_norm",
+    "moe_layers_enum",
+    "num_attention_heads",
+    "num_attention_groups",
+    "head_dim",
+    "use_moe",
+    "moe_num_experts",
+    "moe_top_k",
+    "moe_intermediate_size",
+    "share_expert_dim",
+    "moe_layer_offset",
+    "moe_every_n_layer",
+    "norm_expert_weight",
+    "moe_router_activation",
+    "moe_router_scaling_factor",
+    "att_impl_type",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "yarn_only_types",
+    "use_head_wise_attn_gate",
+    "sliding_window",
+    "use_moe_router_bias",
+    "need_fp32_gate",
+    "sink",
+    "layer_types",
+    "use_rope_layers",
+    "num_nextn_predict_layers",
+    "partial_rotary_factors",
+    "eos_token_id",
+    "bos_token_id",
+    "attention_other_setting",
+    "swiglu_limits",
+    "swiglu_limits_shared",
+    "zero_centered",
+    "max_position_embeddings",
 )
 
 
@@ -487,8 +597,13 @@ def _flash_196b() -> dict[str, Any]:
         "att_impl_type": "GQA",
         "tie_word_embeddings": False,
         "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0] * 12,
-        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 131072,
-                         "low_freq_factor": 1.0, "high_freq_factor": 32.0},
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 2.0,
+            "original_max_position_embeddings": 131072,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 32.0,
+        },
         "yarn_only_types": ["full_attention"],
         "use_head_wise_attn_gate": True,
         "sliding_window": 512,
@@ -501,8 +616,13 @@ def _flash_196b() -> dict[str, Any]:
         "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0] * 12,
         "eos_token_id": [1, 2, 128007],
         "bos_token_id": 0,
-        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 96,
-                                    "num_attention_groups": 8, "head_dim": 128, "true_head_dim": 128},
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": 96,
+            "num_attention_groups": 8,
+            "head_dim": 128,
+            "true_head_dim": 128,
+        },
         "swiglu_limits": [0.0] * 43 + [7.0, 7.0] + [0.0] * (n - 45),
         "swiglu_limits_shared": [0.0] * 44 + [16.0] + [0.0] * (n - 45),
         "zero_centered": True,
@@ -519,36 +639,48 @@ def _tiny() -> dict[str, Any]:
     """
     raw = _flash_196b()
     n = 6
-    raw.update({
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 5,
-        "max_seq_len": 4096,
-        "max_position_embeddings": 4096,
-        "vocab_size": 1024,
-        "torch_dtype": "float32",
-        "moe_layers_enum": "1,2,3,4",
-        "num_attention_heads": 4,
-        "num_attention_groups": 2,
-        "head_dim": 32,
-        "moe_num_experts": 8,
-        "moe_top_k": 2,
-        "moe_intermediate_size": 64,
-        "share_expert_dim": 64,
-        "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0, 5000000.0, 10000.0],
-        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 1024,
-                         "low_freq_factor": 1.0, "high_freq_factor": 8.0},
-        "sliding_window": 64,
-        "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
-        "num_nextn_predict_layers": 1,
-        "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0, 0.5, 1.0],
-        "eos_token_id": [1],
-        "bos_token_id": 0,
-        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 6,
-                                    "num_attention_groups": 2, "head_dim": 32, "true_head_dim": 32},
-        "swiglu_limits": [0.0, 0.0, 0.0, 7.0, 7.0, 0.0],
-        "swiglu_limits_shared": [0.0, 0.0, 0.0, 0.0, 16.0, 0.0],
-    })
+    raw.update(
+        {
+            "hidden_size": 128,
+            "intermediate_size": 352,
+            "num_hidden_layers": 5,
+            "max_seq_len": 4096,
+            "max_position_embeddings": 4096,
+            "vocab_size": 1024,
+            "torch_dtype": "float32",
+            "moe_layers_enum": "1,2,3,4",
+            "num_attention_heads": 4,
+            "num_attention_groups": 2,
+            "head_dim": 32,
+            "moe_num_experts": 8,
+            "moe_top_k": 2,
+            "moe_intermediate_size": 64,
+            "share_expert_dim": 64,
+            "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0, 5000000.0, 10000.0],
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 2.0,
+                "original_max_position_embeddings": 1024,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 8.0,
+            },
+            "sliding_window": 64,
+            "layer_types": ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
+            "num_nextn_predict_layers": 1,
+            "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0, 0.5, 1.0],
+            "eos_token_id": [1],
+            "bos_token_id": 0,
+            "attention_other_setting": {
+                "attention_type": "sliding_attention",
+                "num_attention_heads": 6,
+                "num_attention_groups": 2,
+                "head_dim": 32,
+                "true_head_dim": 32,
+            },
+            "swiglu_limits": [0.0, 0.0, 0.0, 7.0, 7.0, 0.0],
+            "swiglu_limits_shared": [0.0, 0.0, 0.0, 0.0, 16.0, 0.0],
+        }
+    )
     assert len(raw["layer_types"]) == n
     return raw
 
@@ -572,12 +704,16 @@ def load_config(name_or_path: str | Path) -> Step35Config:
     if not path.exists():
         presets = ", ".join(sorted(PRESETS))
         if _looks_like_path(name):
-            raise ConfigError(f"{name}: no such file or folder (give a config.json, a checkpoint folder holding one, "
-                              f"or a preset: {presets})")
+            raise ConfigError(
+                f"{name}: no such file or folder (give a config.json, a checkpoint folder holding one, "
+                f"or a preset: {presets})"
+            )
         close = difflib.get_close_matches(name, sorted(PRESETS), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown preset {name!r}{hint}; the presets are: {presets} "
-                          "(or give a config.json file or a checkpoint folder holding one)")
+        raise ConfigError(
+            f"unknown preset {name!r}{hint}; the presets are: {presets} "
+            "(or give a config.json file or a checkpoint folder holding one)"
+        )
     return Step35Config.from_json(path)
 
 

@@ -185,14 +185,20 @@ class StopSignals:
         first = self.received is None
         if first:
             self.received = signum
-        write_stderr(f"[rank {self.rank}] step35: received {signal.Signals(signum).name} during '{current_phase()}'; "
-                     + ("stopping at the next step boundary (or validation batch) after writing a checkpoint\n" if first
-                        else "already stopping\n"))
+        write_stderr(
+            f"[rank {self.rank}] step35: received {signal.Signals(signum).name} during '{current_phase()}'; "
+            + (
+                "stopping at the next step boundary (or validation batch) after writing a checkpoint\n"
+                if first
+                else "already stopping\n"
+            )
+        )
 
 
 def ignore_at_exit(signals: tuple[int, ...]) -> None:
     """Ignores `signals` from the start of the interpreter's exit (atexit) on. A Python handler does
     not cover the whole exit: finalization resets it to the default action, while SIG_IGN stays."""
+
     def ignore() -> None:
         for signum in signals:
             signal.signal(signum, signal.SIG_IGN)
@@ -218,10 +224,19 @@ class Watchdog:
     GRACE_STEPS = 3.0
     RECENT_STEPS = 20
 
-    def __init__(self, timeout_s: float, rank: int, hint: str = "", signals: StopSignals | None = None,
-                 signal_grace_s: float = 20.0, world_size: int = 1):
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        hint: str = "",
+        signals: StopSignals | None = None,
+        signal_grace_s: float = 20.0,
+        world_size: int = 1,
+    ):
         if timeout_s <= 0 or signal_grace_s <= 0:
-            raise ValueError(f"watchdog timeout and signal grace must be > 0 seconds, got {timeout_s}, {signal_grace_s}")
+            raise ValueError(
+                f"watchdog timeout and signal grace must be > 0 seconds, got {timeout_s}, {signal_grace_s}"
+            )
         self.timeout_s = float(timeout_s)
         self.rank = rank
         self.hint = hint
@@ -249,7 +264,7 @@ class Watchdog:
 
     def record_step(self, seconds: float) -> None:
         """The duration of one finished optimizer step (called by the main thread)."""
-        self._steps = (*self._steps[-(self.RECENT_STEPS - 1):], float(seconds))
+        self._steps = (*self._steps[-(self.RECENT_STEPS - 1) :], float(seconds))
 
     def grace_s(self) -> float:
         """How long one phase may last after a stop signal: several times the slowest recent step, at
@@ -260,8 +275,10 @@ class Watchdog:
         steps = self._steps
         grace = max(self.signal_grace_s, self.GRACE_STEPS * max(steps, default=0.0))
         if grace > self.signal_grace_s:
-            return (f"signal grace {grace:.0f} s: {self.GRACE_STEPS:g} x the slowest of the last {len(steps)} "
-                    f"steps ({max(steps):.1f} s)")
+            return (
+                f"signal grace {grace:.0f} s: {self.GRACE_STEPS:g} x the slowest of the last {len(steps)} "
+                f"steps ({max(steps):.1f} s)"
+            )
         return f"signal grace {grace:.0f} s"
 
     def _run(self) -> None:
@@ -277,19 +294,28 @@ class Watchdog:
                 if stuck > grace:
                     handled = "" if signals.received is not None else ", the main thread never handled it"
                     why = " (a peer failed or stopped?)" if self.world_size > 1 else ""
-                    self._fire(f"a stop signal arrived {now - self._signal_at:.0f} s ago{handled}, and '{current_phase()}' "
-                               f"has made no progress for {stuck:.0f} s since ({self._grace_text()}): "
-                               f"this rank cannot reach the step boundary{why}, no checkpoint")
+                    self._fire(
+                        f"a stop signal arrived {now - self._signal_at:.0f} s ago{handled}, and '{current_phase()}' "
+                        f"has made no progress for {stuck:.0f} s since ({self._grace_text()}): "
+                        f"this rank cannot reach the step boundary{why}, no checkpoint"
+                    )
             idle = now - _PHASE.since
             if idle > self.timeout_s:
-                cause = ("another rank stopped responding or died, or this phase is slower than the timeout"
-                         if self.world_size > 1 else "this phase is stuck (data, I/O, a deadlock) or slower than the timeout")
-                self._fire(f"no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s) while in "
-                           f"'{current_phase()}'. Waiting there means {cause}{self.hint}")
+                cause = (
+                    "another rank stopped responding or died, or this phase is slower than the timeout"
+                    if self.world_size > 1
+                    else "this phase is stuck (data, I/O, a deadlock) or slower than the timeout"
+                )
+                self._fire(
+                    f"no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s) while in "
+                    f"'{current_phase()}'. Waiting there means {cause}{self.hint}"
+                )
 
     def _fire(self, reason: str) -> None:
-        write_stderr(f"\n[rank {self.rank}] step35 watchdog: {reason}. Ending this process with exit code "
-                     f"{EXIT_STALLED}; stacks of rank {self.rank}:\n")
+        write_stderr(
+            f"\n[rank {self.rank}] step35 watchdog: {reason}. Ending this process with exit code "
+            f"{EXIT_STALLED}; stacks of rank {self.rank}:\n"
+        )
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         except (OSError, ValueError, RuntimeError):
@@ -343,9 +369,11 @@ class LauncherWatch:
         now = os.getppid()
         if now == self.parent or self._stop.is_set():
             return
-        write_stderr(f"[rank {self.rank}] step35: the launcher (pid {self.parent}) is gone (this rank's parent is "
-                     f"now pid {now}) while in '{current_phase()}': ending this rank with exit code {EXIT_ORPHANED}, "
-                     "no checkpoint, so that it does not run beside a restarted job\n")
+        write_stderr(
+            f"[rank {self.rank}] step35: the launcher (pid {self.parent}) is gone (this rank's parent is "
+            f"now pid {now}) while in '{current_phase()}': ending this rank with exit code {EXIT_ORPHANED}, "
+            "no checkpoint, so that it does not run beside a restarted job\n"
+        )
         os._exit(EXIT_ORPHANED)
 
 
@@ -387,8 +415,9 @@ def watch_launcher(rank: int | None = None) -> bool:
     global _LAUNCHER_WATCH
     if _LAUNCHER_WATCH is None and started_by_launcher():
         place = job.this_process()
-        _LAUNCHER_WATCH = LauncherWatch((place.global_rank or 0) if rank is None else rank,
-                                        parent=_launcher_gone_before_import(place.launcher_pid)).start()
+        _LAUNCHER_WATCH = LauncherWatch(
+            (place.global_rank or 0) if rank is None else rank, parent=_launcher_gone_before_import(place.launcher_pid)
+        ).start()
     elif _LAUNCHER_WATCH is not None and rank is not None:
         _LAUNCHER_WATCH.rank = rank
     return _LAUNCHER_WATCH is not None
@@ -431,8 +460,10 @@ def report_failure(exception: BaseException, rank: int) -> None:
     where = _PHASE.failed_in or current_phase()
     lines = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
     body = "".join(prefix + line + "\n" for line in lines.rstrip("\n").split("\n"))
-    head = (f"{prefix}step35: run failed during '{where}': {type(exception).__name__}: "
-            f"{str(exception).splitlines()[0] if str(exception) else ''}\n")
+    head = (
+        f"{prefix}step35: run failed during '{where}': {type(exception).__name__}: "
+        f"{str(exception).splitlines()[0] if str(exception) else ''}\n"
+    )
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -465,8 +496,10 @@ def report_aftermath(exception: BaseException) -> bool:
     if earlier is None or id(earlier) in seen:
         return False
     text = str(exception).splitlines()[0] if str(exception) else ""
-    write_stderr(f"[rank {getattr(earlier, 'step35_rank', 0)}] step35: ending the run after that failure failed too: "
-                 f"{type(exception).__name__}: {text}\n")
+    write_stderr(
+        f"[rank {getattr(earlier, 'step35_rank', 0)}] step35: ending the run after that failure failed too: "
+        f"{type(exception).__name__}: {text}\n"
+    )
     return True
 
 
@@ -483,8 +516,10 @@ def abort_process_groups(timeout_s: float = 10.0) -> bool:
 
     abort = getattr(distributed_c10d, "_abort_process_group", None)
     if abort is None:
-        write_stderr(f"step35: torch {torch.__version__} has no torch.distributed.distributed_c10d._abort_process_group; "
-                "the process groups are left to the process exit (update step35/faults.py)\n")
+        write_stderr(
+            f"step35: torch {torch.__version__} has no torch.distributed.distributed_c10d._abort_process_group; "
+            "the process groups are left to the process exit (update step35/faults.py)\n"
+        )
         return False
     errors: list[BaseException] = []
 

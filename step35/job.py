@@ -98,8 +98,12 @@ def _environment() -> tuple[str, object | None]:
     with warnings.catch_warnings():
         # SLURM's "srun is available but not used" hint: the Trainer itself says it once, later.
         warnings.simplefilter("ignore")
-        for name, env_type in (("torchrun", TorchElasticEnvironment), ("slurm", SLURMEnvironment),
-                               ("lsf", LSFEnvironment), ("mpi", MPIEnvironment)):
+        for name, env_type in (
+            ("torchrun", TorchElasticEnvironment),
+            ("slurm", SLURMEnvironment),
+            ("lsf", LSFEnvironment),
+            ("mpi", MPIEnvironment),
+        ):
             if env_type.detect():
                 return name, env_type()
     return "lightning", None

@@ -27,8 +27,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from step35.checkpoint.training import keys
 
-_MODEL_CHECKPOINT = ("_save_checkpoint", "_should_skip_saving_checkpoint", "_save_topk_checkpoint",
-                     "_monitor_candidates")
+_MODEL_CHECKPOINT = (
+    "_save_checkpoint",
+    "_should_skip_saving_checkpoint",
+    "_save_topk_checkpoint",
+    "_monitor_candidates",
+)
 
 
 def _check(cls: type, names: tuple[str, ...], user: str) -> None:
@@ -36,8 +40,10 @@ def _check(cls: type, names: tuple[str, ...], user: str) -> None:
 
     missing = [n for n in names if not callable(getattr(cls, n, None))]
     if missing:
-        raise ImportError(f"lightning {lightning.__version__}: {cls.__name__} has no {', '.join(missing)}, which {user} "
-                          f"relies on; adapt step35/lightning_private.py to this Lightning")
+        raise ImportError(
+            f"lightning {lightning.__version__}: {cls.__name__} has no {', '.join(missing)}, which {user} "
+            f"relies on; adapt step35/lightning_private.py to this Lightning"
+        )
 
 
 _check(ModelCheckpoint, _MODEL_CHECKPOINT, "step35.callbacks.RunCheckpoint")
@@ -55,8 +61,10 @@ def save_now(callback: ModelCheckpoint, trainer) -> bool:
 def _missing(what: str, user: str) -> RuntimeError:
     import lightning
 
-    return RuntimeError(f"lightning {lightning.__version__} has no {what}, which {user} relies on; adapt "
-                        f"step35/lightning_private.py to this Lightning")
+    return RuntimeError(
+        f"lightning {lightning.__version__} has no {what}, which {user} relies on; adapt "
+        f"step35/lightning_private.py to this Lightning"
+    )
 
 
 def disable_signal_handlers(trainer) -> None:
@@ -99,7 +107,9 @@ def record_as_at_step_end(checkpoint: dict) -> None:
     except (KeyError, TypeError):
         consistent = False
     if not consistent:
-        raise _missing("a checkpoint entry loops.fit_loop['epoch_loop.batch_progress'] with the step's batch "
-                       "completed", "step35.callbacks.FaultTolerance (a stop during validation)")
+        raise _missing(
+            "a checkpoint entry loops.fit_loop['epoch_loop.batch_progress'] with the step's batch completed",
+            "step35.callbacks.FaultTolerance (a stop during validation)",
+        )
     for count in counts:
         count["completed"] -= 1

@@ -26,8 +26,15 @@ def wandb_key_configured() -> bool:
 class Step35WandbLogger(WandbLogger):
     """WandbLogger that runs offline when no API key is configured (sync later with `wandb sync`)."""
 
-    def __init__(self, project: str = "step35", name: str | None = None, save_dir: str | None = None,
-                 offline: bool | None = None, log_model: bool = False, **kwargs):
+    def __init__(
+        self,
+        project: str = "step35",
+        name: str | None = None,
+        save_dir: str | None = None,
+        offline: bool | None = None,
+        log_model: bool = False,
+        **kwargs,
+    ):
         """
         Args:
             project: wandb project.
@@ -47,8 +54,14 @@ class CSVLogger(LightningCSVLogger):
     """Lightning's CSVLogger with an optional save_dir: `<save_dir>/<name>/version_N/metrics.csv`, one
     version folder per attempt of a run."""
 
-    def __init__(self, save_dir: str | None = None, name: str = "csv", version: int | str | None = None,
-                 prefix: str = "", flush_logs_every_n_steps: int = 100):
+    def __init__(
+        self,
+        save_dir: str | None = None,
+        name: str = "csv",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ):
         """
         Args:
             save_dir: parent folder (default: the run folder under the CLI, else `runs`).
@@ -57,5 +70,10 @@ class CSVLogger(LightningCSVLogger):
             prefix: prefix of every metric name.
             flush_logs_every_n_steps: rows buffered before they are written.
         """
-        super().__init__(save_dir or "runs", name=name, version=version, prefix=prefix,
-                         flush_logs_every_n_steps=flush_logs_every_n_steps)
+        super().__init__(
+            save_dir or "runs",
+            name=name,
+            version=version,
+            prefix=prefix,
+            flush_logs_every_n_steps=flush_logs_every_n_steps,
+        )

@@ -107,8 +107,10 @@ class Step35LightningModule(pl.LightningModule):
         check_rules({"moe_bias_update_rate": (moe_bias_update_rate, lambda v: v >= 0, ">= 0")})
         self.model_config: Step35Config = model_config_of(config, checkpoint, config_overrides)
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
-            raise ValueError(f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
-                             "model config has use_moe_router_bias=false")
+            raise ValueError(
+                f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
+                "model config has use_moe_router_bias=false"
+            )
         self.trained = TrainedModel(self.model_config, num_mtp_layers, mtp_loss_weight, lora_config)
         self.trained.check(checkpoint)  # the shape against the folder's tensors, a LoRA rank: now, not at setup
         self.lora = lora_config
@@ -132,15 +134,19 @@ class Step35LightningModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         precision = str(getattr(self.trainer, "precision", ""))
         if self.lora is not None and precision.endswith("-true") and precision != "32-true":
-            raise ValueError(f"model.lora with trainer.precision={precision}: that casts the fp32 adapters too; "
-                             f"use trainer.precision 32-true and model.lora.base_dtype=bfloat16 (the frozen base "
-                             f"and the compute in bf16, the adapters fp32)")
+            raise ValueError(
+                f"model.lora with trainer.precision={precision}: that casts the fp32 adapters too; "
+                f"use trainer.precision 32-true and model.lora.base_dtype=bfloat16 (the frozen base "
+                f"and the compute in bf16, the adapters fp32)"
+            )
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         limit = self.model_config.max_position_embeddings
         if seq_len is not None and seq_len > limit:
-            raise ValueError(f"data.seq_len={seq_len} is larger than the model supports "
-                             f"(max_position_embeddings={limit} in the model config)")
+            raise ValueError(
+                f"data.seq_len={seq_len} is larger than the model supports "
+                f"(max_position_embeddings={limit} in the model config)"
+            )
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
 
@@ -150,8 +156,11 @@ class Step35LightningModule(pl.LightningModule):
         notes = check_resume(saved, self.model_config, dict(self.hparams))
         self.resume_checked = True
         if notes and self.trainer.is_global_zero:
-            print(f"step35: resuming {saved.path} with these settings changed by this run's options (the "
-                  f"checkpoint's are ignored): " + "; ".join(notes), flush=True)
+            print(
+                f"step35: resuming {saved.path} with these settings changed by this run's options (the "
+                f"checkpoint's are ignored): " + "; ".join(notes),
+                flush=True,
+            )
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -161,8 +170,13 @@ class Step35LightningModule(pl.LightningModule):
         # ... except a LoRA run's frozen base, which its checkpoints do not hold: read again from its folder.
         checkpoint = None if resuming and self.lora is None else self.hparams.checkpoint
         # Step35Strategy shards (EP, checkpointing, compile, FSDP2); another strategy leaves it whole.
-        self.model = training_model(self.trained, shard=getattr(strategy, "parallelize_model", None),
-                                    device=strategy.root_device, checkpoint=checkpoint, seed=self.hparams.init_seed)
+        self.model = training_model(
+            self.trained,
+            shard=getattr(strategy, "parallelize_model", None),
+            device=strategy.root_device,
+            checkpoint=checkpoint,
+            seed=self.hparams.init_seed,
+        )
         self.expert_counter = ExpertCounter(self.model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
 
     def on_train_start(self) -> None:
@@ -170,8 +184,11 @@ class Step35LightningModule(pl.LightningModule):
             # The restore brought back the checkpoint's lr, betas, eps and weight decay in the
             # optimizer and its lr in the schedule: the run's own options win (step35/run/resume.py).
             schedulers = self.trainer.lr_scheduler_configs
-            apply_resumed_settings(self.trainer.optimizers[0], self.optimization.group_settings(),
-                                   schedulers[0].scheduler if schedulers else None)
+            apply_resumed_settings(
+                self.trainer.optimizers[0],
+                self.optimization.group_settings(),
+                schedulers[0].scheduler if schedulers else None,
+            )
 
     @functools.cached_property
     def _lora_base(self) -> dict:
@@ -189,8 +206,13 @@ class Step35LightningModule(pl.LightningModule):
         # single-file checkpoint this is still before the weights are loaded (a sharded one has loaded
         # them and failed on a shape).
         if not self.resume_checked:
-            self._check_resume(SavedRun(checkpoint_to_load(self.trainer) or Path("the checkpoint"),
-                                        dict(checkpoint.get(keys.HYPER_PARAMETERS) or {}), checkpoint.get(keys.MODEL_CONFIG)))
+            self._check_resume(
+                SavedRun(
+                    checkpoint_to_load(self.trainer) or Path("the checkpoint"),
+                    dict(checkpoint.get(keys.HYPER_PARAMETERS) or {}),
+                    checkpoint.get(keys.MODEL_CONFIG),
+                )
+            )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's own config.json travels with every checkpoint: `step35 export` needs no other source.
@@ -233,8 +255,10 @@ class Step35LightningModule(pl.LightningModule):
             # Nothing to average over: no update at all (as DivergenceGuard's skip: AdamW then leaves
             # weights, moments and step count alone, clipping sees no gradient, router counts dropped).
             optimizer.zero_grad(set_to_none=True)
-            rank_zero_warn(f"step {self.trainer.global_step}: every label of the step is masked (-100); "
-                           "no token to train on, the optimizer step is skipped")
+            rank_zero_warn(
+                f"step {self.trainer.global_step}: every label of the step is masked (-100); "
+                "no token to train on, the optimizer step is skipped"
+            )
         else:
             factor = step.gradient_factor(self.trainer.accumulate_grad_batches, ranks)
             if factor is not None:

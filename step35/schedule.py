@@ -34,8 +34,14 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
     length it was built with; loading it keeps that length unless this run's length came from
     `model.decay_steps` (`length_from_option`). Warmup and floor are taken from this run's options."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float,
-                 length_from_option: bool = False):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int,
+        total_steps: int,
+        min_ratio: float,
+        length_from_option: bool = False,
+    ):
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.min_ratio = min_ratio
@@ -52,19 +58,25 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "total_steps" not in state_dict:
-            raise ValueError(f"the checkpoint's LR scheduler state (keys {sorted(state_dict)}) is not step35's "
-                             "warmup-cosine schedule: it has no total_steps")
+            raise ValueError(
+                f"the checkpoint's LR scheduler state (keys {sorted(state_dict)}) is not step35's "
+                "warmup-cosine schedule: it has no total_steps"
+            )
         mine = (self.warmup_steps, self.total_steps, self.min_ratio, self.length_from_option)
         super().load_state_dict(state_dict)  # the position (last_epoch), base lrs, ...
         self.warmup_steps, self.total_steps, self.min_ratio, self.length_from_option = mine
         saved = state_dict["total_steps"]
         if saved != self.total_steps:
             if self.length_from_option:
-                rank_zero_info(f"LR schedule: model.decay_steps={self.total_steps} replaces the checkpoint's "
-                               f"schedule length of {saved} steps")
+                rank_zero_info(
+                    f"LR schedule: model.decay_steps={self.total_steps} replaces the checkpoint's "
+                    f"schedule length of {saved} steps"
+                )
             else:
-                rank_zero_info(f"LR schedule: keeping the checkpoint's cosine length of {saved} steps (this run's "
-                               f"trainer.max_steps is {self.total_steps}); set model.decay_steps to change it")
+                rank_zero_info(
+                    f"LR schedule: keeping the checkpoint's cosine length of {saved} steps (this run's "
+                    f"trainer.max_steps is {self.total_steps}); set model.decay_steps to change it"
+                )
                 self.total_steps = saved
         # The optimizer state (restored before this) holds the lr of the saved schedule; the step about to
         # run must already use this run's (decay_steps, warmup, floor may differ).

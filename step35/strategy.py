@@ -88,10 +88,15 @@ class Step35Strategy(ModelParallelStrategy):
         backend = None if process_group_backend == "auto" else process_group_backend
         # The backend's own collective timeout is a backstop 30 s behind the watchdog (FaultTolerance),
         # which names the phase; subgroups of the device meshes keep torch's default timeout anyway.
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=backend,
-                         timeout=timedelta(minutes=timeout_minutes, seconds=30))
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=backend,
+            timeout=timedelta(minutes=timeout_minutes, seconds=30),
+        )
         if activation_checkpointing not in ("none", "selective", "full"):
-            raise ValueError(f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}")
+            raise ValueError(
+                f"activation_checkpointing must be none, selective or full, got {activation_checkpointing!r}"
+            )
         self.expert_parallel_size = expert_parallel_size
         self.replicate_size = replicate_size
         self.context_parallel_size = context_parallel_size
@@ -119,9 +124,13 @@ class Step35Strategy(ModelParallelStrategy):
         # group init below can wait for peers, and the model build and checkpoint load take long.
         faults.watch_launcher()  # (the rank is known after _setup_distributed)
         world = self.num_nodes * self.num_processes
-        dims = ParallelDims(world, self.expert_parallel_size, self.replicate_size,
-                            num_experts=num_routed_experts(self.lightning_module),
-                            context_parallel_size=self.context_parallel_size)
+        dims = ParallelDims(
+            world,
+            self.expert_parallel_size,
+            self.replicate_size,
+            num_experts=num_routed_experts(self.lightning_module),
+            context_parallel_size=self.context_parallel_size,
+        )
         seq_len = _data_seq_len(self.lightning_module)
         if seq_len is not None:
             dims.check_seq_len(seq_len)
@@ -146,9 +155,14 @@ class Step35Strategy(ModelParallelStrategy):
         env = self.cluster_environment
         store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=self._timeout)
         device = self.root_device
-        dist.init_process_group(self._get_process_group_backend(), store=dist.PrefixStore(f"step35/attempt_{attempt}", store),
-                                rank=env.global_rank(), world_size=env.world_size(), timeout=self._timeout,
-                                device_id=device if device.type != "cpu" else None)
+        dist.init_process_group(
+            self._get_process_group_backend(),
+            store=dist.PrefixStore(f"step35/attempt_{attempt}", store),
+            rank=env.global_rank(),
+            world_size=env.world_size(),
+            timeout=self._timeout,
+            device_id=device if device.type != "cpu" else None,
+        )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -168,9 +182,15 @@ class Step35Strategy(ModelParallelStrategy):
     def parallelize_model(self, model) -> None:
         """Called by the LightningModule's configure_model on the meta-device model."""
         assert self.meshes is not None, "parallelize_model runs after setup_environment"
-        parallelize(model, self.meshes, activation_checkpointing=self.activation_checkpointing, compile=self.compile,
-                    reshard_after_forward=self.reshard_after_forward, param_dtype=self.param_dtype,
-                    reduce_dtype=self.reduce_dtype)
+        parallelize(
+            model,
+            self.meshes,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+        )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write into a temporary sibling, hash (each rank its own shards), manifest last, then publish:
@@ -203,8 +223,10 @@ class Step35Strategy(ModelParallelStrategy):
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
             detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0])  # DCP: the last error line
             error = e
-            failure = (disk_full(e, path.parent), f"{path}: sharded save failed on rank {self.global_rank} "
-                                                  f"({detail[:300]})")
+            failure = (
+                disk_full(e, path.parent),
+                f"{path}: sharded save failed on rank {self.global_rank} ({detail[:300]})",
+            )
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (entries, failure))  # every rank learns of a failure on any rank
         failures = [f for _, f in gathered if f is not None]

@@ -21,5 +21,14 @@ from step35.callbacks.memory import MemoryMonitor
 from step35.callbacks.progress import Step35ProgressBar
 from step35.callbacks.throughput import SpeedMonitor
 
-__all__ = ["DivergenceError", "DivergenceGuard", "ExpertLoadMonitor", "FaultTolerance",
-           "FinalValidation", "MemoryMonitor", "RunCheckpoint", "SpeedMonitor", "Step35ProgressBar"]
+__all__ = [
+    "DivergenceError",
+    "DivergenceGuard",
+    "ExpertLoadMonitor",
+    "FaultTolerance",
+    "FinalValidation",
+    "MemoryMonitor",
+    "RunCheckpoint",
+    "SpeedMonitor",
+    "Step35ProgressBar",
+]

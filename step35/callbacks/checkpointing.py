@@ -64,13 +64,25 @@ class RunCheckpoint(ModelCheckpoint):
             verbose: print each save.
         """
         if keep_last < 1:
-            raise ValueError(f"RunCheckpoint.keep_last={keep_last}: must be >= 1 (the newest checkpoint is always kept)")
+            raise ValueError(
+                f"RunCheckpoint.keep_last={keep_last}: must be >= 1 (the newest checkpoint is always kept)"
+            )
         # save_top_k=-1: Lightning deletes nothing (retention is ours); no save_last (not atomic);
         # no version counter: a save whose earlier attempt was killed overwrites what it left.
-        super().__init__(dirpath=dirpath, filename=filename, monitor=None, verbose=verbose, save_last=False,
-                         save_top_k=-1, save_weights_only=save_weights_only, auto_insert_metric_name=False,
-                         every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval,
-                         every_n_epochs=every_n_epochs, enable_version_counter=False)
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=None,
+            verbose=verbose,
+            save_last=False,
+            save_top_k=-1,
+            save_weights_only=save_weights_only,
+            auto_insert_metric_name=False,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            enable_version_counter=False,
+        )
         self.keep_last = keep_last
         self.save_on_train_end = save_on_train_end
         self._resumed_from: Path | None = None
@@ -117,8 +129,11 @@ class RunCheckpoint(ModelCheckpoint):
         folder = Path(self.dirpath).resolve()
         if folder == run.root.resolve() or run.root.resolve() in folder.parents or lock.held(RunFolder(folder)):
             return
-        note = lock.acquire(RunFolder(folder), what="the checkpoint folder (RunCheckpoint.dirpath) ",
-                            remedy="give this run its own RunCheckpoint.dirpath")
+        note = lock.acquire(
+            RunFolder(folder),
+            what="the checkpoint folder (RunCheckpoint.dirpath) ",
+            remedy="give this run its own RunCheckpoint.dirpath",
+        )
         self._dirpath_lock = RunFolder(folder)
         if note:
             say(note)
@@ -150,9 +165,11 @@ class RunCheckpoint(ModelCheckpoint):
         if (resumed := checkpoint_to_load(trainer)) is not None:
             self._resumed_from = resumed.resolve()
         elif trainer.is_global_zero and (newest := catalog.newest_complete([self.dirpath])) is not None:
-            say(f"{self.dirpath} already holds checkpoints up to step {newest.global_step}, but this run starts "
+            say(
+                f"{self.dirpath} already holds checkpoints up to step {newest.global_step}, but this run starts "
                 f"from scratch: its saves join them, and --ckpt_path last|auto picks the highest step "
-                f"(--ckpt_path auto resumes instead; a new --run_dir keeps runs apart)")
+                f"(--ckpt_path auto resumes instead; a new --run_dir keeps runs apart)"
+            )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)

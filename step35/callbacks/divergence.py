@@ -94,9 +94,12 @@ class DivergenceGuard(pl.Callback):
             raise DivergenceError(
                 f"{self.consecutive_skips} consecutive optimizer steps had non-finite values; stopping. Last: "
                 f"{message}. Lower model.lr, set trainer.gradient_clip_val, or resume from an earlier checkpoint "
-                f"(DivergenceGuard max_consecutive_skips={self.max_consecutive_skips})")
-        rank_zero_warn(f"{message}; step skipped, weights and optimizer state unchanged "
-                       f"({self.consecutive_skips} in a row, stopping at {self.max_consecutive_skips})")
+                f"(DivergenceGuard max_consecutive_skips={self.max_consecutive_skips})"
+            )
+        rank_zero_warn(
+            f"{message}; step skipped, weights and optimizer state unchanged "
+            f"({self.consecutive_skips} in a row, stopping at {self.max_consecutive_skips})"
+        )
 
     @staticmethod
     def _describe(trainer: pl.Trainer, flags: torch.Tensor, names: list[str]) -> str:
@@ -108,11 +111,13 @@ class DivergenceGuard(pl.Callback):
             # Backward runs from the loss towards the embedding, i.e. against model order: the last
             # parameter in model order is the first that received non-finite gradients.
             shown = ", ".join(bad[:6]) + (", ..." if len(bad) > 6 else "")
-            parts.append(f"non-finite gradients in {len(bad)} of {len(names)} parameters, first in backward "
-                         f"order: {bad[-1]} (in model order: {shown})")
+            parts.append(
+                f"non-finite gradients in {len(bad)} of {len(names)} parameters, first in backward "
+                f"order: {bad[-1]} (in model order: {shown})"
+            )
         return f"step {trainer.global_step}: " + "; ".join(parts)
 
 
 def _hf_name(name: str) -> str:
     """Step35LightningModule keeps the model under `.model`: drop that prefix to get the HF name."""
-    return name[len("model."):] if name.startswith("model.model.") or name.startswith("model.lm_head") else name
+    return name[len("model.") :] if name.startswith("model.model.") or name.startswith("model.lm_head") else name

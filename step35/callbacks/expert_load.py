@@ -104,8 +104,9 @@ class ExpertLoadMonitor(pl.Callback):
         if every_n_steps < 0 or heatmap_every_n_steps < 0:
             raise ValueError("every_n_steps and heatmap_every_n_steps must be >= 0")
         if heatmap_every_n_steps and (not every_n_steps or heatmap_every_n_steps % every_n_steps):
-            raise ValueError(f"heatmap_every_n_steps={heatmap_every_n_steps} must be a multiple of "
-                             f"every_n_steps={every_n_steps}")
+            raise ValueError(
+                f"heatmap_every_n_steps={heatmap_every_n_steps} must be a multiple of every_n_steps={every_n_steps}"
+            )
         self.every_n_steps = every_n_steps
         self.heatmap_every_n_steps = heatmap_every_n_steps
         self.per_layer = per_layer
@@ -175,9 +176,14 @@ class ExpertLoadMonitor(pl.Callback):
             if moe.router_bias is None:
                 continue
             b = moe.router_bias.detach().float().cpu()  # host sync (heatmap interval only)
-            metrics.update({f"router_bias/layer{i}/min": float(b.min()), f"router_bias/layer{i}/max": float(b.max()),
-                            f"router_bias/layer{i}/mean": float(b.mean()),
-                            f"router_bias/layer{i}/std": float(b.std(unbiased=False))})
+            metrics.update(
+                {
+                    f"router_bias/layer{i}/min": float(b.min()),
+                    f"router_bias/layer{i}/max": float(b.max()),
+                    f"router_bias/layer{i}/mean": float(b.mean()),
+                    f"router_bias/layer{i}/std": float(b.std(unbiased=False)),
+                }
+            )
         return metrics
 
     @rank_zero_only
@@ -185,25 +191,32 @@ class ExpertLoadMonitor(pl.Callback):
         step = trainer.global_step
         self.out_dir.mkdir(parents=True, exist_ok=True)
         png = self.out_dir / f"heatmap_step{step:07d}.png"
-        save_heatmap(counts, self.counter.layer_ids, png,
-                     f"expert load, steps {steps[0]}-{steps[1]} (tokens / layer mean)")
+        save_heatmap(
+            counts, self.counter.layer_ids, png, f"expert load, steps {steps[0]}-{steps[1]} (tokens / layer mean)"
+        )
         save_counts_csv(counts, self.counter.layer_ids, self.out_dir / f"counts_step{step:07d}.csv")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 from matplotlib.image import imread
 
                 image = imread(png)[..., :3]  # [H, W, RGBA] floats in [0, 1]; TensorBoard takes RGB
-                logger.experiment.add_image("expert_load/heatmap", image, global_step=metric_step(trainer),
-                                            dataformats="HWC")
+                logger.experiment.add_image(
+                    "expert_load/heatmap", image, global_step=metric_step(trainer), dataformats="HWC"
+                )
                 for i, moe in zip(self.counter.layer_ids, self.counter.layers):
                     if moe.router_bias is not None:
-                        logger.experiment.add_histogram(f"router_bias/layer{i}/hist",
-                                                        moe.router_bias.detach().float().cpu().numpy(),
-                                                        global_step=metric_step(trainer))
+                        logger.experiment.add_histogram(
+                            f"router_bias/layer{i}/hist",
+                            moe.router_bias.detach().float().cpu().numpy(),
+                            global_step=metric_step(trainer),
+                        )
             if isinstance(logger, WandbLogger):
                 import wandb
 
                 logger.log_image("expert_load/heatmap", [str(png)], step=metric_step(trainer))
-                hists = {f"router_bias/layer{i}/hist": wandb.Histogram(moe.router_bias.detach().float().cpu().numpy())
-                         for i, moe in zip(self.counter.layer_ids, self.counter.layers) if moe.router_bias is not None}
+                hists = {
+                    f"router_bias/layer{i}/hist": wandb.Histogram(moe.router_bias.detach().float().cpu().numpy())
+                    for i, moe in zip(self.counter.layer_ids, self.counter.layers)
+                    if moe.router_bias is not None
+                }
                 logger.log_metrics(hists, step=metric_step(trainer))

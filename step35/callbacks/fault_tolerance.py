@@ -74,8 +74,9 @@ def complete_checkpoint_of(trainer: pl.Trainer, step: int) -> str | None:
     filesystem: call it on one rank and broadcast."""
     folders = [getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks]
     folders = [Path(f) for f in [*folders, preempt_checkpoint_dir(trainer)] if f]
-    found = [c for folder in dict.fromkeys(folders) for c in catalog.complete_checkpoints(folder)
-             if c.global_step == step]
+    found = [
+        c for folder in dict.fromkeys(folders) for c in catalog.complete_checkpoints(folder) if c.global_step == step
+    ]
     return str(max(found, key=lambda c: c.saved_ns).path) if found else None
 
 
@@ -128,8 +129,13 @@ class PhaseMarks(Callback):
 
 
 class FaultTolerance(Checkpoint):
-    def __init__(self, timeout_minutes: float | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
-                 signal_grace_s: float = 20.0, watchdog: bool = True):
+    def __init__(
+        self,
+        timeout_minutes: float | None = None,
+        signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+        signal_grace_s: float = 20.0,
+        watchdog: bool = True,
+    ):
         """
         Args:
             timeout_minutes: watchdog: a rank that makes no progress for this long ends with exit code
@@ -147,10 +153,13 @@ class FaultTolerance(Checkpoint):
         """
         self.timeout_minutes = timeout_minutes
         try:
-            self.signals = tuple(signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
-                                 for name in signals)
+            self.signals = tuple(
+                signal.Signals[name] if isinstance(name, str) else signal.Signals(name) for name in signals
+            )
         except KeyError as error:
-            raise ValueError(f"FaultTolerance.signals: unknown signal {error.args[0]!r} (e.g. SIGTERM, SIGUSR1)") from None
+            raise ValueError(
+                f"FaultTolerance.signals: unknown signal {error.args[0]!r} (e.g. SIGTERM, SIGUSR1)"
+            ) from None
         if signal_grace_s <= 0:
             raise ValueError(f"FaultTolerance.signal_grace_s must be > 0, got {signal_grace_s}")
         self.signal_grace_s = signal_grace_s
@@ -184,9 +193,14 @@ class FaultTolerance(Checkpoint):
                 minutes, option = trainer.strategy.timeout_minutes, "trainer.strategy.timeout_minutes"
             if minutes is None:
                 minutes = DEFAULT_TIMEOUT_MINUTES
-            self.watchdog = faults.Watchdog(minutes * 60, rank, signals=self.stop_signals,
-                                            signal_grace_s=self.signal_grace_s, world_size=trainer.world_size,
-                                            hint=f" (raise {option} if it is slow, not stuck)")
+            self.watchdog = faults.Watchdog(
+                minutes * 60,
+                rank,
+                signals=self.stop_signals,
+                signal_grace_s=self.signal_grace_s,
+                world_size=trainer.world_size,
+                hint=f" (raise {option} if it is slow, not stuck)",
+            )
             faults.set_phase("setup: model build, checkpoint load", patient=True)
             self.watchdog.start()
 
@@ -275,9 +289,14 @@ class FaultTolerance(Checkpoint):
         faults.set_phase("validation: stop-signal agreement", step=step)
         local = self._stop_requested_here()
         if self._any_rank(trainer, local):
-            self._stop(trainer, step, local, during=f"during the validation after step {step} (cut short "
-                                                    f"before batch {batch_idx + 1}{_of_val_batches(trainer)}, "
-                                                    f"its metrics not logged)")
+            self._stop(
+                trainer,
+                step,
+                local,
+                during=f"during the validation after step {step} (cut short "
+                f"before batch {batch_idx + 1}{_of_val_batches(trainer)}, "
+                f"its metrics not logged)",
+            )
         faults.set_phase("validation", step=step)
 
     def _stop_requested_here(self) -> bool:
@@ -313,9 +332,11 @@ class FaultTolerance(Checkpoint):
                 logger.save()
         saved = self._saved_already(trainer, step)
         if saved is not None:
-            message = (f"step35: stopped by {cause} {when}; step {step} is saved already ({saved}), so no "
-                       f"second checkpoint of it is written; exit code {faults.EXIT_PREEMPTED} (continue with "
-                       f"--ckpt_path auto, or --ckpt_path {saved})")
+            message = (
+                f"step35: stopped by {cause} {when}; step {step} is saved already ({saved}), so no "
+                f"second checkpoint of it is written; exit code {faults.EXIT_PREEMPTED} (continue with "
+                f"--ckpt_path auto, or --ckpt_path {saved})"
+            )
         else:
             path = str(preempt_checkpoint(preempt_checkpoint_dir(trainer), step))
             faults.set_phase("pre-emption checkpoint save", step=step, patient=True)
@@ -326,7 +347,9 @@ class FaultTolerance(Checkpoint):
             finally:
                 self._saving_in_validation = False
             self.preempt_path = path
-            message = (f"step35: stopped by {cause} {when}; checkpoint {path}; exit code "
-                       f"{faults.EXIT_PREEMPTED} (continue with --ckpt_path auto, or --ckpt_path {path})")
+            message = (
+                f"step35: stopped by {cause} {when}; checkpoint {path}; exit code "
+                f"{faults.EXIT_PREEMPTED} (continue with --ckpt_path auto, or --ckpt_path {path})"
+            )
         faults.write_stderr(f"[rank {trainer.global_rank}] {message}\n")
         raise faults.Preempted(message)

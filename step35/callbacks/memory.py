@@ -38,10 +38,12 @@ def device_memory_stats(device: torch.device) -> dict[str, float]:
     backend = _accelerator_module(device)
     if backend is not None:
         stats = backend.memory_stats(device)
-        return {"allocated": stats.get("allocated_bytes.all.current", 0),
-                "reserved": stats.get("reserved_bytes.all.current", 0),
-                "peak": stats.get("allocated_bytes.all.peak", 0),
-                "alloc_retries": stats.get("num_alloc_retries", 0)}
+        return {
+            "allocated": stats.get("allocated_bytes.all.current", 0),
+            "reserved": stats.get("reserved_bytes.all.current", 0),
+            "peak": stats.get("allocated_bytes.all.peak", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0),
+        }
     rss = psutil.Process().memory_info().rss
     return {"allocated": rss, "reserved": rss, "peak": max(rss, peak_host_rss()), "alloc_retries": 0}
 
@@ -50,8 +52,10 @@ def memory_summary(device: torch.device) -> str:
     """What is allocated, readable: the allocator's table on CUDA/NPU, host numbers on CPU."""
     backend = _accelerator_module(device)
     host = psutil.virtual_memory()
-    lines = [f"host: process RSS {psutil.Process().memory_info().rss / GiB:.2f} GiB, peak RSS "
-             f"{peak_host_rss() / GiB:.2f} GiB, available {host.available / GiB:.2f} of {host.total / GiB:.2f} GiB"]
+    lines = [
+        f"host: process RSS {psutil.Process().memory_info().rss / GiB:.2f} GiB, peak RSS "
+        f"{peak_host_rss() / GiB:.2f} GiB, available {host.available / GiB:.2f} of {host.total / GiB:.2f} GiB"
+    ]
     if backend is not None:
         try:
             lines.append(backend.memory_summary(device))
@@ -62,7 +66,8 @@ def memory_summary(device: torch.device) -> str:
 
 def is_out_of_memory(exception: BaseException) -> bool:
     return isinstance(exception, torch.OutOfMemoryError) or (
-        isinstance(exception, RuntimeError) and "out of memory" in str(exception).lower())
+        isinstance(exception, RuntimeError) and "out of memory" in str(exception).lower()
+    )
 
 
 class MemoryMonitor(pl.Callback):
@@ -103,7 +108,9 @@ class MemoryMonitor(pl.Callback):
         if not is_out_of_memory(exception):
             return
         device = pl_module.device
-        message = (f"[rank {trainer.global_rank}] out of memory on {device} at step {trainer.global_step}: "
-                   f"{str(exception).splitlines()[0] if str(exception) else type(exception).__name__}\n"
-                   f"{memory_summary(device)}")
+        message = (
+            f"[rank {trainer.global_rank}] out of memory on {device} at step {trainer.global_step}: "
+            f"{str(exception).splitlines()[0] if str(exception) else type(exception).__name__}\n"
+            f"{memory_summary(device)}"
+        )
         print(message, file=sys.stderr, flush=True)

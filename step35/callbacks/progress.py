@@ -58,8 +58,9 @@ class Step35ProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         """The stream has no epochs that mean anything: the bar is not reset."""
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._tokens += rank_batch_tokens(trainer, batch)[0]  # a cp rank computes its share
         step = trainer.global_step
         if step == self._step:  # within gradient accumulation: the step has not ended

@@ -25,16 +25,16 @@ from step35.kernels.sequence_split import rank_tokens
 # Peak dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s, matched by substring of the device name in
 # this order (specific names first). NVIDIA datasheets print bf16 "with sparsity"; dense is half.
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("H100 PCIe", 756.0),   # NVIDIA H100 datasheet: BF16 1,513 TFLOPS with sparsity
-    ("H100 NVL", 835.0),    # NVIDIA H100 datasheet (NVL): BF16 1,671 with sparsity
-    ("H200 NVL", 835.0),    # NVIDIA H200 datasheet (NVL): BF16 1,671 with sparsity
-    ("GH200", 989.0),       # NVIDIA GH200 datasheet: same Hopper GPU as H100 SXM
-    ("H100", 989.0),        # NVIDIA H100 datasheet (SXM5): BF16 1,979 with sparsity
-    ("H200", 989.0),        # NVIDIA H200 datasheet (SXM): BF16 1,979 with sparsity
-    ("H800", 989.0),        # same SXM5 compute as H100 (interconnect differs)
-    ("A100", 312.0),        # NVIDIA A100 datasheet: BF16 312 dense (624 with sparsity), SXM and PCIe
-    ("A800", 312.0),        # A100 compute
-    ("B200", 2250.0),       # NVIDIA HGX B200 datasheet: FP16/BF16 4.5 PFLOPS with sparsity per GPU
+    ("H100 PCIe", 756.0),  # NVIDIA H100 datasheet: BF16 1,513 TFLOPS with sparsity
+    ("H100 NVL", 835.0),  # NVIDIA H100 datasheet (NVL): BF16 1,671 with sparsity
+    ("H200 NVL", 835.0),  # NVIDIA H200 datasheet (NVL): BF16 1,671 with sparsity
+    ("GH200", 989.0),  # NVIDIA GH200 datasheet: same Hopper GPU as H100 SXM
+    ("H100", 989.0),  # NVIDIA H100 datasheet (SXM5): BF16 1,979 with sparsity
+    ("H200", 989.0),  # NVIDIA H200 datasheet (SXM): BF16 1,979 with sparsity
+    ("H800", 989.0),  # same SXM5 compute as H100 (interconnect differs)
+    ("A100", 312.0),  # NVIDIA A100 datasheet: BF16 312 dense (624 with sparsity), SXM and PCIe
+    ("A800", 312.0),  # A100 compute
+    ("B200", 2250.0),  # NVIDIA HGX B200 datasheet: FP16/BF16 4.5 PFLOPS with sparsity per GPU
     # ASSUMPTION: Huawei publishes no per-variant 910B datasheet number; ~320 TFLOPS fp16/bf16 is
     # the figure reported by third parties (the original Ascend 910: 256 TFLOPS fp16, Hot Chips 2019).
     # Override with peak_tflops on 910B1-B4, which differ in core count.
@@ -117,8 +117,10 @@ class SpeedMonitor(pl.Callback):
         self._t0 = None
         self._peak = self.peak_tflops or peak_tflops_for(device_name(pl_module.device))
         if self._peak is None:
-            rank_zero_info(f"SpeedMonitor: no peak TFLOP/s known for device '{device_name(pl_module.device)}'; "
-                           "MFU is not logged (set peak_tflops to get it)")
+            rank_zero_info(
+                f"SpeedMonitor: no peak TFLOP/s known for device '{device_name(pl_module.device)}'; "
+                "MFU is not logged (set peak_tflops to get it)"
+            )
         config = getattr(pl_module, "model_config", None)
         model = getattr(pl_module, "model", None)
         mtp_weight = getattr(pl_module, "hparams", {}).get("mtp_loss_weight", 0.0)

@@ -76,8 +76,12 @@ def hash_files(path: str | Path, names: Iterable[str]) -> dict[str, dict]:
     return {name: file_entry(path if name == _SELF else path / name) for name in names}
 
 
-def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[str, dict] | None = None,
-                   names: Iterable[str] | None = None) -> Path:
+def write_manifest(
+    path: str | Path,
+    extra: dict | None = None,
+    entries: dict[str, dict] | None = None,
+    names: Iterable[str] | None = None,
+) -> Path:
     """Write the manifest of the finished checkpoint `path` (call it last, before `publish`). It covers
     `names` (default: every file of the folder); those missing from `entries` (precomputed by other
     ranks) are hashed here. Returns the manifest's path."""
@@ -88,8 +92,13 @@ def write_manifest(path: str | Path, extra: dict | None = None, entries: dict[st
     if unknown:
         raise CheckpointError(f"{path}: hashed files that are not in the checkpoint: {unknown[:3]}")
     entries.update(hash_files(path, [n for n in names if n not in entries]))
-    manifest = {"format": FORMAT, "version": VERSION, "hash": "crc32",
-                "files": {n: entries[n] for n in names}, "extra": extra or {}}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "hash": "crc32",
+        "files": {n: entries[n] for n in names},
+        "extra": extra or {},
+    }
     target = manifest_path(path)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -104,8 +113,10 @@ def _read_manifest(path: Path) -> dict:
     if not target.exists():
         if not path.exists():
             raise CheckpointError(f"{path}: no such checkpoint")
-        raise ManifestMissing(f"{path}: no {target.name}: the save that wrote it did not finish (or it predates "
-                              f"manifests; if you trust it: python -m step35.checkpoint.integrity write {path})")
+        raise ManifestMissing(
+            f"{path}: no {target.name}: the save that wrote it did not finish (or it predates "
+            f"manifests; if you trust it: python -m step35.checkpoint.integrity write {path})"
+        )
     try:
         manifest = json.loads(target.read_text())
         if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
@@ -153,19 +164,28 @@ def verify(path: str | Path, rank: int = 0, world_size: int = 1, sizes_only: boo
             raise CheckpointError(f"{file}: missing (listed in the checkpoint's manifest)")
         size = file.stat().st_size
         if size != files[name]["size"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {files[name]['size']}: truncated or "
-                                  f"overwritten")
+            raise CheckpointError(
+                f"{file}: {size} bytes, the manifest says {files[name]['size']}: truncated or overwritten"
+            )
     if not sizes_only:
         for i, name in enumerate(names):
             if i % world_size != rank:
                 continue
             file = path if name == _SELF else path / name
             if crc32_file(file) != files[name]["crc32"]:
-                reason = (f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
-                          f"{files[name]['crc32']}): the file is damaged")
+                reason = (
+                    f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
+                    f"{files[name]['crc32']}): the file is damaged"
+                )
                 record = record_damage(path, reason)
-                raise CheckpointError(reason + (f" (recorded in {record.name}: --ckpt_path last|auto now skip this "
-                                                f"checkpoint)" if record else ""))
+                raise CheckpointError(
+                    reason
+                    + (
+                        f" (recorded in {record.name}: --ckpt_path last|auto now skip this checkpoint)"
+                        if record
+                        else ""
+                    )
+                )
     return manifest
 
 
@@ -217,8 +237,10 @@ def verify_for_load(path: str | Path, hash_share: tuple[int, int] = (0, 1)) -> d
     except ManifestMissing:
         import warnings
 
-        warnings.warn(f"{path}: no step35 manifest (saved by an older step35 or outside it): loading it "
-                      f"without checksums", stacklevel=2)
+        warnings.warn(
+            f"{path}: no step35 manifest (saved by an older step35 or outside it): loading it without checksums",
+            stacklevel=2,
+        )
         return None
 
 
@@ -236,7 +258,8 @@ def require_manifest(path: str | Path, allow_unverified: bool, option: str) -> b
         raise ManifestMissing(
             f"{path}: no {manifest_path(path).name}, so its integrity cannot be checked (its save did not finish, or "
             f"it predates manifests): refused. If you trust it, write one with `python -m step35.checkpoint.integrity "
-            f"write {path}`, or load it unchecked with {option}")
+            f"write {path}`, or load it unchecked with {option}"
+        )
     return False
 
 
@@ -265,9 +288,11 @@ def remove_manifest(path: str | Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m step35.checkpoint.integrity",
-                                description="Verify a checkpoint against its manifest, or write one for a "
-                                            "checkpoint you trust (e.g. saved before manifests existed).")
+    p = argparse.ArgumentParser(
+        prog="python -m step35.checkpoint.integrity",
+        description="Verify a checkpoint against its manifest, or write one for a "
+        "checkpoint you trust (e.g. saved before manifests existed).",
+    )
     p.add_argument("action", choices=["verify", "write"])
     p.add_argument("path")
     args = p.parse_args(argv)

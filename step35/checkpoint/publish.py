@@ -46,8 +46,10 @@ from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, manifest_path
 
 # Temporary siblings: written by a save in progress (partial) or retired by a folder swap (old).
 # The bare `.x.partial` / `.x.old` / `.x.old-<pid>` spellings are those of step35 before this module.
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-(?P<tag>[0-9A-Za-z-]+))?"
-                       r"(\.manifest\.json(\.tmp-\d+)?)?$")
+_LEFTOVER = re.compile(
+    r"^\.(?P<name>.+)\.(?P<kind>partial|old)(-(?P<tag>[0-9A-Za-z-]+))?"
+    r"(\.manifest\.json(\.tmp-\d+)?)?$"
+)
 # The tag of a partial: <pid>-<host tag>-<random>; step35 before host tags wrote <pid>-<random>.
 _WRITER = re.compile(r"^(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?[0-9a-z]+$")
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -289,5 +291,7 @@ def check_not_interrupted(final: str | Path) -> None:
     """Raise a CheckpointError with the fix when `final` is missing because a publish was killed."""
     old = interrupted_publish(final)
     if old is not None:
-        raise CheckpointError(f"{final}: not there, but the checkpoint that an interrupted save was replacing "
-                              f"is intact at {old}; rename it back to {final}")
+        raise CheckpointError(
+            f"{final}: not there, but the checkpoint that an interrupted save was replacing "
+            f"is intact at {old}; rename it back to {final}"
+        )

@@ -52,8 +52,15 @@ def checkpoint_types() -> list:
     """Types admitted (besides torch's own weights_only set) in `.ckpt` / `meta.pt` files."""
     from lightning.fabric.utilities.data import AttributeDict
 
-    return [pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePath, pathlib.PurePosixPath,
-            pathlib.PureWindowsPath, AttributeDict]
+    return [
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.PurePath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+        AttributeDict,
+    ]
 
 
 _REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|[Uu]nsupported (?:class|operand|global)\W+([\w.]+)")
@@ -64,8 +71,10 @@ def refusal(path: Path, error: BaseException) -> CheckpointError:
     text = str(error)
     found = _REFUSED_GLOBAL.search(text)
     what = f"it asks for {found.group(1) or found.group(2)}" if found else "it holds a type outside the allowlist"
-    return CheckpointError(f"{path}: refused to unpickle ({what}); a checkpoint holds data only, so nothing "
-                           f"from it was run. If a legitimate checkpoint needs a new type, allow it in {_HERE}")
+    return CheckpointError(
+        f"{path}: refused to unpickle ({what}); a checkpoint holds data only, so nothing "
+        f"from it was run. If a legitimate checkpoint needs a new type, allow it in {_HERE}"
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -84,8 +93,10 @@ def load_torch(path: str | Path, mmap: bool = False, map_location: Any = "cpu") 
     except pickle.UnpicklingError as e:
         raise refusal(path, e) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:  # truncated zip, bad record, ...
-        raise CheckpointError(f"{path}: unreadable checkpoint file, truncated or not written by torch.save "
-                              f"({type(e).__name__}: {_first_line(e)})") from None
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint file, truncated or not written by torch.save "
+            f"({type(e).__name__}: {_first_line(e)})"
+        ) from None
 
 
 def load_bytes_item(value: io.BytesIO, source: str | Path, key: str) -> io.BytesIO:
@@ -117,8 +128,16 @@ def lightning_types() -> Iterator[None]:
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, set[str]] = {
-    _DCP_METADATA: {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    _DCP_METADATA: {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"},  # dtypes are checked by value below
     "torch.serialization": {"_get_layout"},  # name -> torch.layout, nothing else
@@ -137,14 +156,17 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if name not in _ALLOWED.get(module, ()):
-            raise CheckpointError(f"{self.source}: refused to unpickle (it asks for {module}.{name}, which DCP "
-                                  f"metadata never holds); a checkpoint holds data only, so nothing from it was run")
+            raise CheckpointError(
+                f"{self.source}: refused to unpickle (it asks for {module}.{name}, which DCP "
+                f"metadata never holds); a checkpoint holds data only, so nothing from it was run"
+            )
         try:
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
-            raise CheckpointError(f"{self.source}: holds {module}.{name}, which this torch ({torch.__version__}) "
-                                  f"no longer has: a checkpoint from another torch version? (allowlist in {_HERE})"
-                                  ) from None
+            raise CheckpointError(
+                f"{self.source}: holds {module}.{name}, which this torch ({torch.__version__}) "
+                f"no longer has: a checkpoint from another torch version? (allowlist in {_HERE})"
+            ) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self.source}: refused to unpickle (persistent id {pid!r} in DCP metadata)")
@@ -180,7 +202,9 @@ def check_inside(metadata: Any, folder: Path, source: Path) -> None:
         rel = getattr(info, "relative_path", None)
         reason = leaves_folder(folder, rel)
         if reason:
-            raise CheckpointError(f"{source}: entry {getattr(index, 'fqn', index)} points at {rel!r}, {reason}; refused")
+            raise CheckpointError(
+                f"{source}: entry {getattr(index, 'fqn', index)} points at {rel!r}, {reason}; refused"
+            )
 
 
 def read_dcp_metadata(folder: str | Path):
@@ -205,11 +229,13 @@ def safe_reader(folder: str | Path):
                     path = Path(self._get_metadata_path(kwargs.get("rank")))
                     stream = self.fs.create_stream(path, "rb")
                 except AttributeError as e:
-                    raise CheckpointError(f"torch {torch.__version__} changed FileSystemReader ({e}); "
-                                          f"update {_HERE}") from None
+                    raise CheckpointError(
+                        f"torch {torch.__version__} changed FileSystemReader ({e}); update {_HERE}"
+                    ) from None
                 except FileNotFoundError:
-                    raise CheckpointError(f"{Path(self.path) / '.metadata'}: missing (not a complete DCP "
-                                          f"checkpoint)") from None
+                    raise CheckpointError(
+                        f"{Path(self.path) / '.metadata'}: missing (not a complete DCP checkpoint)"
+                    ) from None
                 with stream as f:
                     metadata = restricted_unpickle(f, path)
                 check_inside(metadata, Path(self.path), path)
@@ -239,8 +265,9 @@ class _SafeBytesPlanner:
         try:
             relative = self._reader.storage_data[read_item.storage_index].relative_path
         except (AttributeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"torch {torch.__version__} changed FileSystemReader.storage_data ({e}); "
-                                  f"update {_HERE}") from None
+            raise CheckpointError(
+                f"torch {torch.__version__} changed FileSystemReader.storage_data ({e}); update {_HERE}"
+            ) from None
         source = Path(self._reader.path) / relative
         self._planner.load_bytes(read_item, load_bytes_item(value, source, read_item.dest_index.fqn))
 
@@ -263,9 +290,18 @@ def check_bytes_items(folder: str | Path) -> int:
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     byte_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
-    items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
-                      storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
-             for index in (metadata.storage_data or {}) if getattr(index, "fqn", None) in byte_keys]
+    items = [
+        ReadItem(
+            type=LoadItemType.BYTE_IO,
+            dest_index=index,
+            dest_offsets=torch.Size((0,)),
+            storage_index=index,
+            storage_offsets=torch.Size((0,)),
+            lengths=torch.Size((0,)),
+        )
+        for index in (metadata.storage_data or {})
+        if getattr(index, "fqn", None) in byte_keys
+    ]
     reader.read_data(LoadPlan(items), _CheckOnly()).wait()
     return len(items)
 
@@ -285,5 +321,7 @@ def check_finite(named: Iterable[tuple[str, torch.Tensor]], source: str | Path) 
         if not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
-            raise CheckpointError(f"{source}: tensor {name} holds {kind} ({bad} of {tensor.numel()} values "
-                                  f"not finite); refusing to load it")
+            raise CheckpointError(
+                f"{source}: tensor {name} holds {kind} ({bad} of {tensor.numel()} values "
+                f"not finite); refusing to load it"
+            )

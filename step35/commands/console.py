@@ -43,8 +43,12 @@ IGNORED_LOG_LINES = {
 }
 
 # Frames of these modules sit between a warning's author and warnings.warn (Lightning's rank_zero_warn).
-_RELAY_MODULES = ("warnings", "lightning_utilities.core.rank_zero", "lightning.fabric.utilities.rank_zero",
-                  "lightning.pytorch.utilities.rank_zero")
+_RELAY_MODULES = (
+    "warnings",
+    "lightning_utilities.core.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.pytorch.utilities.rank_zero",
+)
 
 
 class _DropLines(logging.Filter):

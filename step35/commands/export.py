@@ -77,15 +77,25 @@ def _write_failure(error: BaseException, out: Path) -> str:
             free = f"{shutil.disk_usage(parent).free / 2**30:.2f} GiB free there now, "
         except OSError:
             free = ""
-        return (f"step35: export failed: no space left on device writing {where} ({free}the export needs room for "
-                f"a full copy of the weights); {after}")
+        return (
+            f"step35: export failed: no space left on device writing {where} ({free}the export needs room for "
+            f"a full copy of the weights); {after}"
+        )
     reason = os.strerror(error.errno) if isinstance(error, OSError) and error.errno else str(error)
     return f"step35: export failed: {reason} ({where}); {after}"
 
 
-def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "float16"] | None = None,
-           max_shard_size: str = "5GB", tokenizer: str | None = None, source: str | None = None,
-           model_config: str | None = None, merge: bool = False, overwrite: bool = False) -> None:
+def export(
+    checkpoint: str,
+    out: str,
+    dtype: Literal["bfloat16", "float32", "float16"] | None = None,
+    max_shard_size: str = "5GB",
+    tokenizer: str | None = None,
+    source: str | None = None,
+    model_config: str | None = None,
+    merge: bool = False,
+    overwrite: bool = False,
+) -> None:
     """Write a training checkpoint as an HF folder (config.json, safetensors shards, index, tokenizer),
     published atomically with a manifest.
 
@@ -115,9 +125,20 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
     for attempt in range(_ROTATION_RETRIES + 1):
         stamp = _stamp(chosen)
         try:
-            done = export_checkpoint(chosen, out, getattr(torch, dtype) if dtype else None, max_shard_size,
-                                     load_config(model_config) if model_config else None, tokenizer, source, merge,
-                                     overwrite=overwrite, run_folder=run_folder, model_config=model_config, say=say)
+            done = export_checkpoint(
+                chosen,
+                out,
+                getattr(torch, dtype) if dtype else None,
+                max_shard_size,
+                load_config(model_config) if model_config else None,
+                tokenizer,
+                source,
+                merge,
+                overwrite=overwrite,
+                run_folder=run_folder,
+                model_config=model_config,
+                say=say,
+            )
             break
         except (CheckpointError, OSError) as error:
             if stamp is None or _stamp(chosen) == stamp:  # the checkpoint is as it was: a real failure
@@ -125,12 +146,16 @@ def export(checkpoint: str, out: str, dtype: Literal["bfloat16", "float32", "flo
                     raise
                 raise SystemExit(_write_failure(error, Path(out))) from None
             if not may_choose_again or attempt == _ROTATION_RETRIES:
-                raise CheckpointError(f"{chosen}: removed or replaced while it was being read (a live run pruning its "
-                                      "checkpoints, keep_last?); export the run folder to take its newest intact "
-                                      "checkpoint, or copy this one aside first") from None
+                raise CheckpointError(
+                    f"{chosen}: removed or replaced while it was being read (a live run pruning its "
+                    "checkpoints, keep_last?); export the run folder to take its newest intact "
+                    "checkpoint, or copy this one aside first"
+                ) from None
             again = checkpoint_of(given, say)
-            say(f"{chosen} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
-                f"exporting {again}, the newest intact checkpoint now, instead")
+            say(
+                f"{chosen} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
+                f"exporting {again}, the newest intact checkpoint now, instead"
+            )
             chosen = again
         except Exception as error:  # e.g. safetensors' own error type for a failed write
             if not disk_full(error, Path(out).expanduser().absolute().parent):

@@ -33,10 +33,16 @@ def code_version() -> str:
     """The git commit of the step35 checkout (with '+dirty' when it has changes), or the package version."""
     root = Path(__file__).resolve().parent.parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         from step35 import __version__
@@ -53,8 +59,13 @@ class Step35SaveConfig(SaveConfigCallback):
         if stage == "fit":  # `validate` runs beside a live fit of the folder without its lock: its loggers only
             folder = runs.RunFolder(trainer.default_root_dir)
             folder.root.mkdir(parents=True, exist_ok=True)
-            self.parser.save(self.config, folder.root / self.config_filename, skip_none=False, overwrite=True,
-                             multifile=self.multifile)
+            self.parser.save(
+                self.config,
+                folder.root / self.config_filename,
+                skip_none=False,
+                overwrite=True,
+                multifile=self.multifile,
+            )
         config = self.config.as_dict()
         config["code_version"] = code_version()
         for logger in trainer.loggers:
@@ -130,21 +141,41 @@ class Step35CLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--run_dir", type=str | None, default=None,
-                            help="The run folder (checkpoints/, config.yaml, logs of every attempt); "
-                                 "default: trainer.default_root_dir if set, else runs/<config file name>.")
-        parser.add_argument("--checkpoint.every_n_train_steps", type=int | None, default=None,
-                            help="Save every N optimizer steps: sets the RunCheckpoint callback of trainer.callbacks "
-                                 "(adds one when there is none). `--trainer.callbacks.every_n_train_steps` would "
-                                 "set the last callback of the list instead, whatever its class.")
-        parser.add_argument("--checkpoint.keep_last", type=int | None, default=None,
-                            help="Complete checkpoints kept: sets RunCheckpoint's keep_last, as above.")
-        parser.add_argument("--plan_device", type=str | None, default=None,
-                            help="The device model this config is sized for (h100, h200, 910b, ...): `step35 plan` "
-                                 "plans for it unless given --device. Training does not read it.")
-        parser.add_argument(runs.ALLOW_UNVERIFIED, type=bool, default=False,
-                            help="Load a --ckpt_path that has no manifest (its integrity cannot be checked); "
-                                 "without it such a checkpoint is refused.")
+        parser.add_argument(
+            "--run_dir",
+            type=str | None,
+            default=None,
+            help="The run folder (checkpoints/, config.yaml, logs of every attempt); "
+            "default: trainer.default_root_dir if set, else runs/<config file name>.",
+        )
+        parser.add_argument(
+            "--checkpoint.every_n_train_steps",
+            type=int | None,
+            default=None,
+            help="Save every N optimizer steps: sets the RunCheckpoint callback of trainer.callbacks "
+            "(adds one when there is none). `--trainer.callbacks.every_n_train_steps` would "
+            "set the last callback of the list instead, whatever its class.",
+        )
+        parser.add_argument(
+            "--checkpoint.keep_last",
+            type=int | None,
+            default=None,
+            help="Complete checkpoints kept: sets RunCheckpoint's keep_last, as above.",
+        )
+        parser.add_argument(
+            "--plan_device",
+            type=str | None,
+            default=None,
+            help="The device model this config is sized for (h100, h200, 910b, ...): `step35 plan` "
+            "plans for it unless given --device. Training does not read it.",
+        )
+        parser.add_argument(
+            runs.ALLOW_UNVERIFIED,
+            type=bool,
+            default=False,
+            help="Load a --ckpt_path that has no manifest (its integrity cannot be checked); "
+            "without it such a checkpoint is refused.",
+        )
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -174,8 +205,9 @@ class Step35CLI(LightningCLI):
             config.data.tokenizer = config.model.checkpoint
         if config.get("trainer") is None:
             return
-        folder = runs.RunFolder(runs.run_dir_of(config.get("run_dir"), config.trainer.get("default_root_dir"),
-                                                config.get("config")))
+        folder = runs.RunFolder(
+            runs.run_dir_of(config.get("run_dir"), config.trainer.get("default_root_dir"), config.get("config"))
+        )
         config.run_dir = str(folder.root)
         config.trainer.default_root_dir = str(folder.root)
         for logger in _logger_configs(config.trainer.get("logger")):
@@ -256,14 +288,18 @@ class Step35CLI(LightningCLI):
             resume = runs.resolve(value, [], allow_unverified=True, say=lambda line: None)
         else:
             dirpaths = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-            resume = runs.resolve(value, folder.checkpoint_folders(dirpaths), config.get(runs.ALLOW_UNVERIFIED[2:]),
-                                  say=say)
+            resume = runs.resolve(
+                value, folder.checkpoint_folders(dirpaths), config.get(runs.ALLOW_UNVERIFIED[2:]), say=say
+            )
         if resume is not None:
             notes = resume.check(self.model.model_config, dict(self.model.hparams))
             self.model.resume_checked = True
             if notes:
-                say(f"resuming {resume.path} with these settings changed by this run's options (the "
-                    f"checkpoint's are ignored): " + "; ".join(notes), stream=sys.stdout)
+                say(
+                    f"resuming {resume.path} with these settings changed by this run's options (the "
+                    f"checkpoint's are ignored): " + "; ".join(notes),
+                    stream=sys.stdout,
+                )
         return resume
 
     def before_fit(self) -> None:
@@ -314,15 +350,16 @@ def early_stopping_notes(trainer) -> list[str]:
         last = f"{float(last):.4f}" if last is not None else "?"
         best = f"{float(callback.best_score):.4f}"
         rule = {
-            EarlyStoppingReason.PATIENCE_EXHAUSTED:
-                f"not better than the best by more than min_delta={abs(callback.min_delta):g} in "
-                f"{callback.wait_count} validations (patience={callback.patience})",
+            EarlyStoppingReason.PATIENCE_EXHAUSTED: f"not better than the best by more than min_delta={abs(callback.min_delta):g} in "
+            f"{callback.wait_count} validations (patience={callback.patience})",
             EarlyStoppingReason.STOPPING_THRESHOLD: f"stopping_threshold={callback.stopping_threshold} reached",
             EarlyStoppingReason.DIVERGENCE_THRESHOLD: f"divergence_threshold={callback.divergence_threshold} crossed",
             EarlyStoppingReason.NON_FINITE_METRIC: "the value is not finite",
         }.get(callback.stopping_reason, callback.stopping_reason.value)
-        notes.append(f"early stopping at step {trainer.global_step}: {callback.monitor}={last} (best {best}, mode "
-                     f"{callback.mode}): {rule}")
+        notes.append(
+            f"early stopping at step {trainer.global_step}: {callback.monitor}={last} (best {best}, mode "
+            f"{callback.mode}): {rule}"
+        )
     return notes
 
 

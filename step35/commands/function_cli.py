@@ -29,8 +29,9 @@ def run_function(function: Callable, prog: str, argv: list[str] | None = None) -
 def bare_flags_as_true(function: Callable, argv: list[str]) -> list[str]:
     """`--chat` alone (the last word, or followed by another option) means `--chat true` for a bool
     parameter of `function`; jsonargparse would otherwise ask for the value."""
-    flags = {f"--{name}" for name, p in inspect.signature(function).parameters.items()
-             if p.annotation in (bool, "bool")}
+    flags = {
+        f"--{name}" for name, p in inspect.signature(function).parameters.items() if p.annotation in (bool, "bool")
+    }
     out = []
     for i, word in enumerate(argv):
         out.append(word)

@@ -78,8 +78,14 @@ class Generator:
         return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=False)
 
     @torch.no_grad()
-    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int = 0) -> list[int]:
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[int]:
         """The new token ids (the stop token included when one ended the text)."""
         device = self.model.lm_head.weight.device
         rng = torch.Generator(device=device).manual_seed(seed)
@@ -89,7 +95,7 @@ class Generator:
         new: list[int] = []
         for _ in range(max_new_tokens):
             if cache is not None and ids.shape[1] <= limit:  # the tokens the cache has not seen yet
-                logits = self.model.step(ids[:, cache.length:], cache, last_only=True)[0, -1].float()  # [V]
+                logits = self.model.step(ids[:, cache.length :], cache, last_only=True)[0, -1].float()  # [V]
             else:
                 logits = self.model(ids[:, -limit:])[0, -1].float()
             token = next_token(logits, temperature, top_p, rng)
@@ -106,8 +112,11 @@ class Generator:
         """The tokenizer's chat template, else step35's default; `say` hears which."""
         template = ChatTemplate.from_files(self.tokenizer_files, self.tokenizer_origin)
         if say is not None:
-            say(f"chat template: {template.origin} of {self.tokenizer_origin}" if template is not None else
-                f"chat template: step35's default ({self.tokenizer_origin} has none)")
+            say(
+                f"chat template: {template.origin} of {self.tokenizer_origin}"
+                if template is not None
+                else f"chat template: step35's default ({self.tokenizer_origin} has none)"
+            )
         return template if template is not None else ChatTemplate.default()
 
     def chat_ids(self, template: ChatTemplate, user: str, system: str | None = None) -> list[int]:
@@ -137,8 +146,13 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torc
     return int(order[choice])
 
 
-def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   tokenizer: str | Path | None = None, say: Callable[[str], None] | None = None) -> Generator:
+def load_generator(
+    checkpoint: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tokenizer: str | Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Generator:
     """The main model (no MTP layers) of a run checkpoint or an HF folder, and its tokenizer. `say`
     (a print-like callable) hears where the model, config and tokenizer were read from."""
     from tokenizers import Tokenizer
@@ -147,8 +161,10 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
     path = Path(checkpoint)
     if is_peft_folder(path):  # a LoRA run's adapter export: on the base it names
         if peft_base(path) is None and tokenizer is None:
-            raise CheckpointError(f"{path}: an adapter folder over a base drawn from the init, which has no "
-                                  "tokenizer; pass --tokenizer <folder>")
+            raise CheckpointError(
+                f"{path}: an adapter folder over a base drawn from the init, which has no "
+                "tokenizer; pass --tokenizer <folder>"
+            )
         model, base = peft_model(path, dtype, device)
         files = run_tokenizer.folder_files(tokenizer or base)
         config, run_eos, origin = Step35Config.from_dict(model.config.to_dict()), None, str(tokenizer or base)
@@ -181,8 +197,15 @@ def load_generator(checkpoint: str | Path, dtype: torch.dtype = torch.float32, d
     text_tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
     text_tokenizer.no_truncation()
     text_tokenizer.no_padding()
-    return Generator(model.eval(), text_tokenizer, start, stop_ids, eos_id=ids.eos, tokenizer_files=files,
-                     tokenizer_origin=str(tokenizer or path) if is_hf_folder(path) else origin)
+    return Generator(
+        model.eval(),
+        text_tokenizer,
+        start,
+        stop_ids,
+        eos_id=ids.eos,
+        tokenizer_files=files,
+        tokenizer_origin=str(tokenizer or path) if is_hf_folder(path) else origin,
+    )
 
 
 def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> Step35ForCausalLM:
@@ -198,8 +221,10 @@ def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> 
             if name not in state:
                 continue  # MTP layers
             if tuple(tensor.shape) != tuple(state[name].shape):
-                raise CheckpointError(f"{trained.path}: {name} has shape {list(tensor.shape)}, the model config "
-                                      f"needs {list(state[name].shape)}")
+                raise CheckpointError(
+                    f"{trained.path}: {name} has shape {list(tensor.shape)}, the model config "
+                    f"needs {list(state[name].shape)}"
+                )
             state[name].copy_(tensor)
             filled.add(name)
     missing = sorted(set(state) - filled - ({"lm_head.weight"} if trained.config.tie_word_embeddings else set()))
@@ -208,10 +233,20 @@ def _model_from(trained: TrainedCheckpoint, dtype: torch.dtype, device: str) -> 
     return model
 
 
-def generate(checkpoint: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, dtype: Literal["float32", "bfloat16", "float16"] = "float32", device: str = "cpu",
-             tokenizer: str | None = None, chat: bool = False, system: str | None = None,
-             cache: bool = True) -> None:
+def generate(
+    checkpoint: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    device: str = "cpu",
+    tokenizer: str | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    cache: bool = True,
+) -> None:
     """Continue a prompt with a trained model and print prompt + continuation (with --chat: the reply).
 
     Args:

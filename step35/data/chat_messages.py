@@ -100,7 +100,6 @@ def _check_parts(parts: list, at: str, *, allow_empty: bool) -> None:
             raise ChatTemplateError(f"{at}: content part {k} (text) has no 'text' string")
 
 
-
 def prepare_messages(messages: list) -> list[dict]:
     """What transformers does to messages before rendering: drop None values, alias the reasoning names; and
     tool calls' `arguments` given as a JSON string (OpenAI's format) parsed (`_parsed_arguments`)."""
@@ -142,4 +141,3 @@ def _json_object(text: str) -> dict | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
-

@@ -84,8 +84,9 @@ class _Budget:
         kind = type(value)
         if kind is int:
             if value.bit_length() > RENDER_INT_BITS:
-                raise RenderLimitHit(f"{what} is an integer of {value.bit_length()} bits, over the limit of"
-                                f" {RENDER_INT_BITS} bits")
+                raise RenderLimitHit(
+                    f"{what} is an integer of {value.bit_length()} bits, over the limit of {RENDER_INT_BITS} bits"
+                )
         elif kind in _SIZED and len(value) > self.max_chars:
             raise self.over(what, len(value), "characters" if kind is str else "items")
 
@@ -184,8 +185,9 @@ def _check_binop(budget: _Budget, operator_: str, left: Any, right: Any) -> None
         if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
             bits = right * left.bit_length()
             if bits > RENDER_INT_BITS:
-                raise RenderLimitHit(f"{left} ** {right} is an integer of about {bits} bits, over the limit of"
-                                f" {RENDER_INT_BITS} bits")
+                raise RenderLimitHit(
+                    f"{left} ** {right} is an integer of about {bits} bits, over the limit of {RENDER_INT_BITS} bits"
+                )
     elif operator_ == "%" and isinstance(left, str):
         _check_printf(budget, left, right, "the % operator")
 

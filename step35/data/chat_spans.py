@@ -117,8 +117,14 @@ class Conversation:
             count *= 2
         yield self
 
-    def located_spans(self, turns: list[int], ids: list[int], offsets: list[tuple[int, int]],
-                      end_of_turn: Callable[[], int], limit: int | None = None) -> tuple[list[tuple[int, int]], bool]:
+    def located_spans(
+        self,
+        turns: list[int],
+        ids: list[int],
+        offsets: list[tuple[int, int]],
+        end_of_turn: Callable[[], int],
+        limit: int | None = None,
+    ) -> tuple[list[tuple[int, int]], bool]:
         """Each turn's span, located by sentinels (module docstring): from the end of the generation prompt to
         the end-of-turn token inclusive (`end_of_turn()` gives its id; `ids`, `offsets`: the rendering's tokens).
         With `limit` (the characters `ids` cover, when they are not the whole rendering): the spans of the turns
@@ -284,7 +290,7 @@ class Conversation:
             # The prompt after one user message stands in; it must still be found before the turn's text.
             history = [{"role": "user", "content": "Hi"}]
             with_prompt, without = self.render(history, True), self.render(history, False)
-        prompt = with_prompt[common_prefix(with_prompt, without):]
+        prompt = with_prompt[common_prefix(with_prompt, without) :]
         if not prompt:
             return None
         cuts = [len(prompt)] + [k + 1 for k in range(len(prompt) - 2, -1, -1) if prompt[k] == "\n"]
@@ -293,8 +299,6 @@ class Conversation:
             if found >= 0:
                 return found + k
         return None
-
-
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -361,7 +365,7 @@ def _with_sentinels(messages: list, index: int) -> tuple[list, list[str]]:
                 call["name"] = sentinel("tool")
             calls.append(call)
         message["tool_calls"] = calls
-    return [*messages[:index], message, *messages[index + 1:]], sentinels
+    return [*messages[:index], message, *messages[index + 1 :]], sentinels
 
 
 def _inline_reasoning(text: str) -> tuple[int, int] | None:

@@ -170,8 +170,9 @@ class ChatTemplate:
     def from_folder(cls, folder: str | Path) -> ChatTemplate | None:
         """The template of a tokenizer or model folder, or None when it has none (see `from_files`)."""
         folder = Path(folder).expanduser()
-        return cls.from_files({name: (folder / name).read_bytes() for name in TEMPLATE_SOURCES
-                               if (folder / name).is_file()}, folder)
+        return cls.from_files(
+            {name: (folder / name).read_bytes() for name in TEMPLATE_SOURCES if (folder / name).is_file()}, folder
+        )
 
     @classmethod
     def from_files(cls, files: dict[str, bytes], folder: str | Path) -> ChatTemplate | None:
@@ -275,16 +276,24 @@ class ChatTemplate:
                 f"{where_prefix(where)}chat template from {self.origin} failed to render: {type(e).__name__}: {e}"
             ) from None
 
-    def render(self, messages: list, *, add_generation_prompt: bool = False, tools: list | None = None,
-               where: str = "", **extra) -> str:
+    def render(
+        self,
+        messages: list,
+        *,
+        add_generation_prompt: bool = False,
+        tools: list | None = None,
+        where: str = "",
+        **extra,
+    ) -> str:
         """The conversation as text, as transformers' apply_chat_template(tokenize=False) renders it.
         `extra` reaches the template as variables (e.g. enable_thinking, bos_token, eos_token)."""
         return self._render(
             messages, where=where, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
         )
 
-    def prompt_ids(self, tokenizer, messages: list, *, tools: list | None = None, where: str = "",
-                   **extra) -> list[int]:
+    def prompt_ids(
+        self, tokenizer, messages: list, *, tools: list | None = None, where: str = "", **extra
+    ) -> list[int]:
         """The token ids inference starts from: the conversation so far plus the generation prompt."""
         check_messages(messages, where, require_assistant=False)
         extra = self._tokens(tokenizer, extra)
@@ -300,8 +309,17 @@ class ChatTemplate:
 
     # ------------------------------------------------------------------------------------ masking
 
-    def encode(self, tokenizer, messages: list, *, train_on: str = "assistant", train_reasoning: bool = True,
-               tools: list | None = None, where: str = "", **extra) -> tuple[list[int], list[bool]]:
+    def encode(
+        self,
+        tokenizer,
+        messages: list,
+        *,
+        train_on: str = "assistant",
+        train_reasoning: bool = True,
+        tools: list | None = None,
+        where: str = "",
+        **extra,
+    ) -> tuple[list[int], list[bool]]:
         """(token ids of the whole rendered conversation, per token whether its loss is trained).
 
         `train_on`: "assistant" every assistant turn, "last_assistant" the final one, "all" every token. A
@@ -318,9 +336,18 @@ class ChatTemplate:
         )  # fmt: skip
         return ids, mask
 
-    def encode_prefix(self, tokenizer, messages: list, max_tokens: int | None, *, train_on: str = "assistant",
-                      train_reasoning: bool = True, tools: list | None = None, where: str = "",
-                      **extra) -> tuple[list[int], list[bool], int | None]:
+    def encode_prefix(
+        self,
+        tokenizer,
+        messages: list,
+        max_tokens: int | None,
+        *,
+        train_on: str = "assistant",
+        train_reasoning: bool = True,
+        tools: list | None = None,
+        where: str = "",
+        **extra,
+    ) -> tuple[list[int], list[bool], int | None]:
         """As `encode`, for the first `max_tokens` tokens only (all when None): (their ids, their mask, how many
         tokens the whole conversation has, or None when it has more than `max_tokens` and was not tokenized
         whole to count them). A packer that keeps a window of a longer conversation needs no more,
@@ -377,8 +404,10 @@ class ChatTemplate:
             encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
             special = _special_ids(tokenizer)
             after = text.find(sentinel) + len(sentinel) if sentinel in text else None
-            found = None if after is None else next(
-                (t for (s, _), t in zip(encoding.offsets, encoding.ids) if s >= after and t in special), None
+            found = (
+                None
+                if after is None
+                else next((t for (s, _), t in zip(encoding.offsets, encoding.ids) if s >= after and t in special), None)
             )
             if found is None:
                 raise ChatTemplateError(
@@ -389,8 +418,9 @@ class ChatTemplate:
         return self._end_of_turn[tokenizer]
 
 
-def _tokenize_prefix(tokenizer, text: str, max_tokens: int | None) -> tuple[list[int], list[tuple[int, int]],
-                                                                              int | None]:
+def _tokenize_prefix(
+    tokenizer, text: str, max_tokens: int | None
+) -> tuple[list[int], list[tuple[int, int]], int | None]:
     """(ids, character offsets, how many tokens `text` has: None when not all were tokenized) of the first
     `max_tokens` tokens of `text` (all when None). A text over `2 * PIECE_CHARS` characters is tokenized in
     pieces (`cut_after`), only as far as needed, so the tokenizer's memory is a piece's (tokenizer.py), however

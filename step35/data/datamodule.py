@@ -270,7 +270,9 @@ class Step35DataModule(pl.LightningDataModule):
         """The stream options for conversation sources: the chat template (resolved only when a source needs
         it; a chat source without one is an error naming the tokenizer folder and data.chat_template)."""
         options: dict[str, Any] = {
-            "train_on": self.train_on, "train_reasoning": self.train_reasoning, "overlong": self.overlong
+            "train_on": self.train_on,
+            "train_reasoning": self.train_reasoning,
+            "overlong": self.overlong,
         }
         if all(source.format == "text" for source in sources):
             return options

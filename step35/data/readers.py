@@ -44,7 +44,7 @@ FIELD_CHECK_RECORDS = 100
 
 
 def did_you_mean(field: str, fields: list[str]) -> str:
-    """"; did you mean 'x'? (set text_field)" for the closest of `fields` to `field`, or "" when none is close."""
+    """ "; did you mean 'x'? (set text_field)" for the closest of `fields` to `field`, or "" when none is close."""
     import difflib
 
     close = difflib.get_close_matches(field, fields, n=1, cutoff=0.5) or difflib.get_close_matches(
@@ -392,4 +392,3 @@ def checked_text(value: Any, field: str) -> str | None:
     if not isinstance(value, str):
         raise BadRecord(f"{field!r} is {type(value).__name__}, not a string")
     return value if value.strip() else None
-

@@ -183,7 +183,9 @@ class Source:
                 except MissingField as error:
                     missed, missing, field, what = missed + 1, missing | set(error.fields), error.field, error.what
                     if missed >= FIELD_CHECK_RECORDS and found == 0 and start == Cursor():
-                        raise ValueError(missing_field_message(self.name, field, missed, sorted(missing), what)) from None
+                        raise ValueError(
+                            missing_field_message(self.name, field, missed, sorted(missing), what)
+                        ) from None
                     bad(record.where(), str(error))
                     continue
                 except BadRecord as error:

@@ -86,7 +86,8 @@ class TokenWindows(IterableDataset):
         self.overlong = overlong
         formats = [getattr(source, "format", "text") for source in self.sources]
         self.encoders = [
-            None if f == "text"
+            None
+            if f == "text"
             else SftEncoder(f, tokenizer, template, train_on, template_missing, train_reasoning, window=seq_len + 1)
             for f in formats
         ]

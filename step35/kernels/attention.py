@@ -20,8 +20,14 @@ import torch.nn.functional as F
 from step35.kernels.masks import DocumentMask, PositionMask, SequenceShard, causal_mask, sliding_block_mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
-              documents: DocumentMask | SequenceShard | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    scale: float,
+    documents: DocumentMask | SequenceShard | None = None,
+) -> torch.Tensor:
     """Causal attention with grouped KV heads, an optional sliding window and optional documents.
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] with Hq a multiple of Hkv; query head h reads KV head
@@ -46,8 +52,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     return _MaskedAttentionCPU.apply(q, k, v, window, scale, documents)
 
 
-def _shard_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
-                     shard: SequenceShard) -> torch.Tensor:
+def _shard_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float, shard: SequenceShard
+) -> torch.Tensor:
     """q [B, Hq, L, D] a cp rank's local queries, k, v [B, Hkv, L, D] its local keys -> [B, Hq, L, D],
     against the keys `shard.keys` reaches (gathered, halo or local)."""
     window, keys, values, mask = shard.keys(k, v, window)
@@ -84,8 +91,11 @@ def _float_mask(q: torch.Tensor, window: int | None, documents: DocumentMask | N
     seq = q.shape[-2]
     keep = documents.dense(window) if documents is not None else causal_mask(seq, window, q.device)
     # as SDPA converts a boolean mask: 0 where kept, -inf elsewhere, in the query dtype
-    return torch.where(keep, torch.zeros((), dtype=q.dtype, device=q.device),
-                       torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
+    return torch.where(
+        keep,
+        torch.zeros((), dtype=q.dtype, device=q.device),
+        torch.full((), float("-inf"), dtype=q.dtype, device=q.device),
+    )
 
 
 def _flash_cpu_ops():
@@ -93,11 +103,15 @@ def _flash_cpu_ops():
     # Not lru_cached: per-block compile traces this, and dynamo warns about cache wrappers.
     try:
         aten = torch.ops.aten
-        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        )
     except AttributeError as e:  # renamed in a later torch: say where to look
-        raise RuntimeError(f"torch {torch.__version__} lacks SDPA's CPU flash-attention ops that "
-                           "step35.kernels.attention._MaskedAttentionCPU calls; update that function") from e
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks SDPA's CPU flash-attention ops that "
+            "step35.kernels.attention._MaskedAttentionCPU calls; update that function"
+        ) from e
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,8 +129,15 @@ def _flex_attention(q, k, v, window: int | None, scale: float, documents: Docume
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
-                           mask: PositionMask, segments: dict | None = None) -> torch.Tensor:
+def npu_position_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    scale: float,
+    mask: PositionMask,
+    segments: dict | None = None,
+) -> torch.Tensor:
     """`PositionMask` attention on the fused NPU kernel (torch_npu.npu_fusion_attention).
 
     q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D] at the mask's positions. Full layers (window None):
@@ -136,8 +157,7 @@ def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     if window is not None:
         masked = ~mask.dense(window)  # [B or 1, 1, Lq, Lk]
         masked = masked[0, 0] if masked.shape[0] == 1 else masked
-        return torch_npu.npu_fusion_attention(q, k, v, Hq, "BNSD", atten_mask=masked, scale=scale,
-                                              sparse_mode=0)[0]
+        return torch_npu.npu_fusion_attention(q, k, v, Hq, "BNSD", atten_mask=masked, scale=scale, sparse_mode=0)[0]
     plan = segments.get(None) if segments is not None else None
     if plan is None:
         q_ends, kv_ends, index = _varlen_segments(mask, B)
@@ -151,10 +171,18 @@ def npu_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
         return t.transpose(1, 2).reshape(B * rows, t.shape[1], D)
 
     compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=q.device), diagonal=1)
-    out = torch_npu.npu_fusion_attention(tnd(q, Lq), tnd(k, Lk).index_select(0, index),
-                                         tnd(v, Lk).index_select(0, index), Hq, "TND", atten_mask=compressed,
-                                         scale=scale, sparse_mode=3, actual_seq_qlen=q_ends,
-                                         actual_seq_kvlen=kv_ends)[0]
+    out = torch_npu.npu_fusion_attention(
+        tnd(q, Lq),
+        tnd(k, Lk).index_select(0, index),
+        tnd(v, Lk).index_select(0, index),
+        Hq,
+        "TND",
+        atten_mask=compressed,
+        scale=scale,
+        sparse_mode=3,
+        actual_seq_qlen=q_ends,
+        actual_seq_kvlen=kv_ends,
+    )[0]
     return out.reshape(B, Lq, Hq, D).transpose(1, 2)
 
 
@@ -177,8 +205,10 @@ def _varlen_segments(mask: PositionMask, batch: int) -> tuple[list[int], list[in
             while start - 1 in slot and k_doc[b][slot[start - 1]] == q_doc[b][i]:
                 start -= 1
             if any(p not in slot for p in range(start, last + 1)):
-                raise ValueError(f"npu_position_attention: keys {start}..{last} of a full layer are not all "
-                                 "present (a full layer reads gathered keys)")
+                raise ValueError(
+                    f"npu_position_attention: keys {start}..{last} of a full layer are not all "
+                    "present (a full layer reads gathered keys)"
+                )
             index.extend(b * len(k_pos) + slot[p] for p in range(start, last + 1))
             q_ends.append(b * len(q_pos) + j)
             kv_ends.append(len(index))

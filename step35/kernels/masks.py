@@ -102,8 +102,13 @@ class PositionMask:
     the same document. Duck-types `DocumentMask` where the attention paths read it (`dense`,
     `block_mask`)."""
 
-    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
-                 k_doc: torch.Tensor | None = None):
+    def __init__(
+        self,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        q_doc: torch.Tensor | None = None,
+        k_doc: torch.Tensor | None = None,
+    ):
         self.q_pos, self.k_pos, self.q_doc, self.k_doc = q_pos, k_pos, q_doc, k_doc
 
     @staticmethod
@@ -131,8 +136,9 @@ class PositionMask:
             return self.reads(q_pos[q_idx], k_pos[kv_idx], window, *docs)
 
         B = q_doc.shape[0] if q_doc is not None else None
-        return create_block_mask(keep, B=B, H=None, Q_LEN=q_pos.shape[0], KV_LEN=k_pos.shape[0],
-                                 device=str(q_pos.device))
+        return create_block_mask(
+            keep, B=B, H=None, Q_LEN=q_pos.shape[0], KV_LEN=k_pos.shape[0], device=str(q_pos.device)
+        )
 
 
 class SequenceShard:
@@ -152,8 +158,15 @@ class SequenceShard:
     `npu_segments` caches the NPU varlen plan for the calls of one forward (a host sync each).
     """
 
-    def __init__(self, positions: torch.Tensor, seq_len: int, chunk: int, doc_ids: torch.Tensor | None,
-                 gather: Callable[[torch.Tensor], torch.Tensor], halo: Callable[[torch.Tensor, int], torch.Tensor]):
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        seq_len: int,
+        chunk: int,
+        doc_ids: torch.Tensor | None,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        halo: Callable[[torch.Tensor, int], torch.Tensor],
+    ):
         self.positions, self.seq_len, self.chunk, self.doc_ids = positions, seq_len, chunk, doc_ids
         self.gather, self.halo = gather, halo
         self.npu_segments: dict = {}

@@ -6,5 +6,14 @@ from step35.model.cache import KVCache
 from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from step35.model.transformer import DecoderLayer, LossOutput, MTPLayer, Step35ForCausalLM, Step35Model
 
-__all__ = ["DecoderLayer", "IGNORE_INDEX", "KVCache", "LossOutput", "MTPLayer", "Step35ForCausalLM", "Step35Model",
-           "build_model", "chunked_cross_entropy"]
+__all__ = [
+    "DecoderLayer",
+    "IGNORE_INDEX",
+    "KVCache",
+    "LossOutput",
+    "MTPLayer",
+    "Step35ForCausalLM",
+    "Step35Model",
+    "build_model",
+    "chunked_cross_entropy",
+]

@@ -20,8 +20,17 @@ from step35.model.rope import apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden_size: int, spec: LayerSpec, *, sliding_window: int, use_qk_norm: bool,
-                 use_gate: bool, eps: float, zero_centered: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: LayerSpec,
+        *,
+        sliding_window: int,
+        use_qk_norm: bool,
+        use_gate: bool,
+        eps: float,
+        zero_centered: bool,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.window = sliding_window if spec.sliding else None
@@ -34,9 +43,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centered) if use_qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: DocumentMask | SequenceShard | None = None,
-                cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: DocumentMask | SequenceShard | None = None,
+        cache: LayerKV | None = None,
+    ) -> torch.Tensor:
         """x: [B, S, H]; cos, sin: [S, r] or [B, 1, S, r] (per-document positions). With `cache` (decoding,
         no documents), x holds the tokens that follow the cached ones, which they read as well."""
         B, S, _ = x.shape
@@ -53,9 +67,9 @@ class Attention(nn.Module):
             k, v, past = cache.update(k, v)
         if past == 0:
             # [B, Hq, S, D]; the prompt of a decode takes this path too
-            o = attention(q, k, v, self.window, scale=self.head_dim ** -0.5, documents=documents)
+            o = attention(q, k, v, self.window, scale=self.head_dim**-0.5, documents=documents)
         else:
-            o = attention_after(q, k, v, past, self.window, scale=self.head_dim ** -0.5)
+            o = attention_after(q, k, v, past, self.window, scale=self.head_dim**-0.5)
         o = o.transpose(1, 2)  # [B, S, Hq, D]
         if self.g_proj is None:
             return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
@@ -68,8 +82,9 @@ class Attention(nn.Module):
         return out
 
 
-def attention_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window: int | None,
-                    scale: float) -> torch.Tensor:
+def attention_after(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window: int | None, scale: float
+) -> torch.Tensor:
     """Attention of S new queries at positions past..past+S-1 over keys [B, Hkv, K, D] that are the
     latest K tokens, the new ones last (a cache's kept keys, then the step's): causal, and within the
     window on sliding layers. q: [B, Hq, S, D] -> [B, Hq, S, D]."""

@@ -13,8 +13,13 @@ from step35.config import Step35Config
 from step35.model.transformer import Step35ForCausalLM
 
 
-def build_model(config: Step35Config, num_mtp_layers: int | None = None, *,
-                device: torch.device | str = "meta", dtype: torch.dtype | None = None) -> Step35ForCausalLM:
+def build_model(
+    config: Step35Config,
+    num_mtp_layers: int | None = None,
+    *,
+    device: torch.device | str = "meta",
+    dtype: torch.dtype | None = None,
+) -> Step35ForCausalLM:
     """Step35ForCausalLM for `config` with `num_mtp_layers` MTP layers (None: all of the config's).
 
     Its tensors are created on `device` ("meta" by default: no memory, shapes only; the checkpoint

@@ -29,7 +29,7 @@ class LayerKV:
         if self.keys is not None:
             k, v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
         keep = k.shape[2] if self.window is None else min(k.shape[2], self.window - 1)
-        self.keys, self.values = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
+        self.keys, self.values = k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
         return k, v, past
 
 

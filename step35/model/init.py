@@ -38,8 +38,14 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def init_tensor(name: str, shape: tuple[int, ...], config: Step35Config, seed: int,
-                index: tuple[slice, ...] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def init_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    config: Step35Config,
+    seed: int,
+    index: tuple[slice, ...] = (),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The initial value of tensor `name` (full shape `shape`), restricted to `index` (slices per dim)."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out_shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))

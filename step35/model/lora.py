@@ -99,15 +99,19 @@ class LoraConfig:
             out |= set(ATTENTION_TARGETS)
         return out
 
-    def validate(self, config: Step35Config, *, num_mtp_layers: int | None = None,
-                 mtp_loss_weight: float | None = None) -> None:
+    def validate(
+        self, config: Step35Config, *, num_mtp_layers: int | None = None, mtp_loss_weight: float | None = None
+    ) -> None:
         """Refuse options that cannot work, naming the field; sizes are checked in apply_lora."""
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise LoraError(f"model.lora.rank={self.rank!r}: must be an integer >= 1")
-        if self.expert_rank is not None and (isinstance(self.expert_rank, bool) or not isinstance(self.expert_rank, int)
-                                             or self.expert_rank < 1):
-            raise LoraError(f"model.lora.expert_rank={self.expert_rank!r}: must be an integer >= 1 (or null: "
-                            f"max(1, rank // moe_top_k))")
+        if self.expert_rank is not None and (
+            isinstance(self.expert_rank, bool) or not isinstance(self.expert_rank, int) or self.expert_rank < 1
+        ):
+            raise LoraError(
+                f"model.lora.expert_rank={self.expert_rank!r}: must be an integer >= 1 (or null: "
+                f"max(1, rank // moe_top_k))"
+            )
         if self.alpha is not None and not self.alpha > 0:
             raise LoraError(f"model.lora.alpha={self.alpha!r}: must be > 0 (or null: the rank)")
         if not 0 <= self.dropout < 1:
@@ -118,20 +122,28 @@ class LoraConfig:
         if unknown:
             raise LoraError(f"model.lora.targets: unknown target(s) {unknown}; valid targets: {list(VALID_TARGETS)}")
         if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
-            raise LoraError(f"model.lora.base_dtype={self.base_dtype!r}: must be one of {list(BASE_DTYPES)} "
-                            f"(or null: the config's torch_dtype)")
+            raise LoraError(
+                f"model.lora.base_dtype={self.base_dtype!r}: must be one of {list(BASE_DTYPES)} "
+                f"(or null: the config's torch_dtype)"
+            )
         targets = self.expanded_targets()
         if not targets - {"mtp"}:
-            raise LoraError("model.lora.targets=['mtp']: 'mtp' adds the other targets inside the MTP layers; "
-                            "name at least one of them too")
+            raise LoraError(
+                "model.lora.targets=['mtp']: 'mtp' adds the other targets inside the MTP layers; "
+                "name at least one of them too"
+            )
         if "mtp" in targets:
             built = config.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
             if built == 0:
-                raise LoraError("model.lora.targets names 'mtp' but no MTP layer is built "
-                                f"(model.num_mtp_layers={num_mtp_layers}); drop 'mtp' from the targets")
+                raise LoraError(
+                    "model.lora.targets names 'mtp' but no MTP layer is built "
+                    f"(model.num_mtp_layers={num_mtp_layers}); drop 'mtp' from the targets"
+                )
             if mtp_loss_weight is not None and mtp_loss_weight == 0:
-                raise LoraError("model.lora.targets names 'mtp' but model.mtp_loss_weight=0: the MTP adapters "
-                                "would never get a gradient; set model.mtp_loss_weight > 0 or drop 'mtp'")
+                raise LoraError(
+                    "model.lora.targets names 'mtp' but model.mtp_loss_weight=0: the MTP adapters "
+                    "would never get a gradient; set model.mtp_loss_weight > 0 or drop 'mtp'"
+                )
         if "experts" in targets and not config.use_moe:
             raise LoraError("model.lora.targets names 'experts' but the model config has no MoE layers")
 
@@ -141,8 +153,9 @@ def is_adapter(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
 
-def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, dropout: float,
-               training: bool) -> torch.Tensor:
+def lora_delta(
+    x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float, dropout: float, training: bool
+) -> torch.Tensor:
     """(dropout(x) @ A.T @ B.T) * scale in x's dtype (the compute dtype: the fp32 adapters are cast
     as FSDP's param_dtype would). x [..., in], A [r, in], B [out, r] -> [..., out]."""
     h = F.dropout(x, dropout, training) if dropout > 0 else x
@@ -166,9 +179,11 @@ class LoraLinear(nn.Linear):
 
 def _check_rank(name: str, rank: int, in_features: int, out_features: int, field_name: str) -> None:
     if rank > min(in_features, out_features):
-        raise LoraError(f"model.lora.{field_name}={rank} is larger than layer {name} ({in_features} -> "
-                        f"{out_features}) can use (at most {min(in_features, out_features)}); lower it or drop "
-                        f"that layer from model.lora.targets")
+        raise LoraError(
+            f"model.lora.{field_name}={rank} is larger than layer {name} ({in_features} -> "
+            f"{out_features}) can use (at most {min(in_features, out_features)}); lower it or drop "
+            f"that layer from model.lora.targets"
+        )
 
 
 def _adapt_linear(parent: nn.Module, child: str, name: str, rank: int, scale: float, dropout: float) -> None:
@@ -200,8 +215,11 @@ def _adapt_experts(proj: nn.Module, name: str, rank: int, scale: float, dropout:
 
 def _layer_targets(layer: nn.Module, targets: set[str]) -> list[tuple[nn.Module, str, str]]:
     """(parent module, child name, kind) of each dense Linear of one decoder/MTP layer to adapt."""
-    out = [(layer.self_attn, proj, proj) for proj in ATTENTION_TARGETS
-           if proj in targets and getattr(layer.self_attn, proj, None) is not None]
+    out = [
+        (layer.self_attn, proj, proj)
+        for proj in ATTENTION_TARGETS
+        if proj in targets and getattr(layer.self_attn, proj, None) is not None
+    ]
     if hasattr(layer, "mlp") and "mlp" in targets:
         out += [(layer.mlp, p, "mlp") for p in ("gate_proj", "up_proj", "down_proj")]
     if hasattr(layer, "share_expert") and "shared_expert" in targets:
@@ -224,8 +242,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     _freeze_base(model, targets, lora.resolved_base_dtype(config))
 
 
-def check_sizes(lora: LoraConfig, config: Step35Config, num_mtp_layers: int | None = None,
-                mtp_loss_weight: float | None = None) -> None:
+def check_sizes(
+    lora: LoraConfig, config: Step35Config, num_mtp_layers: int | None = None, mtp_loss_weight: float | None = None
+) -> None:
     """Check the options (`LoraConfig.validate`), then raise the LoraError apply_lora would raise for a
     too-large rank, without building the model: one meta layer of each distinct kind (dense / MoE / MTP,
     head counts) is adapted instead."""
@@ -254,8 +273,9 @@ def _adapt_layer(layer: nn.Module, prefix: str, lora: LoraConfig, config: Step35
         _adapt_linear(parent, child, name, rank, alpha / rank, lora.dropout)
     if layer.spec.is_moe and "experts" in targets:
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            _adapt_experts(getattr(layer.moe, proj), f"{prefix}.moe.{proj}", expert_rank,
-                           alpha / expert_rank, lora.dropout)
+            _adapt_experts(
+                getattr(layer.moe, proj), f"{prefix}.moe.{proj}", expert_rank, alpha / expert_rank, lora.dropout
+            )
 
 
 def is_full_target(name: str, targets: set[str]) -> bool:
@@ -276,8 +296,9 @@ def _full_target(name: str, targets: set[str]) -> bool:
 def _freeze_base(model: nn.Module, targets: set[str], base_dtype: torch.dtype) -> None:
     """Adapters and named full targets train in fp32; everything else is frozen in `base_dtype`.
     A tied embedding / lm_head is one parameter: trained when either is named."""
-    trainable = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
-                 if is_adapter(n) or _full_target(n, targets)}
+    trainable = {
+        id(p) for n, p in model.named_parameters(remove_duplicate=False) if is_adapter(n) or _full_target(n, targets)
+    }
     converted: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for pname, param in list(module._parameters.items()):
@@ -319,7 +340,13 @@ def merged_weight(name: str, weight: torch.Tensor, A: torch.Tensor, B: torch.Ten
     W, A, B = weight.float(), A.float(), B.float()
     if W.dim() == 2 and A.dim() == 2 and B.shape == (W.shape[0], A.shape[0]) and A.shape[1] == W.shape[1]:
         return W + (alpha / A.shape[0]) * (B @ A)
-    if (W.dim() == 3 and A.dim() == 3 and A.shape[:2] == (W.shape[0], W.shape[2])
-            and B.shape == (W.shape[0], A.shape[2], W.shape[1])):
+    if (
+        W.dim() == 3
+        and A.dim() == 3
+        and A.shape[:2] == (W.shape[0], W.shape[2])
+        and B.shape == (W.shape[0], A.shape[2], W.shape[1])
+    ):
         return W + (alpha / A.shape[2]) * torch.bmm(A, B).transpose(1, 2)
-    raise LoraError(f"{name}: adapter shapes A {list(A.shape)}, B {list(B.shape)} do not fit weight {list(weight.shape)}")
+    raise LoraError(
+        f"{name}: adapter shapes A {list(A.shape)}, B {list(B.shape)} do not fit weight {list(weight.shape)}"
+    )

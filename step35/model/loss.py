@@ -21,7 +21,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=torch.float32)
         w = weight.to(hidden.dtype)  # one compute dtype (under autocast hidden is bf16, the weight fp32)
         for start in range(0, hidden.shape[0], chunk_size):
-            h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
+            h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
             logits = (h @ w.T).float()  # [n, V]
             valid = y != ignore_index
             target = logits.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
@@ -34,24 +34,31 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         w = weight.to(hidden.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
-            h, y = hidden[start:start + ctx.chunk_size], labels[start:start + ctx.chunk_size]
+            h, y = hidden[start : start + ctx.chunk_size], labels[start : start + ctx.chunk_size]
             logits = (h @ w.T).float()
-            valid = (y != ctx.ignore_index)
+            valid = y != ctx.ignore_index
             grad_logits = torch.softmax(logits, dim=-1)  # d(lse - target)/d logits = softmax - onehot
             grad_logits.scatter_add_(1, y.clamp(min=0)[:, None], -torch.ones_like(logits[:, :1]))
             grad_logits *= (valid.float() * grad_total)[:, None]
             if grad_hidden is not None:
-                grad_hidden[start:start + ctx.chunk_size] = grad_logits.to(w.dtype) @ w
+                grad_hidden[start : start + ctx.chunk_size] = grad_logits.to(w.dtype) @ w
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ h.float()
         return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_size: int = 1024, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token loss and the number of counted tokens.
 
     hidden: [..., H] final (normed) hidden states; weight: [V, H] output matrix; labels: [...] ids,

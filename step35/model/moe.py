@@ -43,12 +43,20 @@ class ExpertWeight(nn.Module):
         y = grouped_mm(x, self.weight, counts)
         if "lora_A" not in self._parameters:
             return y
-        return y + expert_lora_delta(x, self.lora_A, self.lora_B, counts, self.lora_scale, self.lora_dropout,
-                                     self.training)
+        return y + expert_lora_delta(
+            x, self.lora_A, self.lora_B, counts, self.lora_scale, self.lora_dropout, self.training
+        )
 
 
-def expert_lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, counts: torch.Tensor, scale: float,
-                      dropout: float, training: bool) -> torch.Tensor:
+def expert_lora_delta(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    dropout: float,
+    training: bool,
+) -> torch.Tensor:
     """Per-expert (dropout(x) @ A_e @ B_e) * scale on rows sorted by expert, in x's dtype (the
     compute dtype: the fp32 adapters are cast like FSDP's param_dtype would). x [N, in],
     A [E, in, r], B [E, r, out] (held experts), counts [E_held] -> [N, out]. Two grouped GEMMs; the
@@ -94,8 +102,9 @@ class _WeightedCombine(torch.autograd.Function):
         return grad_y, grad_w, None, None, None
 
 
-def weighted_combine(y: torch.Tensor, w: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int,
-                     dtype: torch.dtype) -> torch.Tensor:
+def weighted_combine(
+    y: torch.Tensor, w: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
     """y [N, H] expert outputs, w [N] fp32 routing weights, token_of_row [N] -> [num_tokens, H] in `dtype`."""
     return _WeightedCombine.apply(y, w, token_of_row, num_tokens, dtype)
 
@@ -160,8 +169,9 @@ class RouterAuxLosses:
             self.losses.append(loss)
 
 
-def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int,
-                          weights: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sequence-level balance loss (DeepSeek-V3 style), before its coefficient, averaged over sequences
     (each multiplied by its entry of `weights` [B] first, when given).
 
@@ -184,9 +194,19 @@ def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_se
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
-                 limit: float = 0.0, scaling_factor: float = 3.0, renormalize: bool = True,
-                 use_bias: bool = True, fp32_router: bool = True):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        *,
+        limit: float = 0.0,
+        scaling_factor: float = 3.0,
+        renormalize: bool = True,
+        use_bias: bool = True,
+        fp32_router: bool = True,
+    ):
         super().__init__()
         self.num_experts, self.top_k, self.limit = num_experts, top_k, limit
         self.scaling_factor, self.renormalize, self.fp32_router = scaling_factor, renormalize, fp32_router
@@ -225,8 +245,11 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, H]
         scores, expert_ids, weights = self.route(x)
         if router_aux is not None:
-            router_aux.add(sequence_balance_loss(scores, expert_ids, shape[0] if len(shape) == 3 else 1,
-                                                 router_aux.sequence_weights))
+            router_aux.add(
+                sequence_balance_loss(
+                    scores, expert_ids, shape[0] if len(shape) == 3 else 1, router_aux.sequence_weights
+                )
+            )
         flat_ids = expert_ids.reshape(-1)  # [N]
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert
         token_of_row = order // self.top_k
@@ -250,8 +273,7 @@ class MoE(nn.Module):
         super()._apply(fn, recurse)
         if bias is not None and self.router_bias.dtype != torch.float32:
             moved = self.router_bias
-            self.router_bias = (torch.empty_like(bias, device=moved.device) if bias.is_meta
-                                else bias.to(moved.device))
+            self.router_bias = torch.empty_like(bias, device=moved.device) if bias.is_meta else bias.to(moved.device)
         return self
 
 

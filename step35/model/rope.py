@@ -50,7 +50,7 @@ class _Rotary(torch.autograd.Function):
         r = cos.shape[-1]
         rot, passthrough = x[..., :r], x[..., r:]
         rot32 = rot.float()
-        first, second = rot32[..., : r // 2], rot32[..., r // 2:]
+        first, second = rot32[..., : r // 2], rot32[..., r // 2 :]
         rotated = torch.cat([-second, first], dim=-1)
         out = (rot32 * cos + rotated * sin).to(x.dtype)
         ctx.save_for_backward(cos, sin)
@@ -62,7 +62,7 @@ class _Rotary(torch.autograd.Function):
         r = cos.shape[-1]
         g = grad[..., :r].float()
         via_sin = g * sin  # gradient reaching `rotated` = [-second, first]
-        grad_rot = (g * cos + torch.cat([via_sin[..., r // 2:], -via_sin[..., : r // 2]], dim=-1)).to(grad.dtype)
+        grad_rot = (g * cos + torch.cat([via_sin[..., r // 2 :], -via_sin[..., : r // 2]], dim=-1)).to(grad.dtype)
         grad_x = torch.cat([grad_rot, grad[..., r:]], dim=-1) if grad.shape[-1] > r else grad_rot
         return grad_x, None, None
 

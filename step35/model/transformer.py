@@ -42,22 +42,42 @@ class DecoderLayer(nn.Module):
         H, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered
         self.spec = spec
         self.input_layernorm = RMSNorm(H, eps, zc)
-        self.self_attn = Attention(H, spec, sliding_window=config.sliding_window, use_qk_norm=config.use_qk_norm,
-                                   use_gate=config.use_head_wise_attn_gate, eps=eps, zero_centered=zc)
+        self.self_attn = Attention(
+            H,
+            spec,
+            sliding_window=config.sliding_window,
+            use_qk_norm=config.use_qk_norm,
+            use_gate=config.use_head_wise_attn_gate,
+            eps=eps,
+            zero_centered=zc,
+        )
         self.post_attention_layernorm = RMSNorm(H, eps, zc)
         if spec.is_moe:
-            self.moe = MoE(H, config.moe_num_experts, config.moe_top_k, config.moe_intermediate_size,
-                           limit=spec.swiglu_limit, scaling_factor=config.moe_router_scaling_factor,
-                           renormalize=config.norm_expert_weight, use_bias=config.use_moe_router_bias,
-                           fp32_router=config.need_fp32_gate)
+            self.moe = MoE(
+                H,
+                config.moe_num_experts,
+                config.moe_top_k,
+                config.moe_intermediate_size,
+                limit=spec.swiglu_limit,
+                scaling_factor=config.moe_router_scaling_factor,
+                renormalize=config.norm_expert_weight,
+                use_bias=config.use_moe_router_bias,
+                fp32_router=config.need_fp32_gate,
+            )
             self.share_expert = SwiGLU(H, config.share_expert_dim, limit=spec.swiglu_limit_shared)
         else:
             # Dense layers (and MTP layers) use the shared-expert clamp list (docs/architecture.md §2.7).
             self.mlp = SwiGLU(H, config.intermediate_size, limit=spec.swiglu_limit_shared)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None,
-                cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        router_aux: RouterAuxLosses | None = None,
+        documents: Documents | None = None,
+        cache: LayerKV | None = None,
+    ) -> torch.Tensor:
         """router_aux: where an MoE layer adds its sequence balance loss (None: not computed);
         documents: packed documents that attention must keep apart (None: one document per row), or
         this rank's SequenceShard under context parallelism; cache: this layer's keys and values of
@@ -87,8 +107,16 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.transformer = nn.ModuleDict({"shared_head": SharedHead(config)})
 
-    def forward(self, h: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                labels: torch.Tensor | None = None, chunk_size: int = 1024, documents: Documents | None = None):
+    def forward(
+        self,
+        h: torch.Tensor,
+        next_embeds: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        chunk_size: int = 1024,
+        documents: Documents | None = None,
+    ):
         """Returns (block output [B, S, H], summed loss, counted tokens); loss parts are None without labels."""
         u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h)], dim=-1))
         out = super().forward(u, cos, sin, documents=documents)
@@ -116,8 +144,10 @@ class Step35Model(nn.Module):
         # RoPE frequencies per distinct (rotary dim, theta, scaled): plain CPU tensors, not buffers,
         # so meta-device construction and sharding never see them.
         self.rope_keys = [(s.rotary_dim, s.rope_theta, s.rope_scaled) for s in specs]
-        self._inv_freq = {key: inverse_frequencies(key[0], key[1], config.rope_scaling if key[2] else None)
-                          for key in set(self.rope_keys)}
+        self._inv_freq = {
+            key: inverse_frequencies(key[0], key[1], config.rope_scaling if key[2] else None)
+            for key in set(self.rope_keys)
+        }
 
     @property
     def main_layers(self) -> list[DecoderLayer]:
@@ -125,7 +155,7 @@ class Step35Model(nn.Module):
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
-        return list(self.layers)[self.config.num_hidden_layers:]
+        return list(self.layers)[self.config.num_hidden_layers :]
 
     def rotary_tables(self, seq_len: int, device: torch.device, position_ids: torch.Tensor | None = None) -> dict:
         """(cos, sin) per RoPE kind: [S, r] for positions 0..S-1 or for `position_ids` [S] (one
@@ -136,9 +166,14 @@ class Step35Model(nn.Module):
         tables = {key: rotary_cos_sin(position_ids, inv) for key, inv in self._inv_freq.items()}
         return {key: (cos[:, None], sin[:, None]) for key, (cos, sin) in tables.items()}
 
-    def forward(self, input_ids: torch.Tensor, rope: dict | None = None,
-                router_aux: RouterAuxLosses | None = None, documents: Documents | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        rope: dict | None = None,
+        router_aux: RouterAuxLosses | None = None,
+        documents: Documents | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
         router_aux: collects the MoE layers' sequence balance losses (None: not computed);
@@ -189,8 +224,10 @@ class Step35ForCausalLM(nn.Module):
         if num_mtp_layers is None:
             num_mtp_layers = config.num_nextn_predict_layers
         if not 0 <= num_mtp_layers <= config.num_nextn_predict_layers:
-            raise ValueError(f"num_mtp_layers={num_mtp_layers} must be between 0 and "
-                             f"num_nextn_predict_layers={config.num_nextn_predict_layers}")
+            raise ValueError(
+                f"num_mtp_layers={num_mtp_layers} must be between 0 and "
+                f"num_nextn_predict_layers={config.num_nextn_predict_layers}"
+            )
         self.config = config
         self.num_mtp_layers = num_mtp_layers
         self.model = Step35Model(config, num_mtp_layers)
@@ -221,9 +258,16 @@ class Step35ForCausalLM(nn.Module):
             h = h[:, -1:]
         return self.lm_head(self.model.norm(h))
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *, mtp_loss_weight: float = 0.0,
-             moe_aux_loss_coef: float = 0.0, loss_chunk_size: int = 1024,
-             position_ids: torch.Tensor | None = None) -> LossOutput:
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        mtp_loss_weight: float = 0.0,
+        moe_aux_loss_coef: float = 0.0,
+        loss_chunk_size: int = 1024,
+        position_ids: torch.Tensor | None = None,
+    ) -> LossOutput:
         """input_ids [B, S], labels [B, S] (-100 = no loss) -> LossOutput; the [B, S, V] logits never
         exist at once (chunked_cross_entropy holds `loss_chunk_size` rows of them).
 
@@ -247,8 +291,10 @@ class Step35ForCausalLM(nn.Module):
         shard = None
         if cp is not None:
             if moe_aux_loss_coef > 0:
-                raise ValueError("moe_aux_loss_coef > 0 with context parallelism: the sequence balance loss needs "
-                                 "each whole sequence on one rank; set it to 0 or context_parallel_size to 1")
+                raise ValueError(
+                    "moe_aux_loss_coef > 0 with context parallelism: the sequence balance loss needs "
+                    "each whole sequence on one rank; set it to 0 or context_parallel_size to 1"
+                )
             shard = cp.split(input_ids, position_ids)
         take = (lambda x: x) if shard is None else (lambda x: cp.take(shard, x))
         parts = (lambda t: t) if cp is None else cp.sum  # loss sums and counts of the whole rows
@@ -257,8 +303,9 @@ class Step35ForCausalLM(nn.Module):
             # Each sequence's balance loss counts by its share of trained labels (1 for plain text).
             trained = (labels != IGNORE_INDEX).sum(1)  # [B]
             router_aux = RouterAuxLosses(trained / trained.new_full((), max(labels.shape[1], 1)))
-        h, rope, documents = self._trunk(take(input_ids), None if position_ids is None else take(position_ids),
-                                         router_aux, shard)
+        h, rope, documents = self._trunk(
+            take(input_ids), None if position_ids is None else take(position_ids), router_aux, shard
+        )
         total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, take(labels), loss_chunk_size)
         total, count = parts(total), parts(count)
         lm_loss = total / count.clamp(min=1)
@@ -266,34 +313,57 @@ class Step35ForCausalLM(nn.Module):
         if mtp_loss_weight > 0:
             # Document ids of the whole rows (the MTP shift runs on whole rows, also under cp).
             document_ids = DocumentMask(position_ids).ids if position_ids is not None else None
-            mtp_sums, mtp_counts = self._mtp_losses(h, input_ids, labels, rope, loss_chunk_size, documents,
-                                                    document_ids, take, parts)
+            mtp_sums, mtp_counts = self._mtp_losses(
+                h, input_ids, labels, rope, loss_chunk_size, documents, document_ids, take, parts
+            )
         mtp_losses = [s / c.clamp(min=1) for s, c in zip(mtp_sums, mtp_counts)]
         loss = lm_loss + mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
         aux_loss = None
         if router_aux is not None and router_aux.losses:
             aux_loss = moe_aux_loss_coef * torch.stack(router_aux.losses).mean()
             loss = loss + aux_loss
-        return LossOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, num_tokens=count, aux_loss=aux_loss,
-                          lm_sum=total, mtp_sums=mtp_sums, mtp_counts=mtp_counts)
+        return LossOutput(
+            loss=loss,
+            lm_loss=lm_loss,
+            mtp_losses=mtp_losses,
+            num_tokens=count,
+            aux_loss=aux_loss,
+            lm_sum=total,
+            mtp_sums=mtp_sums,
+            mtp_counts=mtp_counts,
+        )
 
-    def _trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-               router_aux: RouterAuxLosses | None = None,
-               shard: SequenceShard | None = None) -> tuple[torch.Tensor, dict, Documents | None]:
+    def _trunk(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        router_aux: RouterAuxLosses | None = None,
+        shard: SequenceShard | None = None,
+    ) -> tuple[torch.Tensor, dict, Documents | None]:
         """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask).
         shard: this rank's share under context parallelism (input_ids and position_ids are then the
         local tokens; RoPE takes their global positions, attention the shard's exchanges)."""
         if shard is not None:
-            rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device,
-                                            shard.positions if position_ids is None else position_ids)
+            rope = self.model.rotary_tables(
+                input_ids.shape[1], input_ids.device, shard.positions if position_ids is None else position_ids
+            )
             return self.model(input_ids, rope, router_aux=router_aux, documents=shard), rope, shard
         documents = DocumentMask(position_ids) if position_ids is not None else None
         rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         return self.model(input_ids, rope, router_aux=router_aux, documents=documents), rope, documents
 
-    def _mtp_losses(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope: dict,
-                    chunk_size: int, documents: Documents | None = None, document_ids: torch.Tensor | None = None,
-                    take=lambda x: x, parts=lambda t: t) -> tuple[list, list]:
+    def _mtp_losses(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        rope: dict,
+        chunk_size: int,
+        documents: Documents | None = None,
+        document_ids: torch.Tensor | None = None,
+        take=lambda x: x,
+        parts=lambda t: t,
+    ) -> tuple[list, list]:
         """(summed loss, counted targets) per MTP depth.
 
         Depth k (1-based) at position t reads token x_{t+k} = input_ids[t+k] and predicts
@@ -312,8 +382,14 @@ class Step35ForCausalLM(nn.Module):
                 crosses = _shift_left(document_ids, k, fill=-1) != document_ids  # [B, S]
                 targets = targets.masked_fill(crosses, IGNORE_INDEX)
             key = self.model.rope_keys[layer.spec.layer_id]
-            h, total, count = layer(h, self.model.embed_tokens(take(next_ids)), *rope[key], labels=take(targets),
-                                    chunk_size=chunk_size, documents=documents)
+            h, total, count = layer(
+                h,
+                self.model.embed_tokens(take(next_ids)),
+                *rope[key],
+                labels=take(targets),
+                chunk_size=chunk_size,
+                documents=documents,
+            )
             sums.append(parts(total))
             counts.append(parts(count))
         return sums, counts

@@ -74,8 +74,10 @@ class ContextParallel:
         whose preceding keys are its own first chunk)."""
         c = x.shape[-2] // 2
         if not halo_fits(n, c):
-            raise ParallelConfigError(f"a halo of {n} keys does not fit in one chunk of {c} tokens: a sliding "
-                                      f"window longer than chunk + 1 = {c + 1} must gather the whole sequence")
+            raise ParallelConfigError(
+                f"a halo of {n} keys does not fit in one chunk of {c} tokens: a sliding "
+                f"window longer than chunk + 1 = {c + 1} must gather the whole sequence"
+            )
         return _Halo.apply(x, n, self)
 
 
@@ -127,7 +129,7 @@ class _GatherSequence(torch.autograd.Function):
         if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce_scatter: sum everywhere, keep mine
             dist.all_reduce(rank_major, group=ctx.group)
             rank = dist.get_rank(ctx.group)
-            mine = rank_major[rank * 2 * c:(rank + 1) * 2 * c]
+            mine = rank_major[rank * 2 * c : (rank + 1) * 2 * c]
         else:
             mine = rank_major.new_empty((2 * c, *seq_first.shape[1:]))
             dist.reduce_scatter_single(mine, rank_major, group=ctx.group)
@@ -145,12 +147,13 @@ class _Halo(torch.autograd.Function):
     def forward(ctx, x, n, cp_: ContextParallel):
         ctx.n, ctx.cp, ctx.x_shape = n, cp_, x.shape
         c = x.shape[-2] // 2
-        tail_first = x[..., c - n:c, :].contiguous()
-        tail_second = x[..., 2 * c - n:, :].contiguous()
+        tail_first = x[..., c - n : c, :].contiguous()
+        tail_second = x[..., 2 * c - n :, :].contiguous()
         before_first = torch.zeros_like(tail_first)
         before_second = torch.zeros_like(tail_second)
-        _swap_with_neighbours(cp_, to_next=tail_first, from_next=before_second, to_previous=tail_second,
-                              from_previous=before_first)
+        _swap_with_neighbours(
+            cp_, to_next=tail_first, from_next=before_second, to_previous=tail_second, from_previous=before_first
+        )
         return torch.cat([before_first, before_second], dim=-2)
 
     @staticmethod
@@ -161,26 +164,40 @@ class _Halo(torch.autograd.Function):
         grad_tail_first = torch.zeros_like(grad_before_first)  # from rank r + 1's first chunk's halo
         grad_tail_second = torch.zeros_like(grad_before_second)  # from rank r - 1's second chunk's halo
         # The forward's exchange run backwards: each gradient goes back to the rank its halo came from.
-        _swap_with_neighbours(cp_, to_next=grad_before_second, from_next=grad_tail_first,
-                              to_previous=grad_before_first, from_previous=grad_tail_second)
+        _swap_with_neighbours(
+            cp_,
+            to_next=grad_before_second,
+            from_next=grad_tail_first,
+            to_previous=grad_before_first,
+            from_previous=grad_tail_second,
+        )
         grad_x = grad.new_zeros(ctx.x_shape)
         c = ctx.x_shape[-2] // 2
-        grad_x[..., c - n:c, :] = grad_tail_first
-        grad_x[..., 2 * c - n:, :] = grad_tail_second
+        grad_x[..., c - n : c, :] = grad_tail_first
+        grad_x[..., 2 * c - n :, :] = grad_tail_second
         return grad_x, None, None
 
 
-def _swap_with_neighbours(cp_: ContextParallel, to_next: torch.Tensor, from_next: torch.Tensor,
-                          to_previous: torch.Tensor, from_previous: torch.Tensor) -> None:
+def _swap_with_neighbours(
+    cp_: ContextParallel,
+    to_next: torch.Tensor,
+    from_next: torch.Tensor,
+    to_previous: torch.Tensor,
+    from_previous: torch.Tensor,
+) -> None:
     """Send to / receive from ranks r + 1 and r - 1 of the cp group in one batch (the ends of the group
     have one neighbour; a receive buffer without a sender keeps its contents)."""
     r, ops = cp_.rank, []
     if r + 1 < cp_.size:
-        ops += [dist.P2POp(dist.isend, to_next, cp_.peers[r + 1], cp_.group),
-                dist.P2POp(dist.irecv, from_next, cp_.peers[r + 1], cp_.group)]
+        ops += [
+            dist.P2POp(dist.isend, to_next, cp_.peers[r + 1], cp_.group),
+            dist.P2POp(dist.irecv, from_next, cp_.peers[r + 1], cp_.group),
+        ]
     if r > 0:
-        ops += [dist.P2POp(dist.isend, to_previous, cp_.peers[r - 1], cp_.group),
-                dist.P2POp(dist.irecv, from_previous, cp_.peers[r - 1], cp_.group)]
+        ops += [
+            dist.P2POp(dist.isend, to_previous, cp_.peers[r - 1], cp_.group),
+            dist.P2POp(dist.irecv, from_previous, cp_.peers[r - 1], cp_.group),
+        ]
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()

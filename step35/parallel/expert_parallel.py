@@ -25,8 +25,10 @@ def all_to_all(x: torch.Tensor, output_splits: list[int] | None, input_splits: l
     try:
         ops = torch.ops._c10d_functional
     except AttributeError as e:  # moved in a later torch: say where to look
-        raise RuntimeError(f"torch {torch.__version__} lacks torch.ops._c10d_functional, whose all_to_all_single "
-                           "step35.parallel.expert_parallel.all_to_all calls; update that function") from e
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks torch.ops._c10d_functional, whose all_to_all_single "
+            "step35.parallel.expert_parallel.all_to_all calls; update that function"
+        ) from e
     if output_splits is None or input_splits is None:
         n = dist.get_world_size(group)
         output_splits = input_splits = [x.shape[0] // n] * n
@@ -57,8 +59,8 @@ class ExpertParallelDispatcher:
         send_splits, recv_splits = self._split_sizes(send_counts, recv_counts)
         x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.group)  # [M, H] by (source, expert)
         expert_of_row = torch.repeat_interleave(
-            torch.arange(El, device=counts.device).repeat(ep), recv_counts.reshape(-1),
-            output_size=sum(recv_splits))  # output_size given: no host sync for the length
+            torch.arange(El, device=counts.device).repeat(ep), recv_counts.reshape(-1), output_size=sum(recv_splits)
+        )  # output_size given: no host sync for the length
         order = torch.argsort(expert_of_row, stable=True)  # regroup rows by local expert
         y_local = expert_swiglu(moe, x_recv[order], recv_counts.sum(0))
         y_recv = y_local[torch.argsort(order)]  # back to (source, expert) order
@@ -86,6 +88,9 @@ def shard_experts(moe: MoE, ep_mesh) -> None:
 
     for proj in (moe.gate_proj, moe.up_proj, moe.down_proj):
         for name, param in list(proj.named_parameters(recurse=False)):  # weight, lora_A, lora_B
-            setattr(proj, name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
-                                             requires_grad=param.requires_grad))
+            setattr(
+                proj,
+                name,
+                nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad),
+            )
     moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), ep_mesh.size(), moe.num_experts)

@@ -26,15 +26,15 @@ class ParallelConfigError(ValueError):
 
 def valid_ep_sizes(world_size: int, num_experts: int | None = None) -> list[int]:
     """Expert-parallel sizes that divide the world size and, when given, the number of experts, ascending."""
-    return [d for d in range(1, world_size + 1)
-            if world_size % d == 0 and (num_experts is None or num_experts % d == 0)]
+    return [
+        d for d in range(1, world_size + 1) if world_size % d == 0 and (num_experts is None or num_experts % d == 0)
+    ]
 
 
 def valid_cp_sizes(world_size: int, seq_len: int | None = None) -> list[int]:
     """Context-parallel sizes that divide the world size and, when given, split `seq_len` into 2 x cp
     equal chunks (the load-balanced split), ascending."""
-    return [d for d in range(1, world_size + 1)
-            if world_size % d == 0 and (seq_len is None or splits(seq_len, d))]
+    return [d for d in range(1, world_size + 1) if world_size % d == 0 and (seq_len is None or splits(seq_len, d))]
 
 
 def data_parallel_place(global_rank: int, world_size: int, context_parallel_size: int) -> tuple[int, int]:
@@ -59,16 +59,21 @@ class ParallelDims:
         cp = self.context_parallel_size
         if cp < 1 or cp > ws or ws % cp:
             why = "is larger than" if cp > ws else "must divide"
-            raise ParallelConfigError(f"context_parallel_size={cp} {why} the world size {ws} (valid: "
-                                      f"{valid_cp_sizes(ws)})")
+            raise ParallelConfigError(
+                f"context_parallel_size={cp} {why} the world size {ws} (valid: {valid_cp_sizes(ws)})"
+            )
         if ep < 1 or ws % ep:
-            raise ParallelConfigError(f"expert_parallel_size={ep} must divide the world size {ws} (sizes that divide "
-                                      f"the world size{' and the experts' if self.num_experts else ''}: "
-                                      f"{valid_ep_sizes(ws, self.num_experts)})")
+            raise ParallelConfigError(
+                f"expert_parallel_size={ep} must divide the world size {ws} (sizes that divide "
+                f"the world size{' and the experts' if self.num_experts else ''}: "
+                f"{valid_ep_sizes(ws, self.num_experts)})"
+            )
         if self.num_experts is not None and self.num_experts % ep:
-            raise ParallelConfigError(f"expert_parallel_size={ep} must divide num_experts={self.num_experts} "
-                                      f"(sizes that divide both the experts and the world size {ws}: "
-                                      f"{valid_ep_sizes(ws, self.num_experts)})")
+            raise ParallelConfigError(
+                f"expert_parallel_size={ep} must divide num_experts={self.num_experts} "
+                f"(sizes that divide both the experts and the world size {ws}: "
+                f"{valid_ep_sizes(ws, self.num_experts)})"
+            )
         if rep < 1 or ws % rep:
             raise ParallelConfigError(f"replicate_size={rep} must divide the world size {ws}")
 
@@ -85,9 +90,11 @@ class ParallelDims:
         """Refuse a sequence length the cp split cannot cut in 2 x cp equal chunks, listing valid cp sizes."""
         cp = self.context_parallel_size
         if not splits(seq_len, cp):
-            raise ParallelConfigError(f"context_parallel_size={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} "
-                                      f"(two chunks per rank); data.seq_len={seq_len} (valid cp sizes for this "
-                                      f"world size {self.world_size}: {valid_cp_sizes(self.world_size, seq_len)})")
+            raise ParallelConfigError(
+                f"context_parallel_size={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} "
+                f"(two chunks per rank); data.seq_len={seq_len} (valid cp sizes for this "
+                f"world size {self.world_size}: {valid_cp_sizes(self.world_size, seq_len)})"
+            )
 
     @property
     def efsdp(self) -> int:
@@ -103,18 +110,21 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.replicate_size > 1:
-            dense = init_device_mesh(device_type, (self.replicate_size, self.shard_size),
-                                     mesh_dim_names=("replicate", "shard"))
+            dense = init_device_mesh(
+                device_type, (self.replicate_size, self.shard_size), mesh_dim_names=("replicate", "shard")
+            )
         else:
             dense = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("fsdp",))
         experts = None
         if self.expert_parallel_size > 1:
-            experts = init_device_mesh(device_type, (self.efsdp, self.expert_parallel_size),
-                                       mesh_dim_names=("efsdp", "ep"))
+            experts = init_device_mesh(
+                device_type, (self.efsdp, self.expert_parallel_size), mesh_dim_names=("efsdp", "ep")
+            )
         context = None
         if self.context_parallel_size > 1:
-            context = init_device_mesh(device_type, (self.data_parallel_size, self.context_parallel_size),
-                                       mesh_dim_names=("dp", "cp"))
+            context = init_device_mesh(
+                device_type, (self.data_parallel_size, self.context_parallel_size), mesh_dim_names=("dp", "cp")
+            )
         return Meshes(self, dense, experts, context)
 
 

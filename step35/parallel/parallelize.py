@@ -21,9 +21,16 @@ from step35.parallel.mesh import Meshes
 ActivationCheckpointing = Literal["none", "selective", "full"]
 
 
-def parallelize(model: Step35ForCausalLM, meshes: Meshes, *, activation_checkpointing: ActivationCheckpointing = "none",
-                compile: bool = False, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32) -> None:
+def parallelize(
+    model: Step35ForCausalLM,
+    meshes: Meshes,
+    *,
+    activation_checkpointing: ActivationCheckpointing = "none",
+    compile: bool = False,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+) -> None:
     layers = list(model.model.layers)
     if meshes.context is not None:  # the model computes its share of each sequence (parallel/context.py)
         model.context_parallel = ContextParallel(meshes.context["cp"].get_group())
@@ -37,12 +44,19 @@ def parallelize(model: Step35ForCausalLM, meshes: Meshes, *, activation_checkpoi
     if compile:
         for layer in layers:
             layer.compile(fullgraph=False)
-    apply_fsdp(model, meshes, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-               reduce_dtype=reduce_dtype)
+    apply_fsdp(
+        model, meshes, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
 
 
-def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forward: bool,
-               param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+def apply_fsdp(
+    model: Step35ForCausalLM,
+    meshes: Meshes,
+    *,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import Shard
 
@@ -57,8 +71,13 @@ def apply_fsdp(model: Step35ForCausalLM, meshes: Meshes, *, reshard_after_forwar
         if layer.spec.is_moe and meshes.experts is not None:
             experts = [layer.moe.gate_proj, layer.moe.up_proj, layer.moe.down_proj]
             # Dim 0 is already split over ep; FSDP shards the per-expert rows (dim 1) over efsdp.
-            fully_shard(experts, mesh=meshes.experts["efsdp"], reshard_after_forward=reshard_after_forward,
-                        mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
+            fully_shard(
+                experts,
+                mesh=meshes.experts["efsdp"],
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp,
+                shard_placement_fn=lambda p: Shard(1),
+            )
             # An expert's gradient already sums the tokens of its whole ep group (the all-to-all
             # backward); reduce-scatter over efsdp then sums over every rank. Divide by the world,
             # as the dense parameters are, so both are a mean over data-parallel ranks.
@@ -92,8 +111,7 @@ def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointi
     if mode == "selective":
         _ignore_profiler_ops_in_selective_checkpointing()
     forward = layer.forward
-    context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-                  if mode == "selective" else None)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if mode == "selective" else None
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
@@ -111,9 +129,13 @@ def _ignore_profiler_ops_in_selective_checkpointing() -> None:
     from torch.utils import checkpoint
 
     profiler = torch.ops.profiler
-    checkpoint.SAC_IGNORED_OPS.update({profiler._record_function_enter.default,
-                                       profiler._record_function_enter_new.default,
-                                       profiler._record_function_exit._RecordFunction})
+    checkpoint.SAC_IGNORED_OPS.update(
+        {
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,9 +149,13 @@ def _all_to_all_ops() -> frozenset:
 def _save_matmuls(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    saved = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    }
     if hasattr(torch.ops.aten, "_grouped_mm"):
         saved.add(torch.ops.aten._grouped_mm.default)
     # Expert parallelism (expert_parallel.all_to_all): keep the count exchange and the row

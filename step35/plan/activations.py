@@ -21,8 +21,22 @@ from step35.kernels.sequence_split import rank_tokens
 from step35.plan.context import exchange_tokens
 
 FP32, INT64, INT32 = 4, 8, 4
-PARTS = ("embedding", "attention_norm", "attention", "ffn_norm", "router", "dispatch", "experts", "shared_expert",
-         "dense_mlp", "mtp_input", "final_norm", "loss", "checkpoint_inputs", "rope")
+PARTS = (
+    "embedding",
+    "attention_norm",
+    "attention",
+    "ffn_norm",
+    "router",
+    "dispatch",
+    "experts",
+    "shared_expert",
+    "dense_mlp",
+    "mtp_input",
+    "final_norm",
+    "loss",
+    "checkpoint_inputs",
+    "rope",
+)
 
 
 @dataclass
@@ -67,8 +81,9 @@ class Saved:
 
 
 # ------------------------------------------------------------------------------------- modules
-def rms_norm(saved: Saved, part: str, rows: int, dim: int, s: Shape, *, output_saved: bool = True,
-             input_counted: bool = False) -> None:
+def rms_norm(
+    saved: Saved, part: str, rows: int, dim: int, s: Shape, *, output_saved: bool = True, input_counted: bool = False
+) -> None:
     """model/norm.py _RMSNormFunction: keeps its input x and the inverse RMS [rows, 1] fp32 (the weight is
     a parameter); the output (x.dtype) is kept by the op after it when that op saves its input (a linear,
     the loss). `input_counted`: x is already kept by an earlier module (the same tensor)."""
@@ -110,8 +125,14 @@ def swiglu(saved: Saved, part: str, rows: int, width: int, limit: float, s: Shap
 def moe(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape, aux_loss: bool) -> None:
     """model/moe.py MoE.forward (+ parallel/expert_parallel.py under EP). Rows are spread evenly over
     experts, so a rank receives as many rows as it sends (N = tokens x top-k)."""
-    T, a, H, E, K, I = s.tokens, s.act_bytes, config.hidden_size, config.moe_num_experts, config.moe_top_k, \
-        config.moe_intermediate_size
+    T, a, H, E, K, I = (
+        s.tokens,
+        s.act_bytes,
+        config.hidden_size,
+        config.moe_num_experts,
+        config.moe_top_k,
+        config.moe_intermediate_size,
+    )
     N = T * K
     ep = s.expert_parallel_size
     # router: fp32 logits (moe._Fp32Linear keeps x and the weight as they are; under autocast the
@@ -193,8 +214,9 @@ def _rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int
     return sum(2 * rows * rd * FP32 for rd, _, _ in keys)
 
 
-def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num_mtp_layers: int = 0,
-                      aux_loss: bool = False) -> ActivationEstimate:
+def model_activations(
+    config: Step35Config, s: Shape, *, mode: str = "none", num_mtp_layers: int = 0, aux_loss: bool = False
+) -> ActivationEstimate:
     """Step35ForCausalLM.loss(input_ids, labels) with `num_mtp_layers` MTP layers computing their loss
     (0 when mtp_loss_weight is 0: they are then not run), under activation checkpointing `mode`
     (none | selective | full, applied to every decoder and MTP layer as parallelize does)."""
@@ -241,8 +263,12 @@ def model_activations(config: Step35Config, s: Shape, *, mode: str = "none", num
         h_separate = k > 1
         saved.add("checkpoint_inputs", (T * H * a if h_separate else 0) + T * H * a + T * INT64)
         if mode == "selective":
-            saved.add("checkpoint_inputs", matmul_outputs(config, spec, s) + T * H * a  # eh_proj
-                      + T * config.vocab_size * a)  # the loss's chunk logits h @ W^T (mm) are kept too
+            saved.add(
+                "checkpoint_inputs",
+                matmul_outputs(config, spec, s)
+                + T * H * a  # eh_proj
+                + T * config.vocab_size * a,
+            )  # the loss's chunk logits h @ W^T (mm) are kept too
         recompute = max(recompute, layer.total)
     parts = {p: saved.parts[p] for p in PARTS if saved.parts.get(p)}
     return ActivationEstimate(mode, saved.total, parts, recompute, largest)

@@ -27,21 +27,36 @@ FITS, DOES_NOT_FIT, INVALID = 0, 1, 2
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="step35 plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="step35 plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other option is an option of `step35 fit` (see `step35 fit --help`), e.g. --config, "
-               "--trainer.devices, --trainer.num_nodes, --trainer.strategy.expert_parallel_size, "
-               "--data.seq_len, --data.micro_batch_size, --model.config. Assumptions: docs/plan.md.")
-    p.add_argument("--device", choices=sorted(DEVICES), default=None,
-                   help="device model (memory, peak TFLOP/s, links); default by trainer.accelerator: "
-                        + ", ".join(f"{k} -> {v}" for k, v in DEFAULT_FOR_ACCELERATOR.items()))
+        "--trainer.devices, --trainer.num_nodes, --trainer.strategy.expert_parallel_size, "
+        "--data.seq_len, --data.micro_batch_size, --model.config. Assumptions: docs/plan.md.",
+    )
+    p.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        default=None,
+        help="device model (memory, peak TFLOP/s, links); default by trainer.accelerator: "
+        + ", ".join(f"{k} -> {v}" for k, v in DEFAULT_FOR_ACCELERATOR.items()),
+    )
     p.add_argument("--device-memory-gib", type=float, default=None, help="device memory (default: the device's)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s of one device")
     p.add_argument("--intra-node-gbps", type=float, default=None, help="GB/s per device and direction within a node")
     p.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device and direction across nodes")
-    p.add_argument("--allocator-margin", type=float, default=0.05,
-                   help="fraction of the peak kept free for allocator fragmentation (default 0.05)")
-    p.add_argument("--runtime-reserve-gib", type=float, default=None,
-                   help="memory outside the allocator: context, collective buffers (default: the device's)")
+    p.add_argument(
+        "--allocator-margin",
+        type=float,
+        default=0.05,
+        help="fraction of the peak kept free for allocator fragmentation (default 0.05)",
+    )
+    p.add_argument(
+        "--runtime-reserve-gib",
+        type=float,
+        default=None,
+        help="memory outside the allocator: context, collective buffers (default: the device's)",
+    )
     p.add_argument("--no-suggestions", action="store_true", help="skip the search for layouts that fit")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     return p
@@ -52,17 +67,28 @@ def _device(args, accelerator: str, plan_device: str | None = None) -> Device:
     from dataclasses import replace
 
     if args.device is None and plan_device is not None and plan_device.lower() not in DEVICES:
-        raise PlanInputError(f"plan_device={plan_device!r} is not a device the plan knows (one of: "
-                             f"{', '.join(sorted(DEVICES))})")
-    base = DEVICES[args.device or (plan_device.lower() if plan_device else None)
-                   or DEFAULT_FOR_ACCELERATOR.get(accelerator, "h100")]
+        raise PlanInputError(
+            f"plan_device={plan_device!r} is not a device the plan knows (one of: {', '.join(sorted(DEVICES))})"
+        )
+    base = DEVICES[
+        args.device
+        or (plan_device.lower() if plan_device else None)
+        or DEFAULT_FOR_ACCELERATOR.get(accelerator, "h100")
+    ]
     if base.name.startswith("CPU") and args.device_memory_gib is None:
         import psutil
 
         base = replace(base, memory_gib=psutil.virtual_memory().total / 1024**3)
-    changes = {k: v for k, v in {"memory_gib": args.device_memory_gib, "peak_tflops": args.peak_tflops,
-                                 "intra_node_gbps": args.intra_node_gbps,
-                                 "inter_node_gbps": args.inter_node_gbps}.items() if v is not None}
+    changes = {
+        k: v
+        for k, v in {
+            "memory_gib": args.device_memory_gib,
+            "peak_tflops": args.peak_tflops,
+            "intra_node_gbps": args.intra_node_gbps,
+            "inter_node_gbps": args.inter_node_gbps,
+        }.items()
+        if v is not None
+    }
     return replace(base, **changes)
 
 
@@ -78,24 +104,31 @@ def main(argv: list[str] | None = None) -> int:
     cfg = settings.model_config
 
     def evaluate(layout):
-        return make_plan(layout, device, allocator_margin=args.allocator_margin,
-                         runtime_reserve_gib=args.runtime_reserve_gib)
+        return make_plan(
+            layout, device, allocator_margin=args.allocator_margin, runtime_reserve_gib=args.runtime_reserve_gib
+        )
 
     if settings.sharded:
         experts = cfg.moe_num_experts if cfg.use_moe else None
         ep, world = settings.expert_parallel_size, settings.world_size
         valid = valid_ep_sizes(world, experts)
         if ep not in valid:
-            print(f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide the "
-                  f"{experts} experts and the world size {world} ({settings.num_nodes} x {settings.devices_per_node}). "
-                  f"Valid sizes: {', '.join(map(str, valid))}", file=sys.stderr)
+            print(
+                f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide the "
+                f"{experts} experts and the world size {world} ({settings.num_nodes} x {settings.devices_per_node}). "
+                f"Valid sizes: {', '.join(map(str, valid))}",
+                file=sys.stderr,
+            )
             if not args.no_suggestions:
                 nearest = sorted(valid, key=lambda d: (abs(d - ep), -d))[:3]
                 for alt in (evaluate(settings.with_layout(expert_parallel_size=d)) for d in sorted(nearest)):
                     v = alt.verdict
-                    print(f"  expert_parallel_size={alt.settings.expert_parallel_size}: "
-                          + (f"FITS, {v.margin_pct:.0f}% margin" if v.fits else "DOES NOT FIT")
-                          + f" ({v.required / 1024**3:.1f} of {v.device_memory / 1024**3:.1f} GiB)", file=sys.stderr)
+                    print(
+                        f"  expert_parallel_size={alt.settings.expert_parallel_size}: "
+                        + (f"FITS, {v.margin_pct:.0f}% margin" if v.fits else "DOES NOT FIT")
+                        + f" ({v.required / 1024**3:.1f} of {v.device_memory / 1024**3:.1f} GiB)",
+                        file=sys.stderr,
+                    )
             return INVALID
 
     try:

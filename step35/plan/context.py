@@ -35,17 +35,18 @@ def kv_bytes_per_token(spec: LayerSpec, act_bytes: int) -> int:
     return 2 * spec.num_kv_heads * spec.head_dim * act_bytes
 
 
-def gathered_gradient_bytes(config: Step35Config, layers: list[LayerSpec], batch: int, seq: int, cp: int,
-                            act_bytes: int) -> int:
+def gathered_gradient_bytes(
+    config: Step35Config, layers: list[LayerSpec], batch: int, seq: int, cp: int, act_bytes: int
+) -> int:
     """The largest whole-sequence dK/dV a gathering layer builds in backward (the gradient and its
     reordered copy, parallel/context._GatherSequence.backward), before the reduce-scatter."""
-    gathering = [spec for spec in layers
-                 if cp > 1 and gathers_sequence(_window(config, spec), chunk_tokens(seq, cp))]
+    gathering = [spec for spec in layers if cp > 1 and gathers_sequence(_window(config, spec), chunk_tokens(seq, cp))]
     return max((2 * batch * seq * kv_bytes_per_token(spec, act_bytes) for spec in gathering), default=0)
 
 
-def communication_bytes(config: Step35Config, layers: list[LayerSpec], batch: int, seq: int, cp: int,
-                        act_bytes: int, *, replay: bool) -> int:
+def communication_bytes(
+    config: Step35Config, layers: list[LayerSpec], batch: int, seq: int, cp: int, act_bytes: int, *, replay: bool
+) -> int:
     """Bytes one rank receives per micro-batch for the K/V exchange: all-gathers (forward, and the
     replay under full checkpointing), the backward reduce-scatters, and the halos both ways."""
     if cp <= 1:

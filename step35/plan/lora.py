@@ -45,8 +45,10 @@ class LoraSettings:
         return kind in self.targets
 
     def describe(self) -> str:
-        return (f"rank {self.rank}, expert rank {self.expert_rank}, alpha {self.alpha:g}, dropout {self.dropout:g}, "
-                f"targets {', '.join(self.targets)}")
+        return (
+            f"rank {self.rank}, expert rank {self.expert_rank}, alpha {self.alpha:g}, dropout {self.dropout:g}, "
+            f"targets {', '.join(self.targets)}"
+        )
 
 
 def parse_lora(value: Any, config: Step35Config) -> LoraSettings | None:
@@ -63,9 +65,14 @@ def parse_lora(value: Any, config: Step35Config) -> LoraSettings | None:
         # A field of the wrong type (e.g. dropout "x") surfaces as a TypeError in the comparisons above.
     except (LoraError, TypeError) as err:
         raise LoraInputError(str(err) if isinstance(err, LoraError) else f"model.lora={value!r}: {err}") from None
-    return LoraSettings(options.rank, options.scale_alpha, float(options.dropout), tuple(dict.fromkeys(options.targets)),
-                        options.resolved_expert_rank(config) if config.use_moe else options.expert_rank or options.rank,
-                        options)
+    return LoraSettings(
+        options.rank,
+        options.scale_alpha,
+        float(options.dropout),
+        tuple(dict.fromkeys(options.targets)),
+        options.resolved_expert_rank(config) if config.use_moe else options.expert_rank or options.rank,
+        options,
+    )
 
 
 # ------------------------------------------------------------------------------------- the tensors
@@ -96,8 +103,12 @@ def _kind(name: str, layer: int | None, config: Step35Config) -> str:
         return "router"
     if layer >= config.num_hidden_layers:
         return "mtp"
-    for part, kind in ((".self_attn.", "attention"), (".moe.", "experts"), (".share_expert.", "shared_expert"),
-                       (".mlp.", "mlp")):
+    for part, kind in (
+        (".self_attn.", "attention"),
+        (".moe.", "experts"),
+        (".share_expert.", "shared_expert"),
+        (".mlp.", "mlp"),
+    ):
         if part in name:
             return kind
     raise ValueError(f"{name}: an adapted tensor of no kind the plan knows")
@@ -120,8 +131,9 @@ def trained_tensors(model: nn.Module) -> list[Trained]:
 
 
 # ------------------------------------------------------------------------------------- activations
-def activations_per_token(tensors: list[Trained], config: Step35Config, lora: LoraSettings, act_bytes: int, mode: str,
-                          *, num_mtp_layers: int) -> dict[int, dict[str, float]]:
+def activations_per_token(
+    tensors: list[Trained], config: Step35Config, lora: LoraSettings, act_bytes: int, mode: str, *, num_mtp_layers: int
+) -> dict[int, dict[str, float]]:
     """Bytes per token each layer's adapters add to what its forward keeps, by kind: {layer: {kind: bytes}}.
 
     An adapter computes B(A(dropout(x))) * alpha / r beside the frozen base. Without checkpointing

@@ -90,7 +90,10 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
         root_grads=root.grad_numel * (a + rs_copy),
         lm_head_grad=lm_head * a,
         all_to_all=2 * ep_rows * H * a,
-        loss_forward=loss_fwd, loss_backward=loss_bwd, optimizer=optimizer)
+        loss_forward=loss_fwd,
+        loss_backward=loss_bwd,
+        optimizer=optimizer,
+    )
 
 
 def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate) -> list[Phase]:
@@ -102,20 +105,56 @@ def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstim
     if s.context_parallel_size > 1:
         cfg = s.model_config
         layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + (s.num_mtp_layers if s.train_mtp else 0))]
-        cp_rows["cp K/V gradients"] = gathered_gradient_bytes(cfg, layers, s.micro_batch_size, s.seq_len,
-                                                              s.context_parallel_size, _bytes(s.compute_dtype))
+        cp_rows["cp K/V gradients"] = gathered_gradient_bytes(
+            cfg, layers, s.micro_batch_size, s.seq_len, s.context_parallel_size, _bytes(s.compute_dtype)
+        )
     return [
-        Phase("forward", {**persistent, "gradients": grads_in_forward, "root gathered": t.root_gathered,
-                          "activations": acts, "block all-gather": t.block_gather, "loss chunk": t.loss_forward}),
-        Phase("loss backward", {**persistent, "gradients": grads_in_forward, "root gathered": t.root_gathered,
-                                "activations": acts, "loss backward": t.loss_backward}),
-        Phase("block backward", {**persistent, "gradients": state.grads, "root gathered": t.root_gathered,
-                                 "lm_head gradient": t.lm_head_grad, "activations": acts,
-                                 "block all-gather": t.gathered_blocks * t.block_gather,
-                                 "block gradients": t.block_grads, "reduce-scatter": t.reduce_scatter,
-                                 "block backward work": block_work, "all-to-all buffers": t.all_to_all, **cp_rows}),
-        Phase("end of backward", {**persistent, "gradients": state.grads, "root gathered": t.root_gathered,
-                                  "root gradients + reduce-scatter": t.root_grads}),
+        Phase(
+            "forward",
+            {
+                **persistent,
+                "gradients": grads_in_forward,
+                "root gathered": t.root_gathered,
+                "activations": acts,
+                "block all-gather": t.block_gather,
+                "loss chunk": t.loss_forward,
+            },
+        ),
+        Phase(
+            "loss backward",
+            {
+                **persistent,
+                "gradients": grads_in_forward,
+                "root gathered": t.root_gathered,
+                "activations": acts,
+                "loss backward": t.loss_backward,
+            },
+        ),
+        Phase(
+            "block backward",
+            {
+                **persistent,
+                "gradients": state.grads,
+                "root gathered": t.root_gathered,
+                "lm_head gradient": t.lm_head_grad,
+                "activations": acts,
+                "block all-gather": t.gathered_blocks * t.block_gather,
+                "block gradients": t.block_grads,
+                "reduce-scatter": t.reduce_scatter,
+                "block backward work": block_work,
+                "all-to-all buffers": t.all_to_all,
+                **cp_rows,
+            },
+        ),
+        Phase(
+            "end of backward",
+            {
+                **persistent,
+                "gradients": state.grads,
+                "root gathered": t.root_gathered,
+                "root gradients + reduce-scatter": t.root_grads,
+            },
+        ),
         Phase("optimizer step", {**persistent, "gradients": state.grads, "optimizer temporaries": t.optimizer}),
     ]
 

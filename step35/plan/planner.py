@@ -55,8 +55,9 @@ _STATE_CACHE: dict[tuple, ShardedState] = {}
 
 def trained_model_of(s: RunSettings) -> TrainedModel:
     """The training setup's description of the run's model (what fit gives training_model)."""
-    return TrainedModel(s.model_config, s.num_mtp_layers, s.mtp_loss_weight,
-                        s.lora.options if s.lora is not None else None)
+    return TrainedModel(
+        s.model_config, s.num_mtp_layers, s.mtp_loss_weight, s.lora.options if s.lora is not None else None
+    )
 
 
 def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
@@ -64,23 +65,43 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
     of the real model: built, adapted, sharded and frozen by the one training setup, on the meta device."""
     cfg = s.model_config
     lora = None if s.lora is None else json.dumps(asdict(s.lora.options), sort_keys=True)
-    key = (json.dumps(cfg.to_dict(), sort_keys=True), s.world_size, s.expert_parallel_size, s.context_parallel_size,
-           s.replicate_size, s.sharded, s.stored_dtype, s.num_mtp_layers, s.train_mtp, rank, lora, s.optimizer_slots)
+    key = (
+        json.dumps(cfg.to_dict(), sort_keys=True),
+        s.world_size,
+        s.expert_parallel_size,
+        s.context_parallel_size,
+        s.replicate_size,
+        s.sharded,
+        s.stored_dtype,
+        s.num_mtp_layers,
+        s.train_mtp,
+        rank,
+        lora,
+        s.optimizer_slots,
+    )
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
     dims = parallel_dims(s)
     spec = trained_model_of(s)
     if s.sharded:
-        model = sharded_meta_model(spec, dims, rank=rank, stored_dtype=s.stored_dtype, param_dtype=s.param_dtype,
-                                   reduce_dtype=s.reduce_dtype, reshard_after_forward=s.reshard_after_forward)
+        model = sharded_meta_model(
+            spec,
+            dims,
+            rank=rank,
+            stored_dtype=s.stored_dtype,
+            param_dtype=s.param_dtype,
+            reduce_dtype=s.reduce_dtype,
+            reshard_after_forward=s.reshard_after_forward,
+        )
         close_world()
     else:
         model = training_model(spec, dtype=s.stored_dtype)
     trained = trained_tensors(model) if s.lora is not None else []
     if s.lora is not None and not any(t.adapter for t in trained):
         raise PlanInputError(f"model.lora.targets={list(s.lora.targets)!r}: adapts nothing in this model")
-    groups = fsdp_groups(model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=dims.expert_parallel_size,
-                         train_mtp=s.train_mtp)
+    groups = fsdp_groups(
+        model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=dims.expert_parallel_size, train_mtp=s.train_mtp
+    )
     result = ShardedState(rank_state(model, s.optimizer_slots), groups, trained)
     _STATE_CACHE[key] = result
     return result
@@ -92,18 +113,28 @@ def parallel_dims(s: RunSettings) -> ParallelDims:
     cfg = s.model_config
     if not s.sharded:
         return ParallelDims(1, context_parallel_size=s.context_parallel_size)  # refuses cp > 1 on one device
-    dims = ParallelDims(s.world_size, s.expert_parallel_size, s.replicate_size,
-                        num_experts=cfg.moe_num_experts if cfg.use_moe else None,
-                        context_parallel_size=s.context_parallel_size)
+    dims = ParallelDims(
+        s.world_size,
+        s.expert_parallel_size,
+        s.replicate_size,
+        num_experts=cfg.moe_num_experts if cfg.use_moe else None,
+        context_parallel_size=s.context_parallel_size,
+    )
     dims.check_seq_len(s.seq_len)
     return dims
 
 
 def activation_shape(s: RunSettings) -> Shape:
-    return Shape(s.micro_batch_size, s.seq_len, torch.empty((), dtype=s.compute_dtype).element_size(),
-                 s.accelerator, s.expert_parallel_size if s.sharded else 1,
-                 autocast=s.precision == "bf16-mixed" and s.param_dtype is None, document_masking=s.document_masking,
-                 context_parallel=s.context_parallel_size)
+    return Shape(
+        s.micro_batch_size,
+        s.seq_len,
+        torch.empty((), dtype=s.compute_dtype).element_size(),
+        s.accelerator,
+        s.expert_parallel_size if s.sharded else 1,
+        autocast=s.precision == "bf16-mixed" and s.param_dtype is None,
+        document_masking=s.document_masking,
+        context_parallel=s.context_parallel_size,
+    )
 
 
 def with_adapter_activations(act: ActivationEstimate, s: RunSettings, trained: list[Trained]) -> ActivationEstimate:
@@ -112,8 +143,9 @@ def with_adapter_activations(act: ActivationEstimate, s: RunSettings, trained: l
     selective their matmul results are kept too. Parts are named `lora <kind>`."""
     shape = activation_shape(s)
     mtp = s.num_mtp_layers if s.train_mtp else 0
-    per_layer = activations_per_token(trained, s.model_config, s.lora, shape.act_bytes, s.activation_checkpointing,
-                                      num_mtp_layers=mtp)
+    per_layer = activations_per_token(
+        trained, s.model_config, s.lora, shape.act_bytes, s.activation_checkpointing, num_mtp_layers=mtp
+    )
     parts, total = dict(act.parts), act.total
     largest = 0
     for by_kind in per_layer.values():
@@ -128,15 +160,26 @@ def with_adapter_activations(act: ActivationEstimate, s: RunSettings, trained: l
     return ActivationEstimate(act.mode, total, parts, recompute, act.largest_layer + largest)
 
 
-def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtime_reserve_gib: float | None = None,
-              device_memory_gib: float | None = None) -> Plan:
+def make_plan(
+    s: RunSettings,
+    device: Device,
+    *,
+    allocator_margin: float,
+    runtime_reserve_gib: float | None = None,
+    device_memory_gib: float | None = None,
+) -> Plan:
     start = time.perf_counter()
     cfg = s.model_config
     dims = parallel_dims(s)  # refuse bad sizes first
     sharded = sharded_state(s)
     state, groups = sharded.state, sharded.groups
-    act = model_activations(cfg, activation_shape(s), mode=s.activation_checkpointing,
-                            num_mtp_layers=s.num_mtp_layers if s.train_mtp else 0, aux_loss=s.aux_loss)
+    act = model_activations(
+        cfg,
+        activation_shape(s),
+        mode=s.activation_checkpointing,
+        num_mtp_layers=s.num_mtp_layers if s.train_mtp else 0,
+        aux_loss=s.aux_loss,
+    )
     if s.lora is not None:
         act = with_adapter_activations(act, s, sharded.trained)
     t = transients(s, state, groups)
@@ -144,5 +187,16 @@ def make_plan(s: RunSettings, device: Device, *, allocator_margin: float, runtim
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
-    return Plan(s, device, dims.efsdp, state, act, t, phase_list, v, speed(s, groups, device, sharded.trained),
-                time.perf_counter() - start, trained=sharded.trained)
+    return Plan(
+        s,
+        device,
+        dims.efsdp,
+        state,
+        act,
+        t,
+        phase_list,
+        v,
+        speed(s, groups, device, sharded.trained),
+        time.perf_counter() - start,
+        trained=sharded.trained,
+    )

@@ -27,36 +27,61 @@ def _dtype(d: torch.dtype | None) -> str:
 def layout_line(p: Plan) -> str:
     s = p.settings
     cp = s.context_parallel_size
-    par = (f"FSDP over {s.world_size} ranks, EP {s.expert_parallel_size} (efsdp {p.efsdp})"
-           + (f", HSDP replicate {s.replicate_size}" if s.replicate_size > 1 else "")
-           + (f", context parallel {cp} ({rank_tokens(s.seq_len, cp)} tokens of each sequence per rank)"
-              if cp > 1 else "")) if s.sharded else "1 device, unsharded"
-    return (f"{s.num_nodes} node(s) x {s.devices_per_node} devices; {par}; activation checkpointing "
-            f"{s.activation_checkpointing}; micro-batch {s.micro_batch_size} x seq {s.seq_len}")
+    par = (
+        (
+            f"FSDP over {s.world_size} ranks, EP {s.expert_parallel_size} (efsdp {p.efsdp})"
+            + (f", HSDP replicate {s.replicate_size}" if s.replicate_size > 1 else "")
+            + (
+                f", context parallel {cp} ({rank_tokens(s.seq_len, cp)} tokens of each sequence per rank)"
+                if cp > 1
+                else ""
+            )
+        )
+        if s.sharded
+        else "1 device, unsharded"
+    )
+    return (
+        f"{s.num_nodes} node(s) x {s.devices_per_node} devices; {par}; activation checkpointing "
+        f"{s.activation_checkpointing}; micro-batch {s.micro_batch_size} x seq {s.seq_len}"
+    )
 
 
 def adapter_activation_line(p: Plan) -> str:
     """Bytes per token the adapters keep, by layer kind (per layer, and how many layers), and the total."""
     s = p.settings
     mtp = s.num_mtp_layers if s.train_mtp else 0
-    per_layer = activations_per_token(p.trained, s.model_config, s.lora, activation_shape(s).act_bytes,
-                                      s.activation_checkpointing, num_mtp_layers=mtp)
+    per_layer = activations_per_token(
+        p.trained, s.model_config, s.lora, activation_shape(s).act_bytes, s.activation_checkpointing, num_mtp_layers=mtp
+    )
     kinds: dict[str, list[float]] = {}
     for by_kind in per_layer.values():
         for kind, per_token in by_kind.items():
             kinds.setdefault(kind, []).append(per_token)
     total = sum(sum(v) for v in kinds.values()) * activation_shape(s).tokens
-    where = {"none": "kept", "selective": "kept (with their matmul results)",
-             "full": "not kept: rebuilt block by block in backward"}
-    return (", ".join(f"{k} {max(v):,.0f} B/token x {len(v)} layers" for k, v in kinds.items())
-            + f"; {total / GiB:.2f} GiB per micro-batch over all layers, {where[s.activation_checkpointing]}")
+    where = {
+        "none": "kept",
+        "selective": "kept (with their matmul results)",
+        "full": "not kept: rebuilt block by block in backward",
+    }
+    return (
+        ", ".join(f"{k} {max(v):,.0f} B/token x {len(v)} layers" for k, v in kinds.items())
+        + f"; {total / GiB:.2f} GiB per micro-batch over all layers, {where[s.activation_checkpointing]}"
+    )
 
 
 def text(p: Plan) -> str:
     s, st, t, v, sp = p.settings, p.state, p.transients, p.verdict, p.speed
     cfg = s.model_config
-    mtp = (f"{s.num_mtp_layers} MTP layer(s) held" + (", trained" if s.train_mtp else ", frozen (mtp_loss_weight 0): "
-           "no gradients, optimizer states or activations") if s.num_mtp_layers else "no MTP layers")
+    mtp = (
+        f"{s.num_mtp_layers} MTP layer(s) held"
+        + (
+            ", trained"
+            if s.train_mtp
+            else ", frozen (mtp_loss_weight 0): no gradients, optimizer states or activations"
+        )
+        if s.num_mtp_layers
+        else "no MTP layers"
+    )
     lines = [
         f"step35 plan  ({p.seconds:.1f} s)",
         f"model      {s.model_source}: {_count(st.params_total)} parameters, {cfg.num_hidden_layers} layers, "
@@ -67,38 +92,55 @@ def text(p: Plan) -> str:
         f"device     {p.device.name}: {v.device_memory / GiB:.1f} GiB",
     ]
     if s.lora is not None:
-        lines.append(f"lora       {s.lora.describe()}; {_count(st.adapters_total)} adapter parameters, base frozen "
-                     f"in {_dtype(s.base_dtype)} (no gradients, no optimizer state)")
+        lines.append(
+            f"lora       {s.lora.describe()}; {_count(st.adapters_total)} adapter parameters, base frozen "
+            f"in {_dtype(s.base_dtype)} (no gradients, no optimizer state)"
+        )
     lines += [f"note       {n}" for n in s.notes]
     lines += ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
-    lines += [f"    parameters          {_gib(st.params)}   {st.params_local / 1e6:,.1f} M local values",
-              f"    gradients           {_gib(st.grads)}   trainable shards",
-              f"    optimizer states    {_gib(st.optimizer)}   {s.optimizer}: {s.optimizer_slots} per trained value",
-              f"    buffers             {_gib(st.buffers)}   router biases, token counters"]
+    lines += [
+        f"    parameters          {_gib(st.params)}   {st.params_local / 1e6:,.1f} M local values",
+        f"    gradients           {_gib(st.grads)}   trainable shards",
+        f"    optimizer states    {_gib(st.optimizer)}   {s.optimizer}: {s.optimizer_slots} per trained value",
+        f"    buffers             {_gib(st.buffers)}   router biases, token counters",
+    ]
     if s.lora is not None:
         full = st.params - st.frozen - st.adapter_params
-        lines[-4:-3] = [f"    frozen base         {_gib(st.frozen)}   {_dtype(s.base_dtype)} shards, no gradients",
-                        f"    LoRA adapters       {_gib(st.adapter_params)}   {_dtype(s.stored_dtype)} local shards"]
+        lines[-4:-3] = [
+            f"    frozen base         {_gib(st.frozen)}   {_dtype(s.base_dtype)} shards, no gradients",
+            f"    LoRA adapters       {_gib(st.adapter_params)}   {_dtype(s.stored_dtype)} local shards",
+        ]
         if full:
-            lines.insert(len(lines) - 3, f"    full targets        {_gib(full)}   {_dtype(s.stored_dtype)}, trained whole")
+            lines.insert(
+                len(lines) - 3, f"    full targets        {_gib(full)}   {_dtype(s.stored_dtype)}, trained whole"
+            )
     if st.expert_shapes:
         shapes = ", ".join(f"{k.removesuffix('.weight')} {v}" for k, v in st.expert_shapes.items())
         lines.append(f"    local experts of one MoE layer: {shapes}")
     lines.append("  transient buffers (largest)")
     if s.sharded:
-        lines += [f"    root gathered       {_gib(t.root_gathered)}   embedding + final norm + lm_head, whole step",
-                  f"    block all-gather    {_gib(t.block_gather)}   biggest block, x{t.gathered_blocks} in backward "
-                  f"(prefetch)" if s.reshard_after_forward else
-                  f"    blocks gathered     {_gib(t.block_gather * t.gathered_blocks)}   reshard_after_forward false: all",
-                  f"    reduce-scatter      {_gib(t.block_grads + t.reduce_scatter)}   block gradients "
-                  f"({_dtype(s.compute_dtype)}) + {_dtype(s.reduce_dtype)} copy"]
+        lines += [
+            f"    root gathered       {_gib(t.root_gathered)}   embedding + final norm + lm_head, whole step",
+            f"    block all-gather    {_gib(t.block_gather)}   biggest block, x{t.gathered_blocks} in backward "
+            f"(prefetch)"
+            if s.reshard_after_forward
+            else f"    blocks gathered     {_gib(t.block_gather * t.gathered_blocks)}   reshard_after_forward false: all",
+            f"    reduce-scatter      {_gib(t.block_grads + t.reduce_scatter)}   block gradients "
+            f"({_dtype(s.compute_dtype)}) + {_dtype(s.reduce_dtype)} copy",
+        ]
     if s.sharded and s.expert_parallel_size > 1:
         lines.append(f"    EP all-to-all       {_gib(t.all_to_all)}   receive + regrouped rows, one MoE layer")
     lm_head_grad = "fp32 [vocab, hidden] gradient + " if s.lora is None or s.lora.adapts("lm_head") else ""
-    lines += [f"    loss backward       {_gib(t.loss_backward)}   {lm_head_grad}chunk of {s.loss_chunk_size} logits",
-              f"  activations         {_gib(p.activations.total)}   {s.activation_checkpointing} checkpointing, "
-              f"one micro-batch" + (f" (+{_gib(p.activations.recompute).strip()} rebuilt per block in backward)"
-                                     if p.activations.recompute else "")]
+    lines += [
+        f"    loss backward       {_gib(t.loss_backward)}   {lm_head_grad}chunk of {s.loss_chunk_size} logits",
+        f"  activations         {_gib(p.activations.total)}   {s.activation_checkpointing} checkpointing, "
+        f"one micro-batch"
+        + (
+            f" (+{_gib(p.activations.recompute).strip()} rebuilt per block in backward)"
+            if p.activations.recompute
+            else ""
+        ),
+    ]
     parts = sorted(p.activations.parts.items(), key=lambda kv: -kv[1])[:6]
     lines.append("    largest parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts) + " GiB")
     if s.lora is not None:
@@ -107,35 +149,48 @@ def text(p: Plan) -> str:
     for ph in p.phases:
         mark = "  <- peak" if ph.name == v.peak_phase else ""
         lines.append(f"    {ph.name:18s}{_gib(ph.total)}{mark}")
-    lines += ["",
-              f"  peak allocated      {_gib(v.peak)}   ({v.peak_phase})",
-              f"  + allocator margin  {_gib(v.allocator_margin)}",
-              f"  + runtime reserve   {_gib(v.runtime_reserve)}   context, collective buffers, workspaces",
-              f"  = required          {_gib(v.required)}   of {v.device_memory / GiB:.1f} GiB",
-              "",
-              (f"FITS: {v.free / GiB:.1f} GiB free, margin {v.margin_pct:.0f}% of device memory" if v.fits else
-               f"DOES NOT FIT: needs {v.required / GiB:.1f} GiB, {-v.free / GiB:.1f} GiB more than the device's "
-               f"{v.device_memory / GiB:.1f} GiB"),
-              "",
-              "Speed (upper bounds: kernels at peak, balanced routing)",
-              f"  training FLOPs/token    {sp.flops_per_token / 1e9:,.2f} GFLOP (model; "
-              f"{sp.hardware_flops_per_token / 1e9:,.2f} with recomputation)",
-              f"  tokens per rank-step    {sp.tokens_per_rank_step:,}",
-              f"  all-to-all per step     {sp.all_to_all_bytes / GiB:,.2f} GiB sent per rank",
-              f"  FSDP per step           {sp.fsdp_gather_bytes / GiB:,.2f} GiB gathered + "
-              f"{sp.fsdp_reduce_bytes / GiB:,.2f} GiB reduce-scattered per rank",
-              *([f"  cp K/V per step         {sp.context_bytes / GiB:,.2f} GiB received per rank "
-                 f"(all-gathers, reduce-scatters, halos)"] if s.context_parallel_size > 1 else []),
-              f"  step time >=            {sp.step_seconds_overlapped:.3f} s (compute {sp.compute_seconds:.3f}, "
-              f"intra-node {sp.intra_node_seconds:.3f}, inter-node {sp.inter_node_seconds:.3f}; "
-              f"{p.device.peak_tflops:g} TFLOP/s, {p.device.intra_node_gbps:g}/{p.device.inter_node_gbps:g} GB/s)",
-              f"  MFU <=                  {100 * sp.mfu_bound:.0f}% with full overlap, {100 * sp.mfu_serial:.0f}% "
-              f"with none; <= {sp.tokens_per_second_per_device:,.0f} tokens/s per device"]
+    lines += [
+        "",
+        f"  peak allocated      {_gib(v.peak)}   ({v.peak_phase})",
+        f"  + allocator margin  {_gib(v.allocator_margin)}",
+        f"  + runtime reserve   {_gib(v.runtime_reserve)}   context, collective buffers, workspaces",
+        f"  = required          {_gib(v.required)}   of {v.device_memory / GiB:.1f} GiB",
+        "",
+        (
+            f"FITS: {v.free / GiB:.1f} GiB free, margin {v.margin_pct:.0f}% of device memory"
+            if v.fits
+            else f"DOES NOT FIT: needs {v.required / GiB:.1f} GiB, {-v.free / GiB:.1f} GiB more than the device's "
+            f"{v.device_memory / GiB:.1f} GiB"
+        ),
+        "",
+        "Speed (upper bounds: kernels at peak, balanced routing)",
+        f"  training FLOPs/token    {sp.flops_per_token / 1e9:,.2f} GFLOP (model; "
+        f"{sp.hardware_flops_per_token / 1e9:,.2f} with recomputation)",
+        f"  tokens per rank-step    {sp.tokens_per_rank_step:,}",
+        f"  all-to-all per step     {sp.all_to_all_bytes / GiB:,.2f} GiB sent per rank",
+        f"  FSDP per step           {sp.fsdp_gather_bytes / GiB:,.2f} GiB gathered + "
+        f"{sp.fsdp_reduce_bytes / GiB:,.2f} GiB reduce-scattered per rank",
+        *(
+            [
+                f"  cp K/V per step         {sp.context_bytes / GiB:,.2f} GiB received per rank "
+                f"(all-gathers, reduce-scatters, halos)"
+            ]
+            if s.context_parallel_size > 1
+            else []
+        ),
+        f"  step time >=            {sp.step_seconds_overlapped:.3f} s (compute {sp.compute_seconds:.3f}, "
+        f"intra-node {sp.intra_node_seconds:.3f}, inter-node {sp.inter_node_seconds:.3f}; "
+        f"{p.device.peak_tflops:g} TFLOP/s, {p.device.intra_node_gbps:g}/{p.device.inter_node_gbps:g} GB/s)",
+        f"  MFU <=                  {100 * sp.mfu_bound:.0f}% with full overlap, {100 * sp.mfu_serial:.0f}% "
+        f"with none; <= {sp.tokens_per_second_per_device:,.0f} tokens/s per device",
+    ]
     if p.suggestions:
         lines += ["", "Nearest layouts that fit:"]
         for alt in p.suggestions:
-            lines.append(f"  {layout_line(alt)}: {alt.verdict.margin_pct:.0f}% margin "
-                         f"({alt.verdict.required / GiB:.1f} of {alt.verdict.device_memory / GiB:.1f} GiB)")
+            lines.append(
+                f"  {layout_line(alt)}: {alt.verdict.margin_pct:.0f}% margin "
+                f"({alt.verdict.required / GiB:.1f} of {alt.verdict.device_memory / GiB:.1f} GiB)"
+            )
     elif not v.fits:
         lines += ["", "No layout with up to 64x the nodes fits this device."]
     if p.other_ways:
@@ -145,29 +200,47 @@ def text(p: Plan) -> str:
 
 
 def _verdict(v) -> str:
-    return (f"FITS, {v.margin_pct:.0f}% margin" if v.fits else "DOES NOT FIT") + \
-        f" ({v.required / GiB:.1f} of {v.device_memory / GiB:.1f} GiB)"
+    return (
+        f"FITS, {v.margin_pct:.0f}% margin" if v.fits else "DOES NOT FIT"
+    ) + f" ({v.required / GiB:.1f} of {v.device_memory / GiB:.1f} GiB)"
 
 
 def _summary(p: Plan) -> dict:
     s = p.settings
-    return {"num_nodes": s.num_nodes, "devices_per_node": s.devices_per_node, "world_size": s.world_size,
-            "expert_parallel_size": s.expert_parallel_size, "efsdp": p.efsdp,
-            "context_parallel_size": s.context_parallel_size, "replicate_size": s.replicate_size,
-            "activation_checkpointing": s.activation_checkpointing, "micro_batch_size": s.micro_batch_size,
-            "accumulate_grad_batches": s.accumulate_grad_batches, "seq_len": s.seq_len,
-            "required_bytes": p.verdict.required, "margin_pct": round(p.verdict.margin_pct, 2),
-            "fits": p.verdict.fits}
+    return {
+        "num_nodes": s.num_nodes,
+        "devices_per_node": s.devices_per_node,
+        "world_size": s.world_size,
+        "expert_parallel_size": s.expert_parallel_size,
+        "efsdp": p.efsdp,
+        "context_parallel_size": s.context_parallel_size,
+        "replicate_size": s.replicate_size,
+        "activation_checkpointing": s.activation_checkpointing,
+        "micro_batch_size": s.micro_batch_size,
+        "accumulate_grad_batches": s.accumulate_grad_batches,
+        "seq_len": s.seq_len,
+        "required_bytes": p.verdict.required,
+        "margin_pct": round(p.verdict.margin_pct, 2),
+        "fits": p.verdict.fits,
+    }
 
 
 def as_dict(p: Plan) -> dict:
     s = p.settings
     return {
-        "model": {"source": s.model_source, "params_total": p.state.params_total,
-                  "num_mtp_layers": s.num_mtp_layers, "mtp_trained": s.train_mtp},
+        "model": {
+            "source": s.model_source,
+            "params_total": p.state.params_total,
+            "num_mtp_layers": s.num_mtp_layers,
+            "mtp_trained": s.train_mtp,
+        },
         "layout": _summary(p),
-        "dtypes": {"stored": _dtype(s.stored_dtype), "compute": _dtype(s.compute_dtype),
-                   "reduce": _dtype(s.reduce_dtype), "precision": s.precision},
+        "dtypes": {
+            "stored": _dtype(s.stored_dtype),
+            "compute": _dtype(s.compute_dtype),
+            "reduce": _dtype(s.reduce_dtype),
+            "precision": s.precision,
+        },
         "device": asdict(p.device),
         "state": asdict(p.state),
         "transients": asdict(p.transients),
@@ -176,11 +249,22 @@ def as_dict(p: Plan) -> dict:
         "verdict": asdict(p.verdict),
         "speed": asdict(p.speed),
         "suggestions": [_summary(alt) for alt in p.suggestions],
-        "other_ways": [{"what": w.what, "fits": w.verdict.fits,
-                        "required_bytes": w.verdict.required, "margin_pct": round(w.verdict.margin_pct, 2)}
-                       for w in p.other_ways],
-        "lora": None if s.lora is None else {**{k: v for k, v in asdict(s.lora).items() if k != "options"}, "adapter_params": p.state.adapters_total,
-                                             "base_dtype": _dtype(s.base_dtype)},
+        "other_ways": [
+            {
+                "what": w.what,
+                "fits": w.verdict.fits,
+                "required_bytes": w.verdict.required,
+                "margin_pct": round(w.verdict.margin_pct, 2),
+            }
+            for w in p.other_ways
+        ],
+        "lora": None
+        if s.lora is None
+        else {
+            **{k: v for k, v in asdict(s.lora).items() if k != "options"},
+            "adapter_params": p.state.adapters_total,
+            "base_dtype": _dtype(s.base_dtype),
+        },
         "notes": s.notes,
         "seconds": round(p.seconds, 3),
     }

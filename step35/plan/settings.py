@@ -181,10 +181,13 @@ def _model_config(model) -> tuple[Step35Config, str, list[str]]:
     checkpoint, overrides = model.get("checkpoint"), model.get("config_overrides")
     if checkpoint and not ((Path(checkpoint) / "config.json").is_file() or Path(checkpoint).suffix == ".json"):
         if not model.get("config") or model.get("config") == "tiny":
-            raise PlanInputError(f"model.checkpoint {checkpoint}: no config.json here. Give the model's shape with "
-                                 "--model.config (a preset such as flash-196b, or a config.json)")
-        notes.append(f"model.checkpoint {checkpoint} is not readable here: planned with the shape of "
-                     f"model.config={model.config}")
+            raise PlanInputError(
+                f"model.checkpoint {checkpoint}: no config.json here. Give the model's shape with "
+                "--model.config (a preset such as flash-196b, or a config.json)"
+            )
+        notes.append(
+            f"model.checkpoint {checkpoint} is not readable here: planned with the shape of model.config={model.config}"
+        )
         checkpoint = None
     source = f"model.checkpoint {checkpoint}" if checkpoint else f"model.config {model.config}"
     config = model_config_of(model.config, checkpoint, overrides)  # a ConfigError names the option
@@ -194,8 +197,13 @@ def _model_config(model) -> tuple[Step35Config, str, list[str]]:
 def _optimizer(model) -> dict[str, Any]:
     """model.optimizer and the states it keeps per trained parameter, asked of the optimizer itself."""
     try:
-        options = OptimizerOptions.of({k: model.get(k) for k in ("optimizer", "optimizer_options", "lr",
-                                                                 "weight_decay", "betas", "eps") if model.get(k) is not None})
+        options = OptimizerOptions.of(
+            {
+                k: model.get(k)
+                for k in ("optimizer", "optimizer_options", "lr", "weight_decay", "betas", "eps")
+                if model.get(k) is not None
+            }
+        )
         return {"optimizer": options.name, "optimizer_slots": state_slots(options)}
     except ValueError as err:
         raise PlanInputError(str(err)) from None
@@ -229,30 +237,53 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
     num_mtp = config.num_nextn_predict_layers if model.num_mtp_layers is None else model.num_mtp_layers
     settings = RunSettings(
-        model_config=config, model_source=source, num_mtp_layers=num_mtp,
-        mtp_loss_weight=float(model.mtp_loss_weight), aux_loss=model.moe_aux_loss_coef > 0,
-        accelerator=device, devices_per_node=devices, num_nodes=nodes, sharded=class_path == STEP35_STRATEGY,
-        precision=str(trainer.precision), seq_len=data.seq_len, micro_batch_size=data.micro_batch_size,
-        loss_chunk_size=model.loss_chunk_size, accumulate_grad_batches=int(trainer.accumulate_grad_batches or 1),
-        document_masking=bool(data.get("document_masking", False)), lora=lora, finetune=bool(model.get("checkpoint")),
-        notes=notes, plan_device=cfg.get("plan_device"), **_optimizer(model))
+        model_config=config,
+        model_source=source,
+        num_mtp_layers=num_mtp,
+        mtp_loss_weight=float(model.mtp_loss_weight),
+        aux_loss=model.moe_aux_loss_coef > 0,
+        accelerator=device,
+        devices_per_node=devices,
+        num_nodes=nodes,
+        sharded=class_path == STEP35_STRATEGY,
+        precision=str(trainer.precision),
+        seq_len=data.seq_len,
+        micro_batch_size=data.micro_batch_size,
+        loss_chunk_size=model.loss_chunk_size,
+        accumulate_grad_batches=int(trainer.accumulate_grad_batches or 1),
+        document_masking=bool(data.get("document_masking", False)),
+        lora=lora,
+        finetune=bool(model.get("checkpoint")),
+        notes=notes,
+        plan_device=cfg.get("plan_device"),
+        **_optimizer(model),
+    )
     if settings.sharded:
         args = strategy.init_args
         settings = settings.with_layout(
-            expert_parallel_size=args.expert_parallel_size, replicate_size=args.replicate_size,
+            expert_parallel_size=args.expert_parallel_size,
+            replicate_size=args.replicate_size,
             context_parallel_size=int(args.get("context_parallel_size", 1) or 1),
-            reshard_after_forward=args.reshard_after_forward, activation_checkpointing=args.activation_checkpointing,
+            reshard_after_forward=args.reshard_after_forward,
+            activation_checkpointing=args.activation_checkpointing,
             param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
-            reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None)
+            reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+        )
         settings.notes = notes
     elif settings.world_size > 1:
-        raise PlanInputError(f"trainer.strategy={class_path or strategy!r} on {settings.world_size} devices: the plan "
-                             f"models {STEP35_STRATEGY} (FSDP2 + expert parallel), or one unsharded device")
+        raise PlanInputError(
+            f"trainer.strategy={class_path or strategy!r} on {settings.world_size} devices: the plan "
+            f"models {STEP35_STRATEGY} (FSDP2 + expert parallel), or one unsharded device"
+        )
     if lora is not None and lora.adapts("mtp") and not settings.train_mtp:
-        settings.notes.append("model.lora.targets names mtp but no MTP loss is trained (model.mtp_loss_weight 0 "
-                              "or no MTP layers): their adapters are held but get no gradient")
+        settings.notes.append(
+            "model.lora.targets names mtp but no MTP loss is trained (model.mtp_loss_weight 0 "
+            "or no MTP layers): their adapters are held but get no gradient"
+        )
     if settings.precision not in ("32-true", "32", "bf16-true", "bf16-mixed", "16-true"):
-        raise PlanInputError(f"trainer.precision={settings.precision!r}: plan knows 32-true, bf16-true, bf16-mixed, 16-true")
+        raise PlanInputError(
+            f"trainer.precision={settings.precision!r}: plan knows 32-true, bf16-true, bf16-mixed, 16-true"
+        )
     return settings
 
 

@@ -93,8 +93,12 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list
     # group: cp consecutive ranks, on one node when cp <= devices per node.
     cp = s.context_parallel_size
     layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + mtp)]
-    context = communication_bytes(cfg, layers, s.micro_batch_size, s.seq_len, cp, a,
-                                  replay=s.activation_checkpointing == "full") * micro_batches
+    context = (
+        communication_bytes(
+            cfg, layers, s.micro_batch_size, s.seq_len, cp, a, replay=s.activation_checkpointing == "full"
+        )
+        * micro_batches
+    )
     if cp > 1:
         remote = max(0, cp - dpn) / (cp - 1)
         inter += context * remote / (device.inter_node_gbps * 1e9)
@@ -120,5 +124,20 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list
     overlapped = max(compute, intra, inter)
     serial = compute + intra + inter
     useful = step_tokens * fpt / (device.peak_tflops * 1e12)
-    return Speed(fpt, hw, step_tokens, a2a, gather, reduce, intra, inter, compute, overlapped, serial,
-                 useful / overlapped, useful / serial, step_tokens / overlapped, context)
+    return Speed(
+        fpt,
+        hw,
+        step_tokens,
+        a2a,
+        gather,
+        reduce,
+        intra,
+        inter,
+        compute,
+        overlapped,
+        serial,
+        useful / overlapped,
+        useful / serial,
+        step_tokens / overlapped,
+        context,
+    )

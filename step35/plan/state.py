@@ -81,8 +81,20 @@ def rank_state(model: Step35ForCausalLM, state_slots: int) -> RankState:
             shapes.setdefault(name.split(".moe.")[1], list(local.shape))
     buffers = sum(_nbytes(_local(b)) for b in model.buffers())
     lora = adapters_total > 0
-    return RankState(params, grads, state_slots * grads, buffers, total, local_numel, trainable, largest, shapes,
-                     frozen=frozen if lora else 0, adapter_params=adapters, adapters_total=adapters_total)
+    return RankState(
+        params,
+        grads,
+        state_slots * grads,
+        buffers,
+        total,
+        local_numel,
+        trainable,
+        largest,
+        shapes,
+        frozen=frozen if lora else 0,
+        adapter_params=adapters,
+        adapters_total=adapters_total,
+    )
 
 
 def _numel(params: list[nn.Parameter], ep: int, experts: bool) -> int:
@@ -107,8 +119,9 @@ def fsdp_groups(model: Step35ForCausalLM, *, shard_size: int, efsdp: int, ep: in
         in_layers.update(id(p) for p in layer_params)
         expert_params: list[nn.Parameter] = []
         if layer.spec.is_moe and ep > 1:
-            expert_params = [p for proj in (layer.moe.gate_proj, layer.moe.up_proj, layer.moe.down_proj)
-                             for p in proj.parameters()]
+            expert_params = [
+                p for proj in (layer.moe.gate_proj, layer.moe.up_proj, layer.moe.down_proj) for p in proj.parameters()
+            ]
             groups.append(_unit(f"layers.{i}.moe.experts", expert_params, efsdp, runs, ep, True))
         ids = {id(p) for p in expert_params}
         groups.append(_unit(f"layers.{i}", [p for p in layer_params if id(p) not in ids], shard_size, runs, ep, False))

@@ -30,7 +30,7 @@ def _nearest_ep(sizes: list[int], ep: int) -> list[int]:
 def candidates(s: RunSettings) -> list[tuple[int, RunSettings]]:
     """(distance, layout) on the same world: one change at a time, then pairs, nearest first."""
     eps = _nearest_ep(_ep_sizes(s, s.world_size), s.expert_parallel_size)[:5] if s.sharded else [1]
-    acs = AC_ORDER[AC_ORDER.index(s.activation_checkpointing):] if s.activation_checkpointing in AC_ORDER else AC_ORDER
+    acs = AC_ORDER[AC_ORDER.index(s.activation_checkpointing) :] if s.activation_checkpointing in AC_ORDER else AC_ORDER
     mbs = []
     mb = s.micro_batch_size
     while mb >= 1:
@@ -40,11 +40,17 @@ def candidates(s: RunSettings) -> list[tuple[int, RunSettings]]:
     for ep in eps:
         for ac in acs:
             for mb in mbs:
-                changes = (ep != s.expert_parallel_size) + (ac != s.activation_checkpointing) + (mb != s.micro_batch_size)
+                changes = (
+                    (ep != s.expert_parallel_size) + (ac != s.activation_checkpointing) + (mb != s.micro_batch_size)
+                )
                 if changes == 0:
                     continue
-                layout = s.with_layout(expert_parallel_size=ep, activation_checkpointing=ac, micro_batch_size=mb,
-                                       accumulate_grad_batches=s.accumulate_grad_batches * (s.micro_batch_size // mb))
+                layout = s.with_layout(
+                    expert_parallel_size=ep,
+                    activation_checkpointing=ac,
+                    micro_batch_size=mb,
+                    accumulate_grad_batches=s.accumulate_grad_batches * (s.micro_batch_size // mb),
+                )
                 out.append((changes, layout))
     out.sort(key=lambda x: x[0])
     return out
@@ -59,8 +65,9 @@ def more_nodes(s: RunSettings, max_factor: int = 64) -> list[RunSettings]:
         sizes = _ep_sizes(s, world)
         target = max(s.expert_parallel_size, 1) * factor  # keep the experts per rank where they were
         ep = min(sizes, key=lambda d: (abs(d - target), -d))
-        out.append(s.with_layout(num_nodes=nodes, expert_parallel_size=ep, activation_checkpointing="full",
-                                 sharded=True))
+        out.append(
+            s.with_layout(num_nodes=nodes, expert_parallel_size=ep, activation_checkpointing="full", sharded=True)
+        )
         factor *= 2
     return out
 
@@ -115,10 +122,16 @@ def lora_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
         plan = evaluate(layout)
         if plan.verdict.fits:
             break
-    ac = (f", activation_checkpointing {layout.activation_checkpointing}"
-          if layout.activation_checkpointing != s.activation_checkpointing else "")
-    return OtherWay(f"LoRA fine-tune (model.lora: {{rank: {lora.rank}}}: base frozen in bf16, "
-                    f"adapters of expert rank {lora.expert_rank} on the routed experts{ac})", plan.verdict)
+    ac = (
+        f", activation_checkpointing {layout.activation_checkpointing}"
+        if layout.activation_checkpointing != s.activation_checkpointing
+        else ""
+    )
+    return OtherWay(
+        f"LoRA fine-tune (model.lora: {{rank: {lora.rank}}}: base frozen in bf16, "
+        f"adapters of expert rank {lora.expert_rank} on the routed experts{ac})",
+        plan.verdict,
+    )
 
 
 def context_parallel_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
@@ -130,8 +143,11 @@ def context_parallel_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
     cp = 2 * s.context_parallel_size
     while cp in valid_cp_sizes(s.world_size, s.seq_len):
         plan = evaluate(s.with_layout(context_parallel_size=cp))
-        found = OtherWay(f"context parallel size {cp} (trainer.strategy.context_parallel_size: seq {s.seq_len} "
-                         f"over {cp} ranks, {rank_tokens(s.seq_len, cp)} tokens each)", plan.verdict)
+        found = OtherWay(
+            f"context parallel size {cp} (trainer.strategy.context_parallel_size: seq {s.seq_len} "
+            f"over {cp} ranks, {rank_tokens(s.seq_len, cp)} tokens each)",
+            plan.verdict,
+        )
         if plan.verdict.fits:
             break
         cp *= 2
@@ -139,5 +155,4 @@ def context_parallel_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
 
 
 def other_ways(s: RunSettings, evaluate: Callable) -> list[OtherWay]:
-    return [w for w in (lora_way(s, evaluate), context_parallel_way(s, evaluate))
-            if w is not None]
+    return [w for w in (lora_way(s, evaluate), context_parallel_way(s, evaluate)) if w is not None]

@@ -26,22 +26,40 @@ def simulated_world(world_size: int, rank: int = 0) -> None:
     try:
         dist.init_process_group(backend="fake", rank=rank, world_size=world_size)
     except (ValueError, RuntimeError, ImportError) as err:
-        raise RuntimeError(f"torch {torch.__version__} did not start its fake process group "
-                           f"(init_process_group(backend='fake')): {err}. step35 plan needs it to simulate "
-                           f"{world_size} ranks") from err
+        raise RuntimeError(
+            f"torch {torch.__version__} did not start its fake process group "
+            f"(init_process_group(backend='fake')): {err}. step35 plan needs it to simulate "
+            f"{world_size} ranks"
+        ) from err
 
 
-def sharded_meta_model(spec: TrainedModel, dims: ParallelDims, *, rank: int = 0,
-                       stored_dtype: torch.dtype = torch.float32, activation_checkpointing: str = "none",
-                       param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
-                       reshard_after_forward: bool = True) -> Step35ForCausalLM:
+def sharded_meta_model(
+    spec: TrainedModel,
+    dims: ParallelDims,
+    *,
+    rank: int = 0,
+    stored_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: str = "none",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Step35ForCausalLM:
     """The model exactly as Step35LightningModule.configure_model makes it on `rank` (meta tensors): the
     one training setup (training/setup.py) in the stored dtype, sharded by the real `parallelize`."""
     simulated_world(dims.world_size, rank)
     meshes = dims.build("cpu")
-    return training_model(spec, dtype=stored_dtype, shard=functools.partial(
-        parallelize, meshes=meshes, activation_checkpointing=activation_checkpointing,
-        reshard_after_forward=reshard_after_forward, param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    return training_model(
+        spec,
+        dtype=stored_dtype,
+        shard=functools.partial(
+            parallelize,
+            meshes=meshes,
+            activation_checkpointing=activation_checkpointing,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+        ),
+    )
 
 
 def close_world() -> None:

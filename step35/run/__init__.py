@@ -15,9 +15,23 @@ from step35.run.lock import RunFolderBusy
 from step35.run.resolution import ALLOW_UNVERIFIED, NoCheckpoint, Resume, checkpoint_of, is_lightning_value, resolve
 from step35.run.resume import ResumeMismatchError, SavedRun, check_resume, read_saved_run
 
-__all__ = ["ALLOW_UNVERIFIED", "NoCheckpoint", "Resume", "is_lightning_value", "ResumeMismatchError", "RunFolder", "RunFolderBusy",
-           "SavedRun", "check_resume", "checkpoint_of", "checkpoint_to_load", "preempt_checkpoint",
-           "read_saved_run", "resolve", "run_dir_of"]
+__all__ = [
+    "ALLOW_UNVERIFIED",
+    "NoCheckpoint",
+    "Resume",
+    "is_lightning_value",
+    "ResumeMismatchError",
+    "RunFolder",
+    "RunFolderBusy",
+    "SavedRun",
+    "check_resume",
+    "checkpoint_of",
+    "checkpoint_to_load",
+    "preempt_checkpoint",
+    "read_saved_run",
+    "resolve",
+    "run_dir_of",
+]
 
 
 def checkpoint_to_load(trainer) -> Path | None:

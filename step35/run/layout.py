@@ -1,11 +1,11 @@
 """Where everything of a run lives: the one spelling of the run folder's layout.
 
-    <run_dir>/config.yaml                 the resolved config of the latest attempt
-    <run_dir>/.step35.lock                who owns the folder now (step35.run.lock)
-    <run_dir>/checkpoints/                step=NNNNNN.ckpt (+ manifests), last.ckpt -> the newest,
-                                          step=NNNNNN-preempt.ckpt (pre-emption saves)
-    <run_dir>/csv/version_N/              metrics of attempt N (loggers' save_dir is <run_dir>)
-    <run_dir>/wandb/                      when the wandb logger is on
+<run_dir>/config.yaml                 the resolved config of the latest attempt
+<run_dir>/.step35.lock                who owns the folder now (step35.run.lock)
+<run_dir>/checkpoints/                step=NNNNNN.ckpt (+ manifests), last.ckpt -> the newest,
+                                      step=NNNNNN-preempt.ckpt (pre-emption saves)
+<run_dir>/csv/version_N/              metrics of attempt N (loggers' save_dir is <run_dir>)
+<run_dir>/wandb/                      when the wandb logger is on
 """
 
 from __future__ import annotations

@@ -101,17 +101,24 @@ class RunLock:
             raise RunFolderBusy(
                 f"{self.what}{self.folder.root} is in use by a live run ({who}; lock {path}): a second run in the same "
                 f"folder would delete its saves in progress and its checkpoints. Wait for it to end or stop it, or "
-                f"{self.remedy}") from None
+                f"{self.remedy}"
+            ) from None
         previous = read_holder(path)
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-                       "launcher": job.this_process().launcher, "job": job.start_job_identity(),
-                       "command": " ".join(sys.argv)[:500]}
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "launcher": job.this_process().launcher,
+            "job": job.start_job_identity(),
+            "command": " ".join(sys.argv)[:500],
+        }
         self.fd = fd
         self._write()
         if previous:
-            return (f"took over the lock of {self.folder.root} from a run that is no longer running "
-                    f"({describe(previous)}; it did not end cleanly)")
+            return (
+                f"took over the lock of {self.folder.root} from a run that is no longer running "
+                f"({describe(previous)}; it did not end cleanly)"
+            )
         return None
 
     def _write(self) -> None:
@@ -169,8 +176,10 @@ def wait_for_rank0(folder: RunFolder, until: str, timeout_s: float = 300.0, poll
     When rank 0 was refused (or died) it never does: the launcher's SIGTERM (torchrun ends the other ranks
     when one fails) or the timeout then ends this rank with a line saying why."""
     place = job.this_process()
-    message = (f"[{place.describe()}] step35: stopped before training: the job's rank 0 did not take the lock of "
-               f"the run folder {folder.root} (its own message says why, e.g. another live run owns the folder)")
+    message = (
+        f"[{place.describe()}] step35: stopped before training: the job's rank 0 did not take the lock of "
+        f"the run folder {folder.root} (its own message says why, e.g. another live run owns the folder)"
+    )
 
     def stop(signum, frame):
         sys.stderr.write(f"{message}; ended by {signal.Signals(signum).name}\n")

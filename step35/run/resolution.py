@@ -64,8 +64,9 @@ def _intact(path: Path) -> SavedRun:
     return read_saved_run(path)
 
 
-def resolve(value: str | None, folders: list[Path], allow_unverified: bool = False,
-            say: Callable[[str], None] = print) -> Resume | None:
+def resolve(
+    value: str | None, folders: list[Path], allow_unverified: bool = False, say: Callable[[str], None] = print
+) -> Resume | None:
     """`value` (the --ckpt_path) as a Resume, or None for a fresh start; raises NoCheckpoint or
     CheckpointError with one line naming the folder / file and what is wrong."""
     if value is None:
@@ -84,19 +85,27 @@ def resolve(value: str | None, folders: list[Path], allow_unverified: bool = Fal
             saved = _intact(candidate.path)
         except (CheckpointError, OSError) as error:
             skipped.append(f"{candidate.path}: {error}")
-            say(f"--ckpt_path {value}: skipping {candidate.path} (global step {candidate.global_step}), it is "
-                f"damaged: {error}")
+            say(
+                f"--ckpt_path {value}: skipping {candidate.path} (global step {candidate.global_step}), it is "
+                f"damaged: {error}"
+            )
             continue
-        say(f"--ckpt_path {value}: resuming from {candidate.path} (global step {candidate.global_step}, the newest "
-            f"intact checkpoint in {where})")
+        say(
+            f"--ckpt_path {value}: resuming from {candidate.path} (global step {candidate.global_step}, the newest "
+            f"intact checkpoint in {where})"
+        )
         return Resume(saved, candidate.global_step, skipped)
     detail = f" (saves that did not finish, ignored: {', '.join(unfinished)})" if unfinished else ""
     if skipped:
-        raise NoCheckpoint(f"--ckpt_path {value}: no intact checkpoint in {where}: every one is damaged "
-                           f"({'; '.join(skipped)}). Name one with --ckpt_path, or start a new run (--run_dir)")
+        raise NoCheckpoint(
+            f"--ckpt_path {value}: no intact checkpoint in {where}: every one is damaged "
+            f"({'; '.join(skipped)}). Name one with --ckpt_path, or start a new run (--run_dir)"
+        )
     if value == "last":
-        raise NoCheckpoint(f"--ckpt_path last: no complete checkpoint in {where}{detail}. Start without "
-                           f"--ckpt_path (or with --ckpt_path auto), or name a checkpoint file")
+        raise NoCheckpoint(
+            f"--ckpt_path last: no complete checkpoint in {where}{detail}. Start without "
+            f"--ckpt_path (or with --ckpt_path auto), or name a checkpoint file"
+        )
     say(f"--ckpt_path auto: no complete checkpoint in {where}{detail}: starting from scratch")
     return None
 
@@ -107,15 +116,18 @@ def checkpoint_of(path: str | Path, say: Callable[[str], None] = print) -> Path:
     are skipped and said); any other path as it is (a `.ckpt` file, a sharded checkpoint folder,
     `last.ckpt`), for the checkpoint readers to check."""
     path = Path(path)
-    is_checkpoint = (path.is_file() or path.is_symlink() or (path / keys.META_FILE).is_file()
-                     or (path / ".metadata").is_file())
+    is_checkpoint = (
+        path.is_file() or path.is_symlink() or (path / keys.META_FILE).is_file() or (path / ".metadata").is_file()
+    )
     if is_checkpoint or not path.is_dir():
         return path
     run = RunFolder(path)
     folders = run.checkpoint_folders([path])
     if not any(catalog.complete_checkpoints(f) or catalog.incomplete_checkpoints(f) for f in folders):
-        raise CheckpointError(f"{path}: neither a checkpoint (.ckpt file, sharded folder) nor a run folder with a "
-                              f"checkpoint in {run.checkpoints}")
+        raise CheckpointError(
+            f"{path}: neither a checkpoint (.ckpt file, sharded folder) nor a run folder with a "
+            f"checkpoint in {run.checkpoints}"
+        )
     chosen = resolve("last", folders, say=lambda line: None)  # the command says which one it read
     for reason in chosen.skipped:
         say(f"{path}: skipped a damaged checkpoint, {reason}")

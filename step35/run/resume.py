@@ -92,31 +92,48 @@ def check_resume(saved: SavedRun, model_config: Step35Config, hparams: dict[str,
     if saved.model_config is not None and (changed_fields or saved_mtp != mtp):
         before, after = _shapes(saved.model_config, saved_mtp), _shapes(current, mtp)
         if before != after:
-            shape_fields = [k for k in changed_fields if _changes_shapes(saved.model_config, saved_mtp, k, current[k], before)]
-            notes += [f"model config {k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))}"
-                      for k in changed_fields if k not in shape_fields]
-            fields = [f"{k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))}"
-                      for k in shape_fields or changed_fields]
+            shape_fields = [
+                k for k in changed_fields if _changes_shapes(saved.model_config, saved_mtp, k, current[k], before)
+            ]
+            notes += [
+                f"model config {k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))}"
+                for k in changed_fields
+                if k not in shape_fields
+            ]
+            fields = [
+                f"{k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))}"
+                for k in shape_fields or changed_fields
+            ]
             if saved_mtp != mtp:
                 fields.append(f"num_mtp_layers: {_fmt(saved_mtp)} -> {_fmt(mtp)}")
-            tensors = [f"{n} {list(before[n]) if n in before else 'absent'} -> {list(after[n]) if n in after else 'absent'}"
-                       for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)]
+            tensors = [
+                f"{n} {list(before[n]) if n in before else 'absent'} -> {list(after[n]) if n in after else 'absent'}"
+                for n in sorted(set(before) | set(after))
+                if before.get(n) != after.get(n)
+            ]
             more = f" (and {len(tensors) - 3} more)" if len(tensors) > 3 else ""
             refused.append(f"the model shape differs: {'; '.join(fields)} (tensors: {'; '.join(tensors[:3])}{more})")
         else:
-            notes += [f"model config {k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))} (shapes unchanged)"
-                      for k in changed_fields]
+            notes += [
+                f"model config {k}: {_fmt(saved.model_config.get(k))} -> {_fmt(current.get(k))} (shapes unchanged)"
+                for k in changed_fields
+            ]
     saved_weight, weight = saved.hparams.get("mtp_loss_weight"), hparams.get("mtp_loss_weight")
     if saved_weight is not None and (saved_weight == 0) != (weight == 0) and _has_mtp(current, mtp):
-        refused.append(f"mtp_loss_weight: {saved_weight} -> {weight} changes which parameters train (MTP layers "
-                       f"are frozen at 0), so the checkpoint's optimizer state does not fit")
+        refused.append(
+            f"mtp_loss_weight: {saved_weight} -> {weight} changes which parameters train (MTP layers "
+            f"are frozen at 0), so the checkpoint's optimizer state does not fit"
+        )
     refused += optimizer.resume_refusals(saved.hparams, hparams)
     lora_refused, lora_notes = _lora_changes(saved.hparams.get("lora"), hparams.get("lora"), model_config)
     refused += lora_refused
     notes += lora_notes
     if refused:
-        raise ResumeMismatchError(f"cannot resume from {saved.path}: " + "; ".join(refused) +
-                                  ". Resume with the checkpoint's model options, or start a new run (--run_dir)")
+        raise ResumeMismatchError(
+            f"cannot resume from {saved.path}: "
+            + "; ".join(refused)
+            + ". Resume with the checkpoint's model options, or start a new run (--run_dir)"
+        )
     for key in RUN_SETTINGS:
         if key in saved.hparams and _differs(saved.hparams[key], hparams.get(key)):
             notes.append(f"{key}: {_fmt(saved.hparams[key])} -> {_fmt(hparams.get(key))}")
@@ -130,36 +147,48 @@ def _lora_changes(saved_value, value, model_config: Step35Config) -> tuple[list[
     if saved is None and lora is None:
         return [], []
     if saved is None or lora is None:
-        return [f"model.lora: {_fmt(saved_value)} -> {_fmt(value)} changes which parameters train (the LoRA "
-                f"checkpoint holds only the adapters; a full one has no adapters)"], []
+        return [
+            f"model.lora: {_fmt(saved_value)} -> {_fmt(value)} changes which parameters train (the LoRA "
+            f"checkpoint holds only the adapters; a full one has no adapters)"
+        ], []
     refused = []
     if saved.rank != lora.rank:
-        refused.append(f"model.lora.rank: {saved.rank} -> {lora.rank} changes the shape of every dense adapter "
-                       f"(lora_A [rank, in], lora_B [out, rank]); resume with model.lora.rank={saved.rank}")
+        refused.append(
+            f"model.lora.rank: {saved.rank} -> {lora.rank} changes the shape of every dense adapter "
+            f"(lora_A [rank, in], lora_B [out, rank]); resume with model.lora.rank={saved.rank}"
+        )
     targets, saved_targets = lora.expanded_targets(), saved.expanded_targets()
     if targets != saved_targets:
-        refused.append(f"model.lora.targets: {sorted(saved_targets)} -> {sorted(targets)} changes which parameters "
-                       f"train; resume with the checkpoint's targets")
+        refused.append(
+            f"model.lora.targets: {sorted(saved_targets)} -> {sorted(targets)} changes which parameters "
+            f"train; resume with the checkpoint's targets"
+        )
     elif "experts" in targets:
         before, after = saved.resolved_expert_rank(model_config), lora.resolved_expert_rank(model_config)
         if before != after:
-            refused.append(f"model.lora.expert_rank: {before} -> {after} (resolved; set {_fmt(saved.expert_rank)} -> "
-                           f"{_fmt(lora.expert_rank)}) changes the routed experts' adapter shapes; resume with "
-                           f"model.lora.expert_rank={before}")
+            refused.append(
+                f"model.lora.expert_rank: {before} -> {after} (resolved; set {_fmt(saved.expert_rank)} -> "
+                f"{_fmt(lora.expert_rank)}) changes the routed experts' adapter shapes; resume with "
+                f"model.lora.expert_rank={before}"
+            )
     # Refused, not reported: each adapter adds (alpha / rank) * B A, so another alpha rescales the trained
     # adapters' contribution from the resumed step on: the resumed run trains another model than the
     # checkpoint's (its loss jumps) and every later update is scaled with it. Reporting it would still
     # change the model behind a note; to change alpha, start a new run.
     if saved.scale_alpha != lora.scale_alpha:
-        refused.append(f"model.lora.alpha: {saved.scale_alpha:g} -> {lora.scale_alpha:g} (resolved: null is the rank) "
-                       f"rescales the trained adapters, another model than the checkpoint's; resume with "
-                       f"model.lora.alpha={saved.scale_alpha:g}")
+        refused.append(
+            f"model.lora.alpha: {saved.scale_alpha:g} -> {lora.scale_alpha:g} (resolved: null is the rank) "
+            f"rescales the trained adapters, another model than the checkpoint's; resume with "
+            f"model.lora.alpha={saved.scale_alpha:g}"
+        )
     notes = []
     if saved.dropout != lora.dropout:
         notes.append(f"model.lora.dropout: {_fmt(saved.dropout)} -> {_fmt(lora.dropout)}")
     if saved.resolved_base_dtype(model_config) != lora.resolved_base_dtype(model_config):
-        notes.append(f"model.lora.base_dtype: {_fmt(saved.base_dtype)} -> {_fmt(lora.base_dtype)} (the frozen base "
-                     f"is read again in it)")
+        notes.append(
+            f"model.lora.base_dtype: {_fmt(saved.base_dtype)} -> {_fmt(lora.base_dtype)} (the frozen base "
+            f"is read again in it)"
+        )
     return refused, notes
 
 

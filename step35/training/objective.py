@@ -57,9 +57,11 @@ def labels_of(batch: dict) -> torch.Tensor:
     if labels is None:
         return tokens[:, 1:]
     if labels.shape != (tokens.shape[0], tokens.shape[1] - 1):
-        raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, but batch['input_ids'] of shape "
-                         f"{tuple(tokens.shape)} needs labels of shape {(tokens.shape[0], tokens.shape[1] - 1)} "
-                         "(the targets of input_ids[:, :-1])")
+        raise ValueError(
+            f"batch['labels'] has shape {tuple(labels.shape)}, but batch['input_ids'] of shape "
+            f"{tuple(tokens.shape)} needs labels of shape {(tokens.shape[0], tokens.shape[1] - 1)} "
+            "(the targets of input_ids[:, :-1])"
+        )
     return labels
 
 
@@ -70,11 +72,13 @@ class LanguageModelObjective:
     name = "lm"
 
     def __init__(self, mtp_loss_weight: float = 0.0, moe_aux_loss_coef: float = 0.0, loss_chunk_size: int = 1024):
-        check_rules({
-            "loss_chunk_size": (loss_chunk_size, lambda v: v >= 1, ">= 1"),
-            "mtp_loss_weight": (mtp_loss_weight, lambda v: v >= 0, ">= 0"),
-            "moe_aux_loss_coef": (moe_aux_loss_coef, lambda v: v >= 0, ">= 0"),
-        })
+        check_rules(
+            {
+                "loss_chunk_size": (loss_chunk_size, lambda v: v >= 1, ">= 1"),
+                "mtp_loss_weight": (mtp_loss_weight, lambda v: v >= 0, ">= 0"),
+                "moe_aux_loss_coef": (moe_aux_loss_coef, lambda v: v >= 0, ">= 0"),
+            }
+        )
         self.mtp_loss_weight = mtp_loss_weight
         self.moe_aux_loss_coef = moe_aux_loss_coef
         self.loss_chunk_size = loss_chunk_size
@@ -83,10 +87,14 @@ class LanguageModelObjective:
         """(LossOutput, labels [B, S]) of a batch: input_ids [B, S + 1], optional labels [B, S] and
         position_ids [B, S] (data.document_masking). MTP and the aux loss only in training."""
         labels = labels_of(batch)
-        return model.loss(batch["input_ids"][:, :-1], labels,
-                          mtp_loss_weight=self.mtp_loss_weight if training else 0.0,
-                          moe_aux_loss_coef=self.moe_aux_loss_coef if training else 0.0,
-                          loss_chunk_size=self.loss_chunk_size, position_ids=batch.get("position_ids")), labels
+        return model.loss(
+            batch["input_ids"][:, :-1],
+            labels,
+            mtp_loss_weight=self.mtp_loss_weight if training else 0.0,
+            moe_aux_loss_coef=self.moe_aux_loss_coef if training else 0.0,
+            loss_chunk_size=self.loss_chunk_size,
+            position_ids=batch.get("position_ids"),
+        ), labels
 
     def micro_batch(self, model: Step35ForCausalLM, batch: dict, training: bool = True) -> MicroBatch:
         out, labels = self.forward(model, batch, training)
@@ -95,8 +103,14 @@ class LanguageModelObjective:
         aux = out.aux_loss.detach().double() if out.aux_loss is not None else count.new_zeros(())
         # [trained tokens, label slots, micro-batches, loss, main-head loss sum, aux loss,
         #  MTP sums per depth, MTP counts per depth]
-        parts = [count, count.new_full((), labels.numel()), count.new_ones(()), loss.detach().double(),
-                 out.lm_sum.detach().double(), aux]
+        parts = [
+            count,
+            count.new_full((), labels.numel()),
+            count.new_ones(()),
+            loss.detach().double(),
+            out.lm_sum.detach().double(),
+            aux,
+        ]
         parts += [s.detach().double() for s in out.mtp_sums] + [c.double() for c in out.mtp_counts]
         return MicroBatch(loss, torch.stack(parts), labels.numel())
 
@@ -109,7 +123,7 @@ class LanguageModelObjective:
         depths = (len(values) - 6) // 2
         trained, slots, micro_batches = int(values[0]), int(values[1]), int(values[2])
         objective, lm_sum, aux_sum = values[3], values[4], values[5]
-        mtp_sums, mtp_counts = values[6:6 + depths], values[6 + depths:6 + 2 * depths]
+        mtp_sums, mtp_counts = values[6 : 6 + depths], values[6 + depths : 6 + 2 * depths]
         per = max(trained, 1)
         # The objective whose gradient is applied: the sum of the micro-batch losses times the gradient
         # factor over accumulate_grad_batches * ranks (the aux loss: its part of it).
@@ -134,8 +148,10 @@ def add_micro_batch(step_sums: torch.Tensor | None, micro_batch: MicroBatch) -> 
     if step_sums is None:
         return micro_batch.sums.clone()
     if step_sums.shape != micro_batch.sums.shape:
-        raise RuntimeError(f"a micro-batch summed {micro_batch.sums.numel()} values, the step's first "
-                           f"{step_sums.numel()} (another number of MTP depths?)")
+        raise RuntimeError(
+            f"a micro-batch summed {micro_batch.sums.numel()} values, the step's first "
+            f"{step_sums.numel()} (another number of MTP depths?)"
+        )
     return step_sums + micro_batch.sums
 
 

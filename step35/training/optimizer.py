@@ -39,8 +39,9 @@ class OptimizerKind:
 
 def _adamw(groups: list[dict], options: OptimizerOptions) -> torch.optim.AdamW:
     params = [p for g in groups for p in g["params"]]
-    return torch.optim.AdamW(groups, lr=options.lr, betas=tuple(options.betas), eps=options.eps,
-                             foreach=foreach_ok(params), **options.extra)
+    return torch.optim.AdamW(
+        groups, lr=options.lr, betas=tuple(options.betas), eps=options.eps, foreach=foreach_ok(params), **options.extra
+    )
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
@@ -69,8 +70,9 @@ class OptimizerOptions:
         values = {k: hparams[k] for k in names if k in hparams}
         if "betas" in hparams:
             values["betas"] = tuple(hparams["betas"])
-        return cls(name=hparams.get("optimizer") or "adamw", extra=dict(hparams.get("optimizer_options") or {}),
-                   **values)
+        return cls(
+            name=hparams.get("optimizer") or "adamw", extra=dict(hparams.get("optimizer_options") or {}), **values
+        )
 
     def __post_init__(self) -> None:
         self.check()
@@ -78,30 +80,50 @@ class OptimizerOptions:
     def check(self) -> None:
         """Refuse options that cannot mean anything, naming the option (`model.lr=-1: must be >= 0`); warn
         about an lr above LR_WARN_ABOVE (allowed, but it diverges)."""
-        check_rules({
-            "lr": (self.lr, lambda v: v >= 0, ">= 0"),  # 0 is allowed: the weights stay, e.g. to study the router alone
-            "min_lr_ratio": (self.min_lr_ratio, lambda v: 0 <= v <= 1, "between 0 and 1"),
-            "warmup_steps": (self.warmup_steps, lambda v: v >= 0, ">= 0"),
-            "decay_steps": (self.decay_steps, lambda v: v is None or v > self.warmup_steps,
-                            "> model.warmup_steps (or null: trainer.max_steps)"),
-            "weight_decay": (self.weight_decay, lambda v: v >= 0, ">= 0"),
-            "betas": (self.betas, lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-            "eps": (self.eps, lambda v: v > 0, "> 0"),
-        })
+        check_rules(
+            {
+                "lr": (
+                    self.lr,
+                    lambda v: v >= 0,
+                    ">= 0",
+                ),  # 0 is allowed: the weights stay, e.g. to study the router alone
+                "min_lr_ratio": (self.min_lr_ratio, lambda v: 0 <= v <= 1, "between 0 and 1"),
+                "warmup_steps": (self.warmup_steps, lambda v: v >= 0, ">= 0"),
+                "decay_steps": (
+                    self.decay_steps,
+                    lambda v: v is None or v > self.warmup_steps,
+                    "> model.warmup_steps (or null: trainer.max_steps)",
+                ),
+                "weight_decay": (self.weight_decay, lambda v: v >= 0, ">= 0"),
+                "betas": (self.betas, lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+                "eps": (self.eps, lambda v: v > 0, "> 0"),
+            }
+        )
         self.kind()  # an unknown name or class path: now, not at configure_optimizers
         if self.name in OPTIMIZERS and self.extra:
-            accepted = set(inspect.signature(torch.optim.AdamW).parameters) - {"params", "lr", "betas", "eps",
-                                                                                  "weight_decay", "foreach"}
+            accepted = set(inspect.signature(torch.optim.AdamW).parameters) - {
+                "params",
+                "lr",
+                "betas",
+                "eps",
+                "weight_decay",
+                "foreach",
+            }
             unknown = sorted(set(self.extra) - accepted)
             if unknown:
-                raise ValueError(f"model.optimizer_options={self.extra}: {unknown} are not options of AdamW "
-                                 f"(accepted: {sorted(accepted)}; lr, betas, eps and weight_decay are model.* options)")
+                raise ValueError(
+                    f"model.optimizer_options={self.extra}: {unknown} are not options of AdamW "
+                    f"(accepted: {sorted(accepted)}; lr, betas, eps and weight_decay are model.* options)"
+                )
         if self.lr > LR_WARN_ABOVE:
             # Legal but almost surely a slip (1e6 for 1e-6): said, not refused, so an experiment can still try it.
-            warnings.warn(f"model.lr={self.lr} is above {LR_WARN_ABOVE}: AdamW moves every weight by about lr per "
-                          f"step whatever the gradient's size, and Step-3.5's weights start with std 0.02, so a step "
-                          f"would change each weight by more than its own size and training diverges (pretraining "
-                          f"uses about 1e-5 to 1e-2; a slip such as 1e6 for 1e-6?)", stacklevel=4)
+            warnings.warn(
+                f"model.lr={self.lr} is above {LR_WARN_ABOVE}: AdamW moves every weight by about lr per "
+                f"step whatever the gradient's size, and Step-3.5's weights start with std 0.02, so a step "
+                f"would change each weight by more than its own size and training diverges (pretraining "
+                f"uses about 1e-5 to 1e-2; a slip such as 1e6 for 1e-6?)",
+                stacklevel=4,
+            )
 
     def kind(self) -> OptimizerKind:
         """The named optimizer, or one made from a class path of a torch.optim.Optimizer."""
@@ -110,16 +132,19 @@ class OptimizerOptions:
         cls = _optimizer_class(self.name)
         defaults = inspect.signature(cls).parameters
         if self.weight_decay > 0 and "weight_decay" not in defaults:
-            raise ValueError(f"model.optimizer={self.name} has no weight_decay, but model.weight_decay="
-                             f"{self.weight_decay}; set model.weight_decay 0")
+            raise ValueError(
+                f"model.optimizer={self.name} has no weight_decay, but model.weight_decay="
+                f"{self.weight_decay}; set model.weight_decay 0"
+            )
         keys = ("lr", "weight_decay") if "weight_decay" in defaults else ("lr",)
 
         def build(groups: list[dict], options: OptimizerOptions) -> torch.optim.Optimizer:
             try:
                 return cls(groups, lr=options.lr, **options.extra)
             except TypeError as err:
-                raise ValueError(f"model.optimizer={options.name} with model.optimizer_options={options.extra}: "
-                                 f"{err}") from None
+                raise ValueError(
+                    f"model.optimizer={options.name} with model.optimizer_options={options.extra}: {err}"
+                ) from None
 
         return OptimizerKind(build, keys)
 
@@ -131,8 +156,10 @@ class OptimizerOptions:
         common = {k: v for k, v in values.items() if k in keys}
         if "weight_decay" not in keys:
             return [{**common, "name": "decay"}, {**common, "name": "no_decay"}]
-        return [{**common, "weight_decay": self.weight_decay, "name": "decay"},
-                {**common, "weight_decay": 0.0, "name": "no_decay"}]
+        return [
+            {**common, "weight_decay": self.weight_decay, "name": "decay"},
+            {**common, "weight_decay": 0.0, "name": "no_decay"},
+        ]
 
 
 def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
@@ -143,8 +170,10 @@ def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"model.optimizer={path!r}: cannot import it ({err}); use one of {known} or the "
-                         "class path of a torch.optim.Optimizer") from None
+        raise ValueError(
+            f"model.optimizer={path!r}: cannot import it ({err}); use one of {known} or the "
+            "class path of a torch.optim.Optimizer"
+        ) from None
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"model.optimizer={path!r} is not a torch.optim.Optimizer subclass")
     return cls
@@ -170,8 +199,9 @@ def lr_schedule(optimizer: torch.optim.Optimizer, options: OptimizerOptions, max
     total = options.decay_steps or max_steps
     if total is None or total < 0:
         raise ValueError("set trainer.max_steps or model.decay_steps: the cosine schedule needs a length")
-    return WarmupCosineLR(optimizer, options.warmup_steps, total, options.min_lr_ratio,
-                          length_from_option=options.decay_steps is not None)
+    return WarmupCosineLR(
+        optimizer, options.warmup_steps, total, options.min_lr_ratio, length_from_option=options.decay_steps is not None
+    )
 
 
 def foreach_ok(params: list[torch.Tensor]) -> bool:
@@ -201,13 +231,18 @@ def resume_refusals(saved: dict[str, Any], hparams: dict[str, Any]) -> list[str]
     """Why the run's optimizer cannot take the checkpoint's state: another optimizer keeps other state."""
     before, after = saved.get("optimizer") or "adamw", hparams.get("optimizer") or "adamw"
     if before != after:
-        return [f"model.optimizer: {before} -> {after}: the checkpoint's optimizer state belongs to {before}; "
-                f"resume with model.optimizer={before}"]
+        return [
+            f"model.optimizer: {before} -> {after}: the checkpoint's optimizer state belongs to {before}; "
+            f"resume with model.optimizer={before}"
+        ]
     return []
 
 
-def apply_resumed_settings(optimizer: torch.optim.Optimizer, group_settings: list[dict[str, Any]],
-                           scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+def apply_resumed_settings(
+    optimizer: torch.optim.Optimizer,
+    group_settings: list[dict[str, Any]],
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> None:
     """After a restore, give each param group the run's settings (`group_settings[i]`: lr, betas,
     eps, weight_decay of group i) and rebase the LR schedule on the run's lr at the restored step.
     With unchanged settings the values are the ones the restore produced, bit for bit."""

@@ -23,8 +23,9 @@ from step35.model import Step35ForCausalLM, build_model
 from step35.model.lora import LoraConfig, apply_lora, check_sizes
 
 
-def model_config_of(config: str | Path, checkpoint: str | Path | None = None,
-                    overrides: dict[str, Any] | None = None) -> Step35Config:
+def model_config_of(
+    config: str | Path, checkpoint: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> Step35Config:
     """The model config of a run: the checkpoint folder's config.json when `checkpoint` is given, else
     `config` (a preset or a config.json / folder), with `overrides` applied (every key must be a field).
     Errors name the option they come from (model.checkpoint, model.config, model.config_overrides)."""
@@ -64,11 +65,15 @@ class TrainedModel:
         `checkpoint` folder) a config whose shapes its tensors do not have."""
         available = self.config.num_nextn_predict_layers
         if self.num_mtp_layers is not None and not 0 <= self.num_mtp_layers <= available:
-            raise ValueError(f"model.num_mtp_layers={self.num_mtp_layers}: must be between 0 and the config's "
-                             f"num_nextn_predict_layers={available}")
+            raise ValueError(
+                f"model.num_mtp_layers={self.num_mtp_layers}: must be between 0 and the config's "
+                f"num_nextn_predict_layers={available}"
+            )
         if self.train_mtp and self.built_mtp_layers == 0:
-            raise ValueError(f"model.mtp_loss_weight={self.mtp_loss_weight}: no MTP layer is built (num_mtp_layers="
-                             f"{self.num_mtp_layers}, config num_nextn_predict_layers={available}); set it to 0")
+            raise ValueError(
+                f"model.mtp_loss_weight={self.mtp_loss_weight}: no MTP layer is built (num_mtp_layers="
+                f"{self.num_mtp_layers}, config num_nextn_predict_layers={available}); set it to 0"
+            )
         if checkpoint:
             check_config_fits(self.config, checkpoint, self.num_mtp_layers)
         if self.lora is not None:
@@ -84,9 +89,15 @@ def freeze_untrained(model: Step35ForCausalLM, train_mtp: bool) -> None:
             layer.requires_grad_(False)
 
 
-def training_model(spec: TrainedModel, *, shard: Callable[[nn.Module], None] | None = None,
-                   dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                   checkpoint: str | Path | None = None, seed: int = 0) -> Step35ForCausalLM:
+def training_model(
+    spec: TrainedModel,
+    *,
+    shard: Callable[[nn.Module], None] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    checkpoint: str | Path | None = None,
+    seed: int = 0,
+) -> Step35ForCausalLM:
     """The model a run trains: built on the meta device in `dtype` (None: the ambient default, which
     Lightning's precision sets), adapted (LoRA), sharded by `shard` (e.g. the strategy's parallelize_model;
     None: unsharded), its untrained parts frozen, then, when `device` is given, filled there from the HF

@@ -31,9 +31,18 @@ from step35.config import Step35Config
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -60,8 +69,9 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
         for file in sorted(set(files.values())):
             if not file.exists():
                 missing = sorted(n for n, f in files.items() if f == file)
-                raise CheckpointError(f"{file}: shard file named in {INDEX_FILE} is missing "
-                                      f"({len(missing)} tensors, e.g. {missing[0]})")
+                raise CheckpointError(
+                    f"{file}: shard file named in {INDEX_FILE} is missing ({len(missing)} tensors, e.g. {missing[0]})"
+                )
         return files
     single = path / SINGLE_FILE
     if single.exists():
@@ -90,8 +100,10 @@ def check_index_entries(weight_map: dict[str, str], folder: Path, index: Path) -
         reason = leaves_folder(folder, file, blobs)
         if reason:
             name = next(n for n, f in weight_map.items() if f == file)
-            raise CheckpointError(f"{index}: entry {name} names the file {file!r}, {reason}; refused (put the "
-                                  f"shard in the folder and name it relative to it)")
+            raise CheckpointError(
+                f"{index}: entry {name} names the file {file!r}, {reason}; refused (put the "
+                f"shard in the folder and name it relative to it)"
+            )
 
 
 def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
@@ -109,13 +121,16 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
                 present = set(f.keys())
                 for name in names:
                     if name not in present:
-                        raise CheckpointError(f"{file}: the index places tensor {name} in this file, but it is not there")
+                        raise CheckpointError(
+                            f"{file}: the index places tensor {name} in this file, but it is not there"
+                        )
                     piece = f.get_slice(name)
                     infos[name] = TensorInfo(file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
                 stray = sorted(present - set(names))  # in the file but not in the index: never silently dropped
                 if stray:
-                    raise CheckpointError(f"{file}: holds {len(stray)} tensor(s) that {INDEX_FILE} does not list, "
-                                          f"e.g. {stray[:3]}")
+                    raise CheckpointError(
+                        f"{file}: holds {len(stray)} tensor(s) that {INDEX_FILE} does not list, e.g. {stray[:3]}"
+                    )
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
@@ -123,23 +138,32 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
     return infos
 
 
-def check_tensors(infos: dict[str, TensorInfo], expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  ignored: set[str] = frozenset()) -> None:
+def check_tensors(
+    infos: dict[str, TensorInfo],
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    ignored: set[str] = frozenset(),
+) -> None:
     """Every expected tensor present with its shape and dtype, nothing unexpected (but `ignored`)."""
     missing = sorted(set(expected) - set(infos))
     unexpected = sorted(set(infos) - set(expected) - set(ignored))
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
     if unexpected:
-        raise CheckpointError(f"checkpoint has {len(unexpected)} tensor(s) the model does not, e.g. "
-                              f"{unexpected[:3]} in {infos[unexpected[0]].file.name}")
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} tensor(s) the model does not, e.g. "
+            f"{unexpected[:3]} in {infos[unexpected[0]].file.name}"
+        )
     for name, (shape, dtype) in expected.items():
         info = infos[name]
         if info.shape != tuple(shape):
-            raise CheckpointError(f"{name} in {info.file.name}: shape {list(info.shape)}, the config needs {list(shape)}")
+            raise CheckpointError(
+                f"{name} in {info.file.name}: shape {list(info.shape)}, the config needs {list(shape)}"
+            )
         if info.dtype != dtype:
-            raise CheckpointError(f"{name} in {info.file.name}: dtype {info.dtype}, expected {dtype} "
-                                  f"(config.json torch_dtype; router_bias is always float32)")
+            raise CheckpointError(
+                f"{name} in {info.file.name}: dtype {info.dtype}, expected {dtype} "
+                f"(config.json torch_dtype; router_bias is always float32)"
+            )
 
 
 _LAYER_ID = re.compile(r"model\.layers\.(\d+)\.")
@@ -156,8 +180,7 @@ def _layer_summary(layer_ids: set[int], mtp_ids: set[int]) -> str:
         if cur != prev + 1:
             spans.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = cur
-    return (f"{len(layer_ids) - len(mtp_ids)} main and {len(mtp_ids)} MTP layers "
-            f"(model.layers.{','.join(spans)})")
+    return f"{len(layer_ids) - len(mtp_ids)} main and {len(mtp_ids)} MTP layers (model.layers.{','.join(spans)})"
 
 
 def _header_shape(file: Path, name: str) -> tuple[int, ...]:
@@ -189,30 +212,44 @@ def check_config_fits(config: Step35Config, path: str | Path, num_mtp_layers: in
     main = config.num_hidden_layers
     missing_main = sorted(set(range(main)) - layer_ids)
     if missing_main:
-        raise CheckpointError(f"config num_hidden_layers={main} needs model.layers.0-{main - 1}, but {path} holds "
-                              f"{holds}: model.layers.{missing_main[0]} is not there; set num_hidden_layers to "
-                              "the folder's (config.json or config_overrides)")
+        raise CheckpointError(
+            f"config num_hidden_layers={main} needs model.layers.0-{main - 1}, but {path} holds "
+            f"{holds}: model.layers.{missing_main[0]} is not there; set num_hidden_layers to "
+            "the folder's (config.json or config_overrides)"
+        )
     built = config.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
     missing_mtp = sorted(set(range(main, main + built)) - layer_ids)
     if missing_mtp:
-        raise CheckpointError(f"config num_nextn_predict_layers={config.num_nextn_predict_layers} ({built} MTP "
-                              f"layers built) needs model.layers.{main}-{main + built - 1}, but {path} holds {holds}; "
-                              "set num_nextn_predict_layers to the folder's, or build fewer (model.num_mtp_layers)")
+        raise CheckpointError(
+            f"config num_nextn_predict_layers={config.num_nextn_predict_layers} ({built} MTP "
+            f"layers built) needs model.layers.{main}-{main + built - 1}, but {path} holds {holds}; "
+            "set num_nextn_predict_layers to the folder's, or build fewer (model.num_mtp_layers)"
+        )
     embed = "model.embed_tokens.weight"
     if embed in locations:
         shape = _header_shape(locations[embed], embed)
         for axis, field in ((0, "vocab_size"), (1, "hidden_size")):
             value = getattr(config, field)
             if len(shape) == 2 and shape[axis] != value:
-                raise CheckpointError(f"config {field}={value}, but {path} holds {embed} of shape {list(shape)} "
-                                      f"({field} {shape[axis]}); set {field} to the folder's")
-    router = next((f"model.layers.{i}.moe.gate.weight" for i in sorted(config.moe_layer_ids)
-                   if f"model.layers.{i}.moe.gate.weight" in locations), None)
+                raise CheckpointError(
+                    f"config {field}={value}, but {path} holds {embed} of shape {list(shape)} "
+                    f"({field} {shape[axis]}); set {field} to the folder's"
+                )
+    router = next(
+        (
+            f"model.layers.{i}.moe.gate.weight"
+            for i in sorted(config.moe_layer_ids)
+            if f"model.layers.{i}.moe.gate.weight" in locations
+        ),
+        None,
+    )
     if router is not None:
         shape = _header_shape(locations[router], router)
         if shape and shape[0] != config.moe_num_experts:
-            raise CheckpointError(f"config moe_num_experts={config.moe_num_experts}, but {path} holds {router} of "
-                                  f"shape {list(shape)} ({shape[0]} experts); set moe_num_experts to the folder's")
+            raise CheckpointError(
+                f"config moe_num_experts={config.moe_num_experts}, but {path} holds {router} of "
+                f"shape {list(shape)} ({shape[0]} experts); set moe_num_experts to the folder's"
+            )
 
 
 def parse_size(size: int | str) -> int:
@@ -225,7 +262,7 @@ def parse_size(size: int | str) -> int:
     unit = (m.group(2) or "B").upper()
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0]) if unit[0] in "KMGT" else 0
-    return int(float(m.group(1)) * base ** power)
+    return int(float(m.group(1)) * base**power)
 
 
 def default_file_mode() -> int:
@@ -235,8 +272,13 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
-def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: Step35Config,
-                    max_shard_size: int | str = "5GB", copy_files: Mapping[str, Path | bytes] | None = None) -> Path:
+def write_hf_folder(
+    path: str | Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    config: Step35Config,
+    max_shard_size: int | str = "5GB",
+    copy_files: Mapping[str, Path | bytes] | None = None,
+) -> Path:
     """Write an HF folder at `path` from (name, tensor) pairs, streamed: a shard is written as soon as
     it is full, so the whole state never has to be in memory. Shards model-0000k-of-0000n, the index,
     config.json, `copy_files` (relative name -> a file copied byte for byte, or the bytes: tokenizer,
@@ -279,14 +321,17 @@ def write_hf_folder(path: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
             (tmp / f"shard-{k:05d}.safetensors").rename(tmp / final)
             weight_map.update({n: final for n in tensor_names})
             names.append(final)
-        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2))
+        (tmp / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
         config.save(tmp / "config.json")
         for name, source in (copy_files or {}).items():
             target = tmp / name
             if target.exists() or name == MANIFEST or Path(name).is_absolute() or ".." in Path(name).parts:
-                raise CheckpointError(f"{path}: cannot write extra file {name!r} (it would replace a file of the "
-                                      "checkpoint, or leave the folder)")
+                raise CheckpointError(
+                    f"{path}: cannot write extra file {name!r} (it would replace a file of the "
+                    "checkpoint, or leave the folder)"
+                )
             target.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(source, bytes):
                 target.write_bytes(source)

@@ -49,17 +49,22 @@ def base_identity(folder: str | Path | None, init_seed: int) -> dict:
         raise CheckpointError(f"{path}: the LoRA run's base (model.checkpoint) is not a folder")
     index = path / INDEX_FILE
     try:  # an HF folder written by step35 carries checksums of its files: the fingerprint takes them
-        crc32 = {name: entry["crc32"] for name, entry in manifest_info(path)["files"].items()
-                 if name.endswith(".safetensors")}
+        crc32 = {
+            name: entry["crc32"]
+            for name, entry in manifest_info(path)["files"].items()
+            if name.endswith(".safetensors")
+        }
     except CheckpointError:
         crc32 = {}
     files = sorted(path.glob("*.safetensors"))
-    return {"folder": str(path),
-            "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None,
-            "sizes": {p.name: p.stat().st_size for p in files},
-            "crc32": crc32,
-            "sample_scheme": SAMPLE_SCHEME,
-            "sampled_crc32": {p.name: sampled_crc32(p) for p in files}}
+    return {
+        "folder": str(path),
+        "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None,
+        "sizes": {p.name: p.stat().st_size for p in files},
+        "crc32": crc32,
+        "sample_scheme": SAMPLE_SCHEME,
+        "sampled_crc32": {p.name: sampled_crc32(p) for p in files},
+    }
 
 
 def sampled_crc32(file: Path) -> str:
@@ -98,8 +103,10 @@ def base_difference(saved: dict, current: dict) -> str | None:
         return f"the run's base was {_described(saved)}, this one is {_described(current)} (model.checkpoint)"
     if saved.get("folder") is None:
         if saved.get("init_seed") != current.get("init_seed"):
-            return f"the run's base was drawn with model.init_seed={saved.get('init_seed')}, this run's is " \
-                   f"{current.get('init_seed')}"
+            return (
+                f"the run's base was drawn with model.init_seed={saved.get('init_seed')}, this run's is "
+                f"{current.get('init_seed')}"
+            )
         return None
     where = f"{current['folder']} (model.checkpoint) is not the base {saved['folder']} the run trained on"
     if saved.get("index_sha256") != current.get("index_sha256"):
@@ -116,8 +123,10 @@ def base_difference(saved: dict, current: dict) -> str | None:
         sampled, sampled_now = saved["sampled_crc32"], current["sampled_crc32"]
         for name in sorted(set(sampled) | set(sampled_now)):
             if sampled.get(name) != sampled_now.get(name):
-                return f"{where}: {name} has other content (sampled crc32 {sampled_now.get(name, 'missing')}, " \
-                       f"was {sampled.get(name, 'absent')}); same layout, other weights"
+                return (
+                    f"{where}: {name} has other content (sampled crc32 {sampled_now.get(name, 'missing')}, "
+                    f"was {sampled.get(name, 'absent')}); same layout, other weights"
+                )
     return None
 
 
@@ -139,7 +148,9 @@ def check_base(saved: dict | None, current: dict, where: str | Path) -> None:
     if difference:
         raise CheckpointError(f"{where}: a LoRA checkpoint of another base: {difference}")
     if saved.get("folder") is not None and not _comparable_samples(saved, current):
-        raise CheckpointError(f"{where}: its record of the base {saved['folder']} holds no content fingerprint of "
-                              f"sample_scheme {current.get('sample_scheme')!r} (it has "
-                              f"{saved.get('sample_scheme')!r}), so a base of the same shape with other weights "
-                              f"cannot be told apart; resume with the step35 that wrote it, or start a new run")
+        raise CheckpointError(
+            f"{where}: its record of the base {saved['folder']} holds no content fingerprint of "
+            f"sample_scheme {current.get('sample_scheme')!r} (it has "
+            f"{saved.get('sample_scheme')!r}), so a base of the same shape with other weights "
+            f"cannot be told apart; resume with the step35 that wrote it, or start a new run"
+        )

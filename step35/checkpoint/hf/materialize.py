@@ -46,14 +46,17 @@ def local_pieces(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, .
     return out
 
 
-def materialize(model: nn.Module, device: torch.device | str, checkpoint: str | Path | None = None,
-                seed: int = 0) -> int:
+def materialize(
+    model: nn.Module, device: torch.device | str, checkpoint: str | Path | None = None, seed: int = 0
+) -> int:
     """Allocate the model's local storage on `device` and fill it. Returns the bytes read from disk."""
     if checkpoint is not None:
+
         def check_headers() -> dict[str, TensorInfo]:
             infos = read_tensor_infos(checkpoint)
-            check_tensors(infos, expected_tensors(model),
-                          ignored_mtp_tensors(model.config, model.num_mtp_layers, infos))
+            check_tensors(
+                infos, expected_tensors(model), ignored_mtp_tensors(model.config, model.num_mtp_layers, infos)
+            )
             return infos
 
         infos = raise_together(check_headers)
@@ -118,5 +121,8 @@ def ignored_mtp_tensors(config: Step35Config, num_mtp_layers: int, names) -> set
     """Checkpoint tensors of MTP layers the model was built without."""
     first_unbuilt = config.num_hidden_layers + num_mtp_layers
     pattern = re.compile(r"model\.layers\.(\d+)\.")
-    return {n for n in names if (m := pattern.match(n)) and int(m.group(1)) >= first_unbuilt
-            and int(m.group(1)) < config.num_total_layers}
+    return {
+        n
+        for n in names
+        if (m := pattern.match(n)) and int(m.group(1)) >= first_unbuilt and int(m.group(1)) < config.num_total_layers
+    }

@@ -67,9 +67,16 @@ def from_peft(A: torch.Tensor, B: torch.Tensor, num_experts: int | None) -> tupl
     return A.reshape(E, r, A.shape[1]).transpose(1, 2), B.reshape(B.shape[0], r, E).permute(2, 1, 0)
 
 
-def write_peft_folder(out: str | Path, adapters: dict[str, torch.Tensor], full: dict[str, torch.Tensor],
-                      lora: LoraConfig, config: Step35Config, base: dict | None, base_folder: str | None,
-                      dtype: torch.dtype) -> list[str]:
+def write_peft_folder(
+    out: str | Path,
+    adapters: dict[str, torch.Tensor],
+    full: dict[str, torch.Tensor],
+    lora: LoraConfig,
+    config: Step35Config,
+    base: dict | None,
+    base_folder: str | None,
+    dtype: torch.dtype,
+) -> list[str]:
     """Write a LoRA run's `adapters` (our layout, model/lora.py: `X.lora_A` / `X.lora_B` of the adapted
     module X) and its full-trained tensors `full` (by HF name) as a PEFT folder at `out`, in `dtype`.
     `lora`: the run's LoRA options; `config`: its model config and `base`: its base's identity
@@ -98,18 +105,31 @@ def write_peft_folder(out: str | Path, adapters: dict[str, torch.Tensor], full: 
     notes = []
     dropout = lora.dropout
     if parameters and dropout:
-        notes.append(f"lora_dropout written as 0 (the run trained with {dropout}): PEFT refuses dropout on "
-                     "3-D expert parameters")
+        notes.append(
+            f"lora_dropout written as 0 (the run trained with {dropout}): PEFT refuses dropout on 3-D expert parameters"
+        )
         dropout = 0.0
     adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "peft_version": PEFT_VERSION,
-        "base_model_name_or_path": base_folder, "inference_mode": True,
-        "r": lora.rank, "lora_alpha": lora.scale_alpha, "lora_dropout": dropout,
-        "target_modules": modules, "target_parameters": parameters or None,
-        "rank_pattern": pattern, "alpha_pattern": {k: lora.scale_alpha for k in pattern},
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "peft_version": PEFT_VERSION,
+        "base_model_name_or_path": base_folder,
+        "inference_mode": True,
+        "r": lora.rank,
+        "lora_alpha": lora.scale_alpha,
+        "lora_dropout": dropout,
+        "target_modules": modules,
+        "target_parameters": parameters or None,
+        "rank_pattern": pattern,
+        "alpha_pattern": {k: lora.scale_alpha for k in pattern},
         "modules_to_save": sorted(n.rsplit(".", 1)[0] for n in full) or None,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
     }
     metadata = {"format": "pt", CONFIG_METADATA: json.dumps(config.to_dict()), BASE_METADATA: json.dumps(base)}
     out = Path(out)
@@ -145,9 +165,17 @@ def is_peft_folder(path: str | Path) -> bool:
 # tensor of adapter_model.safetensors is checked for its name and exact shape against the model before
 # anything merges, and every merged weight for finiteness.
 
-_NEUTRAL = {"use_dora": (False, None), "use_rslora": (False, None), "bias": ("none", None),
-            "fan_in_fan_out": (False, None), "layers_to_transform": (None, []), "layers_pattern": (None, [], ""),
-            "exclude_modules": (None, []), "lora_bias": (False, None), "trainable_token_indices": (None, {}, [])}
+_NEUTRAL = {
+    "use_dora": (False, None),
+    "use_rslora": (False, None),
+    "bias": ("none", None),
+    "fan_in_fan_out": (False, None),
+    "layers_to_transform": (None, []),
+    "layers_pattern": (None, [], ""),
+    "exclude_modules": (None, []),
+    "lora_bias": (False, None),
+    "trainable_token_indices": (None, {}, []),
+}
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
@@ -180,16 +208,22 @@ def read_adapter_config(adapter: str | Path) -> dict:
         if names is not None and (not isinstance(names, list) or not all(_is_name(n) for n in names)):
             raise bad(field, "must be null or a list of module names (letters, digits, '_' and '.')")
     if not any(config.get(f) for f in ("target_modules", "target_parameters", "modules_to_save")):
-        raise CheckpointError(f"{path}: adapts nothing (target_modules, target_parameters and modules_to_save are empty)")
-    for field, valid, need in (("rank_pattern", _is_int_rank, "an integer >= 1"),
-                               ("alpha_pattern", _is_positive, "a finite number > 0")):
+        raise CheckpointError(
+            f"{path}: adapts nothing (target_modules, target_parameters and modules_to_save are empty)"
+        )
+    for field, valid, need in (
+        ("rank_pattern", _is_int_rank, "an integer >= 1"),
+        ("alpha_pattern", _is_positive, "a finite number > 0"),
+    ):
         pattern = config.get(field) or {}
         if not isinstance(pattern, dict):
             raise bad(field, "must be an object of module name -> value")
         for key, value in pattern.items():
             if not _is_name(key):
-                raise CheckpointError(f"{path}: {field} key {_shown(key)} is a regex, which this reader does not run "
-                                      f"(keys match module names literally); spell the module name or its suffix")
+                raise CheckpointError(
+                    f"{path}: {field} key {_shown(key)} is a regex, which this reader does not run "
+                    f"(keys match module names literally); spell the module name or its suffix"
+                )
             if not valid(value):
                 raise CheckpointError(f"{path}: {field}[{key!r}]={_shown(value)}: must be {need}")
     base = config.get("base_model_name_or_path")
@@ -289,8 +323,9 @@ def _matched(keys, names) -> list[str]:
     return [n for n in names if any(_names_match(k, n) for k in keys or [])]
 
 
-def plan_merge(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor],
-               adapter: Path) -> tuple[list[_Merge], dict[str, torch.Tensor]]:
+def plan_merge(
+    model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor], adapter: Path
+) -> tuple[list[_Merge], dict[str, torch.Tensor]]:
     """(the weights to merge, model parameter name -> tensor to copy in for modules_to_save), every name
     and shape checked against `model` first: a CheckpointError names adapter_config.json or the
     safetensors file and the key or tensor that is unmatched, missing, extra, mis-shaped or not finite."""
@@ -300,11 +335,13 @@ def plan_merge(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Te
     outside = sorted(k for k in tensors if not k.startswith(PREFIX))
     if outside:
         raise CheckpointError(f"{weights_file}: holds {outside[0]}, not under PEFT's prefix {PREFIX!r}")
-    bare = {k[len(PREFIX):]: t for k, t in tensors.items()}
+    bare = {k[len(PREFIX) :]: t for k, t in tensors.items()}
     unbuilt = ignored_mtp_tensors(model.config, model.num_mtp_layers, bare)  # of MTP layers not built: skipped
     unbuilt_names = _unbuilt_names(unbuilt)
 
-    dense = _matched(config.get("target_modules"), [m for m, mod in modules.items() if isinstance(mod, torch.nn.Linear)])
+    dense = _matched(
+        config.get("target_modules"), [m for m, mod in modules.items() if isinstance(mod, torch.nn.Linear)]
+    )
     experts = _matched(config.get("target_parameters"), params)
     saved_roots = _matched(config.get("modules_to_save"), modules)
     for field, found in (("target_modules", dense), ("target_parameters", experts), ("modules_to_save", saved_roots)):
@@ -313,11 +350,15 @@ def plan_merge(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Te
                 raise CheckpointError(f"{config_file}: {field} names {key!r}, which matches nothing in the model")
     for name in experts:
         if params[name].dim() != 3 or not name.endswith(".weight"):
-            raise CheckpointError(f"{config_file}: target_parameters matches {name} {list(params[name].shape)}, "
-                                  f"not a routed experts' [E, out, in] weight")
+            raise CheckpointError(
+                f"{config_file}: target_parameters matches {name} {list(params[name].shape)}, "
+                f"not a routed experts' [E, out, in] weight"
+            )
     overlap = [m for m in dense if any(m == r or m.startswith(r + ".") for r in saved_roots)]
     if overlap:
-        raise CheckpointError(f"{config_file}: {overlap[0]} is both adapted (target_modules) and saved (modules_to_save)")
+        raise CheckpointError(
+            f"{config_file}: {overlap[0]} is both adapted (target_modules) and saved (modules_to_save)"
+        )
     for field in ("rank_pattern", "alpha_pattern"):
         for key in config.get(field) or {}:
             if not _matched([key], dense + experts) and not _matched([key], unbuilt_names):
@@ -326,13 +367,13 @@ def plan_merge(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Te
     expected: dict[str, tuple] = {}  # bare tensor name -> the shape it must have
     settings = []  # (weight name, alpha, rank) per adapted weight
     for weight_name in [f"{m}.weight" for m in dense] + experts:
-        pattern_name = weight_name if weight_name in experts else weight_name[:-len(".weight")]  # as PEFT matches
+        pattern_name = weight_name if weight_name in experts else weight_name[: -len(".weight")]  # as PEFT matches
         rank = _pattern_value(config, "rank_pattern", pattern_name, config["r"])
         alpha = float(_pattern_value(config, "alpha_pattern", pattern_name, config["lora_alpha"]))
         weight = params[weight_name]
         num_experts = weight.shape[0] if weight_name in experts else 1
         out_features, in_features = weight.shape[-2:]
-        module = weight_name[:-len(".weight")]
+        module = weight_name[: -len(".weight")]
         expected[f"{module}.lora_A.weight"] = (num_experts * rank, in_features)
         expected[f"{module}.lora_B.weight"] = (out_features, rank * num_experts)
         settings.append((weight_name, alpha, rank))
@@ -342,25 +383,34 @@ def plan_merge(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Te
 
     missing = sorted(set(expected) - set(bare))
     if missing:
-        raise CheckpointError(f"{weights_file}: lacks {PREFIX}{missing[0]} {list(expected[missing[0]])}"
-                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which {CONFIG_FILE} "
-                              f"asks for")
+        raise CheckpointError(
+            f"{weights_file}: lacks {PREFIX}{missing[0]} {list(expected[missing[0]])}"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which {CONFIG_FILE} "
+            f"asks for"
+        )
     extra = sorted(set(bare) - set(expected) - unbuilt)
     if extra:
-        raise CheckpointError(f"{weights_file}: holds {PREFIX}{extra[0]}{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}"
-                              f", which {CONFIG_FILE} does not target in this model")
+        raise CheckpointError(
+            f"{weights_file}: holds {PREFIX}{extra[0]}{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}"
+            f", which {CONFIG_FILE} does not target in this model"
+        )
     for name, shape in expected.items():
         tensor = bare[name]
         if tuple(tensor.shape) != shape or not tensor.is_floating_point():
-            raise CheckpointError(f"{weights_file}: {PREFIX}{name} is {str(tensor.dtype).removeprefix('torch.')} "
-                                  f"{list(tensor.shape)}, the model needs a floating-point {list(shape)}")
+            raise CheckpointError(
+                f"{weights_file}: {PREFIX}{name} is {str(tensor.dtype).removeprefix('torch.')} "
+                f"{list(tensor.shape)}, the model needs a floating-point {list(shape)}"
+            )
     check_finite(((PREFIX + n, bare[n]) for n in expected), weights_file)
 
     merges = []
     for weight_name, alpha, rank in settings:
-        module = weight_name[:-len(".weight")]
-        A, B = from_peft(bare[f"{module}.lora_A.weight"], bare[f"{module}.lora_B.weight"],
-                         params[weight_name].shape[0] if weight_name in experts else None)
+        module = weight_name[: -len(".weight")]
+        A, B = from_peft(
+            bare[f"{module}.lora_A.weight"],
+            bare[f"{module}.lora_B.weight"],
+            params[weight_name].shape[0] if weight_name in experts else None,
+        )
         merges.append(_Merge(weight_name, A, B, alpha, rank))
     copies = {name: bare[name] for name in expected if not name.endswith((".lora_A.weight", ".lora_B.weight"))}
     return merges, copies
@@ -391,8 +441,10 @@ def apply_peft_folder(model: torch.nn.Module, adapter: str | Path, base: str | P
         weight = state[merge.weight]
         merged = merged_weight(merge.weight, weight, merge.A, merge.B, merge.alpha)
         if not bool(torch.isfinite(merged).all()):
-            raise CheckpointError(f"{adapter / CONFIG_FILE}: alpha {merge.alpha:g} / r {merge.rank} merges "
-                                  f"{merge.weight} into non-finite values (lora_alpha or alpha_pattern too large)")
+            raise CheckpointError(
+                f"{adapter / CONFIG_FILE}: alpha {merge.alpha:g} / r {merge.rank} merges "
+                f"{merge.weight} into non-finite values (lora_alpha or alpha_pattern too large)"
+            )
         weight.copy_(merged)
     for name, tensor in copies.items():
         state[name].copy_(tensor)
@@ -425,14 +477,18 @@ def peft_model(adapter: str | Path, dtype: torch.dtype, device: str) -> tuple[to
         try:
             model_config = Step35Config.from_dict(json.loads(metadata[CONFIG_METADATA]))
         except (ValueError, TypeError, KeyError) as e:
-            raise CheckpointError(f"{adapter / WEIGHTS_FILE}: its metadata {CONFIG_METADATA} is not a model config "
-                                  f"({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{adapter / WEIGHTS_FILE}: its metadata {CONFIG_METADATA} is not a model config "
+                f"({type(e).__name__}: {e})"
+            ) from None
         model = build_model(model_config, 0)
         materialize(model, "cpu", seed=record["init_seed"])
     merged = apply_peft_folder(model, adapter, base)  # merged in fp32, then cast
     model = model.to(device=device, dtype=dtype)
     for name in merged:  # finite in fp32 is not finite in float16
         if not bool(torch.isfinite(model.get_parameter(name)).all()):
-            raise CheckpointError(f"{adapter / CONFIG_FILE}: the merged {name} overflows "
-                                  f"{str(dtype).removeprefix('torch.')} (lora_alpha or alpha_pattern too large for it)")
+            raise CheckpointError(
+                f"{adapter / CONFIG_FILE}: the merged {name} overflows "
+                f"{str(dtype).removeprefix('torch.')} (lora_alpha or alpha_pattern too large for it)"
+            )
     return model, base

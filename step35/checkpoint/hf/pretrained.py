@@ -18,8 +18,12 @@ from step35.config import ConfigError, Step35Config
 from step35.model import Step35ForCausalLM, build_model
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    num_mtp_layers: int | None = None) -> Step35ForCausalLM:
+def load_pretrained(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    num_mtp_layers: int | None = None,
+) -> Step35ForCausalLM:
     """The model saved in the HF folder `path`, on `device`, in `dtype` (None: the folder's
     torch_dtype), with `num_mtp_layers` MTP layers (None: all of the config's; fewer ignores the
     folder's extra MTP tensors).
@@ -45,8 +49,10 @@ def save_pretrained(model: Step35ForCausalLM, path: str | Path, max_shard_size: 
     state = checkpoint_state(model)
     weight_dtypes = {t.dtype for n, t in state.items() if not n.endswith("router_bias")}
     if len(weight_dtypes) != 1:
-        raise CheckpointError(f"model holds weights of several dtypes {sorted(map(str, weight_dtypes))}; "
-                              "cast it to one dtype before saving")
+        raise CheckpointError(
+            f"model holds weights of several dtypes {sorted(map(str, weight_dtypes))}; "
+            "cast it to one dtype before saving"
+        )
     config = Step35Config.from_dict(model.config.to_dict())
     config.torch_dtype = str(weight_dtypes.pop()).removeprefix("torch.")
     write_hf_folder(path, state.items(), config, max_shard_size)

@@ -57,8 +57,18 @@ from step35.model.lora import is_adapter, is_full_target
 CARD_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "NOTICE", "USE_POLICY.md")
 COMPANION_FILES = run_tokenizer.TOKENIZER_FILES + CARD_FILES
 # What an export writes anew (weights, their index, config.json, manifests): not worth a mention when left out.
-_REWRITTEN = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json",
-              ".manifest.json")
+_REWRITTEN = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".gguf",
+    ".h5",
+    ".msgpack",
+    ".index.json",
+    ".manifest.json",
+)
 # `from .modeling_utils import x` / `import .x` in remote code: transformers fetches those modules too.
 _RELATIVE_IMPORT = re.compile(rb"^\s*(?:from\s+\.(\w+)\s+import|import\s+\.(\w+))", re.MULTILINE)
 
@@ -121,18 +131,23 @@ def _release_model_code(source: Path | None, auto_map: object) -> dict[str, Path
 def _our_modeling_note(source: Path | None, old: object) -> str:
     """The line saying that our modeling file is written, why, and what became of config.json's auto_map."""
     why = "the run did not start from an HF folder" if source is None else f"{source} brings no modeling code"
-    return (f"{MODELING_FILE.name} written ({why}; transformers loads it with trust_remote_code); "
-            + (f"auto_map {old} -> {AUTO_MAP}" if old else f"auto_map {AUTO_MAP} added"))
+    return f"{MODELING_FILE.name} written ({why}; transformers loads it with trust_remote_code); " + (
+        f"auto_map {old} -> {AUTO_MAP}" if old else f"auto_map {AUTO_MAP} added"
+    )
 
 
 def companion_files(folder: Path) -> dict[str, Path]:
     """{name: file} of the COMPANION_FILES at the top of `folder` (an HF folder: it holds a config.json)."""
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: the run started from this HF folder (model.checkpoint), which is gone; "
-                              "pass --source <where it is now> (its remote code, tokenizer and readme are copied)")
+        raise CheckpointError(
+            f"{folder}: the run started from this HF folder (model.checkpoint), which is gone; "
+            "pass --source <where it is now> (its remote code, tokenizer and readme are copied)"
+        )
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{folder}: named as the HF folder the run started from, but it holds no config.json; "
-                              "pass --source <the HF folder> (its remote code, tokenizer and readme are copied)")
+        raise CheckpointError(
+            f"{folder}: named as the HF folder the run started from, but it holds no config.json; "
+            "pass --source <the HF folder> (its remote code, tokenizer and readme are copied)"
+        )
     return {name: folder / name for name in COMPANION_FILES if (folder / name).is_file()}
 
 
@@ -152,17 +167,23 @@ def align_special_ids(config: Step35Config, ids: run_tokenizer.SpecialIds, run_e
     notes = []
     wanted = [i for i in dict.fromkeys([ids.eos, run_eos]) if i is not None]
     if not wanted:
-        raise CheckpointError("the tokenizer names no EOS token and the run recorded none: cannot tell where "
-                              "documents end; give the tokenizer an eos_token")
+        raise CheckpointError(
+            "the tokenizer names no EOS token and the run recorded none: cannot tell where "
+            "documents end; give the tokenizer an eos_token"
+        )
     if not set(wanted) <= set(config.eos_token_ids):
         value = wanted if isinstance(config.eos_token_id, list) or len(wanted) > 1 else wanted[0]
-        notes.append(f"eos_token_id {config.eos_token_id} -> {value} (the tokenizer's EOS is {ids.eos}"
-                     + (f", the run separated documents with {run_eos}" if run_eos not in (None, ids.eos) else "")
-                     + ")")
+        notes.append(
+            f"eos_token_id {config.eos_token_id} -> {value} (the tokenizer's EOS is {ids.eos}"
+            + (f", the run separated documents with {run_eos}" if run_eos not in (None, ids.eos) else "")
+            + ")"
+        )
         config.eos_token_id = value
     if config.bos_token_id != ids.bos:
-        notes.append(f"bos_token_id {config.bos_token_id} -> {ids.bos} (the tokenizer's BOS"
-                     + (")" if ids.bos is not None else ": it has none)"))
+        notes.append(
+            f"bos_token_id {config.bos_token_id} -> {ids.bos} (the tokenizer's BOS"
+            + (")" if ids.bos is not None else ": it has none)")
+        )
         config.bos_token_id = ids.bos
     if config.extra.get("pad_token_id") != ids.pad:
         if ids.pad is None:
@@ -202,8 +223,9 @@ def _what_is_there(path: Path) -> str:
     return "a file" if path.is_file() else "not a file or folder"
 
 
-def check_out(out: str | Path, reads: Mapping[Path, str], overwrite: bool = False,
-              keep_entries: Mapping[Path, str] | None = None) -> str | None:
+def check_out(
+    out: str | Path, reads: Mapping[Path, str], overwrite: bool = False, keep_entries: Mapping[Path, str] | None = None
+) -> str | None:
     """Refuse, with a one-line CheckpointError, an `out` whose replacement would destroy data; return
     the line saying what an allowed replacement replaces (None when `out` is new).
 
@@ -218,25 +240,32 @@ def check_out(out: str | Path, reads: Mapping[Path, str], overwrite: bool = Fals
     keeps = {_real(folder) for folder in keep_entries}
     for path, what in reads.items():
         if target == _real(path):
-            raise CheckpointError(f"--out {out} is {what}, which this export reads: refused, even with --overwrite; "
-                                  "choose another --out")
+            raise CheckpointError(
+                f"--out {out} is {what}, which this export reads: refused, even with --overwrite; choose another --out"
+            )
     for path, what in reads.items():
         real = _real(path)
         if real.is_relative_to(target):
-            raise CheckpointError(f"--out {out} holds {what} ({path}), which this export reads: refused, even with "
-                                  "--overwrite; choose an --out outside it")
+            raise CheckpointError(
+                f"--out {out} holds {what} ({path}), which this export reads: refused, even with "
+                "--overwrite; choose an --out outside it"
+            )
         if real not in keeps and target.is_relative_to(real):
-            raise CheckpointError(f"--out {out} lies inside {what} ({path}), which this export reads: refused, even "
-                                  "with --overwrite; choose an --out outside it")
+            raise CheckpointError(
+                f"--out {out} lies inside {what} ({path}), which this export reads: refused, even "
+                "with --overwrite; choose an --out outside it"
+            )
     for folder, what in keep_entries.items():
         real = _real(folder)
         if target == real or not target.is_relative_to(real):
             continue
         top = real / target.relative_to(real).parts[0]
         if (top.exists() or top.is_symlink()) and not (top == target and is_step35_export(top)):
-            raise CheckpointError(f"--out {out}: {top.name} is part of {what} {folder}, not an export: refused, even "
-                                  f"with --overwrite; export to a new name there (e.g. {Path(folder) / 'hf'}) "
-                                  "or elsewhere")
+            raise CheckpointError(
+                f"--out {out}: {top.name} is part of {what} {folder}, not an export: refused, even "
+                f"with --overwrite; export to a new name there (e.g. {Path(folder) / 'hf'}) "
+                "or elsewhere"
+            )
     out = Path(out)
     if not (out.exists() or out.is_symlink()):
         return None
@@ -244,20 +273,28 @@ def check_out(out: str | Path, reads: Mapping[Path, str], overwrite: bool = Fals
         return f"replaced the previous step35 export at {out}"
     if overwrite:
         return f"replaced {out}, {_what_is_there(out)} (--overwrite)"
-    raise CheckpointError(f"--out {out} exists ({_what_is_there(out)}) and is not a folder step35 exported: "
-                          "refused; pass --overwrite to replace it, or choose another --out")
+    raise CheckpointError(
+        f"--out {out} exists ({_what_is_there(out)}) and is not a folder step35 exported: "
+        "refused; pass --overwrite to replace it, or choose another --out"
+    )
 
 
 def _holds_checkpoints(folder: Path, checkpoint: Path) -> bool:
     """Whether `folder`, which holds `checkpoint`, is a folder of checkpoints (a run's checkpoints/,
     a callback's dirpath) whose other entries are checkpoints too."""
     return folder.name == "checkpoints" or any(
-        p.name.endswith(".ckpt") and p.name != checkpoint.name for p in folder.iterdir())
+        p.name.endswith(".ckpt") and p.name != checkpoint.name for p in folder.iterdir()
+    )
 
 
-def read_paths(trained: TrainedCheckpoint, given: str | Path, source: str | Path | None = None,
-               tokenizer: str | Path | None = None, model_config: str | Path | None = None,
-               run_folder: str | Path | None = None) -> dict[Path, str]:
+def read_paths(
+    trained: TrainedCheckpoint,
+    given: str | Path,
+    source: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    model_config: str | Path | None = None,
+    run_folder: str | Path | None = None,
+) -> dict[Path, str]:
     """{path: what it is} of everything an export of `trained` (named `given`) reads: what its
     `out` must never replace (check_out)."""
     reads: dict[Path, str] = {}
@@ -278,8 +315,15 @@ def read_paths(trained: TrainedCheckpoint, given: str | Path, source: str | Path
     return reads
 
 
-def prepare_out(trained: TrainedCheckpoint, given: str | Path, out: str | Path, overwrite: bool,
-                run_folder: str | Path | None, say: Callable[[str], None], **named_reads) -> str | None:
+def prepare_out(
+    trained: TrainedCheckpoint,
+    given: str | Path,
+    out: str | Path,
+    overwrite: bool,
+    run_folder: str | Path | None,
+    say: Callable[[str], None],
+    **named_reads,
+) -> str | None:
     """The checks and tidying before an export writes `out`: refuse a destructive `out` (check_out),
     then remove the partial copies dead exports left beside it, saying what was removed. Returns the
     line saying what the export will replace (for the report: nothing is replaced before the publish)."""
@@ -292,11 +336,15 @@ def prepare_out(trained: TrainedCheckpoint, given: str | Path, out: str | Path, 
     dead, unknown = dead_partials(parent)
     for path in dead:
         remove_path(path)
-        say(f"removed {path}, left by an export that was killed (its process, pid {partial_writer(path)[0]} on this "
-            "host, is gone)")
+        say(
+            f"removed {path}, left by an export that was killed (its process, pid {partial_writer(path)[0]} on this "
+            "host, is gone)"
+        )
     for path in unknown:
-        say(f"left {path}: a partial copy written by an older step35, which did not record its host; delete it "
-            "if no export into this folder is running")
+        say(
+            f"left {path}: a partial copy written by an older step35, which did not record its host; delete it "
+            "if no export into this folder is running"
+        )
     return replaced
 
 
@@ -309,11 +357,14 @@ def _write_peft(trained: TrainedCheckpoint, out: str | Path, dtype: torch.dtype)
     targets = lora.expanded_targets()
     adapters = dict(trained.tensors(only=is_adapter))
     full = dict(trained.tensors(only=lambda n: is_full_target(n, targets)))
-    notes = write_peft_folder(out, adapters, full, lora, trained.config, trained.meta.get(keys.LORA_BASE),
-                              trained.start_folder(), dtype)
+    notes = write_peft_folder(
+        out, adapters, full, lora, trained.config, trained.meta.get(keys.LORA_BASE), trained.start_folder(), dtype
+    )
     if (trained.hyper_parameters.get("moe_bias_update_rate") or 0) > 0:
-        notes.append("the run moved the router bias (model.moe_bias_update_rate > 0), which a PEFT folder cannot "
-                     "hold: serving base + adapters uses the base's bias; export with --merge for the exact model")
+        notes.append(
+            "the run moved the router bias (model.moe_bias_update_rate > 0), which a PEFT folder cannot "
+            "hold: serving base + adapters uses the base's bias; export with --merge for the exact model"
+        )
     return notes
 
 
@@ -329,12 +380,20 @@ class ExportReport:
     notes: list[str]
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                      max_shard_size: int | str = "5GB", config: Step35Config | None = None,
-                      tokenizer: str | Path | None = None, source: str | Path | None = None,
-                      merge: bool = False, overwrite: bool = False, run_folder: str | Path | None = None,
-                      model_config: str | Path | None = None,
-                      say: Callable[[str], None] | None = None) -> ExportReport:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    config: Step35Config | None = None,
+    tokenizer: str | Path | None = None,
+    source: str | Path | None = None,
+    merge: bool = False,
+    overwrite: bool = False,
+    run_folder: str | Path | None = None,
+    model_config: str | Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> ExportReport:
     """Write `out` as an HF checkpoint folder; router_bias stays fp32, other weights take `dtype`
     (default: the config's torch_dtype). `config`: for checkpoints that record none; `tokenizer`: a
     tokenizer folder instead of the run's; `source`: the HF folder the run started from (default: the
@@ -348,31 +407,48 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     trained = open_checkpoint(checkpoint, config)
     lora = trained.lora
     if merge and lora is None:
-        raise CheckpointError(f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
-                              "export it without --merge")
+        raise CheckpointError(
+            f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
+            "export it without --merge"
+        )
     early: list[str] = []
-    replaced = prepare_out(trained, checkpoint, out, overwrite, run_folder, say or early.append, source=source,
-                           tokenizer=tokenizer, model_config=model_config)
+    replaced = prepare_out(
+        trained,
+        checkpoint,
+        out,
+        overwrite,
+        run_folder,
+        say or early.append,
+        source=source,
+        tokenizer=tokenizer,
+        model_config=model_config,
+    )
     if replaced:
         early.append(replaced)
     if lora is not None and not merge:  # the adapters alone, as a PEFT folder over the run's base
         dtype = dtype or getattr(torch, trained.config.torch_dtype)
         notes = early + list(trained.notes) + _write_peft(trained, out, dtype)
-        notes.append(f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
-                     f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead")
+        notes.append(
+            f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
+            f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead"
+        )
         return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)
     exported = Step35Config.from_dict(trained.config.to_dict())
     dtype = dtype or getattr(torch, exported.torch_dtype)
     exported.torch_dtype = str(dtype).removeprefix("torch.")
     notes = early + list(trained.notes)
     if lora is not None:
-        notes.append(f"LoRA adapters merged into their weights: W + (alpha/r)·BA with alpha={lora.scale_alpha:g}, "
-                     f"r each adapter's rank, computed in float32")
+        notes.append(
+            f"LoRA adapters merged into their weights: W + (alpha/r)·BA with alpha={lora.scale_alpha:g}, "
+            f"r each adapter's rank, computed in float32"
+        )
 
     if source is None and trained.start_folder():
         source = trained.start_folder()
-        notes.append(f"files besides the weights taken from {source}, the HF folder the run started from "
-                     f"(named in {trained.path}; --source overrides)")
+        notes.append(
+            f"files besides the weights taken from {source}, the HF folder the run started from "
+            f"(named in {trained.path}; --source overrides)"
+        )
     source = Path(source).expanduser() if source else None
     files: dict[str, Path | bytes] = dict(companion_files(source)) if source else {}
     copied = {name: str(file) for name, file in files.items()}
@@ -381,10 +457,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
         tok_files, run_eos, tok_from = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
     else:
         tok_files, run_eos, tok_from = trained.tokenizer_files()
-    replaced = sorted(n for n, content in tok_files.items()
-                      if n in files and (files[n] if isinstance(files[n], bytes) else files[n].read_bytes()) != content)
+    replaced = sorted(
+        n
+        for n, content in tok_files.items()
+        if n in files and (files[n] if isinstance(files[n], bytes) else files[n].read_bytes()) != content
+    )
     if replaced:
-        notes.append(f"{', '.join(replaced)} of {source} replaced by {tok_from}: the run trained with another tokenizer")
+        notes.append(
+            f"{', '.join(replaced)} of {source} replaced by {tok_from}: the run trained with another tokenizer"
+        )
     files.update(tok_files)
     copied.update({name: tok_from for name in tok_files if name not in copied or name in replaced})
     notes += align_special_ids(exported, run_tokenizer.special_ids(tok_files, tok_from), run_eos)
@@ -401,9 +482,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
         files.update(code)
         copied.update({name: str(file) for name, file in code.items()})
         if missing:
-            notes.append(f"remote code {', '.join(m + '.py' for m in missing)} (named by tokenizer_config.json's "
-                         f"auto_map or imported by its code) is not in {source}: loading the tokenizer with "
-                         "trust_remote_code will fail")
+            notes.append(
+                f"remote code {', '.join(m + '.py' for m in missing)} (named by tokenizer_config.json's "
+                f"auto_map or imported by its code) is not in {source}: loading the tokenizer with "
+                "trust_remote_code will fail"
+            )
         left = _left_out(source, files)
         if left:
             notes.append(left)
@@ -414,4 +497,3 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
 
     write_hf_folder(out, cast(), exported, max_shard_size, copy_files=files)
     return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)
-

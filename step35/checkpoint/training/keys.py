@@ -34,13 +34,26 @@ DATAMODULE_HPARAMS_NAME = "datamodule_hparams_name"
 DATAMODULE_HYPER_PARAMETERS = "datamodule_hyper_parameters"  # Step35DataModule's init arguments
 DATAMODULE_STATE = "Step35DataModule"  # Lightning keys a data module's state by its class's __qualname__
 
-LIGHTNING_KEYS = (EPOCH, GLOBAL_STEP, LIGHTNING_VERSION, STATE_DICT, LOOPS, CALLBACKS, OPTIMIZER_STATES,
-                  LR_SCHEDULERS, HPARAMS_NAME, HYPER_PARAMETERS, DATAMODULE_HPARAMS_NAME,
-                  DATAMODULE_HYPER_PARAMETERS)
+LIGHTNING_KEYS = (
+    EPOCH,
+    GLOBAL_STEP,
+    LIGHTNING_VERSION,
+    STATE_DICT,
+    LOOPS,
+    CALLBACKS,
+    OPTIMIZER_STATES,
+    LR_SCHEDULERS,
+    HPARAMS_NAME,
+    HYPER_PARAMETERS,
+    DATAMODULE_HPARAMS_NAME,
+    DATAMODULE_HYPER_PARAMETERS,
+)
 
 # ----------------------------------------------------------------------------------------- step35's keys
 MODEL_CONFIG = "step35_config"  # the model's config.json as a dict (Step35Config.to_dict): export needs no other
-LORA_BASE = "step35_lora_base"  # a LoRA run's: the identity of its frozen base (hf/lora_base.py), left out of STATE_DICT
+LORA_BASE = (
+    "step35_lora_base"  # a LoRA run's: the identity of its frozen base (hf/lora_base.py), left out of STATE_DICT
+)
 TOKENIZER = "step35_tokenizer"  # the tokenizer files the run trained with and its EOS id (run_tokenizer.record)
 
 STEP35_KEYS = (MODEL_CONFIG, LORA_BASE, TOKENIZER)
@@ -64,5 +77,10 @@ MANIFEST_GLOBAL_STEP = "global_step"
 
 def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
     """What a training checkpoint's manifest records about it (`layout`: "file" or "dcp")."""
-    return {"kind": MANIFEST_KIND, "layout": layout, MANIFEST_GLOBAL_STEP: checkpoint.get(GLOBAL_STEP),
-            "epoch": checkpoint.get(EPOCH), "world_size": world_size}
+    return {
+        "kind": MANIFEST_KIND,
+        "layout": layout,
+        MANIFEST_GLOBAL_STEP: checkpoint.get(GLOBAL_STEP),
+        "epoch": checkpoint.get(EPOCH),
+        "world_size": world_size,
+    }

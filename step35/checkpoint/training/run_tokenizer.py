@@ -23,9 +23,19 @@ from step35.checkpoint.training import keys
 
 # What a Hugging Face tokenizer folder may hold (fast and slow tokenizers, chat templates) plus the
 # generation config, which names the same special ids.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 def folder_files(folder: str | Path) -> dict[str, bytes]:
@@ -39,18 +49,28 @@ def folder_files(folder: str | Path) -> dict[str, bytes]:
 
 def record(folder: str | Path, eos_token_id: int) -> dict[str, Any]:
     """What a checkpoint holds under `keys.TOKENIZER`: where the tokenizer was, its files, the run's EOS id."""
-    return {"source": str(Path(folder).expanduser().resolve()), "eos_token_id": int(eos_token_id),
-            "files": folder_files(folder)}
+    return {
+        "source": str(Path(folder).expanduser().resolve()),
+        "eos_token_id": int(eos_token_id),
+        "files": folder_files(folder),
+    }
 
 
 def read_record(value: Any, where: str | Path) -> dict[str, Any]:
     """A checkpoint's record, checked for shape (it came from a file)."""
-    ok = (isinstance(value, dict) and isinstance(value.get("files"), dict) and isinstance(value.get("source"), str)
-          and all(isinstance(k, str) and isinstance(v, bytes) for k, v in value["files"].items())
-          and "tokenizer.json" in value["files"] and isinstance(value.get("eos_token_id"), int))
+    ok = (
+        isinstance(value, dict)
+        and isinstance(value.get("files"), dict)
+        and isinstance(value.get("source"), str)
+        and all(isinstance(k, str) and isinstance(v, bytes) for k, v in value["files"].items())
+        and "tokenizer.json" in value["files"]
+        and isinstance(value.get("eos_token_id"), int)
+    )
     if not ok:
-        raise CheckpointError(f"{where}: {keys.TOKENIZER} is malformed (expected files with tokenizer.json, an "
-                              "eos_token_id and its source folder); pass the tokenizer folder explicitly")
+        raise CheckpointError(
+            f"{where}: {keys.TOKENIZER} is malformed (expected files with tokenizer.json, an "
+            "eos_token_id and its source folder); pass the tokenizer folder explicitly"
+        )
     unknown = sorted(set(value["files"]) - set(TOKENIZER_FILES))
     if unknown:
         raise CheckpointError(f"{where}: {keys.TOKENIZER} holds files that are no tokenizer files: {unknown}")

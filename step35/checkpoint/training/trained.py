@@ -32,8 +32,11 @@ from step35.model.lora import LoraConfig, LoraError, is_adapter, merged_weight
 
 
 def is_hf_folder(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and (
-        (path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file())
+    return (
+        path.is_dir()
+        and (path / "config.json").is_file()
+        and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file())
+    )
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -44,8 +47,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if path.is_symlink():  # last.ckpt: read (and verify) what it points at, whose manifest is beside it
         path = path.resolve()
     if path.is_dir() and not ((path / keys.META_FILE).is_file() or (path / ".metadata").is_file()):
-        raise CheckpointError(f"{path}: not a checkpoint (a .ckpt file or a sharded checkpoint folder); for a run "
-                              "folder, step35 export / generate pick its newest intact checkpoint")
+        raise CheckpointError(
+            f"{path}: not a checkpoint (a .ckpt file or a sharded checkpoint folder); for a run "
+            "folder, step35 export / generate pick its newest intact checkpoint"
+        )
     return check_loadable(path)
 
 
@@ -66,8 +71,10 @@ def named_config(value: object, where: Path) -> Step35Config:
         raise CheckpointError(f"{where}: the checkpoint records no model config; pass --model_config")
     path = Path(value).expanduser()
     if value not in PRESETS and not (path.is_dir() or path.name == "config.json"):
-        raise CheckpointError(f"{where}: the checkpoint names {value!r} as its model config, which is neither a "
-                              "preset, a config.json nor a folder holding one; pass --model_config")
+        raise CheckpointError(
+            f"{where}: the checkpoint names {value!r} as its model config, which is neither a "
+            "preset, a config.json nor a folder holding one; pass --model_config"
+        )
     try:
         return load_config(value)
     except ConfigError as e:
@@ -81,20 +88,20 @@ def _dcp_tensors(folder: Path, only: Callable[[str], bool]) -> Iterator[tuple[st
     for key, info in entries.items():
         if not key.startswith(keys.DCP_MODEL_PREFIX) or not isinstance(info, TensorStorageMetadata):
             continue
-        if not only(key[len(keys.DCP_MODEL_PREFIX):]):
+        if not only(key[len(keys.DCP_MODEL_PREFIX) :]):
             continue  # not read at all
         tensor = torch.empty(info.size, dtype=info.properties.dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp_load({key: tensor}, folder)
         check_finite([(key, tensor)], folder)
-        yield key[len(keys.DCP_MODEL_PREFIX):], tensor
+        yield key[len(keys.DCP_MODEL_PREFIX) :], tensor
 
 
 def _file_tensors(meta: dict, only: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     for key, tensor in meta[keys.STATE_DICT].items():
-        if key.startswith(keys.MODEL_PREFIX) and only(key[len(keys.MODEL_PREFIX):]):
-            yield key[len(keys.MODEL_PREFIX):], tensor
+        if key.startswith(keys.MODEL_PREFIX) and only(key[len(keys.MODEL_PREFIX) :]):
+            yield key[len(keys.MODEL_PREFIX) :], tensor
 
 
 @dataclass
@@ -116,7 +123,7 @@ class TrainedCheckpoint:
         fingerprint recorded) or the deterministic init, in the base dtype the run computed in."""
         wanted = only or (lambda name: True)
         saved = set()
-        for name, tensor in (_dcp_tensors(self.path, wanted) if self.path.is_dir() else _file_tensors(self.meta, wanted)):
+        for name, tensor in _dcp_tensors(self.path, wanted) if self.path.is_dir() else _file_tensors(self.meta, wanted):
             saved.add(name)
             yield name, tensor
         if not saved and only is None:
@@ -178,9 +185,10 @@ class TrainedCheckpoint:
         pending = {f"{prefix}.weight" for prefix in prefixes}
         for name, tensor in self.tensors(only=lambda n: not is_adapter(n)):
             if name in pending:
-                prefix = name[:-len(".weight")]
-                tensor = merged_weight(name, tensor, adapters[f"{prefix}.lora_A"], adapters[f"{prefix}.lora_B"],
-                                       lora.scale_alpha)
+                prefix = name[: -len(".weight")]
+                tensor = merged_weight(
+                    name, tensor, adapters[f"{prefix}.lora_A"], adapters[f"{prefix}.lora_B"], lora.scale_alpha
+                )
                 pending.discard(name)
             yield name, tensor
         if pending:
@@ -196,7 +204,11 @@ class TrainedCheckpoint:
         saved = self.meta.get(keys.TOKENIZER)
         if saved is not None:
             saved = run_tokenizer.read_record(saved, self.path)
-            return saved["files"], saved["eos_token_id"], f"the run's tokenizer ({saved['source']}, saved in {self.path})"
+            return (
+                saved["files"],
+                saved["eos_token_id"],
+                f"the run's tokenizer ({saved['source']}, saved in {self.path})",
+            )
         # Checkpoints written before the tokenizer was recorded: the folder the data module read, as the
         # checkpoint names it (only the tokenizer files, by name), else the built-in tokenizer rebuilt in
         # this machine's cache (the run's cache_dir is a path of the training machine: not written to).
@@ -204,16 +216,24 @@ class TrainedCheckpoint:
         eos = data.get("eos_token_id") if isinstance(data.get("eos_token_id"), int) else None
         folder = data.get("tokenizer") or self.start_folder()
         if isinstance(folder, str) and folder:
-            return (run_tokenizer.folder_files(folder), eos,
-                    f"{folder} (named in {self.path}, which records no tokenizer files)")
+            return (
+                run_tokenizer.folder_files(folder),
+                eos,
+                f"{folder} (named in {self.path}, which records no tokenizer files)",
+            )
         if isinstance(data.get("builtin_vocab_size"), int):
             from step35.data.builtin import builtin_tokenizer_dir
 
             folder = builtin_tokenizer_dir(data["builtin_vocab_size"])
-            return (run_tokenizer.folder_files(folder), eos,
-                    f"the built-in tokenizer rebuilt in {folder} ({self.path} records no tokenizer files)")
-        raise CheckpointError(f"{self.path}: records no tokenizer (trained without step35's data module?); "
-                              "pass --tokenizer <folder with tokenizer.json>")
+            return (
+                run_tokenizer.folder_files(folder),
+                eos,
+                f"the built-in tokenizer rebuilt in {folder} ({self.path} records no tokenizer files)",
+            )
+        raise CheckpointError(
+            f"{self.path}: records no tokenizer (trained without step35's data module?); "
+            "pass --tokenizer <folder with tokenizer.json>"
+        )
 
 
 def open_checkpoint(path: str | Path, config: Step35Config | None = None) -> TrainedCheckpoint:

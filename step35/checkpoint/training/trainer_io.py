@@ -53,8 +53,11 @@ def disk_full(error: BaseException, folder: Path) -> bool:
 
 def no_space(path: Path) -> OSError:
     """The one-line error for a save that filled its filesystem (its partial files already removed)."""
-    return OSError(errno.ENOSPC, f"{path}: no space left on device (ENOSPC) while saving this checkpoint; "
-                                 f"the partial save was removed, the previous checkpoint (if any) is intact")
+    return OSError(
+        errno.ENOSPC,
+        f"{path}: no space left on device (ENOSPC) while saving this checkpoint; "
+        f"the partial save was removed, the previous checkpoint (if any) is intact",
+    )
 
 
 def save_file(checkpoint: dict, path: str | Path) -> None:
@@ -114,8 +117,10 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict:
     """Verify, then load a single-file checkpoint without running any code from it."""
     path = check_loadable(path)
     if path.is_dir():
-        raise CheckpointError(f"{path}: a sharded (DCP) checkpoint folder; resume it with Step35Strategy "
-                              f"(--trainer.strategy step35.strategy.Step35Strategy)")
+        raise CheckpointError(
+            f"{path}: a sharded (DCP) checkpoint folder; resume it with Step35Strategy "
+            f"(--trainer.strategy step35.strategy.Step35Strategy)"
+        )
     verify_for_load(path)
     checkpoint = load_torch(path, mmap=True, map_location=map_location)
     if not isinstance(checkpoint, dict):
@@ -181,8 +186,9 @@ def load_sharded(folder: str | Path, module: torch.nn.Module, optimizers: list, 
         key = keys.optimizer_key(i)
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
         dcp_load(optim_state, folder)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
-                                 options=StateDictOptions(cpu_offload=True))
+        set_optimizer_state_dict(
+            module, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+        )
     return meta
 
 
@@ -208,10 +214,12 @@ def check_lora_state(saved: dict, module: torch.nn.Module, where) -> None:
     expected = {_bare_name(k) for k in module.state_dict()} - frozen_state_keys(module)
     missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
     if missing or unexpected:
-        raise CheckpointError(f"{where}: a LoRA checkpoint that does not fit this model: "
-                              + (f"lacks {missing[:3]} " if missing else "")
-                              + (f"holds unknown {unexpected[:3]}" if unexpected else "")
-                              + f" ({len(missing)} missing, {len(unexpected)} unknown; same model.lora options?)")
+        raise CheckpointError(
+            f"{where}: a LoRA checkpoint that does not fit this model: "
+            + (f"lacks {missing[:3]} " if missing else "")
+            + (f"holds unknown {unexpected[:3]}" if unexpected else "")
+            + f" ({len(missing)} missing, {len(unexpected)} unknown; same model.lora options?)"
+        )
 
 
 def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path: Path, index: int = 0) -> dict:
@@ -228,24 +236,33 @@ def named_optimizer_state(saved: dict, module: torch.nn.Module, optimizer, path:
     saved_sizes = [len(g.get("params", ())) for g in groups]
     sizes = [len(g["params"]) for g in optimizer.param_groups]
     if saved_sizes != sizes:
-        raise CheckpointError(f"{path}: optimizer {index} was saved with parameter groups of sizes {saved_sizes}, "
-                              f"this model's optimizer has {sizes}; the checkpoint belongs to another model or "
-                              f"optimizer setup")
+        raise CheckpointError(
+            f"{path}: optimizer {index} was saved with parameter groups of sizes {saved_sizes}, "
+            f"this model's optimizer has {sizes}; the checkpoint belongs to another model or "
+            f"optimizer setup"
+        )
     if all(isinstance(k, str) for k in saved["state"]):  # already by name
         return saved
     names = {id(p): _bare_name(n) for n, p in module.named_parameters()}
-    key = {old: names[id(param)] for saved_group, group in zip(groups, optimizer.param_groups)
-           for old, param in zip(saved_group["params"], group["params"])}
+    key = {
+        old: names[id(param)]
+        for saved_group, group in zip(groups, optimizer.param_groups)
+        for old, param in zip(saved_group["params"], group["params"])
+    }
     missing = [k for k in saved["state"] if k not in key]
     if missing:
-        raise CheckpointError(f"{path}: optimizer {index} has state for parameter ids {missing[:5]} that no "
-                              f"parameter group lists")
-    return {"state": {key[k]: v for k, v in saved["state"].items()},
-            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in groups]}
+        raise CheckpointError(
+            f"{path}: optimizer {index} has state for parameter ids {missing[:5]} that no parameter group lists"
+        )
+    return {
+        "state": {key[k]: v for k, v in saved["state"].items()},
+        "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in groups],
+    }
 
 
-def load_full_optimizers(checkpoint: dict, path: Path, module: torch.nn.Module, optimizers: list,
-                         strict: bool = True) -> None:
+def load_full_optimizers(
+    checkpoint: dict, path: Path, module: torch.nn.Module, optimizers: list, strict: bool = True
+) -> None:
     """Fill sharded `optimizers` (DTensor parameters of `module`, any world size) from a single-file
     checkpoint's full `optimizer_states`: each rank keeps its slice of the full tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -256,8 +273,9 @@ def load_full_optimizers(checkpoint: dict, path: Path, module: torch.nn.Module, 
     def named_states() -> list[dict]:
         saved = checkpoint.get(keys.OPTIMIZER_STATES) or []
         if len(saved) != len(optimizers):
-            raise CheckpointError(f"{path}: holds {len(saved)} optimizer states, this run has {len(optimizers)} "
-                                  f"optimizers")
+            raise CheckpointError(
+                f"{path}: holds {len(saved)} optimizer states, this run has {len(optimizers)} optimizers"
+            )
         return [named_optimizer_state(s, module, o, path, i) for i, (s, o) in enumerate(zip(saved, optimizers))]
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
@@ -307,8 +325,9 @@ class Step35CheckpointIO(TorchCheckpointIO):
             raise TypeError("Step35CheckpointIO.save_checkpoint takes no storage_options")
         save_file(checkpoint, path)
 
-    def load_checkpoint(self, path, map_location: Callable | Any = "cpu",
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Callable | Any = "cpu", weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if weights_only is False:
             raise CheckpointError(f"{path}: step35 never unpickles checkpoints with weights_only=False")
         return load_file(path, map_location=map_location)

@@ -6,5 +6,4 @@ from pathlib import Path
 
 MODELING_FILE = Path(__file__).with_name("modeling_step35.py")
 # config.json's auto_map for it: the config class and the causal LM, both in the one file.
-AUTO_MAP = {"AutoConfig": "modeling_step35.Step3p5Config",
-            "AutoModelForCausalLM": "modeling_step35.Step3p5ForCausalLM"}
+AUTO_MAP = {"AutoConfig": "modeling_step35.Step3p5Config", "AutoModelForCausalLM": "modeling_step35.Step3p5ForCausalLM"}

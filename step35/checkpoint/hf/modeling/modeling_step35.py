@@ -35,23 +35,52 @@ except ImportError:  # transformers 4 spells it PretrainedConfig
 
 # The fields this file reads, with the defaults of the released Step-3.5-Flash config.json.
 _DEFAULTS = {
-    "hidden_size": 4096, "intermediate_size": 11264, "num_hidden_layers": 45, "vocab_size": 128896,
-    "max_position_embeddings": 262144, "use_qk_norm": True, "moe_layers_enum": None, "num_attention_heads": 64,
-    "num_attention_groups": 8, "head_dim": 128, "use_moe": True, "moe_num_experts": 288, "moe_top_k": 8,
-    "moe_intermediate_size": 1280, "share_expert_dim": 1280, "moe_layer_offset": 0, "moe_every_n_layer": 1,
-    "norm_expert_weight": True, "moe_router_scaling_factor": 3.0, "step35_rope_theta": 10000.0,
-    "step35_rope_scaling": None, "yarn_only_types": ["full_attention"], "use_head_wise_attn_gate": True,
-    "sliding_window": 512, "use_moe_router_bias": True, "need_fp32_gate": True, "step35_layer_types": None,
-    "use_rope_layers": [], "num_nextn_predict_layers": 0, "partial_rotary_factors": [],
-    "attention_other_setting": None, "swiglu_limits": [], "swiglu_limits_shared": [], "zero_centered": True,
-    "rms_norm_eps": 1e-5, "use_cache": True,
+    "hidden_size": 4096,
+    "intermediate_size": 11264,
+    "num_hidden_layers": 45,
+    "vocab_size": 128896,
+    "max_position_embeddings": 262144,
+    "use_qk_norm": True,
+    "moe_layers_enum": None,
+    "num_attention_heads": 64,
+    "num_attention_groups": 8,
+    "head_dim": 128,
+    "use_moe": True,
+    "moe_num_experts": 288,
+    "moe_top_k": 8,
+    "moe_intermediate_size": 1280,
+    "share_expert_dim": 1280,
+    "moe_layer_offset": 0,
+    "moe_every_n_layer": 1,
+    "norm_expert_weight": True,
+    "moe_router_scaling_factor": 3.0,
+    "step35_rope_theta": 10000.0,
+    "step35_rope_scaling": None,
+    "yarn_only_types": ["full_attention"],
+    "use_head_wise_attn_gate": True,
+    "sliding_window": 512,
+    "use_moe_router_bias": True,
+    "need_fp32_gate": True,
+    "step35_layer_types": None,
+    "use_rope_layers": [],
+    "num_nextn_predict_layers": 0,
+    "partial_rotary_factors": [],
+    "attention_other_setting": None,
+    "swiglu_limits": [],
+    "swiglu_limits_shared": [],
+    "zero_centered": True,
+    "rms_norm_eps": 1e-5,
+    "use_cache": True,
 }
 _ALIASES = {"share_expert_dims": "share_expert_dim"}
 # transformers reads rope_theta / rope_scaling itself (and rewrites them into its own RoPE parameters)
 # and wants one layer_types entry per main layer; Step-3.5's are per global layer (MTP layers included),
 # so they are kept under names of their own and written back under the file's.
-_OWN_NAMES = {"rope_theta": "step35_rope_theta", "rope_scaling": "step35_rope_scaling",
-              "layer_types": "step35_layer_types"}
+_OWN_NAMES = {
+    "rope_theta": "step35_rope_theta",
+    "rope_scaling": "step35_rope_scaling",
+    "layer_types": "step35_layer_types",
+}
 
 
 class Step3p5Config(PreTrainedConfig):
@@ -97,8 +126,12 @@ class Step3p5Config(PreTrainedConfig):
         theta = float(theta[i] if isinstance(theta, list) else theta)
         factor = self.partial_rotary_factors[i] if self.partial_rotary_factors else 1.0
         return {
-            "sliding": kind == "sliding_attention", "heads": heads, "groups": groups, "head_dim": head_dim,
-            "theta": theta, "rotary_dim": int(head_dim * factor),
+            "sliding": kind == "sliding_attention",
+            "heads": heads,
+            "groups": groups,
+            "head_dim": head_dim,
+            "theta": theta,
+            "rotary_dim": int(head_dim * factor),
             "scaling": self.step35_rope_scaling if kind in self.yarn_only_types else None,
             "uses_rope": bool(self.use_rope_layers[i]) if self.use_rope_layers else True,
             "is_moe": i < self.num_hidden_layers and i in self.moe_layer_ids(),
@@ -111,8 +144,11 @@ class Step3p5Config(PreTrainedConfig):
             return set()
         if self.moe_layers_enum:
             return {int(x) for x in str(self.moe_layers_enum).split(",") if x.strip()}
-        return {i for i in range(self.num_hidden_layers)
-                if i >= self.moe_layer_offset and (i - self.moe_layer_offset) % self.moe_every_n_layer == 0}
+        return {
+            i
+            for i in range(self.num_hidden_layers)
+            if i >= self.moe_layer_offset and (i - self.moe_layer_offset) % self.moe_every_n_layer == 0
+        }
 
 
 # ----------------------------------------------------------------------------------------- blocks
@@ -151,7 +187,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotate-half RoPE on the first r = cos.shape[-1] dims of x [B, heads, S, D]; cos, sin [B, 1, S, r]."""
     r = cos.shape[-1]
     rot32 = x[..., :r].float()
-    rotated = torch.cat([-rot32[..., r // 2:], rot32[..., : r // 2]], dim=-1)
+    rotated = torch.cat([-rot32[..., r // 2 :], rot32[..., : r // 2]], dim=-1)
     out = (rot32 * cos + rotated * sin).to(x.dtype)
     return torch.cat([out, x[..., r:]], dim=-1)
 
@@ -173,8 +209,14 @@ class Step3p5Attention(nn.Module):
         self.q_norm = Step3p5RMSNorm(self.head_dim, eps, zc) if config.use_qk_norm else None
         self.k_norm = Step3p5RMSNorm(self.head_dim, eps, zc) if config.use_qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Cache | None,
-                query_index: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: Cache | None,
+        query_index: torch.Tensor,
+        key_padding: torch.Tensor | None,
+    ) -> torch.Tensor:
         """x [B, S, H]; query_index [S]: the tokens' indices in the whole sequence (cache included);
         key_padding [B, T] (True: a real token) over the whole sequence, or None."""
         B, S, _ = x.shape
@@ -200,7 +242,7 @@ class Step3p5Attention(nn.Module):
             mask = mask & key_padding[:, None, None, -K:]
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         o = o.transpose(1, 2)  # [B, S, heads, D]
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)  # one gate per head per token
@@ -252,8 +294,11 @@ class Step3p5MoE(nn.Module):
         super().__init__()
         H, E, I = config.hidden_size, config.moe_num_experts, config.moe_intermediate_size
         self.top_k, self.limit = config.moe_top_k, limit
-        self.scaling, self.renormalize, self.fp32 = (config.moe_router_scaling_factor, config.norm_expert_weight,
-                                                     config.need_fp32_gate)
+        self.scaling, self.renormalize, self.fp32 = (
+            config.moe_router_scaling_factor,
+            config.norm_expert_weight,
+            config.need_fp32_gate,
+        )
         self.gate = nn.Linear(H, E, bias=False)
         self.gate_proj = Step3p5ExpertWeight(E, H, I)
         self.up_proj = Step3p5ExpertWeight(E, H, I)
@@ -359,20 +404,28 @@ class Step3p5Model(Step3p5PreTrainedModel):
         super().__init__(config)
         n, total = config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Step3p5MTPLayer(config, i) if i >= n else Step3p5DecoderLayer(config, i)
-                                    for i in range(total))
+        self.layers = nn.ModuleList(
+            Step3p5MTPLayer(config, i) if i >= n else Step3p5DecoderLayer(config, i) for i in range(total)
+        )
         self.norm = Step3p5RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered)
         specs = [config.layer(i) for i in range(n)]
         # Frequencies per RoPE kind (rotary dims, theta, llama3 scaling): plain tensors, not buffers, so
         # that loading and dtype casts never touch them.
         self.rope_keys = [(s["rotary_dim"], s["theta"], s["scaling"] is not None) for s in specs]
-        self._inv_freq = {key: inverse_frequencies(key[0], key[1], config.step35_rope_scaling if key[2] else None)
-                          for key in set(self.rope_keys)}
+        self._inv_freq = {
+            key: inverse_frequencies(key[0], key[1], config.step35_rope_scaling if key[2] else None)
+            for key in set(self.rope_keys)
+        }
         self.post_init()
 
-    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache: Cache | None = None, inputs_embeds: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """-> hidden states after the final norm [B, S, H]."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, S, _ = h.shape
@@ -383,8 +436,10 @@ class Step3p5Model(Step3p5PreTrainedModel):
         key_padding = None
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[-1] != past + S:
-                raise ValueError(f"attention_mask must be [batch, cached + new tokens] = [{B}, {past + S}], "
-                                 f"got {tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must be [batch, cached + new tokens] = [{B}, {past + S}], "
+                    f"got {tuple(attention_mask.shape)}"
+                )
             if not bool(attention_mask.all()):
                 key_padding = attention_mask.to(torch.bool)
         rope = {}
@@ -412,11 +467,19 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0, past_key_values: Cache | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """Logits [B, S, V] (the last `logits_to_keep` positions when > 0) and, with `labels`, the mean
         next-token loss. `cache` (`past_key_values` in older transformers) holds the earlier tokens."""
         cache = cache if cache is not None else past_key_values
@@ -429,8 +492,9 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
+            )
         out = {"loss": loss, "logits": logits}
         if use_cache:  # the output's cache field: `cache` in transformers 5, `past_key_values` before
             names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}

@@ -19,7 +19,6 @@ def test_print_config(step35_here):
     assert "seq_len: 128" in out
 
 
-@pytest.mark.heavy  # two training runs
 @pytest.mark.timeout(900)
 def test_resume_continues_exactly(tmp_path, step35_here):
     """Kill-free stand-in for a crash: a run resumed from its step-10 checkpoint reproduces steps

@@ -254,7 +254,6 @@ def test_training_changes_only_adapters_and_full_targets(base_dtype, builtin_cac
     assert not torch.equal(model.get_parameter("model.layers.1.moe.gate.weight"), before["model.layers.1.moe.gate.weight"])
 
 
-@pytest.mark.heavy  # a 16-step training run through the CLI
 @pytest.mark.timeout(900)
 def test_cli_fit_with_lora_rank_trains(tmp_path, step35_here):
     """`--model.lora.rank 4` on the command line (step35.cli.main in this process: the parsing and the training

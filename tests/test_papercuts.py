@@ -48,7 +48,6 @@ def test_main_job_first_screen_val_interval_in_steps_and_lr_names(tmp_path, buil
     assert "step35: warning: model.lr=0.2 is above 0.1" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.heavy  # a training run through the CLI with a validation per step
 @pytest.mark.timeout(900)
 def test_early_stopping_says_why(tmp_path, step35_here):
     run = tmp_path / "run"
@@ -113,7 +112,6 @@ def test_step35_warnings_print_as_step35(capsys):
     assert shown is not None and shown.__name__ != "show"  # restored on exit
 
 
-@pytest.mark.heavy  # a training run through the CLI
 @pytest.mark.timeout(600)
 def test_the_checkpoint_interval_and_retention_are_set_from_the_command_line(tmp_path, step35_here):
     """`--checkpoint.every_n_train_steps 2 --checkpoint.keep_last 2` set the shipped config's RunCheckpoint

@@ -35,6 +35,7 @@ def test_cli_run_goes_offline_and_logs_config_and_code_version(tmp_path, builtin
     env.update({"STEP35_CACHE": str(builtin_cache), "NETRC": str(tmp_path / "no-netrc"), "PYTHONPATH": str(ROOT),
                 "OMP_NUM_THREADS": "2", "WANDB_SILENT": "true"})
     args = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
+            "--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1", "--data.val_batches=1",
             "--trainer.logger+=step35.loggers.Step35WandbLogger", f"--trainer.logger.save_dir={tmp_path / 'wandb'}",
             "--trainer.logger.project=step35-test"]
     proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -46,6 +47,6 @@ def test_cli_run_goes_offline_and_logs_config_and_code_version(tmp_path, builtin
     for record in wandb_records(runs[0], "config"):
         for item in record.config.update:
             config[item.key] = json.loads(item.value_json)
-    assert config["model"]["config"] == "tiny" and config["data"]["seq_len"] == 128
+    assert config["model"]["config"] == "tiny" and config["data"]["seq_len"] == 32  # the command line's, resolved
     assert config["trainer"]["max_steps"] == 2
     assert len(config["code_version"].split("+")[0]) == 40  # the git commit of the checkout

@@ -1,8 +1,10 @@
 """Shared helpers of the step35 tests: the one tiny config dict every test starts from, the one hand
 computation of RoPE inverse frequencies with llama3 scaling (docs/architecture.md §2.4-2.5), which the
-model tests and the reference forward share, and readers of what runs leave (wandb records). Starting step35
-(a subprocess, torchrun, a launcher, the CLI in this process) is tests/runner.py's. Other reference math stays
-in the test that needs it, written from docs/architecture.md."""
+model tests and the reference forward share; readers of what runs leave (wandb records, TensorBoard events, the
+CSV metrics, complete checkpoints); the run configs of the run-folder and chaos tests, a LoRA run in this process
+and its HF base; a cp shard simulated in one process; and the tokenizers, files and chat templates the data and
+chat tests share. Starting step35 (a subprocess, torchrun, a launcher, the CLI in this process) is
+tests/runner.py's. Other reference math stays in the test that needs it, written from docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -71,9 +71,18 @@ def tiny_run(tmp_path_factory, builtin_cache):
     run = tmp_path_factory.mktemp("tiny-run")
     module = Step35LightningModule(config="tiny", lr=1e-2, warmup_steps=1)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, default_root_dir=run,
-                         plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=3)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=run,
+        plugins=[Step35CheckpointIO()],
+        callbacks=[RunCheckpoint(every_n_train_steps=3)],
+    )
     trainer.fit(module, datamodule=data)
     return run, module.model
 
@@ -81,8 +90,18 @@ def tiny_run(tmp_path_factory, builtin_cache):
 # Set by in-process runs of Lightning's distributed strategies (e.g. MASTER_PORT, picked once per
 # process): left in os.environ they would be inherited by every later subprocess test, which would
 # then all try to listen on that one port.
-_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "STEP35_JOB")
+_LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "STEP35_JOB",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -74,8 +74,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> torc
     return model
 
 
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, num_mtp_layers: int | None = None,
-               **overrides) -> Step35ForCausalLM:
+def tiny_model(
+    seed: int = 0, dtype: torch.dtype = torch.float32, num_mtp_layers: int | None = None, **overrides
+) -> Step35ForCausalLM:
     """A randomised tiny Step-3.5 model (5 main layers + 1 MTP layer, every feature switched on)."""
     torch.manual_seed(seed)
     model = Step35ForCausalLM(tiny_config(**overrides), num_mtp_layers=num_mtp_layers)
@@ -102,8 +103,8 @@ def wandb_records(run_root, kind: str) -> list:
         if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
             continue
-        length, chunk_type = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        chunk = data[pos + 7:pos + 7 + length]
+        length, chunk_type = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if chunk_type == 1:
             chunks.append(chunk)
@@ -133,12 +134,13 @@ def tensorboard_events(folder: Path) -> list:
         data = path.read_bytes()
         at = 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
+            (length,) = struct.unpack("<Q", data[at : at + 8])
             event = event_pb2.Event()
-            event.ParseFromString(data[at + 12:at + 12 + length])
+            event.ParseFromString(data[at + 12 : at + 12 + length])
             events.append(event)
             at += 12 + length + 4
     return events
+
 
 # ------------------------------------------------------------------------------ run configs and what runs leave
 # The tiny run of the run-folder tests (10 steps, RunCheckpoint every 5 steps keeping 3, the CSV flushed every
@@ -231,8 +233,11 @@ def write_run_config(folder: Path, text: str = RUN_CONFIG, name: str = "resume.y
 def lora_config(text: str = CHAOS_CONFIG) -> str:
     """A run config (CHAOS_CONFIG unless given) turned into a LoRA run: rank 4 on every target, decay over 20 steps."""
     assert "  config: tiny\n" in text and "mtp_loss_weight: 0.3" in text
-    return text.replace("  config: tiny\n", "  config: tiny\n  decay_steps: 20\n  lora:\n    rank: 4\n"
-                        "    targets: [attention, mlp, shared_expert, experts, mtp, router]\n")
+    return text.replace(
+        "  config: tiny\n",
+        "  config: tiny\n  decay_steps: 20\n  lora:\n    rank: 4\n"
+        "    targets: [attention, mlp, shared_expert, experts, mtp, router]\n",
+    )
 
 
 def metric_rows(folder: Path) -> list[dict]:
@@ -278,8 +283,9 @@ def hf_base(folder: Path, seed: int) -> Path:
     return folder
 
 
-def lora_fit(root: Path, cache: Path, steps: int, base: Path | None = None, ckpt_path: Path | None = None,
-             init_seed: int = 0) -> torch.nn.Module:
+def lora_fit(
+    root: Path, cache: Path, steps: int, base: Path | None = None, ckpt_path: Path | None = None, init_seed: int = 0
+) -> torch.nn.Module:
     """A tiny LoRA run (LORA) of `steps` steps in this process, RunCheckpoint every 2 steps under `root`, on the base
     HF folder `base` (else the init drawn with `init_seed`), resumed from `ckpt_path` when given; its model."""
     import lightning.pytorch as pl
@@ -289,13 +295,33 @@ def lora_fit(root: Path, cache: Path, steps: int, base: Path | None = None, ckpt
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 
-    module = Step35LightningModule(config="tiny", checkpoint=str(base) if base else None, lora=dict(LORA), lr=1e-2,
-                                   warmup_steps=1, decay_steps=4, init_seed=init_seed, moe_bias_update_rate=1e-3)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-                         plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=2)])
-    trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache)),
-                ckpt_path=str(ckpt_path) if ckpt_path else None)
+    module = Step35LightningModule(
+        config="tiny",
+        checkpoint=str(base) if base else None,
+        lora=dict(LORA),
+        lr=1e-2,
+        warmup_steps=1,
+        decay_steps=4,
+        init_seed=init_seed,
+        moe_bias_update_rate=1e-3,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        plugins=[Step35CheckpointIO()],
+        callbacks=[RunCheckpoint(every_n_train_steps=2)],
+    )
+    trainer.fit(
+        module,
+        datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache)),
+        ckpt_path=str(ckpt_path) if ckpt_path else None,
+    )
     return module.model
 
 
@@ -326,8 +352,12 @@ def train_byte_bpe(texts: list[str], special_tokens: list[str], folder, vocab_si
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.save(str(Path(folder) / "tokenizer.json"))
     return tokenizer

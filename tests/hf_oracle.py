@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
 from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
@@ -312,9 +311,7 @@ def hf_reference_logits(
         return hf_forward_logits(model, lm_head, input_ids=input_ids)
 
 
-def hf_grads_to_ours(
-    model: Step3p7TextModel, lm_head_weight: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
+def hf_grads_to_ours(model: Step3p7TextModel, lm_head_weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Gradients of the HF model's parameters, renamed/re-laid-out to our state-dict names.
 
     ``gate_up_proj.grad`` [E, 2I, H] is split into ``moe.gate_proj.weight`` / ``moe.up_proj.weight``.
@@ -347,10 +344,22 @@ def tiny_config_dict() -> dict:
     from tests.helpers import tiny_config_dict as base
 
     return base(
-        hidden_size=64, intermediate_size=96, vocab_size=128, torch_dtype="bfloat16", head_dim=16,
-        moe_intermediate_size=32, share_expert_dim=32, sliding_window=8, eos_token_id=[1, 2],
-        attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 6,
-                                 "num_attention_groups": 2, "head_dim": 16, "true_head_dim": 16},
+        hidden_size=64,
+        intermediate_size=96,
+        vocab_size=128,
+        torch_dtype="bfloat16",
+        head_dim=16,
+        moe_intermediate_size=32,
+        share_expert_dim=32,
+        sliding_window=8,
+        eos_token_id=[1, 2],
+        attention_other_setting={
+            "attention_type": "sliding_attention",
+            "num_attention_heads": 6,
+            "num_attention_groups": 2,
+            "head_dim": 16,
+            "true_head_dim": 16,
+        },
         # routed clamp on layers 3, 4; shared clamp on layer 4 (and the dense layer 0 via the
         # shared list), small enough to clamp with the random weights below
         swiglu_limits=[0.0, 0.0, 0.0, 1.0, 0.5, 0.0],

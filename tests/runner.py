@@ -24,9 +24,20 @@ ROOT = Path(__file__).parent.parent
 
 # Variables a launcher sets for its ranks (torchrun, Lightning, SLURM, LSF, jsrun) and step35's job identity
 # (step35.job.JOB_VARIABLE): none of them reaches a job a test starts, nor an in-process case of step35.job.
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "LSB_JOBID",
-                    "STEP35_JOB")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "LSB_JOBID",
+    "STEP35_JOB",
+)
 LAUNCH_PREFIXES = ("SLURM_", "LSB_", "JSM_")
 LAUNCHERS = ("lightning", "torchrun", "slurm")
 
@@ -53,8 +64,14 @@ def command(args: list[str], nproc: int = 1, launcher: str = "torchrun") -> list
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *step35_]
     if launcher == "slurm":
-        return [sys.executable, str(ROOT / "tests" / "dist" / "fake_srun.py"), f"--ntasks={nproc}", "--",
-                sys.executable, *step35_]
+        return [
+            sys.executable,
+            str(ROOT / "tests" / "dist" / "fake_srun.py"),
+            f"--ntasks={nproc}",
+            "--",
+            sys.executable,
+            *step35_,
+        ]
     raise ValueError(f"unknown launcher {launcher!r}, expected one of {LAUNCHERS}")
 
 
@@ -62,8 +79,9 @@ def run_process_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.Co
     """subprocess.run for commands that start children (torchrun and its ranks): the command runs in
     its own session and, on timeout, the whole group is killed, so a rank hung in a collective can
     never outlive its test. Returns a CompletedProcess; raises subprocess.TimeoutExpired after the kill."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -73,14 +91,24 @@ def run_process_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.Co
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def step35(args: list[str], cache: Path | None, *, nproc: int = 1, launcher: str = "torchrun", timeout: float = 600,
-           threads: int | None = None, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def step35(
+    args: list[str],
+    cache: Path | None,
+    *,
+    nproc: int = 1,
+    launcher: str = "torchrun",
+    timeout: float = 600,
+    threads: int | None = None,
+    env: dict | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """`step35 <args>` as a job (see `command`) with the builtin cache at `cache`, in the repository root, with
     `threads` OpenMP threads per process (default: 2 for one process, 1 per rank of a job on the 2 cores CI has).
     With `check` it must succeed (the output's tails are the assertion's message); `env` adds variables."""
     threads = threads if threads is not None else (2 if nproc == 1 else 1)
-    proc = run_process_group(command(args, nproc, launcher), timeout=timeout, cwd=ROOT,
-                             env=environment(cache, threads, **(env or {})))
+    proc = run_process_group(
+        command(args, nproc, launcher), timeout=timeout, cwd=ROOT, env=environment(cache, threads, **(env or {}))
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -89,15 +117,23 @@ def step35(args: list[str], cache: Path | None, *, nproc: int = 1, launcher: str
 def python(code: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -c <code>` in the repository root, output captured, in `env` (default: `environment()`), for a
     process whose own end is what a test checks (an exit code, a signal, a watchdog)."""
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment() if env is None else env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=environment() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
 
 def run_script(script: Path, nproc: int | None, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """A tests/dist script in one plain process (nproc None) or under torchrun with `nproc` ranks, in the repository
     root; it must succeed (the output's tails are the assertion's message)."""
     launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = run_process_group([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=environment(),
-                             timeout=timeout)
+    proc = run_process_group(
+        [sys.executable, *launcher, str(script), *args], cwd=ROOT, env=environment(), timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -118,8 +154,14 @@ class Job:
         self.log = log
         self._out = open(log, "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=environment(cache, threads, **(env or {})), stdout=self._out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=environment(cache, threads, **(env or {})),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._seen: dict[int, psutil.Process] = {}
 
     def __enter__(self) -> Job:
@@ -262,8 +304,9 @@ def cli(capture, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def step35_in_process(capture, args: list[str], cache: Path | None = None, check: bool = True
-                      ) -> subprocess.CompletedProcess:
+def step35_in_process(
+    capture, args: list[str], cache: Path | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """`cli` with STEP35_CACHE=`cache` while it runs, as a CompletedProcess like `step35`'s (a drop-in for a job
     whose process is not what a test checks); with `check` it must succeed."""
     before = os.environ.get("STEP35_CACHE")
@@ -281,8 +324,9 @@ def step35_in_process(capture, args: list[str], cache: Path | None = None, check
     return subprocess.CompletedProcess(["step35", *args], code, out, err)
 
 
-def cli_fit(capture, config: Path, run: Path, cache: Path | None, *extra: str, check: bool = True
-            ) -> subprocess.CompletedProcess:
+def cli_fit(
+    capture, config: Path, run: Path, cache: Path | None, *extra: str, check: bool = True
+) -> subprocess.CompletedProcess:
     """`step35 fit --config <config> --run_dir=<run> <extra>` in this process (see `step35_in_process`)."""
     return step35_in_process(capture, ["fit", "--config", str(config), f"--run_dir={run}", *extra], cache, check)
 

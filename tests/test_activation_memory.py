@@ -15,7 +15,7 @@ from step35.model.attention import _GatedOutput
 from step35.model.mlp import clamped_swiglu
 from step35.model.moe import fp32_linear, weighted_combine
 from step35.model.norm import rms_norm
-from step35.model.rope import apply_rotary, rotary_cos_sin, inverse_frequencies
+from step35.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
 def _grads(fn, *inputs, seed=0):
@@ -78,8 +78,11 @@ def test_clamped_swiglu_function(dtype, limit):
 def test_rotary_function(rotary_dim, per_sequence):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 10, 32, generator=g)
-    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]) if per_sequence \
+    positions = (
+        torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+        if per_sequence
         else torch.arange(10)
+    )
     cos, sin = rotary_cos_sin(positions, inverse_frequencies(rotary_dim, 10000.0))
     if per_sequence:
         cos, sin = cos[:, None], sin[:, None]
@@ -87,7 +90,7 @@ def test_rotary_function(rotary_dim, per_sequence):
     def plain(x):
         r = cos.shape[-1]
         rot32 = x[..., :r].float()
-        rotated = torch.cat([-rot32[..., r // 2:], rot32[..., : r // 2]], dim=-1)
+        rotated = torch.cat([-rot32[..., r // 2 :], rot32[..., : r // 2]], dim=-1)
         out = (rot32 * cos + rotated * sin).to(x.dtype)
         return torch.cat([out, x[..., r:]], dim=-1) if r < x.shape[-1] else out
 
@@ -130,7 +133,11 @@ def test_gated_output_function():
 @pytest.mark.parametrize("documents", [False, True])
 def test_cpu_masked_attention_is_sdpa_with_a_boolean_mask(window, documents):
     g = torch.Generator().manual_seed(6)
-    q, k, v = torch.randn(2, 6, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
+    q, k, v = (
+        torch.randn(2, 6, 16, 8, generator=g),
+        torch.randn(2, 2, 16, 8, generator=g),
+        torch.randn(2, 2, 16, 8, generator=g),
+    )
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8], list(range(10)) + list(range(6))])
     docs = DocumentMask(positions) if documents else None
     mask = docs.dense(window) if documents else causal_mask(16, window)
@@ -138,8 +145,7 @@ def test_cpu_masked_attention_is_sdpa_with_a_boolean_mask(window, documents):
     def plain(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
 
-    _check(lambda q, k, v: _MaskedAttentionCPU.apply(q, k, v, window, 0.3, docs), plain, q, k, v,
-           **TOL[torch.float32])
+    _check(lambda q, k, v: _MaskedAttentionCPU.apply(q, k, v, window, 0.3, docs), plain, q, k, v, **TOL[torch.float32])
 
 
 def test_counter_counts_a_known_graph():
@@ -166,7 +172,11 @@ def test_issue10_shape_within_budget():
     assert abs(none["retained_bytes_per_token"] - none["saved_bytes_per_token"]) < 100  # two counts agree
     selective = measure(config, batch=1, seq=256, ac="selective")
     full = measure(config, batch=1, seq=256, ac="full")
-    assert full["retained_bytes_per_token"] < selective["retained_bytes_per_token"] < 0.7 * none["retained_bytes_per_token"]
+    assert (
+        full["retained_bytes_per_token"]
+        < selective["retained_bytes_per_token"]
+        < 0.7 * none["retained_bytes_per_token"]
+    )
     # full checkpointing: each of the 6 layer inputs (256 fp32 = 1 KB per token), the final norm's
     # input, the final hidden states, the RoPE tables and the labels.
     assert 6 * 1024 <= full["retained_bytes_per_token"] <= 10 * 1024, full

@@ -25,9 +25,17 @@ def token_loader(batch: int, seq_len: int, n: int, seed: int = 0) -> torch.utils
 
 
 def fit(module, callbacks, max_steps: int, train) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     trainer.fit(module, train_dataloaders=train)
     return trainer
 
@@ -167,10 +175,14 @@ def test_model_aux_loss_is_coef_times_mean_over_layers_and_survives_checkpointin
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     # Independent per-layer values: route() on each MoE input, through the formula.
     per_layer = []
-    handles = [moe.register_forward_pre_hook(
-        lambda m, args: per_layer.append(sequence_balance_loss(*m.route(args[0].reshape(-1, args[0].shape[-1]))[:2],
-                                                               args[0].shape[0]).detach()))
-        for _, moe in moe_layers(model)]
+    handles = [
+        moe.register_forward_pre_hook(
+            lambda m, args: per_layer.append(
+                sequence_balance_loss(*m.route(args[0].reshape(-1, args[0].shape[-1]))[:2], args[0].shape[0]).detach()
+            )
+        )
+        for _, moe in moe_layers(model)
+    ]
     out = model.loss(inputs, labels, moe_aux_loss_coef=coef)
     for h in handles:
         h.remove()

@@ -46,9 +46,18 @@ def loader(batch: int, seq_len: int, n: int = 64, seed: int = 0) -> torch.utils.
 
 
 def fit(module: pl.LightningModule, callbacks: list, max_steps: int, val=None, train=None, **kw) -> pl.Trainer:
-    args = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                limit_val_batches=0 if val is None else 2, log_every_n_steps=1)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0 if val is None else 2,
+        log_every_n_steps=1,
+    )
     args.update(kw)
     trainer = pl.Trainer(callbacks=callbacks, **args)
     trainer.fit(module, train_dataloaders=train or loader(2, 16), val_dataloaders=val)
@@ -75,8 +84,9 @@ class Recount(pl.Callback):
             with torch.no_grad():
                 _, ids, _ = moe.route(x.reshape(-1, x.shape[-1]))
             row = torch.bincount(ids.flatten(), minlength=moe.num_experts)
-            step = self.per_step.setdefault(trainer.global_step, torch.zeros(len(layers), moe.num_experts,
-                                                                             dtype=torch.int64))
+            step = self.per_step.setdefault(
+                trainer.global_step, torch.zeros(len(layers), moe.num_experts, dtype=torch.int64)
+            )
             step[layers.index(moe)] += row
 
         for moe in layers:
@@ -100,8 +110,14 @@ def test_expert_counts_match_recount_with_accumulation_and_validation():
     recount, capture = Recount(), CaptureWindows(monitor)
     module = Step35LightningModule(config="tiny", warmup_steps=1)
     B, S, accum = 2, 16, 2
-    trainer = fit(module, [recount, monitor, capture], max_steps=3, accumulate_grad_batches=accum,
-                  val=loader(2, 16, n=8, seed=1), val_check_interval=2)
+    trainer = fit(
+        module,
+        [recount, monitor, capture],
+        max_steps=3,
+        accumulate_grad_batches=accum,
+        val=loader(2, 16, n=8, seed=1),
+        val_check_interval=2,
+    )
     assert recount.eval_calls > 0, "validation ran through the MoE layers"
     assert "val/loss" in trainer.callback_metrics
     assert sorted(capture.windows) == [1, 2, 3]
@@ -158,7 +174,8 @@ def test_load_stats_by_hand():
     p = torch.tensor([0.75, 0.25])
     assert s["entropy"] == pytest.approx(float(-(p * p.log()).sum() / torch.log(torch.tensor(4.0))))
     assert load_stats(torch.tensor([5, 5, 5, 5])) == pytest.approx(
-        {"max_over_mean": 1, "min_over_mean": 1, "cv": 0, "dead": 0, "entropy": 1, "routed": 20})
+        {"max_over_mean": 1, "min_over_mean": 1, "cv": 0, "dead": 0, "entropy": 1, "routed": 20}
+    )
 
 
 class FakeTime(pl.Callback):
@@ -177,8 +194,9 @@ def test_mfu_equals_hand_computation(tmp_path):
     monitor.clock = lambda: clock.now
     module = Step35LightningModule(config="tiny", mtp_loss_weight=0.3, warmup_steps=1)  # MTP layer counted
     B, S, accum = 2, 16, 2
-    trainer = fit(module, [clock, monitor], max_steps=4, accumulate_grad_batches=accum,
-                  logger=CSVLogger(tmp_path, name="csv"))
+    trainer = fit(
+        module, [clock, monitor], max_steps=4, accumulate_grad_batches=accum, logger=CSVLogger(tmp_path, name="csv")
+    )
     # Hand computation: a step is 2 micro-batches x 0.5 s = 1.0 s and trains B*S*accum = 64 tokens.
     step_time = 2 * 0.5
     tokens_per_step = B * S * accum
@@ -242,8 +260,13 @@ class FailsAtStep(Step35LightningModule):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                   RuntimeError("NPU out of memory. Tried to allocate 1.00 GiB")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("NPU out of memory. Tried to allocate 1.00 GiB"),
+    ],
+)
 def test_out_of_memory_prints_a_summary_and_propagates(error, capsys):
     module = FailsAtStep(error, config="tiny", warmup_steps=1)
     with pytest.raises(type(error), match="out of memory"):
@@ -262,8 +285,10 @@ def test_other_errors_print_no_memory_summary(capsys):
 
 # ------------------------------------------------------------------------------- loggers
 def wandb_history(run_root: Path) -> list[dict]:
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            for record in wandb_records(run_root, "history")]
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for record in wandb_records(run_root, "history")
+    ]
 
 
 @pytest.mark.heavy  # 10 s or more (a run with wandb offline)
@@ -272,16 +297,28 @@ def test_metrics_reach_csv_and_offline_wandb(tmp_path):
 
     csv_logger = CSVLogger(tmp_path, name="csv")
     wandb_logger = Step35WandbLogger(project="step35-test", save_dir=str(tmp_path / "wandb"), offline=True)
-    callbacks = [SpeedMonitor(every_n_steps=2), MemoryMonitor(every_n_steps=2),
-                 ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2)]
+    callbacks = [
+        SpeedMonitor(every_n_steps=2),
+        MemoryMonitor(every_n_steps=2),
+        ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2),
+    ]
     module = Step35LightningModule(config="tiny", warmup_steps=1, moe_bias_update_rate=0.01, moe_aux_loss_coef=0.01)
     try:
         fit(module, callbacks, max_steps=4, logger=[csv_logger, wandb_logger])
     finally:
         wandb_logger.experiment.finish()
-    wanted = {"throughput/tokens_per_s", "throughput/tflops_per_device", "memory/peak_gib_max",
-              "memory/host_rss_gib_min", "expert_load/cv", "expert_load/layer1/max_over_mean",
-              "expert_load/dead", "router_bias/layer1/std", "train/loss", "train/aux_loss"}
+    wanted = {
+        "throughput/tokens_per_s",
+        "throughput/tflops_per_device",
+        "memory/peak_gib_max",
+        "memory/host_rss_gib_min",
+        "expert_load/cv",
+        "expert_load/layer1/max_over_mean",
+        "expert_load/dead",
+        "router_bias/layer1/std",
+        "train/loss",
+        "train/aux_loss",
+    }
     rows = metric_rows(tmp_path / "csv" / "version_0")
     assert wanted <= set(rows[0])
     history = wandb_history(tmp_path / "wandb")
@@ -310,15 +347,23 @@ def test_run_ending_between_heatmaps_gets_one_of_its_last_steps(tmp_path):
     # max_steps 5, windows of 2, heatmaps every 10: windows end at 2 and 4; the heatmap at the end
     # shows step 5 alone (1 step x 2 sequences x 16 tokens x K per layer).
     module = Step35LightningModule(config="tiny", warmup_steps=1)
-    fit(module, [ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=10)], max_steps=5,
-        logger=CSVLogger(tmp_path, name="csv"))
+    fit(
+        module,
+        [ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=10)],
+        max_steps=5,
+        logger=CSVLogger(tmp_path, name="csv"),
+    )
     folder = tmp_path / "csv" / "version_0" / "expert_load"
     assert sorted(p.name for p in folder.glob("heatmap_step*.png")) == ["heatmap_step0000005.png"]
     assert heatmap_totals(folder / "counts_step0000005.csv") == [1 * 2 * 16 * TOP_K] * 4
     # ending on a window boundary: the heatmap shows that last window (steps 3-4)
     module = Step35LightningModule(config="tiny", warmup_steps=1)
-    fit(module, [ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=10)], max_steps=4,
-        logger=CSVLogger(tmp_path / "b", name="csv"))
+    fit(
+        module,
+        [ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=10)],
+        max_steps=4,
+        logger=CSVLogger(tmp_path / "b", name="csv"),
+    )
     folder = tmp_path / "b" / "csv" / "version_0" / "expert_load"
     assert sorted(p.name for p in folder.glob("heatmap_step*.png")) == ["heatmap_step0000004.png"]
     assert heatmap_totals(folder / "counts_step0000004.csv") == [2 * 2 * 16 * TOP_K] * 4
@@ -335,9 +380,9 @@ def tensorboard_events(folder: Path) -> list:
         data = path.read_bytes()
         at = 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
+            (length,) = struct.unpack("<Q", data[at : at + 8])
             event = event_pb2.Event()
-            event.ParseFromString(data[at + 12:at + 12 + length])
+            event.ParseFromString(data[at + 12 : at + 12 + length])
             events.append(event)
             at += 12 + length + 4
     return events
@@ -347,8 +392,12 @@ def test_tensorboard_logger_gets_metrics_heatmap_and_histogram(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
 
     module = Step35LightningModule(config="tiny", warmup_steps=1, moe_bias_update_rate=0.01)
-    fit(module, [SpeedMonitor(every_n_steps=2), ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2)],
-        max_steps=2, logger=TensorBoardLogger(tmp_path, name="tb"))
+    fit(
+        module,
+        [SpeedMonitor(every_n_steps=2), ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2)],
+        max_steps=2,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+    )
     values = [(e.step, v) for e in tensorboard_events(tmp_path / "tb") for v in e.summary.value]
     tags = {v.tag for _, v in values}
     assert {"train/loss", "expert_load/cv", "throughput/tokens_per_s", "router_bias/layer1/std"} <= tags, tags
@@ -384,19 +433,28 @@ class Validations(pl.Callback):
         self.steps.append(trainer.global_step)
 
 
-@pytest.mark.parametrize("max_steps,interval,final,expected", [
-    (5, 100, True, [5]),       # the interval is beyond the run: one validation, at the end
-    (5, 100, False, []),       # what Lightning alone does
-    (5, 2, True, [2, 4, 5]),   # the run ends between two validations
-    (4, 2, True, [2, 4]),      # the last step is a validation step: validated once
-])
+@pytest.mark.parametrize(
+    "max_steps,interval,final,expected",
+    [
+        (5, 100, True, [5]),  # the interval is beyond the run: one validation, at the end
+        (5, 100, False, []),  # what Lightning alone does
+        (5, 2, True, [2, 4, 5]),  # the run ends between two validations
+        (4, 2, True, [2, 4]),  # the last step is a validation step: validated once
+    ],
+)
 def test_final_validation(max_steps, interval, final, expected):
     from step35.callbacks import FinalValidation
 
     seen = Validations()
     callbacks = [seen] + ([FinalValidation()] if final else [])
-    trainer = fit(Linear(), callbacks, max_steps=max_steps, val=loader(2, 16, n=4, seed=1),
-                  val_check_interval=interval, check_val_every_n_epoch=None)
+    trainer = fit(
+        Linear(),
+        callbacks,
+        max_steps=max_steps,
+        val=loader(2, 16, n=4, seed=1),
+        val_check_interval=interval,
+        check_val_every_n_epoch=None,
+    )
     assert seen.steps == expected
     assert trainer.global_step == max_steps  # the stop it requests ends nothing early
 
@@ -408,7 +466,10 @@ def test_speed_monitor_is_not_named_like_lightnings_callback():
     root = Path(__file__).parent.parent
     named = set()
     for path in sorted((root / "configs").glob("*.yaml")):
-        named |= {line.split("step35.callbacks.")[1].split()[0] for line in path.read_text().splitlines()
-                  if "class_path: step35.callbacks." in line}
+        named |= {
+            line.split("step35.callbacks.")[1].split()[0]
+            for line in path.read_text().splitlines()
+            if "class_path: step35.callbacks." in line
+        }
     assert named >= {"SpeedMonitor", "ExpertLoadMonitor", "FinalValidation"}
     assert all(hasattr(step35.callbacks, name) for name in named), named

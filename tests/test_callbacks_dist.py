@@ -19,8 +19,27 @@ SCRIPT = Path(__file__).parent / "dist" / "observability_run.py"
 @pytest.mark.timeout(600)
 def test_two_ranks_expert_counts_bias_and_guard(tmp_path):
     nan_step, steps = 1, 4
-    run_script(SCRIPT, 2, "--out", str(tmp_path), "--ep", "2", "--steps", str(steps), "--accum", "2",
-               "--nan-step", str(nan_step), "--nan-rank", "1", "--ac", "full", "--param-dtype", "bfloat16", timeout=540)
+    run_script(
+        SCRIPT,
+        2,
+        "--out",
+        str(tmp_path),
+        "--ep",
+        "2",
+        "--steps",
+        str(steps),
+        "--accum",
+        "2",
+        "--nan-step",
+        str(nan_step),
+        "--nan-rank",
+        "1",
+        "--ac",
+        "full",
+        "--param-dtype",
+        "bfloat16",
+        timeout=540,
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     run = tmp_path / "csv" / "version_0"
     with open(run / "metrics.csv") as f:
@@ -34,8 +53,13 @@ def test_two_ranks_expert_counts_bias_and_guard(tmp_path):
 
     # Expected window counts: sum over ranks of each rank's own recount, skipped step left out.
     def expected(window_steps):
-        return [[sum(r["recount"][str(s)][layer][e] for r in ranks for s in window_steps if s != nan_step)
-                 for e in range(8)] for layer in range(4)]
+        return [
+            [
+                sum(r["recount"][str(s)][layer][e] for r in ranks for s in window_steps if s != nan_step)
+                for e in range(8)
+            ]
+            for layer in range(4)
+        ]
 
     for end in (2, 4):  # monitor windows: steps {0, 1} and {2, 3} (0-based), written at steps 2 and 4
         want = expected(range(end - 2, end))

@@ -38,17 +38,35 @@ class Kill:
     during_save: bool
 
 
-TWO_RANKS = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2",
-             "--trainer.devices=2"]
+TWO_RANKS = [
+    "--trainer.strategy=step35.strategy.Step35Strategy",
+    "--trainer.strategy.expert_parallel_size=2",
+    "--trainer.devices=2",
+]
 
 
-def start(config: Path, run: Path, cache: Path, max_steps: int, log: Path, nproc: int = 1,
-          extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    args = ["fit", "--config", str(config), f"--run_dir={run}", f"--trainer.max_steps={max_steps}", "--ckpt_path=auto",
-            *(TWO_RANKS if nproc == 2 else []), *extra]
+def start(
+    config: Path, run: Path, cache: Path, max_steps: int, log: Path, nproc: int = 1, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        f"--run_dir={run}",
+        f"--trainer.max_steps={max_steps}",
+        "--ckpt_path=auto",
+        *(TWO_RANKS if nproc == 2 else []),
+        *extra,
+    ]
     with open(log, "w") as out:
-        return subprocess.Popen(command(args, nproc), cwd=ROOT, env=environment(cache), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command(args, nproc),
+            cwd=ROOT,
+            env=environment(cache),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def newest_step(folder: Path) -> int:
@@ -62,8 +80,17 @@ def save_in_progress(folder: Path, newest: int) -> bool:
     return any(catalog.step_from_name(p) > newest for p in catalog.incomplete_checkpoints(folder))
 
 
-def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[Kill], seed: int,
-              deadline_s: float, nproc: int = 1, extra: tuple[str, ...] = ()) -> dict:
+def supervise(
+    config: Path,
+    run: Path,
+    cache: Path,
+    max_steps: int,
+    plan: list[Kill],
+    seed: int,
+    deadline_s: float,
+    nproc: int = 1,
+    extra: tuple[str, ...] = (),
+) -> dict:
     """Run to max_steps under `plan`, restarting after each kill. Returns counts of what happened."""
     rng = random.Random(seed)
     folder = run / "checkpoints"
@@ -85,8 +112,11 @@ def supervise(config: Path, run: Path, cache: Path, max_steps: int, plan: list[K
                 newest = newest_step(folder)
                 # A kill "at a step" also waits for this attempt to have saved once (it has resumed
                 # and trained), so that every attempt makes progress.
-                at_least = target.after_step if target.during_save else max(target.after_step,
-                                                                            stats["newest_at_start"][-1] + 1)
+                at_least = (
+                    target.after_step
+                    if target.during_save
+                    else max(target.after_step, stats["newest_at_start"][-1] + 1)
+                )
                 if newest < at_least:
                     time.sleep(0.005)
                     continue
@@ -153,8 +183,17 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert_same(a["optimizer"], b["optimizer"], "optimizer")
 
 
-def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, deadline_s: float,
-          nproc: int = 1, config_text: str = CHAOS_CONFIG, extra: tuple[str, ...] = ()) -> dict:
+def chaos(
+    tmp_path: Path,
+    cache: Path,
+    max_steps: int,
+    kills: int,
+    seed: int,
+    deadline_s: float,
+    nproc: int = 1,
+    config_text: str = CHAOS_CONFIG,
+    extra: tuple[str, ...] = (),
+) -> dict:
     """The run to `max_steps` uninterrupted, then again with `kills` SIGKILLs (every other one during a save)
     and restarts (`--ckpt_path auto`), on `nproc` ranks with `extra` options: bitwise the same end."""
     config = tmp_path / "chaos.yaml"
@@ -177,11 +216,14 @@ def chaos(tmp_path: Path, cache: Path, max_steps: int, kills: int, seed: int, de
         if newest < 0:
             assert "--ckpt_path auto: no complete checkpoint" in text and "starting from scratch" in text, text[-3000:]
         else:
-            assert f"--ckpt_path auto: resuming from {folder}/step={newest:06d}.ckpt (global step {newest}," in text, \
+            assert f"--ckpt_path auto: resuming from {folder}/step={newest:06d}.ckpt (global step {newest}," in text, (
                 text[-3000:]
+            )
     assert max(stats["newest_at_start"]) > 0, stats  # some attempt did resume
-    print(f"chaos: {stats['kills']} kills ({stats['mid_save']} during a save), newest checkpoint at each start: "
-          f"{stats['newest_at_start']}")
+    print(
+        f"chaos: {stats['kills']} kills ({stats['mid_save']} during a save), newest checkpoint at each start: "
+        f"{stats['newest_at_start']}"
+    )
     return stats
 
 
@@ -213,38 +255,64 @@ def test_sigkill_then_resume_under_cp2_is_bitwise_equal(tmp_path, builtin_cache)
     """The 2-rank run with cp 2 (and EP 2): every rank and the launcher SIGKILLed twice (once during a save),
     restarted with --ckpt_path auto; final weights and optimizer state bitwise equal to an uninterrupted cp 2
     run (tests/test_context_parallel.py has the cp equivalence itself)."""
-    chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=3000, nproc=2,
-          extra=("--trainer.strategy.context_parallel_size=2",))
+    chaos(
+        tmp_path,
+        builtin_cache,
+        max_steps=20,
+        kills=2,
+        seed=3,
+        deadline_s=3000,
+        nproc=2,
+        extra=("--trainer.strategy.context_parallel_size=2",),
+    )
 
 
 # Fine-tuning on conversations (the built-in set, step35's default template): packed windows with labels
 # and positions, the loss over the global batch, the conversation stream's position.
-SFT_CONFIG = CHAOS_CONFIG.replace("""data:
+SFT_CONFIG = CHAOS_CONFIG.replace(
+    """data:
   seq_len: 32
   micro_batch_size: 2
   num_workers: 0
-""", """data:
+""",
+    """data:
   format: chat
   seq_len: 96
   micro_batch_size: 2
   num_workers: {workers}
-""")
+""",
+)
 
 
 @pytest.mark.timeout(1500)
 def test_chaos_sft_two_workers_bitwise_equal(tmp_path, builtin_cache):
     """Conversations read by 2 DataLoader workers, killed twice (once during a save), resumed bitwise."""
     assert "format: chat" in SFT_CONFIG
-    chaos(tmp_path, builtin_cache, max_steps=20, kills=2, seed=3, deadline_s=1200,
-          config_text=SFT_CONFIG.format(workers=2))
+    chaos(
+        tmp_path,
+        builtin_cache,
+        max_steps=20,
+        kills=2,
+        seed=3,
+        deadline_s=1200,
+        config_text=SFT_CONFIG.format(workers=2),
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2400)
 def test_chaos_sft_two_ranks_bitwise_equal(tmp_path, builtin_cache):
     """Conversations on 2 ranks under torchrun (EP 2, sharded checkpoints), killed twice, resumed bitwise."""
-    chaos(tmp_path, builtin_cache, max_steps=16, kills=2, seed=4, deadline_s=2100, nproc=2,
-          config_text=SFT_CONFIG.format(workers=0))
+    chaos(
+        tmp_path,
+        builtin_cache,
+        max_steps=16,
+        kills=2,
+        seed=4,
+        deadline_s=2100,
+        nproc=2,
+        config_text=SFT_CONFIG.format(workers=0),
+    )
 
 
 @pytest.mark.timeout(1500)

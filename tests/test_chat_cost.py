@@ -55,8 +55,9 @@ BIG = SENTENCE * (20_000_000 // len(SENTENCE))  # 20 MB of text
 def tok(tmp_path_factory) -> TextTokenizer:
     """A byte-level BPE trained here (as in test_chat_template.py), EOS = the templates' `<|im_end|>`."""
     folder = tmp_path_factory.mktemp("cost-tokenizer")
-    tokenizer = train_byte_bpe([json.dumps(CONVERSATION), json.dumps(TOOLS), SENTENCE * 20],
-                               ["<|endoftext|>", *SPECIAL], folder)
+    tokenizer = train_byte_bpe(
+        [json.dumps(CONVERSATION), json.dumps(TOOLS), SENTENCE * 20], ["<|endoftext|>", *SPECIAL], folder
+    )
     return TextTokenizer.from_folder(folder, eos_token_id=tokenizer.token_to_id("<|im_end|>"))
 
 
@@ -173,7 +174,9 @@ def rounds(n: int) -> list[dict]:
             call = {"type": "function", "function": {"name": "add", "arguments": {"a": i, "b": i}}}
             messages.append({"role": "assistant", "content": "", "reasoning": "Use the tool.", "tool_calls": [call]})
             messages.append({"role": "tool", "content": f"{2 * i}"})
-            messages.append({"role": "assistant", "content": f"<think>\nThe tool said {2 * i}.\n</think>\nIt is {2 * i}."})
+            messages.append(
+                {"role": "assistant", "content": f"<think>\nThe tool said {2 * i}.\n</think>\nIt is {2 * i}."}
+            )
         else:
             messages.append({"role": "assistant", "content": f"It is {2 * i}."})
             messages.append({"role": "user", "content": f"<tool_response>{i}</tool_response>"})
@@ -181,9 +184,11 @@ def rounds(n: int) -> list[dict]:
     return messages
 
 
-CASES = [(name, "assistant", True) for name in SOURCES] + [(name, "last_assistant", True) for name in SOURCES] + [
-    (name, train_on, False) for name in SOURCES for train_on in ("assistant", "all")
-]
+CASES = (
+    [(name, "assistant", True) for name in SOURCES]
+    + [(name, "last_assistant", True) for name in SOURCES]
+    + [(name, train_on, False) for name in SOURCES for train_on in ("assistant", "all")]
+)
 
 
 @pytest.mark.parametrize("marks", [False, True], ids=["plain", "marked"])

@@ -216,6 +216,7 @@ def test_the_default_template_renders_tools(builtin_cache):
 def test_string_arguments_render_as_the_object(source):
     """OpenAI-style `arguments` (a JSON string) render as the object they hold, not encoded a second time by
     tojson; a string that holds no JSON object is kept as it is. The caller's messages are not changed."""
+
     def with_arguments(arguments):
         call = {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
         return [CONVERSATION[1], {**CONVERSATION[2], "tool_calls": [call]}]

@@ -42,8 +42,11 @@ def tokenizers(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("chat-tokenizer")
-    tok = train_byte_bpe([json.dumps(CONVERSATION), json.dumps(TOOLS), "The quick brown fox jumps over the lazy dog. " * 20],
-                         ["<|endoftext|>", *SPECIAL], folder)
+    tok = train_byte_bpe(
+        [json.dumps(CONVERSATION), json.dumps(TOOLS), "The quick brown fox jumps over the lazy dog. " * 20],
+        ["<|endoftext|>", *SPECIAL],
+        folder,
+    )
     ours = TextTokenizer.from_folder(folder, eos_token_id=tok.token_to_id("<|im_end|>"))
     theirs = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
     return ours, theirs
@@ -176,9 +179,9 @@ def test_train_on_variants(tokenizers, name):
     opener = "" if name in ("step-b", "step-c") else "<think>\n"
     assert trained_text(ours, ids, last).startswith(opener + "The tool says 18.")
     assert trained_text(ours, ids, last).endswith("clear in Paris.<|im_end|>")
-    assert template.encode(ours, CONVERSATION, train_on="last_assistant") == ChatTemplate(
-        marked(name), "test"
-    ).encode(ours, CONVERSATION, train_on="last_assistant")
+    assert template.encode(ours, CONVERSATION, train_on="last_assistant") == ChatTemplate(marked(name), "test").encode(
+        ours, CONVERSATION, train_on="last_assistant"
+    )
     with pytest.raises(ChatTemplateError, match=r"data.jsonl:9: train_on='user'; expected one of assistant"):
         template.encode(ours, CONVERSATION, train_on="user", where="data.jsonl:9")
     assert TRAIN_ON == ("assistant", "last_assistant", "all")
@@ -288,7 +291,10 @@ def test_rendering_features_as_transformers(tokenizers):
         (["hi"], r"data.jsonl:3: message 0 is a str, not an object"),
         ([{"content": "hi"}], r"data.jsonl:3: message 0 has no 'role'"),
         ([{"role": "bot", "content": "hi"}], r"data.jsonl:3: message 0 has unknown role 'bot'"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"jsonl:3: message 1 \(assistant\) has no 'content'"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant"}],
+            r"jsonl:3: message 1 \(assistant\) has no 'content'",
+        ),
         ([{"role": "user", "content": 3}], r"data.jsonl:3: message 0 \(user\) has 'content' of type int"),
         ([{"role": "user", "content": "hi"}], r"data.jsonl:3: no assistant turn"),
         ([{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}], r"0 \(assistant\) has 'tool_calls' that"),
@@ -306,7 +312,9 @@ def test_assistant_tool_call_without_content_is_accepted():
 
 def test_jinja_errors_name_the_record(tokenizers):
     ours, _ = tokenizers
-    raising = ChatTemplate("{% for m in messages %}{{ raise_exception('no tools') if m.role == 'tool' }}{% endfor %}", "t")
+    raising = ChatTemplate(
+        "{% for m in messages %}{{ raise_exception('no tools') if m.role == 'tool' }}{% endfor %}", "t"
+    )
     with pytest.raises(ChatTemplateError, match=r"^chats.jsonl:12: chat template from t failed to render: .*no tools"):
         raising.encode(ours, CONVERSATION, where="chats.jsonl:12")
     broken = ChatTemplate("{% for m in messages %}{{ m.content }", "tokenizer_config.json")
@@ -355,7 +363,9 @@ def test_marked_template_without_a_block_for_the_turn_raises(tokenizers):
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
         "{% if false %}{% generation %}{% endgeneration %}{% endif %}{% endfor %}"
     )
-    with pytest.raises(ChatTemplateError, match=r"x:2: chat template from t renders no \{% generation %\} block .*es 2"):
+    with pytest.raises(
+        ChatTemplateError, match=r"x:2: chat template from t renders no \{% generation %\} block .*es 2"
+    ):
         ChatTemplate(source, "t").encode(ours, CONVERSATION, where="x:2")
 
 

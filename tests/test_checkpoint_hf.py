@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from step35.checkpoint.hf.folder import INDEX_FILE, CheckpointError
 from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.model import Step35ForCausalLM
-
 from tests.helpers import flash_config_dict, tiny_config_dict, tiny_model
 
 SHARD = 1_000_000  # bytes: the ~7.8 MB fp32 tiny model becomes ~9 shards
@@ -81,7 +80,7 @@ def test_round_trip_fp32_sharded(saved):
     for name, file in index["weight_map"].items():
         with safe_open(path / file, framework="pt") as f:
             assert name in f.keys()
-    for k, shard in enumerate(shards):  # shards respect the size limit (unless one tensor is bigger)
+    for shard in shards:  # shards respect the size limit (unless one tensor is bigger)
         size = sum(t.numel() * t.element_size() for n_, t in files.items() if index["weight_map"][n_] == shard)
         names = [n_ for n_ in files if index["weight_map"][n_] == shard]
         assert size <= SHARD or len(names) == 1
@@ -423,12 +422,33 @@ def _config_shape_mismatch(path):
     return ["model.layers.1.moe."]
 
 
-BAD = [_missing_tensor, _missing_from_index_only, _unexpected_tensor, _unexpected_layer, _unlisted_tensor_in_shard,
-       _wrong_shape, _wrong_expert_count, _wrong_dtype_fp16, _router_bias_bf16, _missing_shard_file,
-       _index_invalid_json, _index_weight_map_list, _index_without_weight_map, _index_value_not_a_file_name,
-       _index_points_at_wrong_file, _truncated_shard, _truncated_header, _not_safetensors, _no_weights,
-       _bad_config_field, _bad_config_list, _bad_config_dtype, _config_not_json, _config_missing,
-       _config_shape_mismatch]
+BAD = [
+    _missing_tensor,
+    _missing_from_index_only,
+    _unexpected_tensor,
+    _unexpected_layer,
+    _unlisted_tensor_in_shard,
+    _wrong_shape,
+    _wrong_expert_count,
+    _wrong_dtype_fp16,
+    _router_bias_bf16,
+    _missing_shard_file,
+    _index_invalid_json,
+    _index_weight_map_list,
+    _index_without_weight_map,
+    _index_value_not_a_file_name,
+    _index_points_at_wrong_file,
+    _truncated_shard,
+    _truncated_header,
+    _not_safetensors,
+    _no_weights,
+    _bad_config_field,
+    _bad_config_list,
+    _bad_config_dtype,
+    _config_not_json,
+    _config_missing,
+    _config_shape_mismatch,
+]
 
 
 @pytest.fixture(scope="module")
@@ -454,8 +474,8 @@ def test_bad_checkpoint_raises_naming_the_problem(corrupt, bf16_checkpoint, tmp_
 
 def test_save_killed_between_the_two_renames_points_at_the_intact_copy(tmp_path):
     from step35.checkpoint.errors import CheckpointError
-    from step35.model import Step35ForCausalLM
     from step35.config import preset
+    from step35.model import Step35ForCausalLM
 
     model = Step35ForCausalLM(preset("tiny"))
     model.init_weights(0)

@@ -16,8 +16,14 @@ def test_a_saved_checkpoint_holds_only_the_named_keys(tiny_run):
     saved = load_file(checkpoint_of(run))
     assert set(saved) <= set(keys.ALL_KEYS), sorted(set(saved) - set(keys.ALL_KEYS))
     # step35's own (a run without LoRA records no base), the weights, the options and the data position
-    assert {keys.MODEL_CONFIG, keys.TOKENIZER, keys.STATE_DICT, keys.OPTIMIZER_STATES, keys.HYPER_PARAMETERS,
-            keys.DATAMODULE_STATE} <= set(saved)
+    assert {
+        keys.MODEL_CONFIG,
+        keys.TOKENIZER,
+        keys.STATE_DICT,
+        keys.OPTIMIZER_STATES,
+        keys.HYPER_PARAMETERS,
+        keys.DATAMODULE_STATE,
+    } <= set(saved)
     assert keys.LORA_BASE not in saved
     assert all(name.startswith(keys.MODEL_PREFIX) for name in saved[keys.STATE_DICT])
 
@@ -33,6 +39,11 @@ def test_step35_keys_are_spelled_only_in_keys_py():
     records in a PEFT folder's metadata): every other writer and reader goes through keys.*."""
     spelled = re.compile("|".join(rf"[\"']{re.escape(key)}[\"']" for key in keys.STEP35_KEYS))
     allowed = {PACKAGE / "checkpoint" / "training" / "keys.py", PACKAGE / "checkpoint" / "hf" / "peft.py"}
-    offenders = [f"{file.relative_to(PACKAGE)}:{i}" for file in sorted(PACKAGE.rglob("*.py")) if file not in allowed
-                 for i, line in enumerate(file.read_text().splitlines(), 1) if spelled.search(line)]
+    offenders = [
+        f"{file.relative_to(PACKAGE)}:{i}"
+        for file in sorted(PACKAGE.rglob("*.py"))
+        if file not in allowed
+        for i, line in enumerate(file.read_text().splitlines(), 1)
+        if spelled.search(line)
+    ]
     assert not offenders

@@ -31,8 +31,10 @@ def module_name(file: Path) -> str:
 def test_checkpoint_modules_import_one_way():
     """Every import inside step35/checkpoint, lazy ones included, forms a DAG."""
     files = sorted((PACKAGE / "checkpoint").rglob("*.py"))
-    graph = {module_name(f): {m for m in imports(f, top_level_only=False) if m.startswith("step35.checkpoint")}
-             for f in files}
+    graph = {
+        module_name(f): {m for m in imports(f, top_level_only=False) if m.startswith("step35.checkpoint")}
+        for f in files
+    }
     graph = {m: deps - {m, "step35.checkpoint"} for m, deps in graph.items() if m != "step35.checkpoint"}
     done: set[str] = set()
 

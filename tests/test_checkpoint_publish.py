@@ -10,8 +10,16 @@ import pytest
 
 from step35.checkpoint import publish as pub
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.integrity import (ManifestMissing, damage_record, is_complete, manifest_info, manifest_path, verify,
-                                         verify_for_load, write_manifest)
+from step35.checkpoint.integrity import (
+    ManifestMissing,
+    damage_record,
+    is_complete,
+    manifest_info,
+    manifest_path,
+    verify,
+    verify_for_load,
+    write_manifest,
+)
 
 
 def folder_checkpoint(final: Path, content: str, step: int) -> Path:
@@ -136,7 +144,9 @@ def test_verify_names_missing_truncated_and_damaged_files(tmp_path):
     with pytest.raises(CheckpointError, match=r"sub/meta: checksum mismatch .*damaged \(recorded in \.ckpt\.damaged"):
         verify(final)
     # Recorded: a size-only check (how --ckpt_path last|auto choose) now refuses it too, naming the record.
-    with pytest.raises(CheckpointError, match=r"sub/meta: checksum mismatch .*found by an earlier load; delete .*\.ckpt\.damaged"):
+    with pytest.raises(
+        CheckpointError, match=r"sub/meta: checksum mismatch .*found by an earlier load; delete .*\.ckpt\.damaged"
+    ):
         verify(final, sizes_only=True)
     damage_record(final).unlink()
     (final / "sub" / "meta").write_text("short")

@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.training.export import export_checkpoint
-from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
 from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
+from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
+from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.training.trainer_io import Step35CheckpointIO, load_file
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
@@ -40,8 +40,15 @@ from tests.helpers import tiny_model
 from tests.runner import run_process_group
 
 ROOT = Path(__file__).parent.parent
-COMMON = ["--config", "configs/tiny.yaml", "--trainer.val_check_interval=1000", "--trainer.limit_val_batches=1",
-          "--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.enable_progress_bar=false"]
+COMMON = [
+    "--config",
+    "configs/tiny.yaml",
+    "--trainer.val_check_interval=1000",
+    "--trainer.limit_val_batches=1",
+    "--data.seq_len=32",
+    "--data.micro_batch_size=2",
+    "--trainer.enable_progress_bar=false",
+]
 SHARDED = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1"]
 
 
@@ -59,8 +66,14 @@ def error_line(stderr: str, text: str) -> str:
 
 
 def run_args(command: str, run: Path, sharded: bool, *extra: str) -> list[str]:
-    return [command, *COMMON, *(SHARDED if sharded else []), f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.save_dir={run}", *extra]
+    return [
+        command,
+        *COMMON,
+        *(SHARDED if sharded else []),
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +145,14 @@ def repoint(folder: Path, relative_path: str, offset: int, length: int, which) -
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = read_dcp_metadata(folder)
-    index = next(i for i in metadata.storage_data if which(i.fqn)
-                 and isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
-    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path=relative_path,
-                                                       offset=offset, length=length)
+    index = next(
+        i
+        for i in metadata.storage_data
+        if which(i.fqn) and isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)
+    )
+    metadata.storage_data[index] = dataclasses.replace(
+        metadata.storage_data[index], relative_path=relative_path, offset=offset, length=length
+    )
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     return index.fqn
@@ -161,9 +178,11 @@ def test_payloads_are_live(checkpoints, tmp_path):
         assert marker.exists(), kind
 
 
-@pytest.mark.parametrize("kind,command", [(kind, command) for kind in ("metadata", "meta.pt", "ckpt")
-                                          for command in ("fit", "validate", "export")]
-                         + [("bytes", command) for command in ("fit", "validate", "export", "generate")])
+@pytest.mark.parametrize(
+    "kind,command",
+    [(kind, command) for kind in ("metadata", "meta.pt", "ckpt") for command in ("fit", "validate", "export")]
+    + [("bytes", command) for command in ("fit", "validate", "export", "generate")],
+)
 def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoints, step35_here, tmp_path):
     (tmp_path / "in").mkdir()
     marker = tmp_path / "marker"
@@ -174,8 +193,9 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(kind, command, checkpoin
         code, out, err = step35_here("generate", "--checkpoint", str(path), "--prompt", "Once", "--max_new_tokens", "2")
     else:
         extra = ["--trainer.max_steps=3"] if command == "fit" else []
-        code, out, err = step35_here(*run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}",
-                                               *extra))
+        code, out, err = step35_here(
+            *run_args(command, tmp_path / "run", kind != "ckpt", f"--ckpt_path={path}", *extra)
+        )
     assert code != 0, out[-2000:]
     assert not marker.exists(), "the payload ran"
     line = error_line(err, f"{bad}: refused to unpickle")
@@ -238,8 +258,9 @@ def test_flipped_byte_refused_by_resume(kind, checkpoints, step35_here, tmp_path
         shutil.copy(manifest_path(checkpoints[kind]), manifest_path(path))
     damaged = path / "__0_0.distcp" if kind == "sharded" else path
     flip_byte(damaged)
-    code, _, err = step35_here(*run_args("fit", tmp_path / "run", kind == "sharded", f"--ckpt_path={path}",
-                                         "--trainer.max_steps=3"))
+    code, _, err = step35_here(
+        *run_args("fit", tmp_path / "run", kind == "sharded", f"--ckpt_path={path}", "--trainer.max_steps=3")
+    )
     assert code != 0
     error_line(err, f"{damaged}: checksum mismatch")
 
@@ -250,9 +271,18 @@ def resume_in_process(path: Path, sharded: bool, cache: Path) -> pl.Trainer:
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache))
     module = Step35LightningModule(config="tiny", warmup_steps=1)
     kwargs = {"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
-                         default_root_dir=path.parent, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        default_root_dir=path.parent,
+        **kwargs,
+    )
     trainer.fit(module, datamodule=data, ckpt_path=path)
     return trainer
 
@@ -283,7 +313,10 @@ def nan_file(source: Path, path: Path) -> str:
 
 DAMAGE = {  # name: (kind, damage(path) -> the text the error must hold)
     "sharded-truncated-shard": ("sharded", lambda p: (truncate(p / "__0_0.distcp"), str(p / "__0_0.distcp"))[1]),
-    "sharded-deleted-shard": ("sharded", lambda p: ((p / "__0_0.distcp").unlink(), f"{p / '__0_0.distcp'}: missing")[1]),
+    "sharded-deleted-shard": (
+        "sharded",
+        lambda p: ((p / "__0_0.distcp").unlink(), f"{p / '__0_0.distcp'}: missing")[1],
+    ),
     "sharded-deleted-metadata": ("sharded", lambda p: ((p / ".metadata").unlink(), f"{p / '.metadata'}: missing")[1]),
     "sharded-truncated-meta": ("sharded", lambda p: (truncate(p / "meta.pt"), str(p / "meta.pt"))[1]),
     "sharded-flipped-meta": ("sharded", lambda p: (flip_byte(p / "meta.pt"), str(p / "meta.pt"))[1]),
@@ -375,7 +408,8 @@ def test_hf_nan_weight_refused_naming_the_tensor(tmp_path):
 def test_hf_config_json_stays_editable(hf_folder):
     """The manifest covers weights and index; config.json is validated when read instead."""
     assert sorted(manifest_info(hf_folder)["files"]) == sorted(
-        [p.name for p in hf_folder.glob("*.safetensors")] + ["model.safetensors.index.json"])
+        [p.name for p in hf_folder.glob("*.safetensors")] + ["model.safetensors.index.json"]
+    )
     text = (hf_folder / "config.json").read_text()
     (hf_folder / "config.json").write_text(text.replace("{", "{\n  ", 1))
     load_pretrained(hf_folder)
@@ -388,16 +422,21 @@ def test_two_ranks_damaged_shard_fails_every_rank_quickly(tmp_path, builtin_cach
     """Each rank hashes the shards it wrote; at resume the checksums are split over the ranks and a
     damage found by one rank ends the job on all of them with the file named (no rank left waiting)."""
     args = [*SHARDED[:1], "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2"]
-    result = step35(run_args("fit", tmp_path / "a", False, *args, "--trainer.max_steps=2"), builtin_cache,
-                    timeout=420, nproc=2)
+    result = step35(
+        run_args("fit", tmp_path / "a", False, *args, "--trainer.max_steps=2"), builtin_cache, timeout=420, nproc=2
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     path = tmp_path / "a" / "checkpoints" / "last.ckpt"
     files = manifest_info(path)["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files), files
     verify(path)
     flip_byte(path / "__1_0.distcp")
-    result = step35(run_args("fit", tmp_path / "b", False, *args, "--trainer.max_steps=3", f"--ckpt_path={path}"),
-                    builtin_cache, timeout=300, nproc=2)
+    result = step35(
+        run_args("fit", tmp_path / "b", False, *args, "--trainer.max_steps=3", f"--ckpt_path={path}"),
+        builtin_cache,
+        timeout=300,
+        nproc=2,
+    )
     assert result.returncode != 0
     assert f"{path / '__1_0.distcp'}: checksum mismatch" in result.stderr, result.stderr[-3000:]
 
@@ -405,13 +444,22 @@ def test_two_ranks_damaged_shard_fails_every_rank_quickly(tmp_path, builtin_cach
 def test_step35strategy_full_file_checkpoint_round_trip(tmp_path, builtin_cache):
     """Step35Strategy with save_distributed_checkpoint=False writes one file (with its manifest) through
     the same code; it resumes, and a flipped byte in it is refused."""
+
     def fit(max_steps: int, ckpt_path=None) -> pl.Trainer:
         data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
         module = Step35LightningModule(config="tiny", warmup_steps=1)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Step35Strategy(save_distributed_checkpoint=False),
-                             max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=0, default_root_dir=tmp_path,
-                             callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=Step35Strategy(save_distributed_checkpoint=False),
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+            callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        )
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         return trainer
 

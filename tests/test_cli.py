@@ -24,16 +24,29 @@ def test_resume_continues_exactly(tmp_path, step35_here):
     """Kill-free stand-in for a crash: a run resumed from its step-10 checkpoint reproduces steps
     11..20 of an uninterrupted run (model, optimizer, LR schedule and data stream restored). Both in this
     process (the process boundary is test_resume.py's), on short sequences."""
+
     def fit_here(run: Path, *extra: str) -> dict[int, float]:
-        code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--trainer.default_root_dir={run}",
-                                     f"--trainer.logger.init_args.save_dir={run}", *SMALL, *extra)
+        code, out, err = step35_here(
+            "fit",
+            "--config",
+            "configs/tiny.yaml",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.save_dir={run}",
+            *SMALL,
+            *extra,
+        )
         assert code == 0, out[-3000:] + err[-5000:]
         return steps_of(metric_rows(run / "csv" / "version_0"), "train/lm_loss")
 
-    common = ["--trainer.max_steps=20", "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=1000",
-              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-              "--trainer.callbacks.every_n_train_steps=10", "--trainer.callbacks.save_top_k=-1",
-              "--trainer.callbacks.dirpath=" + str(tmp_path / "ckpt")]
+    common = [
+        "--trainer.max_steps=20",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.val_check_interval=1000",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=10",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.dirpath=" + str(tmp_path / "ckpt"),
+    ]
     full = fit_here(tmp_path / "full", *common)
     ckpt = sorted((tmp_path / "ckpt").glob("*step=10*.ckpt"))
     assert ckpt, list((tmp_path / "ckpt").iterdir())
@@ -75,14 +88,32 @@ def test_unsupported_lightning_subcommands_are_refused_by_name(hidden, step35_he
 @pytest.mark.timeout(900)
 def test_validate_and_export_run_as_listed(tmp_path, step35_here, tiny_run):
     run, _ = tiny_run  # mtp_loss_weight 0 and no bias update, as saved: the resume check passes
-    code, out, err = step35_here("validate", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
-                                 f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "--model.mtp_loss_weight=0",
-                                 "--model.moe_bias_update_rate=0", "--trainer.limit_val_batches=1",
-                                 "--data.val_batches=1", "--data.seq_len=16", "--data.micro_batch_size=1",
-                                 "--trainer.logger=false")
+    code, out, err = step35_here(
+        "validate",
+        "--config",
+        "configs/tiny.yaml",
+        f"--run_dir={tmp_path / 'run'}",
+        f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        "--model.mtp_loss_weight=0",
+        "--model.moe_bias_update_rate=0",
+        "--trainer.limit_val_batches=1",
+        "--data.val_batches=1",
+        "--data.seq_len=16",
+        "--data.micro_batch_size=1",
+        "--trainer.logger=false",
+    )
     assert code == 0 and "val/loss" in out, out[-2000:] + err[-3000:]
-    code, out, err = step35_here("export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--dtype",
-                                 "bfloat16", "--max_shard_size", "2MB")
+    code, out, err = step35_here(
+        "export",
+        "--checkpoint",
+        str(run),
+        "--out",
+        str(tmp_path / "hf"),
+        "--dtype",
+        "bfloat16",
+        "--max_shard_size",
+        "2MB",
+    )
     assert code == 0 and (tmp_path / "hf" / "tokenizer.json").is_file() and "wrote" in out, err[-3000:]
 
 
@@ -94,8 +125,9 @@ def test_cli_installs_the_step_progress_bar(builtin_cache, tmp_path):
 
     def trainer(*extra):
         args = ["--config", "configs/tiny.yaml", f"--run_dir={tmp_path}", *extra]
-        return Step35CLI(Step35LightningModule, Step35DataModule, args=args, run=False,
-                         auto_configure_optimizers=False).trainer
+        return Step35CLI(
+            Step35LightningModule, Step35DataModule, args=args, run=False, auto_configure_optimizers=False
+        ).trainer
 
     assert isinstance(trainer().progress_bar_callback, Step35ProgressBar)
     assert trainer("--trainer.enable_progress_bar=false").progress_bar_callback is None

@@ -11,7 +11,6 @@ import torch
 
 from step35.config import PRESETS, ConfigError, Step35Config, load_config, preset
 from step35.model import Step35ForCausalLM
-
 from tests.helpers import flash_config_dict, state_numel, tiny_config_dict
 
 
@@ -31,8 +30,13 @@ def test_release_has_the_spec_fields():
     assert raw["hidden_size"] == 4096 and raw["vocab_size"] == 128896 and raw["num_hidden_layers"] == 45
     assert raw["moe_num_experts"] == 288 and raw["moe_top_k"] == 8 and raw["moe_router_scaling_factor"] == 3.0
     assert raw["moe_layers_enum"].split(",") == [str(i) for i in range(3, 45)]
-    assert raw["rope_scaling"] == {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 131072,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 32.0}
+    assert raw["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 2.0,
+        "original_max_position_embeddings": 131072,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 32.0,
+    }
     assert len(raw["layer_types"]) == len(raw["rope_theta"]) == len(raw["swiglu_limits"]) == 48
     assert raw["eos_token_id"] == [1, 2, 128007] and raw["bos_token_id"] == 0
 
@@ -209,15 +213,26 @@ def _bad_cases():
         ("attention_other_setting", {"attention_other_setting.num_attention_groups": 7}),  # sliding: 96 % 7
         ("moe_top_k", dict(moe_top_k=289)),
         ("moe_top_k", dict(moe_top_k=0)),
-        ("layer_types", dict(layer_types=["full_attention", "global_attention", "sliding_attention",
-                                          "sliding_attention"] * 12)),
+        (
+            "layer_types",
+            dict(layer_types=["full_attention", "global_attention", "sliding_attention", "sliding_attention"] * 12),
+        ),
         ("moe_layers_enum", dict(moe_layers_enum="3,4,45")),
         ("moe_layers_enum", dict(moe_layers_enum="-1,3")),
         ("moe_layers_enum", dict(moe_layers_enum="3,four,5")),
         ("moe_layers_enum", dict(moe_layers_enum="3,3")),
         ("rope_type", {"rope_scaling.rope_type": "yarn"}),
-        ("rope_scaling.factor", dict(rope_scaling={"rope_type": "llama3", "original_max_position_embeddings": 131072,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 32.0})),
+        (
+            "rope_scaling.factor",
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "original_max_position_embeddings": 131072,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 32.0,
+                }
+            ),
+        ),
         ("swiglu_limits", dict(swiglu_limits=[-1.0] + flash["swiglu_limits"][1:])),
         ("partial_rotary_factors", dict(partial_rotary_factors=[1.5] + flash["partial_rotary_factors"][1:])),
         ("sliding_window", dict(sliding_window=0)),
@@ -254,9 +269,15 @@ def test_valid_variants_accepted():
     # The checks above must not reject what the release allows.
     Step35Config.from_dict(_mutate("flash", rope_scaling=None))
     Step35Config.from_dict(_mutate("flash", use_moe=False))
-    cfg = Step35Config.from_dict(_mutate("flash", num_nextn_predict_layers=0, layer_types=flash_config_dict()["layer_types"][:45],
-                                         rope_theta=flash_config_dict()["rope_theta"][:45],
-                                         partial_rotary_factors=flash_config_dict()["partial_rotary_factors"][:45],
-                                         swiglu_limits=flash_config_dict()["swiglu_limits"][:45],
-                                         swiglu_limits_shared=flash_config_dict()["swiglu_limits_shared"][:45]))
+    cfg = Step35Config.from_dict(
+        _mutate(
+            "flash",
+            num_nextn_predict_layers=0,
+            layer_types=flash_config_dict()["layer_types"][:45],
+            rope_theta=flash_config_dict()["rope_theta"][:45],
+            partial_rotary_factors=flash_config_dict()["partial_rotary_factors"][:45],
+            swiglu_limits=flash_config_dict()["swiglu_limits"][:45],
+            swiglu_limits_shared=flash_config_dict()["swiglu_limits_shared"][:45],
+        )
+    )
     assert cfg.num_total_layers == 45

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import safetensors
-import torch
 
 from step35 import config as config_module
 from step35.checkpoint.errors import CheckpointError
@@ -37,13 +36,20 @@ from step35.checkpoint.hf.folder import INDEX_FILE, read_tensor_infos
 from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.config import ConfigError, ConfigWarning, Step35Config, load_config, preset
 from step35.module import Step35LightningModule
-
 from tests.helpers import flash_config_dict, tiny_config_dict, tiny_model
 
 LLAMA_CONFIG = {  # a llama config.json, as transformers writes it (shortened)
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "transformers_version": "4.43.0",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0",
 }
 
 
@@ -71,11 +77,14 @@ def test_another_models_config_json_is_refused_by_model_type(tmp_path):
     assert "layer_types" not in message  # not some unrelated field of Step-3.5's
 
 
-@pytest.mark.parametrize("changes,found", [
-    ({"architectures": ["LlamaForCausalLM"]}, "'LlamaForCausalLM'"),  # step3p5 model_type, foreign class
-    ({"model_type": None, "architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM'"),
-    ({"architectures": "Step3p5ForCausalLM"}, "list of class names"),
-])
+@pytest.mark.parametrize(
+    "changes,found",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "'LlamaForCausalLM'"),  # step3p5 model_type, foreign class
+        ({"model_type": None, "architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM'"),
+        ({"architectures": "Step3p5ForCausalLM"}, "list of class names"),
+    ],
+)
 def test_foreign_architectures_are_refused(tmp_path, changes, found):
     raw = {k: v for k, v in {**tiny_config_dict(), **changes}.items() if v is not None}
     path = _write(tmp_path, raw)
@@ -146,8 +155,14 @@ def hf_folder(tmp_path_factory) -> Path:
 def _layers(n: int, mtp: int = 1) -> dict:
     """Overrides for a config of `n` main layers that is valid in itself (every per-layer list as long)."""
     total = n + mtp
-    return {"num_hidden_layers": n, "layer_types": ["sliding_attention"] * total, "rope_theta": 10000.0,
-            "partial_rotary_factors": [], "swiglu_limits": [], "swiglu_limits_shared": []}
+    return {
+        "num_hidden_layers": n,
+        "layer_types": ["sliding_attention"] * total,
+        "rope_theta": 10000.0,
+        "partial_rotary_factors": [],
+        "swiglu_limits": [],
+        "swiglu_limits_shared": [],
+    }
 
 
 def test_layer_count_typo_is_refused_before_building(hf_folder):
@@ -173,18 +188,32 @@ def test_config_json_layer_typo_is_refused_by_load_pretrained(hf_folder, tmp_pat
     raw.update(_layers(100000))
     (path / "config.json").write_text(json.dumps(raw))
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match=r"num_hidden_layers=100000 needs model.layers.0-99999, but .* holds "
-                                              r"5 main and 1 MTP layers"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"num_hidden_layers=100000 needs model.layers.0-99999, but .* holds "
+        r"5 main and 1 MTP layers",
+    ):
         load_pretrained(path)
     assert time.perf_counter() - start < 5
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    ({"hidden_size": 256}, "config hidden_size=256, but {path} holds model.embed_tokens.weight of shape [1024, 128]"),
-    ({"vocab_size": 2048}, "config vocab_size=2048, but {path} holds model.embed_tokens.weight of shape [1024, 128]"),
-    ({"moe_num_experts": 16}, "config moe_num_experts=16, but {path} holds model.layers.1.moe.gate.weight of shape "
-                              "[8, 128] (8 experts)"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            {"hidden_size": 256},
+            "config hidden_size=256, but {path} holds model.embed_tokens.weight of shape [1024, 128]",
+        ),
+        (
+            {"vocab_size": 2048},
+            "config vocab_size=2048, but {path} holds model.embed_tokens.weight of shape [1024, 128]",
+        ),
+        (
+            {"moe_num_experts": 16},
+            "config moe_num_experts=16, but {path} holds model.layers.1.moe.gate.weight of shape [8, 128] (8 experts)",
+        ),
+    ],
+)
 def test_shape_fields_are_named_with_what_the_folder_holds(hf_folder, overrides, expected):
     with pytest.raises(CheckpointError) as err:
         Step35LightningModule(checkpoint=str(hf_folder), config_overrides=overrides)
@@ -195,8 +224,11 @@ def test_mtp_layers_are_compared_with_those_built(tmp_path):
     path = tmp_path / "no_mtp"
     save_pretrained(tiny_model(seed=2, num_mtp_layers=0), path)  # config says 1 MTP layer, none stored
     assert load_pretrained(path, num_mtp_layers=0).num_mtp_layers == 0  # builds none: loads as before
-    with pytest.raises(CheckpointError, match=r"num_nextn_predict_layers=1 \(1 MTP layers built\) needs "
-                                              r"model.layers.5-5, but .* holds 5 main and 0 MTP layers"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"num_nextn_predict_layers=1 \(1 MTP layers built\) needs "
+        r"model.layers.5-5, but .* holds 5 main and 0 MTP layers",
+    ):
         load_pretrained(path)
 
 

@@ -31,8 +31,9 @@ def test_production_recipe_is_consistent(path):
 
 @pytest.mark.parametrize("path", sorted(RECIPES))
 def test_production_recipe_parses_with_overrides(path, step35_here):
-    code, out, err = step35_here("fit", "--config", path, "--model.checkpoint=/ckpt", "--data.files=/corpus/*.jsonl",
-                                 "--print_config")
+    code, out, err = step35_here(
+        "fit", "--config", path, "--model.checkpoint=/ckpt", "--data.files=/corpus/*.jsonl", "--print_config"
+    )
     assert code == 0, err[-3000:]
     printed = yaml.safe_load(out)
     assert printed["model"]["checkpoint"] == "/ckpt" and printed["data"]["files"] == "/corpus/*.jsonl"
@@ -49,7 +50,17 @@ def test_checkpoint_tokenizer_is_used_when_data_names_none(tmp_path, builtin_cac
     save_pretrained(model, tmp_path / "hf")
     for f in builtin_tokenizer_dir(cache_dir=builtin_cache).iterdir():
         shutil.copy(f, tmp_path / "hf" / f.name)  # a checkpoint folder ships its tokenizer files
-    cli = Step35CLI(Step35LightningModule, Step35DataModule, run=False, save_config_callback=None,
-                    args=["--config", str(ROOT / "configs/tiny.yaml"), f"--model.checkpoint={tmp_path / 'hf'}",
-                          f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    cli = Step35CLI(
+        Step35LightningModule,
+        Step35DataModule,
+        run=False,
+        save_config_callback=None,
+        args=[
+            "--config",
+            str(ROOT / "configs/tiny.yaml"),
+            f"--model.checkpoint={tmp_path / 'hf'}",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ],
+    )
     assert cli.datamodule.hparams.tokenizer == str(tmp_path / "hf")

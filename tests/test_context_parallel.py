@@ -59,8 +59,9 @@ def test_share_attention_equals_whole_sequence_attention(cp, docs):
             uses_halo = shard.uses_halo(window)
             assert uses_halo == (window is not None and 1 < window <= c + 1)
             got = attention(q[:, :, p], k[:, :, p], v[:, :, p], window, 0.3, documents=shard)
-            torch.testing.assert_close(got, whole[:, :, p], rtol=1e-5, atol=1e-6,
-                                       msg=f"cp {cp} rank {r} window {window}")
+            torch.testing.assert_close(
+                got, whole[:, :, p], rtol=1e-5, atol=1e-6, msg=f"cp {cp} rank {r} window {window}"
+            )
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -99,8 +100,15 @@ def test_position_mask_flex_attention_forward_matches_on_cpu():
         else:
             n = window - 1
             halo = shard.halo(None, n)
-            keys = torch.cat([halo[..., :n, :], torch.stack([k, v])[..., p[:c], :], halo[..., n:, :],
-                              torch.stack([k, v])[..., p[c:], :]], dim=-2)
+            keys = torch.cat(
+                [
+                    halo[..., :n, :],
+                    torch.stack([k, v])[..., p[:c], :],
+                    halo[..., n:, :],
+                    torch.stack([k, v])[..., p[c:], :],
+                ],
+                dim=-2,
+            )
             before = torch.arange(-n, 0)
             k_pos = torch.cat([p[0] + before, p[:c], torch.full((n,), -1), p[c:]])  # rank 1 of 2: chunks adjacent
             mask = PositionMask(p, k_pos, documents.ids[:, p], documents.ids[:, k_pos.clamp(min=0)])
@@ -110,19 +118,28 @@ def test_position_mask_flex_attention_forward_matches_on_cpu():
 
 # ------------------------------------------------------------------------------ bad sizes
 def test_bad_sizes_are_refused_with_the_valid_ones():
-    with pytest.raises(ParallelConfigError, match=r"context_parallel_size=8 is larger than the world size 4 "
-                                                  r"\(valid: \[1, 2, 4\]\)"):
+    with pytest.raises(
+        ParallelConfigError,
+        match=r"context_parallel_size=8 is larger than the world size 4 "
+        r"\(valid: \[1, 2, 4\]\)",
+    ):
         ParallelDims(4, context_parallel_size=8)
-    with pytest.raises(ParallelConfigError, match=r"context_parallel_size=3 must divide the world size 4 "
-                                                  r"\(valid: \[1, 2, 4\]\)"):
+    with pytest.raises(
+        ParallelConfigError,
+        match=r"context_parallel_size=3 must divide the world size 4 "
+        r"\(valid: \[1, 2, 4\]\)",
+    ):
         ParallelDims(4, context_parallel_size=3)
     with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=3 must divide num_experts=8"):
         ParallelDims(6, 3, num_experts=8, context_parallel_size=2)
     dims = ParallelDims(8, 2, num_experts=8, context_parallel_size=4)
     assert (dims.data_parallel_size, dims.data_parallel_rank(5)) == (2, 1)
     dims.check_seq_len(64)
-    with pytest.raises(ParallelConfigError, match=r"context_parallel_size=4 needs data.seq_len divisible by 2 x cp = 8 "
-                                                  r".*data.seq_len=36 .*valid cp sizes for this world size 8: \[1, 2\]"):
+    with pytest.raises(
+        ParallelConfigError,
+        match=r"context_parallel_size=4 needs data.seq_len divisible by 2 x cp = 8 "
+        r".*data.seq_len=36 .*valid cp sizes for this world size 8: \[1, 2\]",
+    ):
         dims.check_seq_len(36)
     assert valid_cp_sizes(8, 36) == [1, 2]
 
@@ -132,8 +149,11 @@ def test_a_sequence_the_split_cannot_cut_is_refused_at_forward_time_as_at_setup(
 
     cp = ContextParallel.__new__(ContextParallel)  # the length check comes before any communication
     cp.size, cp.rank, cp.world_size = 4, 0, 8
-    with pytest.raises(ParallelConfigError, match=r"context_parallel_size=4 needs data.seq_len divisible by 2 x cp = 8 "
-                                                  r".*data.seq_len=36 .*valid cp sizes for this world size 8: \[1, 2\]"):
+    with pytest.raises(
+        ParallelConfigError,
+        match=r"context_parallel_size=4 needs data.seq_len divisible by 2 x cp = 8 "
+        r".*data.seq_len=36 .*valid cp sizes for this world size 8: \[1, 2\]",
+    ):
         cp.split(torch.zeros(1, 36, dtype=torch.long))
 
 
@@ -141,8 +161,11 @@ def test_halo_longer_than_a_chunk_is_refused():
     from step35.parallel.context import ContextParallel
 
     cp = ContextParallel.__new__(ContextParallel)  # the size check comes before any communication
-    with pytest.raises(ParallelConfigError, match=r"a halo of 9 keys does not fit in one chunk of 8 tokens: a sliding "
-                                                  r"window longer than chunk \+ 1 = 9 must gather"):
+    with pytest.raises(
+        ParallelConfigError,
+        match=r"a halo of 9 keys does not fit in one chunk of 8 tokens: a sliding "
+        r"window longer than chunk \+ 1 = 9 must gather",
+    ):
         cp.halo(torch.zeros(1, 1, 16, 4), 9)
 
 
@@ -178,8 +201,9 @@ def test_cp_with_ep_matches_one_process(request, tmp_path, cp, ac):
     if (cp, ac) in CP_CASES:
         results = request.getfixturevalue("four_ranks")[f"cp{cp}_{ac}"]
     else:
-        results = run_dist_script(SCRIPT, tmp_path / f"cp{cp}.pt", 4, "--cp", str(cp), "--ep", "2", "--ac", ac,
-                                  timeout=500)
+        results = run_dist_script(
+            SCRIPT, tmp_path / f"cp{cp}.pt", 4, "--cp", str(cp), "--ep", "2", "--ac", ac, timeout=500
+        )
     assert len(results) == 4
     for case, r in results.items():
         assert r["missing"] == [], (case, r["missing"])
@@ -194,9 +218,15 @@ def test_cp_with_ep_matches_one_process(request, tmp_path, cp, ac):
 
 
 def test_fit_refuses_a_cp_larger_than_the_world(tmp_path, builtin_cache, capfd):
-    proc = cli_fit(capfd, write_run_config(tmp_path), tmp_path / "run", builtin_cache,
-                   "--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.context_parallel_size=2",
-                   check=False)
+    proc = cli_fit(
+        capfd,
+        write_run_config(tmp_path),
+        tmp_path / "run",
+        builtin_cache,
+        "--trainer.strategy=step35.strategy.Step35Strategy",
+        "--trainer.strategy.context_parallel_size=2",
+        check=False,
+    )
     assert proc.returncode != 0
     assert "context_parallel_size=2 is larger than the world size 1 (valid: [1])" in proc.stderr, proc.stderr[-3000:]
 

@@ -457,5 +457,7 @@ def test_a_save_to_disk_folder_as_hub_dataset_or_files(tmp_path, corpus, word_to
     for data in ({"hub_dataset": options["files"]}, options):
         dm = Step35DataModule(**data, tokenizer=str(word_tokenizer), seq_len=8, val_fraction=0)
         dm.setup("fit")
-        assert [Path(p.path).name for p in dm._train_sources[0].parts] == [f"data-0000{k}-of-00003.arrow" for k in range(3)]
+        assert [Path(p.path).name for p in dm._train_sources[0].parts] == [
+            f"data-0000{k}-of-00003.arrow" for k in range(3)
+        ]
         assert next(iter(dm.train_dataloader()))["input_ids"].shape == (4, 9)

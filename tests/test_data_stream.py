@@ -173,7 +173,7 @@ def test_file_formats(tmp_path):
     # Cursors resume inside a file: a paragraph by byte offset, a parquet row past skipped row groups.
     source = FileSource("s", paths[2:3] + paths[4:], txt_mode="paragraph", shuffle=False)
     docs = list(source.documents(Cursor(), 0, 1, BadRecords("s", False), False))
-    for k, (start, _, text) in enumerate(docs):
+    for k, (start, _, _text) in enumerate(docs):
         again = [t for _, _, t in source.documents(start, 0, 1, BadRecords("s", False), False)]
         assert again == [t for _, _, t in docs[k:]]
 
@@ -196,7 +196,13 @@ def test_bad_records_are_skipped_counted_and_reported_with_file_and_line(tmp_pat
     assert texts == ["d1 w1", "d8 w8"]
     assert bad.count == 5
     reports = [str(w.message) for w in caught]
-    expected = [(2, "invalid JSON"), (3, "UTF-8"), (4, "no 'text' field"), (5, "not a string"), (7, "not a JSON object")]
+    expected = [
+        (2, "invalid JSON"),
+        (3, "UTF-8"),
+        (4, "no 'text' field"),
+        (5, "not a string"),
+        (7, "not a JSON object"),
+    ]
     for line, why in expected:
         assert any(f"bad.jsonl:{line}:" in r and why in r for r in reports), (line, reports)
 

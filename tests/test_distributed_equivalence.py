@@ -22,9 +22,17 @@ pytestmark = pytest.mark.heavy  # a fixture trains under several processes
 SCRIPT = Path(__file__).parent / "dist" / "train_steps.py"
 REL = 1e-5
 # (world size, EP size, more options): every case of a world size runs in one job (tests/dist/cases.py).
-CASES = [(2, 1, ()), (2, 2, ()), (2, 2, ("--accum", "2")), (2, 2, ("--ac", "selective")),
-         (4, 1, ()), (4, 2, ()), (4, 4, ()), (4, 2, ("--accum", "2", "--ac", "full")),
-         (4, 2, ("--replicate", "2"))]
+CASES = [
+    (2, 1, ()),
+    (2, 2, ()),
+    (2, 2, ("--accum", "2")),
+    (2, 2, ("--ac", "selective")),
+    (4, 1, ()),
+    (4, 2, ()),
+    (4, 4, ()),
+    (4, 2, ("--accum", "2", "--ac", "full")),
+    (4, 2, ("--replicate", "2")),
+]
 BF16 = (2, 2, ("--param-dtype", "bfloat16"))
 
 

@@ -19,9 +19,19 @@ def token_loader(batch: int = 2, seq_len: int = 16, n: int = 32) -> torch.utils.
 
 
 def fit(module, callbacks, max_steps: int, **kw) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         gradient_clip_val=1.0, callbacks=callbacks, **kw)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+        **kw,
+    )
     trainer.fit(module, train_dataloaders=token_loader())
     return trainer
 
@@ -52,15 +62,20 @@ class Snapshots(pl.Callback):
     @staticmethod
     def _take(trainer, pl_module):
         opt = trainer.optimizers[0]
-        state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in pl_module.parameters()
-                 if p in opt.state}
-        return ({n: p.detach().clone() for n, p in pl_module.named_parameters()}, state,
-                [moe.router_bias.clone() for _, moe in moe_layers(pl_module.model)])
+        state = {
+            id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in pl_module.parameters() if p in opt.state
+        }
+        return (
+            {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            state,
+            [moe.router_bias.clone() for _, moe in moe_layers(pl_module.model)],
+        )
 
 
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        same(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a)
+        same(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a
+    )
 
 
 def test_nan_gradient_skips_the_step_and_leaves_everything_unchanged():
@@ -147,5 +162,12 @@ def test_guard_hook_sees_every_micro_batch_before_clipping():
     log = []
     module = RecordingModule(log, config="tiny", warmup_steps=1)
     fit(module, [HookOrder(log)], max_steps=1, accumulate_grad_batches=2)
-    assert log == ["training_step", "backward", "training_step", "backward", "callback.on_before_optimizer_step",
-                   "configure_gradient_clipping", "optimizer_step done"]
+    assert log == [
+        "training_step",
+        "backward",
+        "training_step",
+        "backward",
+        "callback.on_before_optimizer_step",
+        "configure_gradient_clipping",
+        "optimizer_step done",
+    ]

@@ -38,7 +38,7 @@ def test_document_positions_bruteforce():
     expected = []
     for row in ids.tolist():
         pos, p = [], 0
-        for t, token in enumerate(row):
+        for token in row:
             pos.append(p)
             p = 0 if token == EOS else p + 1
         expected.append(pos)
@@ -80,9 +80,9 @@ def test_packed_window_equals_each_document_alone(mtp):
     start = 0
     for d, own in zip(docs, alone):
         # token t of a document predicts its token t + 1; the EOS's target lies in the next document
-        torch.testing.assert_close(masked[start:start + len(d) - 1], own, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(masked[start : start + len(d) - 1], own, atol=2e-5, rtol=2e-5)
         start += len(d)
-    assert not torch.allclose(masked[DOC_LENGTHS[0]:], unmasked[DOC_LENGTHS[0]:], atol=1e-3)
+    assert not torch.allclose(masked[DOC_LENGTHS[0] :], unmasked[DOC_LENGTHS[0] :], atol=1e-3)
 
     weight = 0.3 if mtp else 0.0
 
@@ -121,9 +121,17 @@ def test_datamodule_delivers_positions_and_module_uses_them(tmp_path, builtin_ca
 
     module = Step35LightningModule(config="tiny", mtp_loss_weight=0.0, lr=0.0, warmup_steps=1)
     record = FirstLoss()
-    pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-               callbacks=[record]).fit(module, datamodule=Step35DataModule(document_masking=True, **kw))
+    pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[record],
+    ).fit(module, datamodule=Step35DataModule(document_masking=True, **kw))
 
     data = Step35DataModule(document_masking=True, **kw)
     data.setup("fit")

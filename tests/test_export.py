@@ -10,17 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
+from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.training import keys
 from step35.checkpoint.training.export import export_checkpoint
-from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
-from step35.run import checkpoint_of
-from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.cli import main
 from step35.data import Step35DataModule
 from step35.data.builtin import builtin_tokenizer_dir
 from step35.data.tokenizer import TextTokenizer
 from step35.model import Step35ForCausalLM
 from step35.module import Step35LightningModule
+from step35.run import checkpoint_of
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,17 @@ def test_tokenizer_travels_inside_the_checkpoint(tiny_run, builtin_cache):
 
 def test_export_to_bf16_keeps_router_bias_fp32(tiny_run, tmp_path):
     run, model = tiny_run
-    main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "hf"),
-          "--dtype", "bfloat16"])
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(run / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(tmp_path / "hf"),
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     loaded = load_pretrained(tmp_path / "hf")
     assert loaded.config.torch_dtype == "bfloat16"
     assert loaded.lm_head.weight.dtype == torch.bfloat16
@@ -134,18 +143,22 @@ def release_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
     model = Step35ForCausalLM(Step35LightningModule(config="tiny").model_config)
     model.init_weights(1)
     save_pretrained(model, path)
-    extra = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                               "special_tokens_map.json")}
-    extra.update({
-        "configuration_step3p5.py": b"# remote code: the config class\nclass Step3p5Config: ...\n",
-        "modeling_step3p5.py": b"# remote code: the model class\nfrom .moe_utils_step3p5 import route\n"
-                               b"class Step3p5ForCausalLM: ...\n",
-        "moe_utils_step3p5.py": b"def route(): ...\n",
-        "generation_config.json": b'{"bos_token_id": 0, "eos_token_id": [0], "do_sample": true}\n',
-        "chat_template.jinja": b"{% for m in messages %}{{ m.content }}{% endfor %}",
-        "LICENSE": b"Apache License 2.0 \xc2\xa9 someone\n",
-        "README.md": b"---\nlicense: apache-2.0\n---\n# a model\n",
-    })
+    extra = {
+        name: (builtin / name).read_bytes()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    }
+    extra.update(
+        {
+            "configuration_step3p5.py": b"# remote code: the config class\nclass Step3p5Config: ...\n",
+            "modeling_step3p5.py": b"# remote code: the model class\nfrom .moe_utils_step3p5 import route\n"
+            b"class Step3p5ForCausalLM: ...\n",
+            "moe_utils_step3p5.py": b"def route(): ...\n",
+            "generation_config.json": b'{"bos_token_id": 0, "eos_token_id": [0], "do_sample": true}\n',
+            "chat_template.jinja": b"{% for m in messages %}{{ m.content }}{% endfor %}",
+            "LICENSE": b"Apache License 2.0 \xc2\xa9 someone\n",
+            "README.md": b"---\nlicense: apache-2.0\n---\n# a model\n",
+        }
+    )
     for name, content in extra.items():
         (path / name).write_bytes(content)
     (path / "docs").mkdir()
@@ -160,9 +173,17 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     extra = release_like_folder(source, builtin_tokenizer_dir(cache_dir=builtin_cache))
     module = Step35LightningModule(checkpoint=str(source), lr=1e-2, warmup_steps=1)
     data = Step35DataModule(tokenizer=str(source), seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path / "run",
-                         enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path / "run",
+        enable_checkpointing=False,
+    )
     trainer.fit(module, datamodule=data)
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     report = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "hf")
@@ -173,8 +194,9 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     assert not {"docs", ".gitattributes", "convert_weights.py"} & {p.name for p in out.iterdir()}
     config, released = (json.loads((p / "config.json").read_text()) for p in (out, source))
     assert config["auto_map"] == released["auto_map"] and config["architectures"] == released["architectures"]
-    assert {k: v for k, v in config.items() if k not in ("eos_token_id", "bos_token_id")} == \
-           {k: v for k, v in released.items() if k not in ("eos_token_id", "bos_token_id")}
+    assert {k: v for k, v in config.items() if k not in ("eos_token_id", "bos_token_id")} == {
+        k: v for k, v in released.items() if k not in ("eos_token_id", "bos_token_id")
+    }
     # The folder's tokenizer says EOS 0 and no BOS, its config [1] and 0: fixed, and said so.
     assert config["eos_token_id"] == [0] and config["bos_token_id"] is None
     assert any(note.startswith("eos_token_id [1] -> [0]") for note in report.notes), report.notes
@@ -185,8 +207,17 @@ def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin
     source.rename(tmp_path / "moved")
     with pytest.raises(SystemExit, match=r"release: the run started from this HF folder .* pass --source"):
         main(["export", "--checkpoint", str(tmp_path / "run.ckpt"), "--out", str(tmp_path / "hf2")])
-    main(["export", "--checkpoint", str(tmp_path / "run.ckpt"), "--out", str(tmp_path / "hf2"),
-          "--source", str(tmp_path / "moved")])
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "run.ckpt"),
+            "--out",
+            str(tmp_path / "hf2"),
+            "--source",
+            str(tmp_path / "moved"),
+        ]
+    )
     assert (tmp_path / "hf2" / "modeling_step3p5.py").read_bytes() == extra["modeling_step3p5.py"]
 
 
@@ -208,14 +239,25 @@ def home_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
     published: a key, cloud credentials, a subfolder. Returns the files an export may take from it."""
     from step35.config import preset
 
-    public = {name: (builtin / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                                "special_tokens_map.json", "chat_template.jinja")}
-    public.update({"README.md": b"# my model\n", "LICENSE": b"MIT\n",
-                   "generation_config.json": b'{"eos_token_id": 0}\n',
-                   "configuration_step3p5.py": b"class Step3p5Config: ...\n",
-                   "modeling_step3p5.py": b"class Step3p5ForCausalLM: ...\n"})
-    private = {"id_rsa": b"-----BEGIN OPENSSH PRIVATE KEY-----\n", ".aws/credentials": b"[default]\naws_secret=x\n",
-               "projects/README.md": b"# another project\n", "notes.txt": b"passwords\n"}
+    public = {
+        name: (builtin / name).read_bytes()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+    }
+    public.update(
+        {
+            "README.md": b"# my model\n",
+            "LICENSE": b"MIT\n",
+            "generation_config.json": b'{"eos_token_id": 0}\n',
+            "configuration_step3p5.py": b"class Step3p5Config: ...\n",
+            "modeling_step3p5.py": b"class Step3p5ForCausalLM: ...\n",
+        }
+    )
+    private = {
+        "id_rsa": b"-----BEGIN OPENSSH PRIVATE KEY-----\n",
+        ".aws/credentials": b"[default]\naws_secret=x\n",
+        "projects/README.md": b"# another project\n",
+        "notes.txt": b"passwords\n",
+    }
     for name, content in {**public, **private}.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(content)
@@ -231,13 +273,16 @@ def copied_lines(stdout: str) -> dict[str, str]:
 
 def written_files(out: Path) -> set[str]:
     """Every file of an HF folder but its weights, index, config.json and manifest, recursively."""
-    return {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
-        "config.json", "model.safetensors.index.json", "step35.manifest.json"} - {
-        p.name for p in out.glob("model-*.safetensors")}
+    return (
+        {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+        - {"config.json", "model.safetensors.index.json", "step35.manifest.json"}
+        - {p.name for p in out.glob("model-*.safetensors")}
+    )
 
 
-def test_export_copies_only_known_file_kinds_of_the_folder_a_checkpoint_names(tiny_run, tmp_path, builtin_cache,
-                                                                               capsys):
+def test_export_copies_only_known_file_kinds_of_the_folder_a_checkpoint_names(
+    tiny_run, tmp_path, builtin_cache, capsys
+):
     home = tmp_path / "home"
     public = home_like_folder(home, builtin_tokenizer_dir(cache_dir=builtin_cache))
     ckpt = planted_checkpoint(tiny_run, tmp_path / "planted.ckpt", checkpoint=str(home))
@@ -253,8 +298,9 @@ def test_export_copies_only_known_file_kinds_of_the_folder_a_checkpoint_names(ti
     assert copied["modeling_step3p5.py"] == str(home / "modeling_step3p5.py")  # named by auto_map
     assert f"files besides the weights taken from {home}, the HF folder the run started from" in said.err
     assert f"left out of {home}: .aws, id_rsa, notes.txt, projects (only known HF file kinds" in said.err
-    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoConfig"] == \
-           "configuration_step3p5.Step3p5Config"
+    assert (
+        json.loads((out / "config.json").read_text())["auto_map"]["AutoConfig"] == "configuration_step3p5.Step3p5Config"
+    )
 
 
 def test_source_option_wins_over_the_folder_the_checkpoint_names(tiny_run, tmp_path, builtin_cache, capsys):
@@ -271,8 +317,9 @@ def test_source_option_wins_over_the_folder_the_checkpoint_names(tiny_run, tmp_p
     assert not [origin for origin in copied.values() if str(home) in origin], copied
 
 
-def test_an_old_checkpoint_names_its_config_and_tokenizer_folders_known_files_only(tiny_run, tmp_path,
-                                                                                  builtin_cache, capsys):
+def test_an_old_checkpoint_names_its_config_and_tokenizer_folders_known_files_only(
+    tiny_run, tmp_path, builtin_cache, capsys
+):
     """Without a saved model config or tokenizer, export reads the ones the hyper-parameters name:
     only a config.json (any other file is refused) and the tokenizer files, each said aloud."""
     home = tmp_path / "home"
@@ -300,13 +347,21 @@ def test_libraries_import_no_command():
     commands = ("step35.commands", "step35.cli", "step35.function_cli", "step35.generate", "step35.plan")
     offenders = []
     for file in package.rglob("*.py"):
-        if file.is_relative_to(package / "commands") or file.is_relative_to(package / "plan") or \
-                file.name in ("cli.py", "__main__.py"):
+        if (
+            file.is_relative_to(package / "commands")
+            or file.is_relative_to(package / "plan")
+            or file.name in ("cli.py", "__main__.py")
+        ):
             continue
         forbidden = commands if file.is_relative_to(package / "checkpoint") else commands[:1]
         for node in ast.walk(ast.parse(file.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             offenders += [f"{file.relative_to(package)}: {n}" for n in names if n.startswith(forbidden)]
     assert not offenders
 

@@ -31,6 +31,7 @@ from step35.cli import main
 
 def snapshot(root: Path) -> dict[str, object]:
     """Everything under `root` (or the file `root`): {relative path: bytes | 'dir' | 'link -> target'}."""
+
     def entry(path: Path) -> object:
         if path.is_symlink():
             return f"link -> {os.readlink(path)}"
@@ -72,9 +73,11 @@ def test_an_unrelated_folder_or_file_is_refused_unless_overwrite(run_copy, tmp_p
     file = tmp_path / "notes.txt"
     file.write_text("do not lose\n")
     before = snapshot(tmp_path)
-    refused(["--checkpoint", str(run_copy), "--out", str(folder)],
-            r"--out .*mine exists \(a folder of 2 entries\) and is not a folder step35 exported: refused; pass "
-            r"--overwrite")
+    refused(
+        ["--checkpoint", str(run_copy), "--out", str(folder)],
+        r"--out .*mine exists \(a folder of 2 entries\) and is not a folder step35 exported: refused; pass "
+        r"--overwrite",
+    )
     refused(["--checkpoint", str(run_copy), "--out", str(file)], r"notes.txt exists \(a file\) .* --overwrite")
     assert snapshot(tmp_path) == before
     main(["export", "--checkpoint", str(run_copy), "--out", str(folder), "--overwrite", "true"])
@@ -82,23 +85,38 @@ def test_an_unrelated_folder_or_file_is_refused_unless_overwrite(run_copy, tmp_p
     assert snapshot(file) == {".": b"do not lose\n"}
 
 
-@pytest.mark.parametrize("out, match", [
-    ("parent/run", r"--out .*parent/run is the run folder of the checkpoint, which this export reads: refused, even "
-                   r"with --overwrite"),
-    ("parent/run/checkpoints", r"--out .*checkpoints holds the checkpoint \(.*step=000003.ckpt\), which this export "
-                               r"reads: refused, even with --overwrite"),
-    ("parent", r"--out .*parent holds the checkpoint .* refused, even with --overwrite"),
-    ("parent/run/checkpoints/step=000003.ckpt", r"is the checkpoint, which this export reads: refused, even"),
-    ("parent/run/checkpoints/step=000003.ckpt/hf", r"lies inside the checkpoint .* refused, even with --overwrite"),
-    ("parent/run/csv", r"--out .*csv: csv is part of the run folder .*/run, not an export: refused, even with "
-                       r"--overwrite; export to a new name there \(e.g. .*run/hf\)"),
-    ("parent/run/config.yaml", r"config.yaml is part of the run folder"),
-    ("parent/run/checkpoints/hf", r"checkpoints is part of the run folder"),
-])
+@pytest.mark.parametrize(
+    "out, match",
+    [
+        (
+            "parent/run",
+            r"--out .*parent/run is the run folder of the checkpoint, which this export reads: refused, even "
+            r"with --overwrite",
+        ),
+        (
+            "parent/run/checkpoints",
+            r"--out .*checkpoints holds the checkpoint \(.*step=000003.ckpt\), which this export "
+            r"reads: refused, even with --overwrite",
+        ),
+        ("parent", r"--out .*parent holds the checkpoint .* refused, even with --overwrite"),
+        ("parent/run/checkpoints/step=000003.ckpt", r"is the checkpoint, which this export reads: refused, even"),
+        ("parent/run/checkpoints/step=000003.ckpt/hf", r"lies inside the checkpoint .* refused, even with --overwrite"),
+        (
+            "parent/run/csv",
+            r"--out .*csv: csv is part of the run folder .*/run, not an export: refused, even with "
+            r"--overwrite; export to a new name there \(e.g. .*run/hf\)",
+        ),
+        ("parent/run/config.yaml", r"config.yaml is part of the run folder"),
+        ("parent/run/checkpoints/hf", r"checkpoints is part of the run folder"),
+    ],
+)
 @pytest.mark.parametrize("named", ["run folder", "last.ckpt", "checkpoint file"])
 def test_what_the_export_reads_is_never_replaced_even_with_overwrite(run_copy, tmp_path, out, match, named):
-    checkpoint = {"run folder": run_copy, "last.ckpt": run_copy / "checkpoints" / "last.ckpt",
-                  "checkpoint file": run_copy / "checkpoints" / "step=000003.ckpt"}[named]
+    checkpoint = {
+        "run folder": run_copy,
+        "last.ckpt": run_copy / "checkpoints" / "last.ckpt",
+        "checkpoint file": run_copy / "checkpoints" / "step=000003.ckpt",
+    }[named]
     before = snapshot(tmp_path)
     for overwrite in ([], ["--overwrite", "true"]):
         refused(["--checkpoint", str(checkpoint), "--out", str(tmp_path / out), *overwrite], match)
@@ -120,10 +138,15 @@ def lora_on_a_base(tmp_path_factory, builtin_cache):
 def test_a_lora_runs_base_is_never_replaced(lora_on_a_base, merge):
     run, base = lora_on_a_base
     before = snapshot(base.parent)
-    for out, match in [(base, r"--out .*base is the LoRA run's base \(model.checkpoint\), which this export reads: "
-                              r"refused, even with --overwrite"),
-                       (base / "hf", r"lies inside the LoRA run's base"),
-                       (base.parent, r"holds the checkpoint")]:
+    for out, match in [
+        (
+            base,
+            r"--out .*base is the LoRA run's base \(model.checkpoint\), which this export reads: "
+            r"refused, even with --overwrite",
+        ),
+        (base / "hf", r"lies inside the LoRA run's base"),
+        (base.parent, r"holds the checkpoint"),
+    ]:
         refused(["--checkpoint", str(run), "--out", str(out), "--overwrite", "true", *merge], match)
         assert snapshot(base.parent) == before
 
@@ -174,8 +197,10 @@ def test_a_checkpoint_pruned_while_read_gives_way_to_the_newest_intact_one(run_c
     prune_on_first_read(monkeypatch, newest)
     main(["export", "--checkpoint", str(run_copy), "--out", str(tmp_path / "hf")])
     said = capsys.readouterr()
-    assert (f"{newest} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
-            f"exporting {older}, the newest intact checkpoint now, instead") in said.err
+    assert (
+        f"{newest} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
+        f"exporting {older}, the newest intact checkpoint now, instead"
+    ) in said.err
     assert f"wrote {tmp_path / 'hf'} from {older}" in said.out
     assert load_pretrained(tmp_path / "hf") is not None
 
@@ -183,9 +208,11 @@ def test_a_checkpoint_pruned_while_read_gives_way_to_the_newest_intact_one(run_c
 def test_a_named_checkpoint_pruned_while_read_is_said_not_replaced(run_copy, tmp_path, monkeypatch):
     _, newest = two_checkpoint_run(run_copy)
     prune_on_first_read(monkeypatch, newest)
-    refused(["--checkpoint", str(newest), "--out", str(tmp_path / "hf")],
-            r"step=000003.ckpt: removed or replaced while it was being read \(a live run pruning its checkpoints, "
-            r"keep_last\?\); export the run folder")
+    refused(
+        ["--checkpoint", str(newest), "--out", str(tmp_path / "hf")],
+        r"step=000003.ckpt: removed or replaced while it was being read \(a live run pruning its checkpoints, "
+        r"keep_last\?\); export the run folder",
+    )
     assert not (tmp_path / "hf").exists()
 
 
@@ -214,8 +241,10 @@ def test_partials_of_dead_exports_are_removed_and_said_live_ones_kept(run_copy, 
     assert publish.partial_writer(dead) == (dead_pid(), here) and publish.partial_writer(old) == (dead_pid(), None)
     main(["export", "--checkpoint", str(run_copy), "--out", str(parent / "hf")])
     err = capsys.readouterr().err
-    assert f"removed {dead}, left by an export that was killed (its process, pid {dead_pid()} on this host, is gone)" \
+    assert (
+        f"removed {dead}, left by an export that was killed (its process, pid {dead_pid()} on this host, is gone)"
         in err
+    )
     assert f"left {old}: a partial copy written by an older step35" in err
     assert not dead.exists() and live.is_dir() and elsewhere.is_dir() and old.is_dir()
     assert str(live) not in err and str(elsewhere) not in err
@@ -242,11 +271,15 @@ def test_partial_names_carry_pid_and_host():
 
 
 # -------------------------------------------------------------------------------------------- 3. a full disk
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   OSError(errno.EDQUOT, "Disk quota exceeded"),
-                                   RuntimeError("Error while serializing: Os { code: 28, kind: StorageFull, "
-                                                "message: \"No space left on device\" }")],
-                         ids=["ENOSPC", "EDQUOT", "safetensors"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        OSError(errno.EDQUOT, "Disk quota exceeded"),
+        RuntimeError('Error while serializing: Os { code: 28, kind: StorageFull, message: "No space left on device" }'),
+    ],
+    ids=["ENOSPC", "EDQUOT", "safetensors"],
+)
 def test_a_full_disk_ends_in_one_line_with_the_partial_removed(run_copy, tmp_path, monkeypatch, error):
     import safetensors.torch
 
@@ -262,8 +295,10 @@ def test_a_full_disk_ends_in_one_line_with_the_partial_removed(run_copy, tmp_pat
         return real(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(safetensors.torch, "save_file", save_file_on_a_full_disk)
-    message = refused(["--checkpoint", str(run_copy), "--out", str(out), "--max_shard_size", "1MB"],
-                      r"^step35: export failed: no space left on device writing ")
+    message = refused(
+        ["--checkpoint", str(run_copy), "--out", str(out), "--max_shard_size", "1MB"],
+        r"^step35: export failed: no space left on device writing ",
+    )
     assert f"the partial export was removed; {out} is as it was before" in message
     assert len(calls) == 2 and snapshot(out) == before
     assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no partial left
@@ -276,9 +311,11 @@ def test_another_write_error_is_one_line_too(run_copy, tmp_path, monkeypatch):
         raise PermissionError(errno.EACCES, "Permission denied", str(filename))
 
     monkeypatch.setattr(safetensors.torch, "save_file", read_only)
-    refused(["--checkpoint", str(run_copy), "--out", str(tmp_path / "hf")],
-            r"^step35: export failed: Permission denied \(.*\.hf\.partial-.*shard-00001.safetensors\); the "
-            r"partial export was removed")
+    refused(
+        ["--checkpoint", str(run_copy), "--out", str(tmp_path / "hf")],
+        r"^step35: export failed: Permission denied \(.*\.hf\.partial-.*shard-00001.safetensors\); the "
+        r"partial export was removed",
+    )
     assert list(tmp_path.iterdir()) == [tmp_path / "parent"]
 
 
@@ -292,8 +329,11 @@ def umask_022():
 
 def modes(root: Path) -> dict[str, str]:
     """{relative path: octal mode} of every file and folder of `root` (`root` itself included)."""
-    return {p.relative_to(root.parent).as_posix(): oct(stat.S_IMODE(p.stat().st_mode))
-            for p in [root, *root.rglob("*")] if not p.is_symlink()}
+    return {
+        p.relative_to(root.parent).as_posix(): oct(stat.S_IMODE(p.stat().st_mode))
+        for p in [root, *root.rglob("*")]
+        if not p.is_symlink()
+    }
 
 
 def test_everything_step35_writes_is_0644_and_0755_under_umask_022(run_copy, lora_on_a_base, tmp_path, umask_022):
@@ -304,11 +344,16 @@ def test_everything_step35_writes_is_0644_and_0755_under_umask_022(run_copy, lor
     checkpoint = {"state_dict": {"model.w": torch.zeros(3)}, "global_step": 1, "epoch": 0}
     save_file(checkpoint, folder / "step=000001.ckpt")
     found = {**modes(tmp_path / "hf"), **modes(tmp_path / "adapter"), **modes(folder)}
-    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "hf/config.json",
-            "hf/step35.manifest.json", "ckpts/step=000001.ckpt", "ckpts/step=000001.ckpt.manifest.json"} <= set(found)
+    assert {
+        "adapter/adapter_model.safetensors",
+        "adapter/adapter_config.json",
+        "hf/config.json",
+        "hf/step35.manifest.json",
+        "ckpts/step=000001.ckpt",
+        "ckpts/step=000001.ckpt.manifest.json",
+    } <= set(found)
     assert len([name for name in found if name.startswith("hf/model-")]) > 1  # the shards
-    wrong = {name: mode for name, mode in found.items()
-             if mode != ("0o755" if (tmp_path / name).is_dir() else "0o644")}
+    wrong = {name: mode for name, mode in found.items() if mode != ("0o755" if (tmp_path / name).is_dir() else "0o644")}
     assert not wrong
 
 

@@ -33,19 +33,39 @@ def torchrun(args: list[str]) -> list[str]:
 
 
 def fit_args(run: Path, *extra: str, ranks: int = 2) -> list[str]:
-    strategy = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2",
-                "--trainer.devices=2"] if ranks == 2 else []
-    return ["fit", "--config", "configs/tiny.yaml", *strategy, "--trainer.val_check_interval=1000",
-            "--trainer.log_every_n_steps=1", "--data.seq_len=32", "--data.micro_batch_size=2",
-            "--model.decay_steps=40",  # the schedule must not depend on max_steps (runs differ in it)
-            f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}",
-            "--trainer.logger.init_args.flush_logs_every_n_steps=1", *extra]
+    strategy = (
+        [
+            "--trainer.strategy=step35.strategy.Step35Strategy",
+            "--trainer.strategy.expert_parallel_size=2",
+            "--trainer.devices=2",
+        ]
+        if ranks == 2
+        else []
+    )
+    return [
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        *strategy,
+        "--trainer.val_check_interval=1000",
+        "--trainer.log_every_n_steps=1",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--model.decay_steps=40",  # the schedule must not depend on max_steps (runs differ in it)
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+        "--trainer.logger.init_args.flush_logs_every_n_steps=1",
+        *extra,
+    ]
 
 
 def checkpoint_every(n: int, dirpath: Path) -> list[str]:
-    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"--trainer.callbacks.every_n_train_steps={n}", "--trainer.callbacks.save_top_k=-1",
-            f"--trainer.callbacks.dirpath={dirpath}"]
+    return [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.every_n_train_steps={n}",
+        "--trainer.callbacks.save_top_k=-1",
+        f"--trainer.callbacks.dirpath={dirpath}",
+    ]
 
 
 def logged_steps(run: Path) -> int:
@@ -105,8 +125,11 @@ def test_a_rank_that_raises_ends_the_job_in_seconds_with_its_error_and_rank(tmp_
     # the teardown barrier for the 30-minute collective timeout, printing nothing).
     corpus = tmp_path / "one.jsonl"
     corpus.write_text('{"text": "a single short document about nothing much, said twice. a single short document."}\n')
-    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=5", f"--data.files={corpus}")),
-             tmp_path / "log.txt", builtin_cache) as job:
+    with Job(
+        torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=5", f"--data.files={corpus}")),
+        tmp_path / "log.txt",
+        builtin_cache,
+    ) as job:
         wait_for(lambda: "step35: run failed" in job.output(), 200, job, "the error")
         failed = time.monotonic()
         rc = job.wait(timeout=120)
@@ -116,7 +139,9 @@ def test_a_rank_that_raises_ends_the_job_in_seconds_with_its_error_and_rank(tmp_
     # < 60 s in all (about 20 s here, mostly start-up; on a loaded machine start-up alone can take a
     # minute, so the bound that matters is from the error to the end of the job)
     assert after_error < 20, f"{after_error:.0f} s after the error ({elapsed:.0f} s in all)\n{out[-4000:]}"
-    assert re.search(r"\[rank 1\] step35: run failed during '[^']+': RuntimeError: .*no usable document", out), out[-6000:]
+    assert re.search(r"\[rank 1\] step35: run failed during '[^']+': RuntimeError: .*no usable document", out), out[
+        -6000:
+    ]
     assert "[rank 1] Traceback (most recent call last)" in out  # the traceback, each line with its rank
 
 
@@ -127,12 +152,21 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(
     # What `timeout`, a plain `kill` of the launcher or a scheduler signalling the launcher does:
     # torchrun forwards SIGTERM to every rank, the ranks agree on the stop at the next step boundary.
     steps = 10
-    full = Job(torchrun(fit_args(tmp_path / "full", f"--trainer.max_steps={steps}",
-                                 *checkpoint_every(steps, tmp_path / "full_ckpt"))), tmp_path / "full.txt", builtin_cache)
+    full = Job(
+        torchrun(
+            fit_args(
+                tmp_path / "full", f"--trainer.max_steps={steps}", *checkpoint_every(steps, tmp_path / "full_ckpt")
+            )
+        ),
+        tmp_path / "full.txt",
+        builtin_cache,
+    )
     with full:
         assert full.wait(timeout=300) == 0, full.output()[-6000:]
 
-    with Job(torchrun(fit_args(tmp_path / "cut", "--trainer.max_steps=500")), tmp_path / "cut.txt", builtin_cache) as job:
+    with Job(
+        torchrun(fit_args(tmp_path / "cut", "--trainer.max_steps=500")), tmp_path / "cut.txt", builtin_cache
+    ) as job:
         wait_for(lambda: logged_steps(tmp_path / "cut") >= 2, 240, job, "2 steps")
         _, stopped_in = stop_job(job, signal.SIGTERM)
         out = job.output()
@@ -140,13 +174,24 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(
     ckpt = preempt_checkpoint(tmp_path / "cut")
     step = preempt_step(ckpt)
     for rank in (0, 1):
-        assert f"[rank {rank}] step35: stopped by SIGTERM after step {step}; checkpoint {ckpt}; exit code 75" in out, out[-4000:]
+        assert f"[rank {rank}] step35: stopped by SIGTERM after step {step}; checkpoint {ckpt}; exit code 75" in out, (
+            out[-4000:]
+        )
     assert 2 <= step < steps, step  # mid-run: the resumed run has steps left to compare
     assert ckpt.is_dir() and (ckpt / "meta.pt").exists() and list(ckpt.glob("*.distcp"))
 
-    with Job(torchrun(fit_args(tmp_path / "resumed", f"--trainer.max_steps={steps}", f"--ckpt_path={ckpt}",
-                               *checkpoint_every(steps, tmp_path / "resumed_ckpt"))),
-             tmp_path / "resumed.txt", builtin_cache) as job:
+    with Job(
+        torchrun(
+            fit_args(
+                tmp_path / "resumed",
+                f"--trainer.max_steps={steps}",
+                f"--ckpt_path={ckpt}",
+                *checkpoint_every(steps, tmp_path / "resumed_ckpt"),
+            )
+        ),
+        tmp_path / "resumed.txt",
+        builtin_cache,
+    ) as job:
         assert job.wait(timeout=300) == 0, job.output()[-6000:]
     a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(b) == list(range(step, steps)), sorted(b)  # metrics at 0-based steps
@@ -163,7 +208,9 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(
 def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_exit_code_75(tmp_path, builtin_cache):
     # A signal that reaches only some ranks (scancel / SLURM deliver to every task, but not at the
     # same instant): the step-boundary all_reduce makes every rank stop after the same step.
-    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
+    with Job(
+        torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache
+    ) as job:
         workers = two_ranks_after_two_steps(job, tmp_path / "run")
         sent = time.monotonic()
         workers[1].send_signal(signal.SIGTERM)
@@ -194,8 +241,11 @@ def test_sigusr1_on_the_single_process_run_checkpoints_and_exits_75(tmp_path, bu
     assert ckpt.is_file() and f"stopped by SIGUSR1 after step {step}" in out
     assert max(losses(tmp_path / "run")) == step - 1  # the stopped step's row (0-based) is in the CSV
     # It resumes: the next run starts at that step.
-    with Job(command(fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}", f"--ckpt_path={ckpt}", ranks=1)),
-             tmp_path / "resumed.txt", builtin_cache) as job:
+    with Job(
+        command(fit_args(tmp_path / "resumed", f"--trainer.max_steps={step + 2}", f"--ckpt_path={ckpt}", ranks=1)),
+        tmp_path / "resumed.txt",
+        builtin_cache,
+    ) as job:
         assert job.wait(timeout=200) == 0, job.output()[-4000:]
     assert sorted(losses(tmp_path / "resumed")) == [step, step + 1]
 
@@ -218,8 +268,9 @@ def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_an
     # Every backward takes over 3 s, the signal_grace_s option is 2 s: the grace derived from the
     # step time (3 x the slowest recent step) lets the stopped step finish (before: exit 76 after
     # 2 s of 'backward', no checkpoint, and "a peer" blamed in a one-process run).
-    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=500", *slow_backward("sleep_s=3"), *signal_grace(2),
-                           ranks=1))
+    cmd = command(
+        fit_args(tmp_path / "run", "--trainer.max_steps=500", *slow_backward("sleep_s=3"), *signal_grace(2), ranks=1)
+    )
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: backward_started(job, 3), 200, job, "the backward of step 3")  # step 2 timed (1: warm-up)
         rc, _ = stop_job(job, signal.SIGTERM)  # in the middle of the 3 s backward
@@ -234,16 +285,26 @@ def test_sigterm_during_a_step_slower_than_the_signal_grace_still_checkpoints_an
 @pytest.mark.heavy  # processes, signals and their exit codes
 @pytest.mark.timeout(300)
 def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_blaming_no_peer(tmp_path, builtin_cache):
-    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=500", *slow_backward("sleep_s=1", "stuck_at=4"),
-                           *signal_grace(1), ranks=1))
+    cmd = command(
+        fit_args(
+            tmp_path / "run",
+            "--trainer.max_steps=500",
+            *slow_backward("sleep_s=1", "stuck_at=4"),
+            *signal_grace(1),
+            ranks=1,
+        )
+    )
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: backward_started(job, 4), 200, job, "the backward of step 4")
         rc, ended_in = stop_job(job, signal.SIGTERM)
         out = job.output()
     assert rc == EXIT_STALLED, out[-4000:]
-    match = re.search(r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago, and 'backward \(step 4\)' has made no "
-                      r"progress for \d+ s since \(signal grace (\d+) s: 3 x the slowest of the last 2 steps \([\d.]+ s\)\): "
-                      r"this rank cannot reach the step boundary, no checkpoint", out)
+    match = re.search(
+        r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago, and 'backward \(step 4\)' has made no "
+        r"progress for \d+ s since \(signal grace (\d+) s: 3 x the slowest of the last 2 steps \([\d.]+ s\)\): "
+        r"this rank cannot reach the step boundary, no checkpoint",
+        out,
+    )
     assert match, out[-4000:]
     assert int(match.group(1)) >= 3 and ended_in < int(match.group(1)) + 10, (match.group(0), ended_in)
     assert "peer" not in out and "another rank" not in out
@@ -254,15 +315,23 @@ def test_a_one_process_run_stuck_after_sigterm_ends_76_after_the_derived_grace_b
 def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tmp_path, builtin_cache):
     # FaultTolerance runs after every other callback (Lightning puts Checkpoint callbacks last): its
     # phases are set by PhaseMarks, first in the list (before: reported as 'data: next batch').
-    cmd = command(fit_args(tmp_path / "run", "--trainer.max_steps=5",
-                           "--trainer.callbacks+=tests.dist.hooks.RaiseAtBatchStart", "--trainer.callbacks.at_step=2",
-                           ranks=1))
+    cmd = command(
+        fit_args(
+            tmp_path / "run",
+            "--trainer.max_steps=5",
+            "--trainer.callbacks+=tests.dist.hooks.RaiseAtBatchStart",
+            "--trainer.callbacks.at_step=2",
+            ranks=1,
+        )
+    )
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         rc = job.wait(timeout=200)
         out = job.output()
     assert rc == 1, out[-4000:]
-    head = ("[rank 0] step35: run failed during 'batch start hooks (step 2)': RuntimeError: "
-            "injected failure at the start of step 2")
+    head = (
+        "[rank 0] step35: run failed during 'batch start hooks (step 2)': RuntimeError: "
+        "injected failure at the start of step 2"
+    )
     assert out.count(head) == 2, out[-4000:]  # before and after the traceback, printed once
     assert "[rank 0] Traceback (most recent call last)" in out
 
@@ -273,7 +342,9 @@ def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tm
 def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path, builtin_cache):
     # An OOM kill of the launcher, `kill -9`, a supervisor: before, the ranks (in their own sessions,
     # re-parented) trained on, writing checkpoints beside the restarted job.
-    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache) as job:
+    with Job(
+        torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500")), tmp_path / "log.txt", builtin_cache
+    ) as job:
         workers = two_ranks_after_two_steps(job, tmp_path / "run")
         os.killpg(job.proc.pid, signal.SIGKILL)  # torchrun leads its process group; the ranks are not in it
         killed = time.monotonic()
@@ -285,8 +356,11 @@ def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path,
     print(f"ranks gone {gone_in:.1f} s after the SIGKILL of torchrun")
     assert gone_in < 10, f"{gone_in:.0f} s\n{out[-4000:]}"
     for rank in (0, 1):
-        assert re.search(rf"\[rank {rank}\] step35: the launcher \(pid {job.proc.pid}\) is gone \(this rank's parent is "
-                         rf"now pid \d+\) while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", out), out[-4000:]
+        assert re.search(
+            rf"\[rank {rank}\] step35: the launcher \(pid {job.proc.pid}\) is gone \(this rank's parent is "
+            rf"now pid \d+\) while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}",
+            out,
+        ), out[-4000:]
 
 
 # ----------------------------------------------------------------------------------- a rank that stops responding
@@ -294,14 +368,21 @@ def test_sigkill_to_torchrun_ends_every_rank_within_seconds_saying_why(tmp_path,
 @pytest.mark.timeout(400)
 def test_a_sigstopped_rank_ends_the_job_within_the_timeout_naming_the_phase(tmp_path, builtin_cache):
     timeout_s = 18  # timeout_minutes 0.3
-    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", "--trainer.strategy.timeout_minutes=0.3")),
-             tmp_path / "log.txt", builtin_cache) as job:
+    with Job(
+        torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", "--trainer.strategy.timeout_minutes=0.3")),
+        tmp_path / "log.txt",
+        builtin_cache,
+    ) as job:
         workers = two_ranks_after_two_steps(job, tmp_path / "run")
         stopped = time.monotonic()
         workers[1].send_signal(signal.SIGSTOP)
         # rank 0 notices by itself within the timeout (plus the watchdog's poll)...
-        wait_for(lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE,
-                 timeout_s + 20, job, "rank 0 exit")
+        wait_for(
+            lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE,
+            timeout_s + 20,
+            job,
+            "rank 0 exit",
+        )
         rank0_in = time.monotonic() - stopped
         # ...and torchrun ends the stopped rank: SIGTERM cannot reach it, SIGKILL follows after torchrun's
         # fixed 30 s grace (on a worker failure torchrun ignores --shutdown-timeout)
@@ -310,7 +391,9 @@ def test_a_sigstopped_rank_ends_the_job_within_the_timeout_naming_the_phase(tmp_
         out = job.output()
     assert timeout_s - 1 <= rank0_in < timeout_s + 15, f"{rank0_in:.0f} s\n{out[-4000:]}"
     assert job_in < timeout_s + 30 + 15, f"{job_in:.0f} s"
-    assert re.search(r"\[rank 0\] step35 watchdog: no progress for \d+ s \(timeout 18 s\) while in '[^']+'", out), out[-6000:]
+    assert re.search(r"\[rank 0\] step35 watchdog: no progress for \d+ s \(timeout 18 s\) while in '[^']+'", out), out[
+        -6000:
+    ]
     assert re.search(rf"exitcode\s+:\s*{EXIT_STALLED}\b", out), out[-3000:]
 
 
@@ -322,38 +405,49 @@ def test_sigterm_to_a_rank_blocked_by_a_stopped_peer_ends_it_after_the_signal_gr
     # It ends after the signal grace (3 s here), not after the collective timeout (10 min default)
     # or the launcher's SIGKILL.
     grace = ["--trainer.callbacks+=step35.callbacks.FaultTolerance", "--trainer.callbacks.signal_grace_s=3"]
-    with Job(torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", *grace)), tmp_path / "log.txt",
-             builtin_cache) as job:
+    with Job(
+        torchrun(fit_args(tmp_path / "run", "--trainer.max_steps=500", *grace)), tmp_path / "log.txt", builtin_cache
+    ) as job:
         workers = two_ranks_after_two_steps(job, tmp_path / "run")
         workers[1].send_signal(signal.SIGSTOP)
         time.sleep(2)  # rank 0 reaches the next collective with rank 1
         sent = time.monotonic()
         workers[0].send_signal(signal.SIGTERM)
-        wait_for(lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE,
-                 30, job, "rank 0 exit")
+        wait_for(
+            lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE, 30, job, "rank 0 exit"
+        )
         rank0_in = time.monotonic() - sent
         out = job.output()  # (torchrun's 30 s wait for the stopped rank is covered above; the job is killed here)
     assert rank0_in < 15, f"{rank0_in:.0f} s\n{out[-4000:]}"
-    assert re.search(r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago.*'[^']+' has made no progress "
-                     rf".*exit code {EXIT_STALLED}", out), out[-6000:]
+    assert re.search(
+        r"\[rank 0\] step35 watchdog: a stop signal arrived \d+ s ago.*'[^']+' has made no progress "
+        rf".*exit code {EXIT_STALLED}",
+        out,
+    ), out[-6000:]
 
 
 def test_watchdog_names_the_phase_and_exits_76(tmp_path):
     # The watchdog alone, in a plain process stuck in a named phase.
-    code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=3)\n"
-            "faults.set_phase('checkpoint save', step=7)\nw.start()\ntime.sleep(30)\n")
+    code = (
+        "import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=3)\n"
+        "faults.set_phase('checkpoint save', step=7)\nw.start()\ntime.sleep(30)\n"
+    )
     started = time.monotonic()
     proc = python(code)
     assert proc.returncode == EXIT_STALLED and time.monotonic() - started < 15
-    assert "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
+    assert (
+        "[rank 3] step35 watchdog: no progress for 1 s (timeout 1 s) while in 'checkpoint save (step 7)'" in proc.stderr
+    )
     assert "time.sleep(30)" in proc.stderr or "<string>" in proc.stderr  # the stacks follow
     assert "another rank" not in proc.stderr and "peer" not in proc.stderr  # one process: no peer to blame
 
 
 @pytest.mark.heavy  # processes, signals and their exit codes
 def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
-    code = ("import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=1, world_size=2)\n"
-            "w.start()\ntime.sleep(30)\n")
+    code = (
+        "import time\nfrom step35 import faults\nw = faults.Watchdog(1.0, rank=1, world_size=2)\n"
+        "w.start()\ntime.sleep(30)\n"
+    )
     proc = python(code)
     assert proc.returncode == EXIT_STALLED
     assert "Waiting there means another rank stopped responding or died" in proc.stderr, proc.stderr
@@ -363,20 +457,25 @@ def test_watchdog_of_a_multi_rank_run_points_at_the_peers(tmp_path):
 def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_one_process(tmp_path):
     # Steps of 2 s: after a SIGTERM, a phase may last 3 x 2 = 6 s (the option says 1 s) before the
     # watchdog gives up; a one-process run has no peer to blame.
-    code = ("import os, signal, time\nfrom step35 import faults\n"
-            "s = faults.StopSignals()\ns.install()\n"
-            "w = faults.Watchdog(60, rank=0, signals=s, signal_grace_s=1.0)\n"
-            "w.record_step(0.5)\nw.record_step(2.0)\nw.record_step(1.0)\n"
-            "faults.set_phase('backward', step=4)\nw.start()\n"
-            "os.kill(os.getpid(), signal.SIGTERM)\nstart = time.monotonic()\n"
-            "while time.monotonic() - start < 30:\n    time.sleep(0.5)\n"
-            "    print(f'alive {time.monotonic() - start:.1f}', flush=True)\n")
+    code = (
+        "import os, signal, time\nfrom step35 import faults\n"
+        "s = faults.StopSignals()\ns.install()\n"
+        "w = faults.Watchdog(60, rank=0, signals=s, signal_grace_s=1.0)\n"
+        "w.record_step(0.5)\nw.record_step(2.0)\nw.record_step(1.0)\n"
+        "faults.set_phase('backward', step=4)\nw.start()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\nstart = time.monotonic()\n"
+        "while time.monotonic() - start < 30:\n    time.sleep(0.5)\n"
+        "    print(f'alive {time.monotonic() - start:.1f}', flush=True)\n"
+    )
     proc = python(code)
     assert proc.returncode == EXIT_STALLED, proc.stderr
     alive = [float(line.split()[1]) for line in proc.stdout.splitlines()]
     assert 5.0 <= max(alive) < 9.0, alive  # not ended after the option's 1 s: after the derived 6 s
-    assert re.search(r"'backward \(step 4\)' has made no progress for \d+ s since \(signal grace 6 s: 3 x the slowest "
-                     r"of the last 3 steps \(2\.0 s\)\): this rank cannot reach the step boundary, no checkpoint", proc.stderr), proc.stderr
+    assert re.search(
+        r"'backward \(step 4\)' has made no progress for \d+ s since \(signal grace 6 s: 3 x the slowest "
+        r"of the last 3 steps \(2\.0 s\)\): this rank cannot reach the step boundary, no checkpoint",
+        proc.stderr,
+    ), proc.stderr
     assert "peer" not in proc.stderr and "another rank" not in proc.stderr
 
 
@@ -385,12 +484,14 @@ def test_signal_grace_grows_with_the_slowest_recent_step_and_blames_no_peer_in_o
 def test_a_sigterm_late_in_the_exit_after_a_preemption_does_not_change_the_exit_code(ignored):
     # torchrun SIGTERMs the other ranks as soon as one has exited with 75; one still finalizing then
     # died of it (-15): Python resets its handlers during finalization, SIG_IGN stays.
-    code = ("import builtins, os, signal, time\nfrom step35 import faults\n"
-            "signal.signal(signal.SIGTERM, lambda *a: None)\n"
-            f"if {ignored}: faults.ignore_at_exit((signal.SIGTERM,))\n"
-            "class Late:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(0.2)\n"
-            "builtins._late = Late()  # dropped late in the interpreter's finalization\n"
-            f"raise SystemExit({EXIT_PREEMPTED})\n")
+    code = (
+        "import builtins, os, signal, time\nfrom step35 import faults\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+        f"if {ignored}: faults.ignore_at_exit((signal.SIGTERM,))\n"
+        "class Late:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(0.2)\n"
+        "builtins._late = Late()  # dropped late in the interpreter's finalization\n"
+        f"raise SystemExit({EXIT_PREEMPTED})\n"
+    )
     proc = python(code)
     assert proc.returncode == (EXIT_PREEMPTED if ignored else -signal.SIGTERM), (proc.returncode, proc.stderr)
 
@@ -420,9 +521,11 @@ else:
 
 
 @pytest.mark.heavy  # processes, signals and their exit codes
-@pytest.mark.parametrize("launcher_env", [{"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0",
-                                          "WORLD_SIZE": "1"}, {"LOCAL_RANK": "1"}, {}],
-                         ids=["torchrun", "lightning", "shell"])
+@pytest.mark.parametrize(
+    "launcher_env",
+    [{"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, {"LOCAL_RANK": "1"}, {}],
+    ids=["torchrun", "lightning", "shell"],
+)
 def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shell_does_not(launcher_env):
     # (a STEP35_JOB left in this process by an in-process run is kept: a rank must not take it for its launcher's)
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
@@ -436,8 +539,11 @@ def test_a_rank_ends_itself_when_its_launcher_is_sigkilled_but_a_run_from_a_shel
     assert match and int(match.group(1)) == EXIT_ORPHANED, proc.stdout + proc.stderr
     assert float(match.group(2)) < 2.0  # the watch polls every 0.5 s
     rank = launcher_env.get("RANK", launcher_env.get("LOCAL_RANK"))  # Lightning's launcher sets LOCAL_RANK only
-    assert re.search(rf"\[rank {rank}\] step35: the launcher \(pid \d+\) is gone \(this rank's parent is now pid \d+\) "
-                     rf"while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}", proc.stderr), proc.stderr
+    assert re.search(
+        rf"\[rank {rank}\] step35: the launcher \(pid \d+\) is gone \(this rank's parent is now pid \d+\) "
+        rf"while in '[^']+': ending this rank with exit code {EXIT_ORPHANED}",
+        proc.stderr,
+    ), proc.stderr
 
 
 # ----------------------------------------------------------------------------------- restarts
@@ -447,9 +553,17 @@ def test_torchrun_restart_after_a_failure_runs_the_job_to_its_end(tmp_path, buil
     # What scripts/launch_torchrun.sh sets up (--max-restarts): rank 1 fails after step 2 of the first
     # attempt; torchrun restarts both ranks, and the new attempt must form its process groups (with
     # torch 2.13 it did not: its device-mesh subgroups read the first attempt's addresses).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "step35", *fit_args(tmp_path / "run", "--trainer.max_steps=4",
-                                     "--trainer.callbacks+=tests.dist.hooks.FailOnce")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "step35",
+        *fit_args(tmp_path / "run", "--trainer.max_steps=4", "--trainer.callbacks+=tests.dist.hooks.FailOnce"),
+    ]
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         rc = job.wait(timeout=300)
         out = job.output()

@@ -50,11 +50,12 @@ def flex_available():
     sliding_block_mask.cache_clear()
 
 
-@pytest.mark.parametrize("window, packed", [(WINDOW, False), (None, True), (WINDOW, True)],
-                         ids=["window", "documents", "window+documents"])
+@pytest.mark.parametrize(
+    "window, packed", [(WINDOW, False), (None, True), (WINDOW, True)], ids=["window", "documents", "window+documents"]
+)
 def test_flex_forward_matches_the_cpu_path(qkv, window, packed):
     q, k, v = qkv
-    scale = D ** -0.5
+    scale = D**-0.5
     documents = DocumentMask(packed_positions()) if packed else None
     expected = attention(q, k, v, window, scale, documents)  # CPU: SDPA with the dense mask
     with torch.no_grad():
@@ -62,6 +63,5 @@ def test_flex_forward_matches_the_cpu_path(qkv, window, packed):
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     # The masks mattered: without them the output differs (a test of an unmasked call would pass too).
-    unmasked = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                enable_gqa=True)
+    unmasked = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     assert (got - unmasked).abs().max() > 1e-2

@@ -16,9 +16,19 @@ from tests.runner import ROOT, step35, step35_in_process
 
 
 def fit_args(run, *extra: str) -> list[str]:
-    return ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.val_check_interval=1000", "--trainer.limit_val_batches=1",
-            "--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.enable_progress_bar=false",
-            f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}", *extra]
+    return [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--trainer.val_check_interval=1000",
+        "--trainer.limit_val_batches=1",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+        *extra,
+    ]
 
 
 def settings(group: dict) -> dict:
@@ -35,9 +45,14 @@ def test_one_process_file_checkpoint_resumes_on_two_ranks_exactly(tmp_path, buil
     assert ckpt_path.is_file()
     out = tmp_path / "restored.pt"
     capture = {"class_path": "tests.dist.capture_restored.CaptureRestored", "init_args": {"out": str(out)}}
-    args = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2",
-            "--trainer.devices=2", f"--trainer.callbacks+={json.dumps(capture)}", "--trainer.max_steps=3",
-            f"--ckpt_path={ckpt_path}"]
+    args = [
+        "--trainer.strategy=step35.strategy.Step35Strategy",
+        "--trainer.strategy.expert_parallel_size=2",
+        "--trainer.devices=2",
+        f"--trainer.callbacks+={json.dumps(capture)}",
+        "--trainer.max_steps=3",
+        f"--ckpt_path={ckpt_path}",
+    ]
     step35(fit_args(tmp_path / "two", *args), builtin_cache, nproc=2)
 
     saved, restored = load_torch(ckpt_path), torch.load(out, weights_only=True)

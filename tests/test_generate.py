@@ -82,11 +82,22 @@ def test_sharded_run_exports_and_generates_like_its_export(tmp_path, builtin_cac
     monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
     run = tmp_path / "run"
     saves = '[{"class_path": "step35.callbacks.RunCheckpoint", "init_args": {"every_n_train_steps": 2}}]'
-    in_process(capfd, "fit", "--config", str(ROOT / "configs" / "tiny.yaml"), f"--run_dir={run}",
-               "--trainer.max_steps=2", "--trainer.strategy=step35.strategy.Step35Strategy",
-               "--trainer.strategy.expert_parallel_size=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
-               "--trainer.enable_progress_bar=false", "--data.seq_len=16", "--data.micro_batch_size=1",
-               f"--trainer.callbacks={saves}")
+    in_process(
+        capfd,
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        f"--run_dir={run}",
+        "--trainer.max_steps=2",
+        "--trainer.strategy=step35.strategy.Step35Strategy",
+        "--trainer.strategy.expert_parallel_size=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--data.seq_len=16",
+        "--data.micro_batch_size=1",
+        f"--trainer.callbacks={saves}",
+    )
     assert (run / "checkpoints" / "step=000002.ckpt" / "meta.pt").is_file()  # a sharded folder
     in_process(capfd, "export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"))
     args = ["--prompt", PROMPT, "--max_new_tokens", "8", "--temperature", "0.8", "--top_p", "0.9", "--seed", "1"]
@@ -131,8 +142,9 @@ def test_system_without_chat_is_refused_before_anything_loads(tmp_path):
 def test_a_tokenizer_without_a_chat_template_gets_step35s_default(folders):
     run, _ = folders
     generator = load_generator(run)
-    generator.tokenizer_files = {name: content for name, content in generator.tokenizer_files.items()
-                                 if name != "chat_template.jinja"}
+    generator.tokenizer_files = {
+        name: content for name, content in generator.tokenizer_files.items() if name != "chat_template.jinja"
+    }
     said = []
     assert generator.chat_template(said.append).origin == "default"
     assert said == [f"chat template: step35's default ({generator.tokenizer_origin} has none)"]
@@ -143,6 +155,19 @@ def test_a_bool_option_given_alone_means_true():
     from step35.commands.generate import generate
 
     argv = ["--checkpoint", "run", "--chat", "--prompt", "hi", "--cache"]
-    assert bare_flags_as_true(generate, argv) == ["--checkpoint", "run", "--chat", "true", "--prompt", "hi",
-                                                  "--cache", "true"]
-    assert bare_flags_as_true(generate, ["--chat", "false", "--prompt", "--x"]) == ["--chat", "false", "--prompt", "--x"]
+    assert bare_flags_as_true(generate, argv) == [
+        "--checkpoint",
+        "run",
+        "--chat",
+        "true",
+        "--prompt",
+        "hi",
+        "--cache",
+        "true",
+    ]
+    assert bare_flags_as_true(generate, ["--chat", "false", "--prompt", "--x"]) == [
+        "--chat",
+        "false",
+        "--prompt",
+        "--x",
+    ]

@@ -25,7 +25,7 @@ def test_steps_through_the_cache_give_the_logits_of_the_whole_sequence():
     cache = KVCache()
     with torch.no_grad():
         # a 10-token prompt, 25 single tokens (past the window), then a 10-token chunk
-        parts = [model.step(ids[:, :10], cache)] + [model.step(ids[:, t: t + 1], cache) for t in range(10, 35)]
+        parts = [model.step(ids[:, :10], cache)] + [model.step(ids[:, t : t + 1], cache) for t in range(10, 35)]
         parts.append(model.step(ids[:, 35:], cache))
         # logits up to ~5 here: 3e-5 is fp32 rounding of sums in another order (an off-by-one window gives 5)
         torch.testing.assert_close(torch.cat(parts, dim=1), model(ids), atol=3e-5, rtol=0)

@@ -33,8 +33,8 @@ def packed_window(vocab: int):
     labels, positions, spans, start = tokens[1:].clone(), torch.zeros(S, dtype=torch.long), [], 0
     for length, prompt in zip(DOC_LENGTHS, PROMPTS):
         end = start + length  # the document holds tokens[start:end]
-        positions[start:min(end, S)] = torch.arange(min(end, S) - start)
-        labels[start:start + prompt] = IGNORE_INDEX
+        positions[start : min(end, S)] = torch.arange(min(end, S) - start)
+        labels[start : start + prompt] = IGNORE_INDEX
         if end <= S:
             labels[end - 1] = IGNORE_INDEX
         spans.append((start, end))
@@ -46,7 +46,7 @@ def alone(tokens, labels, span):
     """The document as its own one-row batch: input_ids its tokens at the window's input positions,
     labels the window's labels there (the border one masked; the window's last token is only a label)."""
     start, end = span
-    return tokens[start:end + 1][None, :-1], labels[start:min(end, labels.numel())][None]
+    return tokens[start : end + 1][None, :-1], labels[start : min(end, labels.numel())][None]
 
 
 def grads(model, loss):
@@ -75,10 +75,10 @@ def test_packed_documents_train_as_if_alone():
         out = model.loss(ids, doc_labels, mtp_loss_weight=1.0)
         # Per token, the main head reads the same as when the document is alone.
         own = F.cross_entropy(model(ids)[0], doc_labels[0], reduction="none")
-        torch.testing.assert_close(per_token[span[0]:span[0] + own.numel()], own, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(per_token[span[0] : span[0] + own.numel()], own, rtol=1e-5, atol=1e-5)
         # Only this document's labels in the packed window: same sums per depth, same gradient.
         only = torch.full_like(labels, IGNORE_INDEX)
-        only[span[0]:span[0] + doc_labels.numel()] = doc_labels[0]
+        only[span[0] : span[0] + doc_labels.numel()] = doc_labels[0]
         isolated = model.loss(inputs, only[None], mtp_loss_weight=1.0, position_ids=positions[None])
         torch.testing.assert_close(isolated.lm_sum, out.lm_sum, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(isolated.mtp_sums[0], out.mtp_sums[0], rtol=1e-5, atol=1e-5)
@@ -129,7 +129,7 @@ def test_aux_balance_loss_weighs_sequences_by_trained_share():
     model = tiny_model()
     tokens = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(6))
     labels = tokens[:, 1:].clone()
-    alone = [model.loss(tokens[i:i + 1, :-1], labels[i:i + 1], moe_aux_loss_coef=0.01).aux_loss for i in range(3)]
+    alone = [model.loss(tokens[i : i + 1, :-1], labels[i : i + 1], moe_aux_loss_coef=0.01).aux_loss for i in range(3)]
     labels[1] = IGNORE_INDEX
     labels[2, :8] = IGNORE_INDEX
     mixed = model.loss(tokens[:, :-1], labels, moe_aux_loss_coef=0.01).aux_loss
@@ -147,9 +147,17 @@ class GradsAfterStep(Step35LightningModule):
 
 
 def one_step(module, batches, accumulate):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=accumulate,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return trainer
 
@@ -192,7 +200,7 @@ def masked_rows(rows: int, seq: int):
     positions[:, 10:] = torch.arange(seq - 10)
     for i in range(rows):
         n = 2 + 3 * i
-        labels[i, seq - n:] = ids[i, seq - n + 1:]
+        labels[i, seq - n :] = ids[i, seq - n + 1 :]
     labels[:, 9] = IGNORE_INDEX  # the document border
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
@@ -203,7 +211,7 @@ def test_accumulated_step_is_the_mean_over_trained_tokens():
     batch = masked_rows(8, 24)
     module = GradsAgainstTokenMean(config="tiny", warmup_steps=1)
     module.global_batch = batch
-    micro = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    micro = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
     trainer = one_step(module, micro, accumulate=4)
     assert module.expected.keys() == module.after.keys()
     assert_grads_close(list(module.after.values()), list(module.expected.values()), rtol=1e-6)
@@ -227,10 +235,13 @@ def test_validation_loss_is_the_mean_over_trained_tokens():
     first["labels"][:, :-1] = IGNORE_INDEX
     second["labels"] = second["input_ids"][:, 1:]
     module = Step35LightningModule(config="tiny")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.validate(module, torch.utils.data.DataLoader([first, second], batch_size=None))
-    outs = [module.model.loss(b["input_ids"][:, :-1], b["labels"], position_ids=b["position_ids"]) for b in (first, second)]
+    outs = [
+        module.model.loss(b["input_ids"][:, :-1], b["labels"], position_ids=b["position_ids"]) for b in (first, second)
+    ]
     expected = sum(o.lm_sum for o in outs) / sum(o.num_tokens for o in outs)
     assert [o.num_tokens.item() for o in outs] == [2, 48]
     assert trainer.callback_metrics["val/loss"].item() == pytest.approx(expected.item(), rel=1e-6)
@@ -249,8 +260,9 @@ def run_split(tmp_path: Path, name: str, world: int, batch: int, accumulate: int
         from tests.dist.global_batch_grads import one_step
 
         return one_step(batch, accumulate)
-    return run_dist_script(SCRIPT, tmp_path / f"{name}.pt", world, "--batch", str(batch), "--accum", str(accumulate),
-                           timeout=400)
+    return run_dist_script(
+        SCRIPT, tmp_path / f"{name}.pt", world, "--batch", str(batch), "--accum", str(accumulate), timeout=400
+    )
 
 
 @pytest.mark.multiprocess

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.hf.pretrained import save_pretrained
+from step35.checkpoint.training.export import export_checkpoint
 from step35.commands.generate import load_generator
 from step35.config import preset
 from step35.model import build_model
@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 def load_hf(folder):
     """The folder through AutoModelForCausalLM with remote code, checked to fill every tensor."""
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                                    output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True
+    )
     assert type(model).__name__ == "Step3p5ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert not info["error_msgs"], info
@@ -52,7 +53,7 @@ def test_a_from_scratch_export_loads_as_a_causal_lm_with_step35s_logits_and_gree
     generator = load_generator(run)
     prompt = generator.encode("The for statement")
     ours = generator.generate_ids(prompt, max_new_tokens=16)
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
     assert theirs == ours and len(ours) >= 2
 
 
@@ -80,13 +81,14 @@ def test_moe_routing_sliding_windows_and_the_cache_match_step35_model(tmp_path):
         # Token by token through the cache: the sliding layers' cache holds 15 keys once full.
         cache, logits = None, []
         for t in range(ids.shape[1]):
-            out = hf(ids[:, t: t + 1], cache=cache, use_cache=True)
+            out = hf(ids[:, t : t + 1], cache=cache, use_cache=True)
             cache = out.cache
             logits.append(out.logits)
         # logits up to ~5: one token at a time sums in another order than the whole sequence
         torch.testing.assert_close(torch.cat(logits, dim=1), model(ids), atol=3e-5, rtol=0)
-    generated = hf.generate(ids[:1, :10], max_new_tokens=30, do_sample=False, eos_token_id=None,
-                            return_dict_in_generate=True)
+    generated = hf.generate(
+        ids[:1, :10], max_new_tokens=30, do_sample=False, eos_token_id=None, return_dict_in_generate=True
+    )
     layers = generated.cache.layers
     assert [type(layer).__name__ for layer in layers][:2] == ["DynamicLayer", "DynamicSlidingWindowLayer"]
     assert layers[1].keys.shape[-2] == 15  # the window minus the token to come: the cache is cropped
@@ -99,8 +101,9 @@ def test_moe_routing_sliding_windows_and_the_cache_match_step35_model(tmp_path):
 
 def test_bf16_load_keeps_the_router_bias_in_fp32(tmp_path):
     random_folder(tmp_path / "hf")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True,
-                                                           dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", trust_remote_code=True, dtype=torch.bfloat16
+    )
     assert hf.lm_head.weight.dtype == torch.bfloat16
     assert hf.model.layers[1].moe.router_bias.dtype == torch.float32
     with torch.no_grad():
@@ -122,8 +125,10 @@ def test_the_modeling_file_imports_only_torch_and_transformers():
 def test_export_writes_our_file_unless_the_source_brings_its_own_modeling_code(tiny_run, exported, tmp_path):
     """The tiny preset's config names the release's remote code in auto_map, as the release does."""
     run, _ = tiny_run
-    release_map = {"AutoConfig": "configuration_step3p5.Step3p5Config",
-                   "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM"}
+    release_map = {
+        "AutoConfig": "configuration_step3p5.Step3p5Config",
+        "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM",
+    }
     # A start folder without that code (here an earlier export, holding an outdated copy of ours): our file.
     source = tmp_path / "source"
     shutil.copytree(exported, source)
@@ -131,8 +136,10 @@ def test_export_writes_our_file_unless_the_source_brings_its_own_modeling_code(t
     report = export_checkpoint(checkpoint_of(run), tmp_path / "a", source=source)
     assert (tmp_path / "a" / MODELING_FILE.name).read_bytes() == MODELING_FILE.read_bytes()
     assert json.loads((tmp_path / "a" / "config.json").read_text())["auto_map"] == AUTO_MAP
-    assert f"{MODELING_FILE.name} written ({source} brings no modeling code; transformers loads it with " \
-           f"trust_remote_code); auto_map {release_map} -> {AUTO_MAP}" in report.notes
+    assert (
+        f"{MODELING_FILE.name} written ({source} brings no modeling code; transformers loads it with "
+        f"trust_remote_code); auto_map {release_map} -> {AUTO_MAP}" in report.notes
+    )
     load_hf(tmp_path / "a")
     # A start folder that brings the code auto_map names keeps it (as tests/test_export.py's release-like folder).
     (source / "configuration_step3p5.py").write_text("")
@@ -160,6 +167,6 @@ def test_left_padded_rows_give_each_rows_own_logits_and_greedy_tokens(exported):
         torch.testing.assert_close(both[0], hf(long).logits[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(both[1, pad:], hf(short).logits[0], rtol=0, atol=1e-5)
         new = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
-        batched = hf.generate(ids, attention_mask=mask, **new)[:, ids.shape[1]:]
-        alone = [hf.generate(row, **new)[0, row.shape[1]:] for row in (long, short)]
+        batched = hf.generate(ids, attention_mask=mask, **new)[:, ids.shape[1] :]
+        alone = [hf.generate(row, **new)[0, row.shape[1] :] for row in (long, short)]
     assert batched[0].tolist() == alone[0].tolist() and batched[1].tolist() == alone[1].tolist()

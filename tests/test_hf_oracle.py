@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.step3p7.modeling_step3p7 import Step3p7RotaryEmbedding
 
 from tests.hf_oracle import (  # the repository root is on sys.path (pyproject: pythonpath)
     convert_state_dict_to_hf,
@@ -21,8 +22,6 @@ from tests.hf_oracle import (  # the repository root is on sys.path (pyproject: 
     tiny_config_dict,
 )
 from tests.reference_forward import reference_logits, rope_inv_freq
-
-from transformers.models.step3p7.modeling_step3p7 import Step3p7RotaryEmbedding
 
 SEQ = 24
 MATCH_ATOL = 2e-5  # fp32 oracle vs float64 reference; logits are O(1)-O(5)

@@ -46,37 +46,70 @@ def launched_as(monkeypatch):
 
 
 def slurm_task(rank: int, ntasks: int = 4, per_node: int = 2, job_name: str = "train") -> dict:
-    return {"SLURM_NTASKS": str(ntasks), "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node), "SLURM_JOB_ID": "77",
-            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": job_name}
+    return {
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % per_node),
+        "SLURM_NODEID": str(rank // per_node),
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NAME": job_name,
+    }
 
 
 def test_a_process_started_from_a_shell_is_rank_zero_of_its_job(launched_as):
     place = launched_as({})
-    assert (place.launcher, place.global_rank, place.is_rank_zero, place.started_by_launcher) == \
-        ("lightning", 0, True, False)
+    assert (place.launcher, place.global_rank, place.is_rank_zero, place.started_by_launcher) == (
+        "lightning",
+        0,
+        True,
+        False,
+    )
 
 
 def test_torchrun_ranks(launched_as):
-    place = launched_as({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "3",
-                         "LOCAL_RANK": "1", "GROUP_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n0",
-                         "MASTER_PORT": "29500"})
-    assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == \
-        ("torchrun", 1, 1, 3, 4)
+    place = launched_as(
+        {
+            "TORCHELASTIC_RUN_ID": "abc",
+            "TORCHELASTIC_RESTART_COUNT": "1",
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "GROUP_RANK": "1",
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "n0",
+            "MASTER_PORT": "29500",
+        }
+    )
+    assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == (
+        "torchrun",
+        1,
+        1,
+        3,
+        4,
+    )
     assert not place.is_rank_zero and place.started_by_launcher
-    assert place.same_job({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "n0",
-                           "MASTER_PORT": "29500"})
+    assert place.same_job(
+        {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+    )
     # another torchrun job (same default run id "none" elsewhere, but its own port), or the next attempt
-    assert not place.same_job({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "n0",
-                               "MASTER_PORT": "29501"})
-    assert not place.same_job({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2", "MASTER_ADDR": "n0",
-                               "MASTER_PORT": "29500"})
+    assert not place.same_job(
+        {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29501"}
+    )
+    assert not place.same_job(
+        {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+    )
 
 
 def test_srun_tasks_on_two_nodes(launched_as):
     place = launched_as(slurm_task(3))
-    assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == \
-        ("slurm", 1, 1, 3, 4)
+    assert (place.launcher, place.node_rank, place.local_rank, place.global_rank, place.world_size) == (
+        "slurm",
+        1,
+        1,
+        3,
+        4,
+    )
     assert not place.is_rank_zero and not place.started_by_launcher  # srun ends its tasks itself
     assert place.same_job({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})
     assert not place.same_job({"SLURM_JOB_ID": "78", "SLURM_STEP_ID": "0"})
@@ -89,16 +122,28 @@ def test_lightning_launcher_inside_an_interactive_slurm_allocation(launched_as):
     shell = {**slurm_task(0, ntasks=1, per_node=1, job_name="bash")}
     assert launched_as(shell).launcher == "lightning" and launched_as(shell).is_rank_zero
     child = launched_as({**shell, "LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", job.JOB_VARIABLE: "j1"})
-    assert (child.launcher, child.global_rank, child.is_rank_zero, child.started_by_launcher) == \
-        ("lightning", 1, False, True)
+    assert (child.launcher, child.global_rank, child.is_rank_zero, child.started_by_launcher) == (
+        "lightning",
+        1,
+        False,
+        True,
+    )
 
 
 def test_lightning_launcher_local_ranks_know_their_job_by_the_inherited_id(launched_as):
     rank0 = launched_as({})
     assert rank0.is_rank_zero
     recorded = job.start_job_identity()  # (reads this process's cached place; only the id matters here)
-    child = launched_as({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": "40000", job.JOB_VARIABLE: recorded[job.JOB_VARIABLE]})
+    child = launched_as(
+        {
+            "LOCAL_RANK": "1",
+            "NODE_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "40000",
+            job.JOB_VARIABLE: recorded[job.JOB_VARIABLE],
+        }
+    )
     assert child.same_job(recorded)  # rank 0 recorded no port: it was chosen when the children started
     assert not child.same_job({**recorded, job.JOB_VARIABLE: "another job"})
 
@@ -115,8 +160,16 @@ def test_lightning_multi_node_ranks(launched_as):
 def test_devices_per_node_reads_every_spelling_of_trainer_devices():
     from step35.commands.fit import devices_per_node
 
-    assert [devices_per_node(v) for v in (2, "2", "0,1", "0,1,", [0, 1, 2], "auto", -1, None)] == \
-        [2, 2, 2, 2, 3, None, None, None]
+    assert [devices_per_node(v) for v in (2, "2", "0,1", "0,1,", [0, 1, 2], "auto", -1, None)] == [
+        2,
+        2,
+        2,
+        2,
+        3,
+        None,
+        None,
+        None,
+    ]
 
 
 # ------------------------------------------------------------------------------ real jobs
@@ -157,8 +210,15 @@ def one_process(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def ep1_two_ranks(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
-    return fit("lightning", 2, tmp_path_factory.mktemp("ep1") / "run", config, builtin_cache, *STRATEGY,
-               "--trainer.strategy.expert_parallel_size=1")
+    return fit(
+        "lightning",
+        2,
+        tmp_path_factory.mktemp("ep1") / "run",
+        config,
+        builtin_cache,
+        *STRATEGY,
+        "--trainer.strategy.expert_parallel_size=1",
+    )
 
 
 @pytest.mark.multiprocess
@@ -169,11 +229,27 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
     a second job started the same way in its run folder is refused, naming the first's rank 0; the first
     then finishes with its checkpoint, and the second wrote nothing."""
     run, go = tmp_path / "run", tmp_path / "go"
-    args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *STRATEGY,
-            "--trainer.strategy.expert_parallel_size=2", "--trainer.callbacks+=tests.dist.hooks.Gate",
-            f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=2"]
-    first = subprocess.Popen(on_ranks(launcher, 2, args), cwd=ROOT, env=environment(builtin_cache),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        f"--run_dir={run}",
+        *STEPS,
+        *STRATEGY,
+        "--trainer.strategy.expert_parallel_size=2",
+        "--trainer.callbacks+=tests.dist.hooks.Gate",
+        f"--trainer.callbacks.file={go}",
+        "--trainer.callbacks.at_step=2",
+    ]
+    first = subprocess.Popen(
+        on_ranks(launcher, 2, args),
+        cwd=ROOT,
+        env=environment(builtin_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not (tmp_path / "gate.reached").exists():
@@ -181,8 +257,22 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
             time.sleep(0.2)
         holder = lock.read_holder(run / ".step35.lock")
         assert holder["launcher"] == launcher, holder
-        second = step35(["fit", "--config", str(config), f"--run_dir={run}", "--trainer.max_steps=9", *STRATEGY,
-                         "--trainer.devices=2"], builtin_cache, nproc=2, launcher=launcher, timeout=300, check=False)
+        second = step35(
+            [
+                "fit",
+                "--config",
+                str(config),
+                f"--run_dir={run}",
+                "--trainer.max_steps=9",
+                *STRATEGY,
+                "--trainer.devices=2",
+            ],
+            builtin_cache,
+            nproc=2,
+            launcher=launcher,
+            timeout=300,
+            check=False,
+        )
         assert first.poll() is None  # alive all along
         assert second.returncode != 0
         assert f"in use by a live run (pid {holder['pid']} on host" in second.stderr, second.stderr[-4000:]
@@ -206,8 +296,16 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
 def test_cp2_on_two_ranks_gives_the_losses_of_one_process(tmp_path, launcher, config, builtin_cache, one_process):
     """`--trainer.strategy.context_parallel_size 2` (EP 2 composed) on 2 ranks: both ranks read the same
     batches and the job logs, step by step, the losses one process logs."""
-    got = fit(launcher, 2, tmp_path / "cp2", config, builtin_cache, *STRATEGY, "--trainer.strategy.expert_parallel_size=2",
-              "--trainer.strategy.context_parallel_size=2")
+    got = fit(
+        launcher,
+        2,
+        tmp_path / "cp2",
+        config,
+        builtin_cache,
+        *STRATEGY,
+        "--trainer.strategy.expert_parallel_size=2",
+        "--trainer.strategy.context_parallel_size=2",
+    )
     assert_same_losses(one_process, got)
 
 
@@ -216,14 +314,24 @@ def test_cp2_on_two_ranks_gives_the_losses_of_one_process(tmp_path, launcher, co
 def test_a_bad_expert_parallel_size_ends_the_whole_lightning_launched_job_at_once(tmp_path, config, builtin_cache):
     """EP 3 on 2 ranks: rank 0 fails listing the valid sizes, and the rank it started does not wait for it
     (its launcher, rank 0, is gone: it ends within a second instead of waiting 300 s for the lock)."""
-    args = ["fit", "--config", str(config), f"--run_dir={tmp_path / 'run'}", *STRATEGY,
-            "--trainer.strategy.expert_parallel_size=3"]
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        f"--run_dir={tmp_path / 'run'}",
+        *STRATEGY,
+        "--trainer.strategy.expert_parallel_size=3",
+    ]
     started = time.monotonic()
-    proc = step35([*args, "--trainer.devices=2"], builtin_cache, nproc=2, launcher="lightning", timeout=240, check=False)
+    proc = step35(
+        [*args, "--trainer.devices=2"], builtin_cache, nproc=2, launcher="lightning", timeout=240, check=False
+    )
     took = time.monotonic() - started
     assert proc.returncode != 0
-    assert "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: " \
-           "[1, 2])" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: "
+        "[1, 2])" in proc.stderr
+    ), proc.stderr[-3000:]
     assert "waited 300 s" not in proc.stderr and took < 200, (took, proc.stderr[-3000:])
     print(f"refused in {took:.0f} s")
 
@@ -237,7 +345,7 @@ def test_a_rank_whose_launcher_died_before_it_looked_ends_at_once(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # ended, not reaped yet (as a rank 0 whose parent
-    deadline = time.monotonic() + 60                          # waits for the job's output pipes)
+    deadline = time.monotonic() + 60  # waits for the job's output pipes)
     while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -246,7 +354,14 @@ def test_a_rank_whose_launcher_died_before_it_looked_ends_at_once(tmp_path):
         env = environment(tmp_path, LOCAL_RANK="1", **{job.JOB_VARIABLE: job_id})
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == expected, (job_id, proc.returncode, proc.stderr[-2000:])
-    assert f"the launcher (pid {dead.pid}) is gone" in subprocess.run(
-        [sys.executable, "-c", code], env=environment(tmp_path, LOCAL_RANK="1", **{job.JOB_VARIABLE: f"{dead.pid}-x"}),
-        capture_output=True, text=True, timeout=120).stderr
+    assert (
+        f"the launcher (pid {dead.pid}) is gone"
+        in subprocess.run(
+            [sys.executable, "-c", code],
+            env=environment(tmp_path, LOCAL_RANK="1", **{job.JOB_VARIABLE: f"{dead.pid}-x"}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stderr
+    )
     zombie.wait()

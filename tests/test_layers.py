@@ -20,13 +20,29 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first; a file may import its own layer and those below. The longest matching prefix wins.
 LAYERS: dict[str, int] = {
     "step35/__init__.py": 1,
-    "step35/config.py": 1, "step35/faults.py": 1, "step35/job.py": 1, "step35/schedule.py": 1, "step35/data/": 1,
-    "step35/kernels/": 2, "step35/accelerators.py": 2, "step35/flops.py": 2,
+    "step35/config.py": 1,
+    "step35/faults.py": 1,
+    "step35/job.py": 1,
+    "step35/schedule.py": 1,
+    "step35/data/": 1,
+    "step35/kernels/": 2,
+    "step35/accelerators.py": 2,
+    "step35/flops.py": 2,
     "step35/model/": 3,
-    "step35/parallel/": 4, "step35/checkpoint/": 4, "step35/balancing.py": 4,
-    "step35/run/": 5, "step35/training/": 5,
-    "step35/module.py": 6, "step35/lightning_private.py": 6, "step35/strategy.py": 6, "step35/callbacks/": 6, "step35/loggers.py": 6,
-    "step35/cli.py": 7, "step35/__main__.py": 7, "step35/commands/": 7, "step35/plan/": 7,
+    "step35/parallel/": 4,
+    "step35/checkpoint/": 4,
+    "step35/balancing.py": 4,
+    "step35/run/": 5,
+    "step35/training/": 5,
+    "step35/module.py": 6,
+    "step35/lightning_private.py": 6,
+    "step35/strategy.py": 6,
+    "step35/callbacks/": 6,
+    "step35/loggers.py": 6,
+    "step35/cli.py": 7,
+    "step35/__main__.py": 7,
+    "step35/commands/": 7,
+    "step35/plan/": 7,
 }
 
 # Parts that import nothing of step35 outside themselves, whatever their layer allows.
@@ -38,7 +54,9 @@ CHECKPOINT_COMMON = ("__init__.py", "errors.py", "integrity.py", "publish.py", "
 # Imports within a layer that go the wrong way: importer prefix -> prefixes it must not import.
 APART: dict[str, tuple[str, ...]] = {
     "step35/parallel/": ("step35/checkpoint/",),
-    "step35/training/": ("step35/run/",),  # run/ asks the optimizer and objective rooms what a resume may change  # checkpoint/ may use the mesh arithmetic, not the reverse
+    "step35/training/": (
+        "step35/run/",
+    ),  # run/ asks the optimizer and objective rooms what a resume may change  # checkpoint/ may use the mesh arithmetic, not the reverse
     # Callbacks read the module's state; the module and the strategy talk through Lightning and one
     # declared call (the strategy asks module.num_routed_experts()), never by importing each other.
     "step35/module.py": ("step35/callbacks/", "step35/strategy.py"),
@@ -46,8 +64,10 @@ APART: dict[str, tuple[str, ...]] = {
     # Lightning training checkpoints (training/) may use HF folders (hf/) and the common part; hf/ never
     # imports training/, and the common part imports neither side.
     "step35/checkpoint/hf/": ("step35/checkpoint/training/",),
-    **{f"step35/checkpoint/{name}": ("step35/checkpoint/hf/", "step35/checkpoint/training/")
-       for name in CHECKPOINT_COMMON},
+    **{
+        f"step35/checkpoint/{name}": ("step35/checkpoint/hf/", "step35/checkpoint/training/")
+        for name in CHECKPOINT_COMMON
+    },
 }
 
 # Today's breaks, each fixed by another change now under way; the list only shrinks (a fixed edge left
@@ -82,13 +102,14 @@ def imported_files(root: Path, path: str, package: str = "step35") -> set[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = here[:len(here) - (node.level - 1)]
+                base = here[: len(here) - (node.level - 1)]
                 stem = ".".join(base + ([node.module] if node.module else []))
             else:
                 stem = node.module or ""
             # `from p import name`: the submodule p.name when there is one, else p itself.
-            names = [f"{stem}.{alias.name}" if _module_file(root, f"{stem}.{alias.name}") else stem
-                     for alias in node.names]
+            names = [
+                f"{stem}.{alias.name}" if _module_file(root, f"{stem}.{alias.name}") else stem for alias in node.names
+            ]
         else:
             continue
         for name in names:
@@ -149,8 +170,12 @@ def unit_of(path: str) -> str:
     return "/".join(parts[:2]) + "/" if len(parts) > 2 else path
 
 
-def breaks(graph: dict[str, set[str]], layers: dict[str, int], leaves: tuple[str, ...] = (),
-           apart: dict[str, tuple[str, ...]] | None = None) -> dict[str, str]:
+def breaks(
+    graph: dict[str, set[str]],
+    layers: dict[str, int],
+    leaves: tuple[str, ...] = (),
+    apart: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, str]:
     """Every edge that breaks the rule, written 'a -> b', with the reason: an import of a higher layer,
     out of a leaf, against `apart`, or on a circle between files or between packages (the edges of one
     shortest circle per strongly connected set are named)."""
@@ -219,7 +244,9 @@ def shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str
 def test_every_file_keeps_the_layer_rule():
     found = breaks(import_graph(ROOT), LAYERS, LEAVES, APART)
     new = {edge: why for edge, why in found.items() if edge not in KNOWN_BREAKS}
-    assert not new, "imports that break docs/architecture.md §8:\n" + "\n".join(f"  {e}  ({w})" for e, w in sorted(new.items()))
+    assert not new, "imports that break docs/architecture.md §8:\n" + "\n".join(
+        f"  {e}  ({w})" for e, w in sorted(new.items())
+    )
     fixed = sorted(KNOWN_BREAKS - set(found))
     assert not fixed, f"fixed, so remove from KNOWN_BREAKS: {fixed}"
 
@@ -242,15 +269,18 @@ FAKE_LAYERS = {"pkg/__init__.py": 1, "pkg/low/": 1, "pkg/mid.py": 2, "pkg/top/":
 
 
 def test_checker_accepts_a_clean_tree(tmp_path):
-    _tree(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/low/__init__.py": "from pkg.low.a import f\n",
-        "pkg/low/a.py": "import os\n",
-        "pkg/mid.py": "from pkg.low import f\nimport pkg.low.a\n",
-        "pkg/top/__init__.py": "",
-        "pkg/top/cmd.py": "def main():\n    from . import other\n    from ..mid import g\n",
-        "pkg/top/other.py": "from pkg.mid import g\n",
-    })
+    _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "from pkg.low.a import f\n",
+            "pkg/low/a.py": "import os\n",
+            "pkg/mid.py": "from pkg.low import f\nimport pkg.low.a\n",
+            "pkg/top/__init__.py": "",
+            "pkg/top/cmd.py": "def main():\n    from . import other\n    from ..mid import g\n",
+            "pkg/top/other.py": "from pkg.mid import g\n",
+        },
+    )
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg/top/cmd.py"] == {"pkg/top/other.py", "pkg/mid.py"}  # function-local and relative
     assert graph["pkg/mid.py"] == {"pkg/low/__init__.py", "pkg/low/a.py"}
@@ -258,16 +288,19 @@ def test_checker_accepts_a_clean_tree(tmp_path):
 
 
 def test_checker_finds_a_back_edge_a_leaf_break_and_a_circle(tmp_path):
-    _tree(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/low/__init__.py": "",
-        "pkg/low/a.py": "def f():\n    if True:\n        from pkg.mid import g  # back-edge, hidden in a function\n",
-        "pkg/mid.py": "from pkg.low import a\n",
-        "pkg/top/__init__.py": "",
-        "pkg/top/x.py": "from .y import h\n",
-        "pkg/top/y.py": "import pkg.top.z\n",
-        "pkg/top/z.py": "from pkg.top import x\n",
-    })
+    _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "",
+            "pkg/low/a.py": "def f():\n    if True:\n        from pkg.mid import g  # back-edge, hidden in a function\n",
+            "pkg/mid.py": "from pkg.low import a\n",
+            "pkg/top/__init__.py": "",
+            "pkg/top/x.py": "from .y import h\n",
+            "pkg/top/y.py": "import pkg.top.z\n",
+            "pkg/top/z.py": "from pkg.top import x\n",
+        },
+    )
     found = breaks(import_graph(tmp_path, "pkg"), FAKE_LAYERS, ("pkg/low/",))
     assert found["pkg/low/a.py -> pkg/mid.py"] == "layer 1 imports layer 2"
     # a -> mid -> a is a circle too; x -> y -> z -> x is one within a layer.
@@ -278,12 +311,15 @@ def test_checker_finds_a_back_edge_a_leaf_break_and_a_circle(tmp_path):
 
 
 def test_checker_holds_leaves_to_themselves(tmp_path):
-    _tree(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/low/__init__.py": "",
-        "pkg/low/a.py": "from pkg import other\n",  # same layer, but outside the leaf
-        "pkg/other.py": "",
-    })
+    _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "",
+            "pkg/low/a.py": "from pkg import other\n",  # same layer, but outside the leaf
+            "pkg/other.py": "",
+        },
+    )
     layers = {**FAKE_LAYERS, "pkg/other.py": 1}
     found = breaks(import_graph(tmp_path, "pkg"), layers, ("pkg/low/",))
     assert list(found) == ["pkg/low/a.py -> pkg/other.py"] and "leaf" in found["pkg/low/a.py -> pkg/other.py"]
@@ -295,30 +331,37 @@ def test_checker_names_a_file_without_a_layer(tmp_path):
     assert list(breaks(import_graph(tmp_path, "pkg"), {"pkg/__init__.py": 1})) == ["pkg/stray.py -> (any)"]
 
 
-@pytest.mark.parametrize("path, layer", [("step35/data/stream.py", 1), ("step35/model/moe.py", 3),
-                                         ("step35/plan/cli.py", 7), ("step35/config.py", 1)])
+@pytest.mark.parametrize(
+    "path, layer",
+    [("step35/data/stream.py", 1), ("step35/model/moe.py", 3), ("step35/plan/cli.py", 7), ("step35/config.py", 1)],
+)
 def test_layer_of_takes_the_longest_prefix(path, layer):
     assert layer_of(path, LAYERS) == layer
 
 
 def test_checker_finds_a_circle_between_packages_and_a_banned_import(tmp_path):
     # No file imports itself back, but pkg/top/ and pkg/side/ import each other: a circle of packages.
-    _tree(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/top/__init__.py": "",
-        "pkg/top/a.py": "from pkg.side.b import f\n",
-        "pkg/top/d.py": "",
-        "pkg/side/__init__.py": "",
-        "pkg/side/b.py": "",
-        "pkg/side/c.py": "from pkg.top import d\nfrom pkg import mid\n",
-        "pkg/mid.py": "",
-    })
+    _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/top/__init__.py": "",
+            "pkg/top/a.py": "from pkg.side.b import f\n",
+            "pkg/top/d.py": "",
+            "pkg/side/__init__.py": "",
+            "pkg/side/b.py": "",
+            "pkg/side/c.py": "from pkg.top import d\nfrom pkg import mid\n",
+            "pkg/mid.py": "",
+        },
+    )
     layers = {"pkg/__init__.py": 1, "pkg/mid.py": 1, "pkg/top/": 3, "pkg/side/": 3}
     graph = import_graph(tmp_path, "pkg")
     assert circles(graph) == []
     found = breaks(graph, layers)
-    assert found == {"pkg/side/c.py -> pkg/top/d.py": "in a circle of packages: pkg/side/ -> pkg/top/ -> pkg/side/",
-                     "pkg/top/a.py -> pkg/side/b.py": "in a circle of packages: pkg/side/ -> pkg/top/ -> pkg/side/"}
+    assert found == {
+        "pkg/side/c.py -> pkg/top/d.py": "in a circle of packages: pkg/side/ -> pkg/top/ -> pkg/side/",
+        "pkg/top/a.py -> pkg/side/b.py": "in a circle of packages: pkg/side/ -> pkg/top/ -> pkg/side/",
+    }
     banned = breaks(graph, layers, apart={"pkg/side/": ("pkg/mid.py",)})
     assert banned["pkg/side/c.py -> pkg/mid.py"] == "pkg/side/ must not import pkg/mid.py"
 

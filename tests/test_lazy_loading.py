@@ -21,8 +21,9 @@ WORLD = 4
 
 def wide_tiny() -> Step35Config:
     """The tiny layout with wider experts, so the checkpoint (~190 MB) dwarfs interpreter noise."""
-    return tiny_config(hidden_size=256, moe_num_experts=16, moe_intermediate_size=1024, share_expert_dim=256,
-                       intermediate_size=512)
+    return tiny_config(
+        hidden_size=256, moe_num_experts=16, moe_intermediate_size=1024, share_expert_dim=256, intermediate_size=512
+    )
 
 
 @pytest.mark.multiprocess
@@ -35,9 +36,24 @@ def test_each_rank_reads_only_its_slices(tmp_path):
     total = sum(sizes.values())
     replicated = sum(v for n, v in sizes.items() if n.endswith("router_bias"))  # buffers: a copy per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = run_process_group([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-                           str(ROOT / "tests" / "dist" / "lazy_load.py"), "--checkpoint", str(tmp_path / "hf"),
-                           "--ep", "2", "--out", str(tmp_path)], env=env, timeout=500)
+    proc = run_process_group(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={WORLD}",
+            str(ROOT / "tests" / "dist" / "lazy_load.py"),
+            "--checkpoint",
+            str(tmp_path / "hf"),
+            "--ep",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     # Every byte of the checkpoint is read exactly once across ranks (replicated buffers once per rank).

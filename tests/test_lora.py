@@ -49,8 +49,9 @@ def test_fresh_adapters_leave_logits_and_loss_bitwise_equal(base_dtype):
     lora = LoraConfig(rank=4, targets=targets, expert_rank=3, base_dtype=base_dtype)
     model = lora_model(lora)
     base = base_model(dtype=torch.bfloat16 if base_dtype else None)
-    assert {p.dtype for n, p in model.named_parameters() if not p.requires_grad} == \
-        {torch.bfloat16 if base_dtype else torch.float32}
+    assert {p.dtype for n, p in model.named_parameters() if not p.requires_grad} == {
+        torch.bfloat16 if base_dtype else torch.float32
+    }
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     assert all(torch.count_nonzero(p) == 0 for n, p in adapter_parameters(model).items() if n.endswith("lora_B"))
     assert all(torch.count_nonzero(p) > 0 for n, p in adapter_parameters(model).items() if n.endswith("lora_A"))
@@ -80,6 +81,7 @@ def test_adapter_names_shapes_and_init_are_deterministic():
     assert all(torch.equal(p, again.get_parameter(n)) for n, p in adapter_parameters(model).items())
     # no adapters in the HF view of the model (what a checkpoint folder holds)
     from step35.checkpoint.hf.materialize import checkpoint_state
+
     assert not any(is_adapter(n) for n in checkpoint_state(model))
 
 
@@ -90,8 +92,11 @@ def _merged_reference(lora_model_: torch.nn.Module, base: torch.nn.Module):
     """Set base's weights to W + scale * B @ A (dense) and, expert by expert in a plain loop,
     W_e + scale * (A_e @ B_e)^T, from float64 leaf copies of the adapters (and of the full targets);
     returns those leaves by the LoRA model's parameter names."""
-    leaves = {n: p.detach().clone().double().requires_grad_(True)
-              for n, p in lora_model_.named_parameters() if p.requires_grad}
+    leaves = {
+        n: p.detach().clone().double().requires_grad_(True)
+        for n, p in lora_model_.named_parameters()
+        if p.requires_grad
+    }
     for name, module in lora_model_.named_modules():
         if not name or f"{name}.lora_A" not in leaves:
             continue
@@ -143,8 +148,20 @@ def test_adapter_gradients_match_a_float64_merged_weight_reference():
         err = (got - leaf.grad).norm() / leaf.grad.norm()
         assert err < 1e-6, (name, float(err))
         kinds.add(name.split(".")[-2] if is_adapter(name) else name.split(".")[-2])
-    assert {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "gate_proj", "up_proj", "down_proj", "eh_proj",
-            "gate", "lm_head", "embed_tokens"} <= kinds
+    assert {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "g_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "eh_proj",
+        "gate",
+        "lm_head",
+        "embed_tokens",
+    } <= kinds
     assert any(n.startswith("model.layers.5.") for n in leaves)  # the MTP layer's adapters were compared
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen and all(model.get_parameter(n).grad is None for n in frozen)
@@ -157,8 +174,9 @@ def test_adapter_gradients_match_the_per_token_float64_reference():
     from tests.helpers import tiny_config, tiny_config_dict
     from tests.reference_forward import reference_logits
 
-    lora = LoraConfig(rank=4, alpha=8.0, targets=["attention", "mlp", "shared_expert", "experts", "router"],
-                      expert_rank=3)
+    lora = LoraConfig(
+        rank=4, alpha=8.0, targets=["attention", "mlp", "shared_expert", "experts", "router"], expert_rank=3
+    )
     model = lora_model(lora, config=tiny_config()).double()
     with torch.no_grad():
         g = torch.Generator().manual_seed(6)
@@ -175,8 +193,9 @@ def test_adapter_gradients_match_the_per_token_float64_reference():
         if A.dim() == 2:
             state[f"{name}.weight"] = W + module.lora_scale * B @ A
         else:
-            state[f"{name}.weight"] = torch.stack([W[e] + module.lora_scale * (A[e] @ B[e]).T
-                                                   for e in range(W.shape[0])])
+            state[f"{name}.weight"] = torch.stack(
+                [W[e] + module.lora_scale * (A[e] @ B[e]).T for e in range(W.shape[0])]
+            )
     ids, labels = batch(2, B=1, S=10)
     ref = torch.nn.functional.cross_entropy(reference_logits(tiny_config_dict(), state, ids)[0], labels[0])
     loss = model.loss(ids, labels).loss
@@ -222,15 +241,26 @@ def test_training_changes_only_adapters_and_full_targets(base_dtype, builtin_cac
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 
-    lora = {"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "mtp", "router"],
-            "base_dtype": base_dtype}
-    module = Step35LightningModule(config="tiny", lora=lora, mtp_loss_weight=0.3, lr=1e-2, warmup_steps=1,
-                                   init_seed=3)
+    lora = {
+        "rank": 4,
+        "targets": ["attention", "mlp", "shared_expert", "experts", "mtp", "router"],
+        "base_dtype": base_dtype,
+    }
+    module = Step35LightningModule(config="tiny", lora=lora, mtp_loss_weight=0.3, lr=1e-2, warmup_steps=1, init_seed=3)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
     losses = _Losses()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[losses], gradient_clip_val=1.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[losses],
+        gradient_clip_val=1.0,
+    )
     trainer.fit(module, datamodule=data)
     assert len(losses.losses) == 4 and all(math.isfinite(x) for x in losses.losses)
     model = module.model
@@ -251,7 +281,9 @@ def test_training_changes_only_adapters_and_full_targets(base_dtype, builtin_cac
         assert torch.equal(param, before[name]), f"{name} changed"
     moved = [n for n in trainable if n.endswith("lora_B") and model.get_parameter(n).abs().sum() > 0]
     assert len(moved) == sum(n.endswith("lora_B") for n in trainable)  # every adapter learned something
-    assert not torch.equal(model.get_parameter("model.layers.1.moe.gate.weight"), before["model.layers.1.moe.gate.weight"])
+    assert not torch.equal(
+        model.get_parameter("model.layers.1.moe.gate.weight"), before["model.layers.1.moe.gate.weight"]
+    )
 
 
 @pytest.mark.timeout(900)
@@ -259,10 +291,21 @@ def test_cli_fit_with_lora_rank_trains(tmp_path, step35_here):
     """`--model.lora.rank 4` on the command line (step35.cli.main in this process: the parsing and the training
     are what is checked)."""
     steps = 16
-    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}",
-                                 f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1",
-                                 "--trainer.limit_val_batches=0", "--data.seq_len=32", "--data.micro_batch_size=4",
-                                 "--model.lora.rank", "4", "--model.lr=2e-2", "--model.warmup_steps=2")
+    code, out, err = step35_here(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        f"--run_dir={tmp_path / 'run'}",
+        f"--trainer.max_steps={steps}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=4",
+        "--model.lora.rank",
+        "4",
+        "--model.lr=2e-2",
+        "--model.warmup_steps=2",
+    )
     assert code == 0, out[-3000:] + err[-5000:]
     metrics = list((tmp_path / "run").rglob("metrics.csv"))
     assert metrics, list((tmp_path / "run").rglob("*"))
@@ -276,18 +319,21 @@ def test_cli_fit_with_lora_rank_trains(tmp_path, step35_here):
 # ----------------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("lora, message", [
-    ({"rank": 4, "targets": ["attention", "q"]}, "unknown target(s) ['q']; valid targets: ['q_proj'"),
-    ({"rank": 0}, "model.lora.rank=0: must be an integer >= 1"),
-    ({"rank": 4, "expert_rank": 0}, "model.lora.expert_rank=0"),
-    ({"rank": 4, "dropout": 1.0}, "model.lora.dropout=1.0"),
-    ({"rank": 4, "alpha": 0}, "model.lora.alpha=0"),
-    ({"rank": 4, "targets": []}, "model.lora.targets=[]"),
-    ({"rank": 4, "targets": ["mtp"]}, "name at least one of them too"),
-    ({"rank": 4, "base_dtype": "fp8"}, "model.lora.base_dtype='fp8'"),
-    ({"rank": 4, "ranks": 2}, "unknown field(s) ['ranks']"),
-    ({"alpha": 2}, "`rank` is required"),
-])
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        ({"rank": 4, "targets": ["attention", "q"]}, "unknown target(s) ['q']; valid targets: ['q_proj'"),
+        ({"rank": 0}, "model.lora.rank=0: must be an integer >= 1"),
+        ({"rank": 4, "expert_rank": 0}, "model.lora.expert_rank=0"),
+        ({"rank": 4, "dropout": 1.0}, "model.lora.dropout=1.0"),
+        ({"rank": 4, "alpha": 0}, "model.lora.alpha=0"),
+        ({"rank": 4, "targets": []}, "model.lora.targets=[]"),
+        ({"rank": 4, "targets": ["mtp"]}, "name at least one of them too"),
+        ({"rank": 4, "base_dtype": "fp8"}, "model.lora.base_dtype='fp8'"),
+        ({"rank": 4, "ranks": 2}, "unknown field(s) ['ranks']"),
+        ({"alpha": 2}, "`rank` is required"),
+    ],
+)
 def test_bad_options_are_refused_by_name(lora, message):
     from step35.module import Step35LightningModule
 
@@ -308,12 +354,18 @@ def test_conflicting_options_are_refused():
 
 
 def test_rank_larger_than_a_layer_names_the_layer():
-    with pytest.raises(LoraError, match=r"model.lora.rank=8 is larger than layer model.layers.0.self_attn.g_proj "
-                                        r"\(128 -> 4\)"):
+    with pytest.raises(
+        LoraError,
+        match=r"model.lora.rank=8 is larger than layer model.layers.0.self_attn.g_proj "
+        r"\(128 -> 4\)",
+    ):
         apply_lora(build_model(preset("tiny")), LoraConfig(rank=8))
     apply_lora(build_model(preset("tiny")), LoraConfig(rank=8, targets=["q_proj", "mlp"]))  # no gate: fine
-    with pytest.raises(LoraError, match=r"model.lora.expert_rank=65 is larger than layer "
-                                        r"model.layers.1.moe.gate_proj \(128 -> 64\)"):
+    with pytest.raises(
+        LoraError,
+        match=r"model.lora.expert_rank=65 is larger than layer "
+        r"model.layers.1.moe.gate_proj \(128 -> 64\)",
+    ):
         apply_lora(build_model(preset("tiny")), LoraConfig(rank=4, expert_rank=65))
     from step35.module import Step35LightningModule
 
@@ -326,8 +378,16 @@ def test_lora_refuses_a_precision_that_casts_the_adapters(builtin_cache):
     from step35.module import Step35LightningModule
 
     module = Step35LightningModule(config="tiny", lora={"rank": 4})
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, precision="bf16-true")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-true",
+    )
     with pytest.raises(ValueError, match=r"model.lora with trainer.precision=bf16-true"):
         trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)))
 
@@ -341,12 +401,26 @@ def test_lora_run_saves_and_resumes(tmp_path, builtin_cache):
     from step35.module import Step35LightningModule
 
     def fit(steps, ckpt_path=None):
-        module = Step35LightningModule(config="tiny", lora=LoraConfig(rank=4), lr=1e-2, warmup_steps=1)  # as the CLI gives it
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
-                             plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=2)])
-        trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)),
-                    ckpt_path=ckpt_path)
+        module = Step35LightningModule(
+            config="tiny", lora=LoraConfig(rank=4), lr=1e-2, warmup_steps=1
+        )  # as the CLI gives it
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+            plugins=[Step35CheckpointIO()],
+            callbacks=[RunCheckpoint(every_n_train_steps=2)],
+        )
+        trainer.fit(
+            module,
+            datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)),
+            ckpt_path=ckpt_path,
+        )
         return module, trainer
 
     first, _ = fit(2)

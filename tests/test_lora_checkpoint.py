@@ -53,12 +53,18 @@ def test_resume_rereads_the_base_and_refuses_another(tmp_path, builtin_cache):
         assert torch.equal(value, resumed[name]), name  # exact: the base re-read, adapters and state restored
 
     other = hf_base(tmp_path / "other", seed=2)  # same shapes, sizes and index; other weights
-    with pytest.raises(CheckpointError, match=r"a LoRA checkpoint of another base: .*other \(model.checkpoint\) is "
-                                              r"not the base .*base the run trained on: model-00001-of-00001."
-                                              r"safetensors has crc32 \w+ in its manifest, was \w+"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"a LoRA checkpoint of another base: .*other \(model.checkpoint\) is "
+        r"not the base .*base the run trained on: model-00001-of-00001."
+        r"safetensors has crc32 \w+ in its manifest, was \w+",
+    ):
         lora_fit(tmp_path / "run", builtin_cache, 4, base=other, ckpt_path=ckpt)
-    with pytest.raises(CheckpointError, match=r"the run's base was the HF folder .*base, this one is the init "
-                                              r"\(seed 0\) \(model.checkpoint\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"the run's base was the HF folder .*base, this one is the init "
+        r"\(seed 0\) \(model.checkpoint\)",
+    ):
         lora_fit(tmp_path / "run", builtin_cache, 4, ckpt_path=ckpt)
 
 
@@ -80,13 +86,21 @@ def test_lora_run_saved_at_ep2_resumes_at_ep1(tmp_path, builtin_cache):
     config = write_run_config(tmp_path, lora_config(), "lora.yaml")
 
     def on_two_ranks(run, ep: int, max_steps: int, *extra: str) -> None:
-        fit(config, run, builtin_cache, f"--trainer.max_steps={max_steps}", "--trainer.devices=2",
-            "--trainer.strategy=step35.strategy.Step35Strategy", f"--trainer.strategy.expert_parallel_size={ep}",
-            *extra, nproc=2)
+        fit(
+            config,
+            run,
+            builtin_cache,
+            f"--trainer.max_steps={max_steps}",
+            "--trainer.devices=2",
+            "--trainer.strategy=step35.strategy.Step35Strategy",
+            f"--trainer.strategy.expert_parallel_size={ep}",
+            *extra,
+            nproc=2,
+        )
 
     on_two_ranks(tmp_path / "straight", 2, 8)
     saved = tmp_path / "straight" / "checkpoints" / "step=000005.ckpt"  # RunCheckpoint's, every 5 steps (the
-    assert saved.is_dir()                                                 # schedule decays over 20, not max_steps)
+    assert saved.is_dir()  # schedule decays over 20, not max_steps)
     on_two_ranks(tmp_path / "resumed", 1, 8, f"--ckpt_path={saved}")
     straight, resumed = run_losses(tmp_path / "straight"), run_losses(tmp_path / "resumed")
     assert set(range(5, 8)) <= set(resumed), resumed

@@ -39,11 +39,25 @@ def lora_run(tmp_path_factory, builtin_cache):
     from step35.module import Step35LightningModule
 
     run = tmp_path_factory.mktemp("lora-run")
-    module = Step35LightningModule(config="tiny", lora={"rank": 4, "alpha": 6.0, "expert_rank": 3, "targets": TARGETS},
-                                   mtp_loss_weight=MTP_WEIGHT, lr=2e-2, warmup_steps=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, default_root_dir=run,
-                         plugins=[Step35CheckpointIO()], callbacks=[RunCheckpoint(every_n_train_steps=3)])
+    module = Step35LightningModule(
+        config="tiny",
+        lora={"rank": 4, "alpha": 6.0, "expert_rank": 3, "targets": TARGETS},
+        mtp_loss_weight=MTP_WEIGHT,
+        lr=2e-2,
+        warmup_steps=1,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=run,
+        plugins=[Step35CheckpointIO()],
+        callbacks=[RunCheckpoint(every_n_train_steps=3)],
+    )
     trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)))
     return run, module.model.eval()
 
@@ -91,7 +105,9 @@ def test_merged_export_computes_the_lora_models_logits_and_losses(lora_run, merg
         got_loss = loaded.loss(ids, labels, mtp_loss_weight=MTP_WEIGHT)
         want_loss = model.loss(ids, labels, mtp_loss_weight=MTP_WEIGHT)
         torch.testing.assert_close(got_loss.lm_loss, want_loss.lm_loss, rtol=0, atol=1e-5)
-        torch.testing.assert_close(torch.stack(got_loss.mtp_losses), torch.stack(want_loss.mtp_losses), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.stack(got_loss.mtp_losses), torch.stack(want_loss.mtp_losses), rtol=0, atol=1e-5
+        )
         base = copy.deepcopy(model)
         for n, p in base.named_parameters():
             if n.endswith("lora_B"):
@@ -146,8 +162,9 @@ def test_peft_folder_on_its_base_gives_the_merged_exports_logits(lora_run, merge
         torch.testing.assert_close(adapted(ids), load_pretrained(merged)(ids), rtol=0, atol=1e-5)
 
 
-def test_peft_itself_attaches_the_folder_to_the_transformers_model_and_gives_the_merged_logits(lora_run, merged,
-                                                                                                peft_folder, tmp_path):
+def test_peft_itself_attaches_the_folder_to_the_transformers_model_and_gives_the_merged_logits(
+    lora_run, merged, peft_folder, tmp_path
+):
     """The PEFT library (0.21.2) loads the folder onto the base loaded by transformers with the exported remote code:
     every adapter kind lands (expert adapters at their own rank, the router as modules_to_save), and the model
     computes the transformers-loaded merged export's logits within 1e-5 (fp32); the adapters move them by > 1e-3."""
@@ -160,16 +177,19 @@ def test_peft_itself_attaches_the_folder_to_the_transformers_model_and_gives_the
     save_pretrained(base, tmp_path / "base")
     for name in ("config.json", "modeling_step35.py"):  # the export's remote code, pointed at by its auto_map
         shutil.copy(merged / name, tmp_path / "base" / name)
-    load = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, trust_remote_code=True,
-                             dtype=torch.float32)
+    load = functools.partial(
+        transformers.AutoModelForCausalLM.from_pretrained, trust_remote_code=True, dtype=torch.float32
+    )
     hf_base, hf_merged = load(tmp_path / "base").eval(), load(merged).eval()
     ids, _ = batch(model.config.vocab_size)
     with torch.no_grad():
         want, before = hf_merged(ids).logits, hf_base(ids).logits
     adapted = PeftModel.from_pretrained(hf_base, peft_folder).eval()
     layer = adapted.base_model.model.model.layers[1]
-    assert layer.moe.gate_proj.lora_A["default"].weight.shape == (3 * model.config.moe_num_experts,
-                                                                   model.config.hidden_size)
+    assert layer.moe.gate_proj.lora_A["default"].weight.shape == (
+        3 * model.config.moe_num_experts,
+        model.config.hidden_size,
+    )
     assert layer.self_attn.q_proj.lora_A["default"].weight.shape[0] == 4
     assert type(layer.moe.gate).__name__ == "ModulesToSaveWrapper"
     with torch.no_grad():
@@ -187,8 +207,11 @@ def test_peft_folder_refuses_another_base(tmp_path, builtin_cache):
     model = load_pretrained(base)
     apply_peft_folder(model, tmp_path / "adapter", base)
     other = hf_base(tmp_path / "other", seed=2)
-    with pytest.raises(CheckpointError, match=r"adapter: a LoRA checkpoint of another base: .*other \(model.checkpoint\) "
-                                              r"is not the base .*base the run trained on: .* has crc32"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"adapter: a LoRA checkpoint of another base: .*other \(model.checkpoint\) "
+        r"is not the base .*base the run trained on: .* has crc32",
+    ):
         apply_peft_folder(load_pretrained(other), tmp_path / "adapter", other)
 
 

@@ -36,6 +36,7 @@ def hf_release(folder, seed):
 
 # ------------------------------------------------------------------------------------------ 1. the base by content
 
+
 def test_resume_refuses_a_same_shaped_base_without_manifest_and_accepts_the_moved_one(tmp_path, builtin_cache):
     """Before the fix both bases had the same index sha256 and file sizes and no manifest crc32: the resume on
     `other` was accepted (issue 24: rc 0, another loss). The refusal comes from on_load_checkpoint's
@@ -47,9 +48,12 @@ def test_resume_refuses_a_same_shaped_base_without_manifest_and_accepts_the_move
     assert not lora_base.base_identity(base, 0)["crc32"]  # no manifest: the old fingerprint cannot tell them apart
     lora_fit(tmp_path / "run", builtin_cache, 2, base=base)
     ckpt = next((tmp_path / "run").rglob("step=000002.ckpt"))
-    with pytest.raises(CheckpointError, match=rf"a LoRA checkpoint of another base: .*other \(model.checkpoint\) is not "
-                                              rf"the base .*base the run trained on: {SHARD} has other content "
-                                              rf"\(sampled crc32 \w{{8}}, was \w{{8}}\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"a LoRA checkpoint of another base: .*other \(model.checkpoint\) is not "
+        rf"the base .*base the run trained on: {SHARD} has other content "
+        rf"\(sampled crc32 \w{{8}}, was \w{{8}}\)",
+    ):
         lora_fit(tmp_path / "run", builtin_cache, 2, base=other, ckpt_path=ckpt)
     moved = tmp_path / "elsewhere" / "base"
     shutil.copytree(base, moved)
@@ -62,8 +66,11 @@ def test_a_record_without_a_comparable_fingerprint_is_refused(tmp_path):
     base = hf_release(tmp_path / "base", seed=1)
     current = lora_base.base_identity(base, 0)
     bare = {k: v for k, v in current.items() if k not in ("sampled_crc32", "sample_scheme")}
-    with pytest.raises(CheckpointError, match=r"ckpt: its record of the base .*base holds no content fingerprint of "
-                                              r"sample_scheme .* \(it has None\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt: its record of the base .*base holds no content fingerprint of "
+        r"sample_scheme .* \(it has None\)",
+    ):
         lora_base.check_base(bare, current, "ckpt")
     with pytest.raises(CheckpointError, match=r"it has 'another'"):
         lora_base.check_base({**current, "sample_scheme": "another"}, current, "ckpt")
@@ -77,8 +84,10 @@ def big_shards(folder, count: int, mib: int):
     folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
     for i in range(count):
-        save_file({f"w{i}.{j}": torch.randn(mib * 2**18 // 4, 4, generator=g) for j in range(4)},
-                  folder / f"model-{i + 1:05d}-of-{count:05d}.safetensors")
+        save_file(
+            {f"w{i}.{j}": torch.randn(mib * 2**18 // 4, 4, generator=g) for j in range(4)},
+            folder / f"model-{i + 1:05d}-of-{count:05d}.safetensors",
+        )
     return folder
 
 
@@ -86,8 +95,9 @@ def test_the_fingerprint_reads_the_header_and_three_mib_per_shard(tmp_path, monk
     folder = big_shards(tmp_path / "big", count=2, mib=4)
     read = []
     real = lora_base._read_span
-    monkeypatch.setattr(lora_base, "_read_span", lambda f, offset, length: read.append(n := real(f, offset, length))
-                        or n)
+    monkeypatch.setattr(
+        lora_base, "_read_span", lambda f, offset, length: read.append(n := real(f, offset, length)) or n
+    )
     started = time.perf_counter()
     identity = lora_base.base_identity(folder, 0)
     seconds = time.perf_counter() - started
@@ -144,15 +154,28 @@ def write_peft(folder, model, config_changes=None, tensor_changes=None, scale=0.
     g = torch.Generator().manual_seed(1)
     E, out_features, in_features = model.get_parameter(f"{UP}.weight").shape
     q_out, q_in = model.get_parameter(f"{Q}.weight").shape
-    tensors = {f"{P}{Q}.lora_A.weight": torch.randn(4, q_in, generator=g) * scale,
-               f"{P}{Q}.lora_B.weight": torch.randn(q_out, 4, generator=g) * scale,
-               f"{P}{UP}.lora_A.weight": torch.randn(E * 2, in_features, generator=g) * scale,
-               f"{P}{UP}.lora_B.weight": torch.randn(out_features, 2 * E, generator=g) * scale,
-               f"{P}lm_head.weight": torch.randn(*model.lm_head.weight.shape, generator=g)}
-    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": [Q],
-              "target_parameters": [f"{UP}.weight"], "rank_pattern": {"moe.up_proj.weight": 2},
-              "alpha_pattern": {"moe.up_proj.weight": 3.0}, "modules_to_save": ["lm_head"], "bias": "none",
-              "use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "layers_to_transform": None}
+    tensors = {
+        f"{P}{Q}.lora_A.weight": torch.randn(4, q_in, generator=g) * scale,
+        f"{P}{Q}.lora_B.weight": torch.randn(q_out, 4, generator=g) * scale,
+        f"{P}{UP}.lora_A.weight": torch.randn(E * 2, in_features, generator=g) * scale,
+        f"{P}{UP}.lora_B.weight": torch.randn(out_features, 2 * E, generator=g) * scale,
+        f"{P}lm_head.weight": torch.randn(*model.lm_head.weight.shape, generator=g),
+    }
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8.0,
+        "target_modules": [Q],
+        "target_parameters": [f"{UP}.weight"],
+        "rank_pattern": {"moe.up_proj.weight": 2},
+        "alpha_pattern": {"moe.up_proj.weight": 3.0},
+        "modules_to_save": ["lm_head"],
+        "bias": "none",
+        "use_dora": False,
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "layers_to_transform": None,
+    }
     for changes, target in ((config_changes, config), (tensor_changes, tensors)):
         for key, value in (changes or {}).items():
             if value is None:
@@ -184,26 +207,39 @@ def test_a_valid_folder_merges_as_peft_computes(tmp_path, tiny_base):
 
 
 CONFIG_CASES = {
-    "catastrophic regex": ({"alpha_pattern": {"(.|.)*!": 2.0}}, r"alpha_pattern key '\(\.\|\.\)\*!' is a regex, "
-                                                                 r"which this reader does not run"),
+    "catastrophic regex": (
+        {"alpha_pattern": {"(.|.)*!": 2.0}},
+        r"alpha_pattern key '\(\.\|\.\)\*!' is a regex, "
+        r"which this reader does not run",
+    ),
     "the issue's regex": ({"alpha_pattern": {"(a+)+$": 2.0}}, r"alpha_pattern key '\(a\+\)\+\$' is a regex"),
-    "a pattern key for nothing": ({"alpha_pattern": {"k_proj": 2.0}}, r"alpha_pattern key 'k_proj' applies to no "
-                                                                       r"adapted module"),
+    "a pattern key for nothing": (
+        {"alpha_pattern": {"k_proj": 2.0}},
+        r"alpha_pattern key 'k_proj' applies to no "
+        r"adapted module",
+    ),
     "r a string": ({"r": "4"}, r"r='4': must be an integer >= 1"),
     "r 0": ({"r": 0}, r"r=0: must be an integer >= 1"),
     "r missing": ({"r": None}, r"r=None: must be an integer >= 1"),
     "alpha negative": ({"lora_alpha": -1}, r"lora_alpha=-1: must be a finite number > 0"),
     "alpha a list": ({"lora_alpha": [1]}, r"lora_alpha=\[1\]: must be a finite number > 0"),
-    "rank_pattern 0": ({"rank_pattern": {"moe.up_proj.weight": 0}}, r"rank_pattern\['moe.up_proj.weight'\]=0: must be "
-                                                                     r"an integer >= 1"),
+    "rank_pattern 0": (
+        {"rank_pattern": {"moe.up_proj.weight": 0}},
+        r"rank_pattern\['moe.up_proj.weight'\]=0: must be "
+        r"an integer >= 1",
+    ),
     "regex target_modules": ({"target_modules": ".*q_proj"}, r"target_modules='\.\*q_proj': a regex"),
-    "a target the model lacks": ({"target_modules": ["model.layers.0.self_attn.z_proj"]},
-                                 r"target_modules names 'model.layers.0.self_attn.z_proj', which matches nothing"),
+    "a target the model lacks": (
+        {"target_modules": ["model.layers.0.self_attn.z_proj"]},
+        r"target_modules names 'model.layers.0.self_attn.z_proj', which matches nothing",
+    ),
     "dora": ({"use_dora": True}, r"use_dora=True: not supported by step35's merge"),
     "another method": ({"peft_type": "IA3"}, r"peft_type='IA3': only LoRA adapters can be merged"),
-    "2-D target_parameters": ({"target_parameters": [f"{Q}.weight"], "rank_pattern": {}, "alpha_pattern": {}},
-                              r"target_parameters matches model.layers.0.self_attn.q_proj.weight \[128, 128\], not a "
-                              r"routed experts'"),
+    "2-D target_parameters": (
+        {"target_parameters": [f"{Q}.weight"], "rank_pattern": {}, "alpha_pattern": {}},
+        r"target_parameters matches model.layers.0.self_attn.q_proj.weight \[128, 128\], not a "
+        r"routed experts'",
+    ),
 }
 
 
@@ -228,8 +264,11 @@ def test_an_overflowing_alpha_is_refused_naming_the_config(tmp_path, tiny_base):
 
     folder, _ = write_peft(tmp_path / "adapter", tiny_base, config_changes={"lora_alpha": 1e38}, scale=10.0)
     model = base_model(tiny_base)
-    with pytest.raises(CheckpointError, match=rf"adapter/adapter_config.json: alpha 1e\+38 / r 4 merges {Q}.weight into "
-                                              r"non-finite values \(lora_alpha or alpha_pattern too large\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"adapter/adapter_config.json: alpha 1e\+38 / r 4 merges {Q}.weight into "
+        r"non-finite values \(lora_alpha or alpha_pattern too large\)",
+    ):
         apply_peft_folder(model, folder)
 
 
@@ -239,8 +278,12 @@ def test_peft_model_refuses_a_merge_that_overflows_the_dtype(tmp_path, tiny_base
     from step35.checkpoint.hf.pretrained import save_pretrained
 
     save_pretrained(tiny_base, tmp_path / "base")
-    folder, _ = write_peft(tmp_path / "adapter", tiny_base, scale=10.0,
-                           config_changes={"lora_alpha": 1e6, "base_model_name_or_path": str(tmp_path / "base")})
+    folder, _ = write_peft(
+        tmp_path / "adapter",
+        tiny_base,
+        scale=10.0,
+        config_changes={"lora_alpha": 1e6, "base_model_name_or_path": str(tmp_path / "base")},
+    )
     with pytest.raises(CheckpointError, match=rf"adapter/adapter_config.json: the merged {Q}.weight overflows float16"):
         peft_model(folder, torch.float16, "cpu")
 
@@ -255,12 +298,22 @@ def test_generate_on_a_hostile_folder_stops_in_one_line(tmp_path, tiny_base, bui
 
     save_pretrained(tiny_base, tmp_path / "base")
     tokenizer = str(builtin_tokenizer_dir(cache_dir=builtin_cache))
-    cases = [({"alpha_pattern": {"(.|.)*!": 2.0}}, {}, r"adapter_config.json: alpha_pattern key .* is a regex"),
-             ({}, {f"{P}lm_head.weight": torch.zeros(1, 128)}, r"adapter_model.safetensors: base_model.model.lm_head."
-                                                                r"weight is float32 \[1, 128\]")]
+    cases = [
+        ({"alpha_pattern": {"(.|.)*!": 2.0}}, {}, r"adapter_config.json: alpha_pattern key .* is a regex"),
+        (
+            {},
+            {f"{P}lm_head.weight": torch.zeros(1, 128)},
+            r"adapter_model.safetensors: base_model.model.lm_head."
+            r"weight is float32 \[1, 128\]",
+        ),
+    ]
     for i, (config_changes, tensor_changes, message) in enumerate(cases):
-        folder, _ = write_peft(tmp_path / f"adapter{i}", tiny_base, tensor_changes=tensor_changes,
-                               config_changes={**config_changes, "base_model_name_or_path": str(tmp_path / "base")})
+        folder, _ = write_peft(
+            tmp_path / f"adapter{i}",
+            tiny_base,
+            tensor_changes=tensor_changes,
+            config_changes={**config_changes, "base_model_name_or_path": str(tmp_path / "base")},
+        )
         started = time.perf_counter()
         with pytest.raises(SystemExit, match=rf"^step35 generate: \S*adapter{i}/{message}") as stopped:
             main(["generate", "--checkpoint", str(folder), "--prompt", "The", "--tokenizer", tokenizer])
@@ -268,23 +321,38 @@ def test_generate_on_a_hostile_folder_stops_in_one_line(tmp_path, tiny_base, bui
 
 
 TENSOR_CASES = {
-    "a [1, H] module to save": ({f"{P}lm_head.weight": torch.zeros(1, 128)},
-                                r"base_model.model.lm_head.weight is float32 \[1, 128\], the model needs a "
-                                r"floating-point \[1024, 128\]"),
-    "a missing adapter": ({f"{P}{Q}.lora_B.weight": None}, rf"lacks base_model.model.{Q}.lora_B.weight \[128, 4\], "
-                                                           r"which adapter_config.json asks for"),
-    "an extra tensor": ({f"{P}model.layers.0.self_attn.k_proj.lora_A.weight": torch.zeros(4, 128)},
-                        r"holds base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight, which "
-                        r"adapter_config.json does not target in this model"),
-    "a tensor outside the prefix": ({"lm_head.weight": torch.zeros(1024, 128)},
-                                    r"holds lm_head.weight, not under PEFT's prefix"),
-    "a wrong expert rank": ({f"{P}{UP}.lora_A.weight": torch.zeros(8 * 3, 128)},
-                            rf"base_model.model.{UP}.lora_A.weight is float32 \[24, 128\], the model needs a "
-                            r"floating-point \[16, 128\]"),
-    "integer adapters": ({f"{P}{Q}.lora_A.weight": torch.zeros(4, 128, dtype=torch.int32)},
-                         rf"base_model.model.{Q}.lora_A.weight is int32 \[4, 128\]"),
-    "NaN": ({f"{P}{Q}.lora_A.weight": torch.full((4, 128), float("nan"))},
-            rf"tensor base_model.model.{Q}.lora_A.weight holds NaN"),
+    "a [1, H] module to save": (
+        {f"{P}lm_head.weight": torch.zeros(1, 128)},
+        r"base_model.model.lm_head.weight is float32 \[1, 128\], the model needs a "
+        r"floating-point \[1024, 128\]",
+    ),
+    "a missing adapter": (
+        {f"{P}{Q}.lora_B.weight": None},
+        rf"lacks base_model.model.{Q}.lora_B.weight \[128, 4\], "
+        r"which adapter_config.json asks for",
+    ),
+    "an extra tensor": (
+        {f"{P}model.layers.0.self_attn.k_proj.lora_A.weight": torch.zeros(4, 128)},
+        r"holds base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight, which "
+        r"adapter_config.json does not target in this model",
+    ),
+    "a tensor outside the prefix": (
+        {"lm_head.weight": torch.zeros(1024, 128)},
+        r"holds lm_head.weight, not under PEFT's prefix",
+    ),
+    "a wrong expert rank": (
+        {f"{P}{UP}.lora_A.weight": torch.zeros(8 * 3, 128)},
+        rf"base_model.model.{UP}.lora_A.weight is float32 \[24, 128\], the model needs a "
+        r"floating-point \[16, 128\]",
+    ),
+    "integer adapters": (
+        {f"{P}{Q}.lora_A.weight": torch.zeros(4, 128, dtype=torch.int32)},
+        rf"base_model.model.{Q}.lora_A.weight is int32 \[4, 128\]",
+    ),
+    "NaN": (
+        {f"{P}{Q}.lora_A.weight": torch.full((4, 128), float("nan"))},
+        rf"tensor base_model.model.{Q}.lora_A.weight holds NaN",
+    ),
 }
 
 
@@ -363,11 +431,17 @@ def test_a_resume_with_another_rank_or_alpha_is_refused_by_name(lora_checkpoint)
     saved = lora_checkpoint
     same = dict(LORA)
     assert resume_check(saved, lora_module(**same)) == []
-    with pytest.raises(ResumeMismatchError, match=r"model.lora.rank: 4 -> 2 changes the shape of every dense adapter "
-                                                  r".*; resume with model.lora.rank=4"):
+    with pytest.raises(
+        ResumeMismatchError,
+        match=r"model.lora.rank: 4 -> 2 changes the shape of every dense adapter "
+        r".*; resume with model.lora.rank=4",
+    ):
         resume_check(saved, lora_module(**{**same, "rank": 2, "alpha": 4.0}))
-    with pytest.raises(ResumeMismatchError, match=r"model.lora.alpha: 4 -> 16 \(resolved: null is the rank\) rescales "
-                                                  r"the trained adapters.*; resume with model.lora.alpha=4"):
+    with pytest.raises(
+        ResumeMismatchError,
+        match=r"model.lora.alpha: 4 -> 16 \(resolved: null is the rank\) rescales "
+        r"the trained adapters.*; resume with model.lora.alpha=4",
+    ):
         resume_check(saved, lora_module(**{**same, "alpha": 16.0}))
     assert resume_check(saved, lora_module(**{**same, "alpha": 4.0})) == []  # null was the rank: the same alpha
     with pytest.raises(ResumeMismatchError, match=r"model.lora.expert_rank: 2 -> 3 \(resolved; set None -> 3\)"):

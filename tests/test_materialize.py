@@ -13,11 +13,14 @@ from step35.model.init import init_tensor
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("name,shape,index", [
-    ("model.layers.1.moe.gate_proj.weight", (8, 64, 128), (slice(2, 6), slice(16, 48))),  # EP x efsdp shard
-    ("model.embed_tokens.weight", (1024, 128), (slice(300, 700),)),  # FSDP rows across init blocks
-    ("model.layers.0.self_attn.o_proj.weight", (128, 128), (slice(0, 0),)),  # an empty shard
-])
+@pytest.mark.parametrize(
+    "name,shape,index",
+    [
+        ("model.layers.1.moe.gate_proj.weight", (8, 64, 128), (slice(2, 6), slice(16, 48))),  # EP x efsdp shard
+        ("model.embed_tokens.weight", (1024, 128), (slice(300, 700),)),  # FSDP rows across init blocks
+        ("model.layers.0.self_attn.o_proj.weight", (128, 128), (slice(0, 0),)),  # an empty shard
+    ],
+)
 def test_init_slice_equals_slice_of_full_init(name, shape, index):
     config = preset("tiny")
     full = init_tensor(name, shape, config, seed=3)
@@ -41,6 +44,8 @@ def test_checkpoint_not_matching_the_config_is_refused_before_allocation(tmp_pat
     save_pretrained(model, tmp_path / "hf")
     with torch.device("meta"):  # the config the run asks for differs from the checkpoint's
         target = Step35ForCausalLM(tiny_config(moe_intermediate_size=96))
-    with pytest.raises(CheckpointError, match=r"model.layers.1.moe.gate_proj.weight .*shape \[8, 64, 128\].*\[8, 96, 128\]"):
+    with pytest.raises(
+        CheckpointError, match=r"model.layers.1.moe.gate_proj.weight .*shape \[8, 64, 128\].*\[8, 96, 128\]"
+    ):
         materialize(target, "cpu", checkpoint=tmp_path / "hf")
     assert all(t.is_meta for t in target.state_dict().values())  # nothing was allocated

@@ -25,7 +25,6 @@ from step35.model.mlp import SwiGLU, clamped_swiglu
 from step35.model.moe import MoE
 from step35.model.norm import RMSNorm
 from step35.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
-
 from tests.helpers import hand_inv_freq, randomize_, tiny_config, tiny_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 vs float64 reference
@@ -69,10 +68,10 @@ def hand_attention(q, k, v, window: int | None, scale: float) -> torch.Tensor:
             kv = h // group
             for i in range(S):
                 lo = 0 if window is None else max(0, i - window + 1)
-                keys = k[b, kv, lo:i + 1].double()
+                keys = k[b, kv, lo : i + 1].double()
                 scores = keys @ q[b, h, i].double() * scale
                 p = torch.softmax(scores, dim=0)
-                out[b, h, i] = p @ v[b, kv, lo:i + 1].double()
+                out[b, h, i] = p @ v[b, kv, lo : i + 1].double()
     return out
 
 
@@ -103,8 +102,12 @@ def hand_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     for t in range(x.shape[0]):
         ids, w = hand_route(x[t], moe.gate.weight, moe.router_bias, moe.top_k, moe.scaling_factor)
         for e, we in zip(ids, w):
-            out[t] += we * hand_swiglu(x[t:t + 1], moe.gate_proj.weight[e], moe.up_proj.weight[e],
-                                       moe.down_proj.weight[e], moe.limit)[0]
+            out[t] += (
+                we
+                * hand_swiglu(
+                    x[t : t + 1], moe.gate_proj.weight[e], moe.up_proj.weight[e], moe.down_proj.weight[e], moe.limit
+                )[0]
+            )
     return out
 
 
@@ -119,7 +122,7 @@ def hand_attention_module(attn: Attention, x: torch.Tensor, inv: list[float]) ->
     q, k = hand_rms(q, attn.q_norm.weight), hand_rms(k, attn.k_norm.weight)  # before RoPE
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k = hand_rope(q, inv), hand_rope(k, inv)
-    o = hand_attention(q, k, v, attn.window, D ** -0.5)  # [B, Hq, S, D]
+    o = hand_attention(q, k, v, attn.window, D**-0.5)  # [B, Hq, S, D]
     gate = torch.sigmoid(x64 @ attn.g_proj.weight.double().T)  # [B, S, Hq]: one scalar per head
     o = o.transpose(1, 2) * gate[..., None]
     return o.reshape(B, S, Hq * D) @ attn.o_proj.weight.double().T
@@ -140,9 +143,18 @@ def test_llama3_inv_freq_of_release_full_layer_matches_transformers():
     ours = model.model._inv_freq[key].double()
     assert ours.device.type == "cpu" and ours.shape == (32,)
 
-    hf_cfg = LlamaConfig(hidden_size=4096, num_attention_heads=64, head_dim=128, max_position_embeddings=262144,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 5e6, "partial_rotary_factor": 0.5,
-                                          **{k: v for k, v in cfg.rope_scaling.items() if k != "rope_type"}})
+    hf_cfg = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=64,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5e6,
+            "partial_rotary_factor": 0.5,
+            **{k: v for k, v in cfg.rope_scaling.items() if k != "rope_type"},
+        },
+    )
     hf_inv, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     assert attention_factor == 1.0 and hf_inv.shape == (32,)
     torch.testing.assert_close(ours, hf_inv.double(), rtol=1e-6, atol=0)  # HF computes in fp32: ~1 ulp
@@ -194,7 +206,7 @@ def test_rotate_half_partial_rope(rotary_dim):
     # bf16 input: rotated in fp32, cast back (tolerance: one bf16 rounding, 2^-8 relative).
     out16 = apply_rotary(x.bfloat16(), cos, sin)
     assert out16.dtype == torch.bfloat16
-    torch.testing.assert_close(out16.double(), hand_rope(x.bfloat16(), inv), atol=1e-2, rtol=2 ** -8)
+    torch.testing.assert_close(out16.double(), hand_rope(x.bfloat16(), inv), atol=1e-2, rtol=2**-8)
 
 
 # =================================================================================== attention
@@ -218,8 +230,8 @@ def test_attention_kernel_vs_bruteforce(seq, window):
     torch.manual_seed(1)
     B, Hq, Hkv, D = 2, 6, 2, 8
     q, k, v = torch.randn(B, Hq, seq, D), torch.randn(B, Hkv, seq, D), torch.randn(B, Hkv, seq, D)
-    out = attention(q, k, v, window, scale=D ** -0.5)
-    torch.testing.assert_close(out.double(), hand_attention(q, k, v, window, D ** -0.5), **TOL)
+    out = attention(q, k, v, window, scale=D**-0.5)
+    torch.testing.assert_close(out.double(), hand_attention(q, k, v, window, D**-0.5), **TOL)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -230,7 +242,7 @@ def test_gqa_head_mapping(window):
     B, Hq, Hkv, S, D = 1, 6, 3, 8, 4
     q, k = torch.randn(B, Hq, S, D), torch.randn(B, Hkv, S, D)
     v = torch.arange(1.0, Hkv + 1)[None, :, None, None].expand(B, Hkv, S, D).contiguous()
-    out = attention(q, k, v, window, scale=D ** -0.5)
+    out = attention(q, k, v, window, scale=D**-0.5)
     for h in range(Hq):
         torch.testing.assert_close(out[0, h], torch.full((S, D), float(h // 2 + 1)), **TOL)
 
@@ -242,8 +254,15 @@ def test_attention_module_with_head_gate(layer_id, window):
     cfg = tiny_config()
     spec = cfg.layer(layer_id)
     torch.manual_seed(3)
-    attn = Attention(cfg.hidden_size, spec, sliding_window=window or cfg.sliding_window, use_qk_norm=True,
-                     use_gate=True, eps=1e-5, zero_centered=True)
+    attn = Attention(
+        cfg.hidden_size,
+        spec,
+        sliding_window=window or cfg.sliding_window,
+        use_qk_norm=True,
+        use_gate=True,
+        eps=1e-5,
+        zero_centered=True,
+    )
     with torch.no_grad():
         for name, p in attn.named_parameters():
             p.copy_(torch.rand(p.shape) - 0.5 if "norm" in name else torch.randn(p.shape) * 0.1)
@@ -255,8 +274,15 @@ def test_attention_module_with_head_gate(layer_id, window):
     want = hand_attention_module(attn, x, inv)
     torch.testing.assert_close(out.double(), want, **TOL)
     # The gate matters: without it the result is different.
-    ungated = Attention(cfg.hidden_size, spec, sliding_window=window or cfg.sliding_window, use_qk_norm=True,
-                        use_gate=False, eps=1e-5, zero_centered=True)
+    ungated = Attention(
+        cfg.hidden_size,
+        spec,
+        sliding_window=window or cfg.sliding_window,
+        use_qk_norm=True,
+        use_gate=False,
+        eps=1e-5,
+        zero_centered=True,
+    )
     ungated.load_state_dict({k: v for k, v in attn.state_dict().items() if "g_proj" not in k})
     assert not torch.allclose(ungated(x, cos, sin), out, atol=1e-3)
 
@@ -291,12 +317,12 @@ def test_norm_computed_in_fp32_for_low_precision_input():
     torch.manual_seed(5)
     norm = RMSNorm(4096).to(torch.bfloat16)
     with torch.no_grad():
-        norm.weight.fill_(2 ** -8)
+        norm.weight.fill_(2**-8)
     x = torch.randn(4, 4096).bfloat16()
     y = norm(x)
     assert y.dtype == torch.bfloat16
     want = hand_rms(x, norm.weight)
-    assert ((y.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all()
+    assert ((y.double() - want).abs() <= 2**-7 * want.abs() + 1e-30).all()
     exact = (y == want.to(torch.bfloat16)).double().mean()
     assert exact >= 0.99, exact
 
@@ -321,8 +347,9 @@ def test_clamp_bites_and_silu_not_clamped_below():
     silu_m1 = -1.0 / (1 + math.exp(1.0))
     torch.testing.assert_close(out, torch.tensor([silu_m1 * 0.05, 0.1 * 0.05, 0.1 * -0.1]), **TOL)
     # L = 0 means off.
-    torch.testing.assert_close(clamped_swiglu(torch.tensor([50.0]), torch.tensor([40.0]), 0.0),
-                               torch.tensor([50.0 * 40.0]), **TOL)
+    torch.testing.assert_close(
+        clamped_swiglu(torch.tensor([50.0]), torch.tensor([40.0]), 0.0), torch.tensor([50.0 * 40.0]), **TOL
+    )
 
 
 @pytest.mark.parametrize("limit", [0.0, 0.5])
@@ -428,13 +455,15 @@ def test_moe_decoder_layer_adds_shared_expert():
         x = hand_rms(h1, layer.post_attention_layernorm.weight)
         se = layer.share_expert
         ffn = hand_moe(layer.moe, x.view(-1, cfg.hidden_size).float()).view_as(x) + hand_swiglu(
-            x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, 16.0)
+            x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, 16.0
+        )
     torch.testing.assert_close(out.double(), h1 + ffn, **TOL)
 
 
 # =================================================================================== grouped GEMM
-@pytest.mark.parametrize("in_dim,counts", [(16, [3, 0, 7]), (16, [0, 4, 6]), (16, [5, 5, 0]), (5, [3, 0, 7]),
-                                           (5, [2, 6, 2])])
+@pytest.mark.parametrize(
+    "in_dim,counts", [(16, [3, 0, 7]), (16, [0, 4, 6]), (16, [5, 5, 0]), (5, [3, 0, 7]), (5, [2, 6, 2])]
+)
 def test_grouped_mm_forward_backward(in_dim, counts, monkeypatch):
     out_dim = 8 if in_dim == 16 else 7
     aligned = in_dim == 16
@@ -457,7 +486,7 @@ def test_grouped_mm_forward_backward(in_dim, counts, monkeypatch):
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     rows, start = [], 0
     for g, c in enumerate(counts):
-        rows.append(x64[start:start + c] @ w64[g].T)
+        rows.append(x64[start : start + c] @ w64[g].T)
         start += c
     ref = torch.cat(rows)
     torch.testing.assert_close(y.double(), ref, **TOL)
@@ -471,8 +500,11 @@ def test_grouped_mm_forward_backward(in_dim, counts, monkeypatch):
 # =================================================================================== token counts
 def _capture_moe_inputs(model):
     seen = {}
-    hooks = [layer.moe.register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, []).append(args[0].detach()))
-             for i, layer in enumerate(model.model.main_layers) if layer.spec.is_moe]
+    hooks = [
+        layer.moe.register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, []).append(args[0].detach()))
+        for i, layer in enumerate(model.model.main_layers)
+        if layer.spec.is_moe
+    ]
     return seen, hooks
 
 
@@ -575,9 +607,13 @@ def test_mtp_weight_zero_is_lm_loss_and_skips_mtp():
 
 def _two_mtp_overrides() -> dict:
     raw = tiny_config().to_dict()
-    return dict(num_nextn_predict_layers=2,
-                **{k: raw[k] + raw[k][-1:] for k in ("layer_types", "rope_theta", "partial_rotary_factors",
-                                                   "swiglu_limits", "swiglu_limits_shared")})
+    return dict(
+        num_nextn_predict_layers=2,
+        **{
+            k: raw[k] + raw[k][-1:]
+            for k in ("layer_types", "rope_theta", "partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared")
+        },
+    )
 
 
 @pytest.mark.parametrize("two_layers", [False, True], ids=["depth1", "depth1+2"])

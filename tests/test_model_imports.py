@@ -12,8 +12,16 @@ import pytest
 import step35.model
 
 MODEL_DIR = Path(step35.model.__file__).parent
-FORBIDDEN = ("step35.checkpoint", "step35.parallel", "step35.module", "step35.strategy", "step35.callbacks",
-             "torch.distributed", "lightning", "pytorch_lightning")
+FORBIDDEN = (
+    "step35.checkpoint",
+    "step35.parallel",
+    "step35.module",
+    "step35.strategy",
+    "step35.callbacks",
+    "torch.distributed",
+    "lightning",
+    "pytorch_lightning",
+)
 
 
 def _imports(path: Path) -> list[str]:
@@ -29,15 +37,21 @@ def _imports(path: Path) -> list[str]:
 
 
 def test_model_sources_import_no_higher_layer():
-    found = [f"{path.name}: {name}" for path in sorted(MODEL_DIR.glob("*.py")) for name in _imports(path)
-             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)]
+    found = [
+        f"{path.name}: {name}"
+        for path in sorted(MODEL_DIR.glob("*.py"))
+        for name in _imports(path)
+        if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+    ]
     assert found == []
 
 
 @pytest.mark.heavy  # a subprocess (tests/test_layers.py stays quick)
 def test_importing_the_model_loads_no_higher_layer():
     # A fresh interpreter: this test process has long imported everything.
-    code = ("import sys, step35.model; print('\\n'.join(m for m in sys.modules if m.startswith("
-            "('step35.checkpoint', 'step35.parallel', 'step35.module', 'lightning', 'pytorch_lightning'))))")
+    code = (
+        "import sys, step35.model; print('\\n'.join(m for m in sys.modules if m.startswith("
+        "('step35.checkpoint', 'step35.parallel', 'step35.module', 'lightning', 'pytorch_lightning'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ""

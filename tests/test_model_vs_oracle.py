@@ -8,8 +8,14 @@ import torch.nn.functional as F
 
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
-from tests.hf_oracle import hf_forward_logits, hf_grads_to_ours, hf_reference_logits, hf_reference_model, \
-    random_state_dict, tiny_config_dict
+from tests.hf_oracle import (
+    hf_forward_logits,
+    hf_grads_to_ours,
+    hf_reference_logits,
+    hf_reference_model,
+    random_state_dict,
+    tiny_config_dict,
+)
 from tests.reference_forward import reference_logits
 
 ATOL = 2e-5  # fp32 against fp32 (oracle) and float64 (reference); logits are O(1)-O(5)

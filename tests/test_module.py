@@ -24,8 +24,16 @@ class FirstLoss(pl.Callback):
 
 
 def trainer(**kw) -> pl.Trainer:
-    args = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     args.update(kw)
     return pl.Trainer(**args)
 
@@ -109,8 +117,9 @@ def test_configure_model_leaves_nothing_on_meta():
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_precisions_train(precision, builtin_cache):
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
-    module = Step35LightningModule(config="tiny", mtp_loss_weight=0.3, lr=3e-3, warmup_steps=1,
-                                   moe_bias_update_rate=1e-3)
+    module = Step35LightningModule(
+        config="tiny", mtp_loss_weight=0.3, lr=3e-3, warmup_steps=1, moe_bias_update_rate=1e-3
+    )
     record = FirstLoss()
     trainer(max_steps=6, precision=precision, callbacks=[record], gradient_clip_val=1.0).fit(module, datamodule=data)
     assert len(record.losses) == 6 and all(math.isfinite(x) for x in record.losses)

@@ -79,21 +79,48 @@ def _reference_kernel(reference, calls: list):
     """torch_npu.npu_fusion_attention on CPU: BNSD straight to Huawei's reference; TND one
     actual_seq_qlen segment at a time (each segment [T_i, N, D] as a [1, N, T_i, D] sequence)."""
 
-    def npu_fusion_attention(q, k, v, head_num, input_layout, *, atten_mask=None, scale=1.0, pre_tockens=2147483647,
-                             next_tockens=2147483647, sparse_mode=0, actual_seq_qlen=None, actual_seq_kvlen=None):
-        calls.append({"layout": input_layout, "sparse_mode": sparse_mode, "pre_tockens": pre_tockens,
-                      "next_tockens": next_tockens, "actual_seq_qlen": actual_seq_qlen,
-                      "actual_seq_kvlen": actual_seq_kvlen})
-        kw = dict(atten_mask=atten_mask, scale=scale, pre_tockens=pre_tockens, next_tockens=next_tockens,
-                  sparse_mode=sparse_mode)
+    def npu_fusion_attention(
+        q,
+        k,
+        v,
+        head_num,
+        input_layout,
+        *,
+        atten_mask=None,
+        scale=1.0,
+        pre_tockens=2147483647,
+        next_tockens=2147483647,
+        sparse_mode=0,
+        actual_seq_qlen=None,
+        actual_seq_kvlen=None,
+    ):
+        calls.append(
+            {
+                "layout": input_layout,
+                "sparse_mode": sparse_mode,
+                "pre_tockens": pre_tockens,
+                "next_tockens": next_tockens,
+                "actual_seq_qlen": actual_seq_qlen,
+                "actual_seq_kvlen": actual_seq_kvlen,
+            }
+        )
+        kw = dict(
+            atten_mask=atten_mask,
+            scale=scale,
+            pre_tockens=pre_tockens,
+            next_tockens=next_tockens,
+            sparse_mode=sparse_mode,
+        )
         if input_layout == "BNSD":
             return reference.npu_fusion_attention(q, k, v, head_num, "BNSD", **kw)
         assert input_layout == "TND" and actual_seq_qlen[-1] == q.shape[0] and actual_seq_kvlen[-1] == k.shape[0]
         assert len(actual_seq_qlen) == len(actual_seq_kvlen)
         outs, q_start, kv_start = [], 0, 0
         for q_end, kv_end in zip(actual_seq_qlen, actual_seq_kvlen):  # segment i: its queries, its keys
-            seg = [t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q_start, q_end), (k, kv_start, kv_end),
-                                                                  (v, kv_start, kv_end))]  # [1, N, T_i, D]
+            seg = [
+                t[a:b].transpose(0, 1)[None]
+                for t, a, b in ((q, q_start, q_end), (k, kv_start, kv_end), (v, kv_start, kv_end))
+            ]  # [1, N, T_i, D]
             outs.append(reference.npu_fusion_attention(*seg, head_num, "BNSD", **kw)[0][0].transpose(0, 1))
             q_start, kv_start = q_end, kv_end
         return (torch.cat(outs),)
@@ -191,8 +218,9 @@ def test_context_parallel_attention_matches_huawei_reference(reference, fake_tor
                 runs = [c, 2 * c] if p[c] != p[c - 1] + 1 else [2 * c]
                 ends = [int(p[e - 1]) + 1 for e in runs]
                 assert call["actual_seq_qlen"] == runs + [2 * c + e for e in runs], where
-                assert call["actual_seq_kvlen"] == [sum(ends[:i + 1]) for i in range(len(ends))] + [
-                    sum(ends) + sum(ends[:i + 1]) for i in range(len(ends))], where
+                assert call["actual_seq_kvlen"] == [sum(ends[: i + 1]) for i in range(len(ends))] + [
+                    sum(ends) + sum(ends[: i + 1]) for i in range(len(ends))
+                ], where
 
 
 def test_context_parallel_varlen_segments_follow_documents():

@@ -15,8 +15,13 @@ from tests.runner import step35
 ROOT = Path(__file__).parent.parent
 
 # Fast settings of the main job: a short sequence, a small batch, one validation batch.
-SMALL = ["--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1",
-         "--data.val_batches=1", "--trainer.log_every_n_steps=1"]
+SMALL = [
+    "--data.seq_len=32",
+    "--data.micro_batch_size=2",
+    "--trainer.limit_val_batches=1",
+    "--data.val_batches=1",
+    "--trainer.log_every_n_steps=1",
+]
 
 
 def metric_rows(run: Path) -> list[dict]:
@@ -32,17 +37,36 @@ def test_main_job_first_screen_val_interval_in_steps_and_lr_names(tmp_path, buil
     lr/decay and lr/no_decay; the screen has none of the libraries' notices, a bar with lm_loss, no FLOPs
     column, and step35's own warning printed as step35's."""
     run = tmp_path / "run"
-    proc = step35(["fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=4",
-                   "--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=2", "--model.lr=0.2",
-                   *SMALL], builtin_cache)
+    proc = step35(
+        [
+            "fit",
+            "--config",
+            "configs/tiny.yaml",
+            f"--run_dir={run}",
+            "--trainer.max_steps=4",
+            "--trainer.accumulate_grad_batches=2",
+            "--trainer.val_check_interval=2",
+            "--model.lr=0.2",
+            *SMALL,
+        ],
+        builtin_cache,
+    )
     rows = metric_rows(run)
     # Lightning writes a validation that ends optimizer step N at step N - 1 (before its step counter moves).
     assert sorted(int(r["step"]) for r in rows if r.get("val/loss")) == [1, 3], rows
     assert {"lr/decay", "lr/no_decay"} <= set(rows[0])
     assert not any(name.startswith("lr-") for name in rows[0]), list(rows[0])
     screen = proc.stdout + proc.stderr
-    for noise in ("litlogger", "LeafSpec", "set_vital", "FLOPs", "weights_only", "exists and is not empty",
-                  "Trainer already configured", "call.py"):
+    for noise in (
+        "litlogger",
+        "LeafSpec",
+        "set_vital",
+        "FLOPs",
+        "weights_only",
+        "exists and is not empty",
+        "Trainer already configured",
+        "call.py",
+    ):
         assert noise not in screen, (noise, screen[-4000:])
     assert "lm_loss=" in screen and ", loss=" not in screen and "Step35ForCausalLM" in screen
     assert "step35: warning: model.lr=0.2 is above 0.1" in proc.stderr, proc.stderr[-3000:]
@@ -51,11 +75,19 @@ def test_main_job_first_screen_val_interval_in_steps_and_lr_names(tmp_path, buil
 @pytest.mark.timeout(900)
 def test_early_stopping_says_why(tmp_path, step35_here):
     run = tmp_path / "run"
-    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=20",
-                                 "--trainer.val_check_interval=1",
-                                 "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
-                                 "--trainer.callbacks.monitor=val/loss", "--trainer.callbacks.patience=2",
-                                 "--trainer.callbacks.min_delta=10", *SMALL)
+    code, out, err = step35_here(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        f"--run_dir={run}",
+        "--trainer.max_steps=20",
+        "--trainer.val_check_interval=1",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+        "--trainer.callbacks.monitor=val/loss",
+        "--trainer.callbacks.patience=2",
+        "--trainer.callbacks.min_delta=10",
+        *SMALL,
+    )
     assert code == 0, out[-3000:] + err[-5000:]
     # Step 1 sets the best; steps 2 and 3 do not improve it by 10: patience 2 is spent at step 3.
     assert max(int(r["step"]) for r in metric_rows(run) if r.get("train/lm_loss")) == 2  # steps 0, 1, 2 logged
@@ -118,8 +150,18 @@ def test_the_checkpoint_interval_and_retention_are_set_from_the_command_line(tmp
     (listed before other callbacks: `--trainer.callbacks.every_n_train_steps` would reach the last one,
     FinalValidation, which refuses it); with them the 6-step main job keeps steps 4 and 6 (it saved 2, 4, 6)."""
     run = tmp_path / "run"
-    code, out, err = step35_here("fit", "--config", "configs/tiny.yaml", f"--run_dir={run}", "--trainer.max_steps=6",
-                                 "--checkpoint.every_n_train_steps", "2", "--checkpoint.keep_last", "2", *SMALL)
+    code, out, err = step35_here(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        f"--run_dir={run}",
+        "--trainer.max_steps=6",
+        "--checkpoint.every_n_train_steps",
+        "2",
+        "--checkpoint.keep_last",
+        "2",
+        *SMALL,
+    )
     assert code == 0, out[-3000:] + err[-5000:]
     saved = sorted(p.name for p in (run / "checkpoints").glob("step=*.ckpt"))
     assert saved == ["step=000004.ckpt", "step=000006.ckpt"], saved
@@ -131,9 +173,10 @@ def test_checkpoint_options_add_a_run_checkpoint_when_the_config_has_none():
 
     from step35.commands.fit import _apply_checkpoint_options
 
-    config = Namespace(checkpoint=Namespace(every_n_train_steps=7, keep_last=None),
-                       trainer=Namespace(callbacks=[Namespace(class_path="step35.callbacks.FinalValidation",
-                                                              init_args=Namespace())]))
+    config = Namespace(
+        checkpoint=Namespace(every_n_train_steps=7, keep_last=None),
+        trainer=Namespace(callbacks=[Namespace(class_path="step35.callbacks.FinalValidation", init_args=Namespace())]),
+    )
     _apply_checkpoint_options(config)
     added = config.trainer.callbacks[-1]
     assert added.class_path == "step35.callbacks.RunCheckpoint" and added.init_args == Namespace(every_n_train_steps=7)

@@ -44,8 +44,9 @@ class _CreatedStorages(TorchDispatchMode):
         return out
 
 
-def measure_activations(config: Step35Config, batch: int, seq: int, mode: str, dtype: torch.dtype,
-                        mtp_loss_weight: float) -> tuple[int, int]:
+def measure_activations(
+    config: Step35Config, batch: int, seq: int, mode: str, dtype: torch.dtype, mtp_loss_weight: float
+) -> tuple[int, int]:
     """(bytes packed by saved_tensors_hooks, bytes of forward-created storages still alive after the
     forward), both over unique storages without parameters or buffers. Activation checkpointing packs
     inside its own hooks and keeps its inputs and (selective) cached results outside them, so for
@@ -77,9 +78,18 @@ def measure_activations(config: Step35Config, batch: int, seq: int, mode: str, d
 
 def wider_config() -> Step35Config:
     """Wider than tiny, other ratios: hidden 256, 16 experts top-4, 2 MTP layers, no router renorm."""
-    raw = tiny_config_dict(hidden_size=256, intermediate_size=640, num_attention_heads=8, moe_num_experts=16,
-                           moe_top_k=4, moe_intermediate_size=96, share_expert_dim=160, norm_expert_weight=False,
-                           sliding_window=48, num_nextn_predict_layers=2)
+    raw = tiny_config_dict(
+        hidden_size=256,
+        intermediate_size=640,
+        num_attention_heads=8,
+        moe_num_experts=16,
+        moe_top_k=4,
+        moe_intermediate_size=96,
+        share_expert_dim=160,
+        norm_expert_weight=False,
+        sliding_window=48,
+        num_nextn_predict_layers=2,
+    )
     raw["layer_types"] = raw["layer_types"] + ["sliding_attention"]
     for key in ("rope_theta", "partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared"):
         raw[key] = raw[key] + raw[key][-1:]
@@ -90,11 +100,16 @@ CASES = {"tiny": (lambda: preset("tiny"), 2, 96), "wider": (wider_config, 1, 128
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-@pytest.mark.parametrize("case,dtype", [
-    pytest.param("tiny", torch.float32, id="tiny-fp32"),
-    pytest.param("tiny", torch.bfloat16, id="tiny-bf16"),
-    pytest.param("wider", torch.bfloat16, id="wider-bf16", marks=pytest.mark.heavy),  # the wider model's activations
-])
+@pytest.mark.parametrize(
+    "case,dtype",
+    [
+        pytest.param("tiny", torch.float32, id="tiny-fp32"),
+        pytest.param("tiny", torch.bfloat16, id="tiny-bf16"),
+        pytest.param(
+            "wider", torch.bfloat16, id="wider-bf16", marks=pytest.mark.heavy
+        ),  # the wider model's activations
+    ],
+)
 def test_predicted_activations_match_saved_tensors(case, dtype, mode):
     make, batch, seq = CASES[case]
     config = make()
@@ -116,9 +131,18 @@ def test_predicted_activations_match_under_expert_parallelism(tmp_path):
     config = preset("tiny")
     config.save(tmp_path / "config.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "plan_ep_activations.py"), "--config", str(tmp_path / "config.json"),
-           "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests" / "dist" / "plan_ep_activations.py"),
+        "--config",
+        str(tmp_path / "config.json"),
+        "--out",
+        str(tmp_path),
+    ]
     proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -131,8 +155,9 @@ def test_predicted_activations_match_under_expert_parallelism(tmp_path):
 def test_checkpointing_orders_activations_and_mtp_only_counts_when_trained():
     config = preset("flash-196b")
     shape = Shape(1, 4096, 2, "cuda", expert_parallel_size=96)
-    none, sel, full = (model_activations(config, shape, mode=m, num_mtp_layers=0).total
-                       for m in ("none", "selective", "full"))
+    none, sel, full = (
+        model_activations(config, shape, mode=m, num_mtp_layers=0).total for m in ("none", "selective", "full")
+    )
     assert full < sel < none
     # full keeps one [S, H] bf16 block input per layer plus the final norm's work
     assert full == pytest.approx(45 * 4096 * 4096 * 2, rel=0.15)
@@ -161,8 +186,10 @@ data:
 """
 
 
-LORA_RUN_YAML = RUN_YAML.replace("  mtp_loss_weight: 0.0   # the MTP layer is held but frozen: no gradient, no AdamW state\n",
-                                 "  mtp_loss_weight: 0.0\n  lora:\n    rank: 4\n    base_dtype: bfloat16\n")
+LORA_RUN_YAML = RUN_YAML.replace(
+    "  mtp_loss_weight: 0.0   # the MTP layer is held but frozen: no gradient, no AdamW state\n",
+    "  mtp_loss_weight: 0.0\n  lora:\n    rank: 4\n    base_dtype: bfloat16\n",
+)
 assert "lora:" in LORA_RUN_YAML  # the replacement above matched
 
 
@@ -175,8 +202,18 @@ def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
     config = tmp_path / "run.yaml"
     config.write_text(run_yaml)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "tests" / "dist" / "plan_state_run.py"), "--config", str(config), "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        str(ROOT / "tests" / "dist" / "plan_state_run.py"),
+        "--config",
+        str(config),
+        "--out",
+        str(tmp_path),
+    ]
     proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
@@ -196,6 +233,7 @@ def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
 
 # ------------------------------------------------------------------------------ the CLI on real recipes
 
+
 @pytest.mark.heavy  # the 196B model sharded for many simulated ranks
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe,device,min_margin", [("npu", "Ascend 910B", 20), ("gpu", "NVIDIA H100 SXM", 10)])
@@ -209,18 +247,29 @@ def test_recipes_fit_with_margin(capsys, recipe, device, min_margin):
     # The 3 MTP layers are held (frozen: mtp_loss_weight 0); the total is the release's parameters
     # (router biases are buffers) plus the three MTP layers.
     H, V, q, kv = 4096, 128896, 96 * 128, 8 * 128  # MTP layers are sliding: 96 heads (docs/architecture.md §2.10)
-    mtp_layer = (2 * H * q + 2 * H * kv + H * 96 + 2 * 128  # q, o, k, v, head gate, q/k norms
-                 + 3 * H * 11264 + 2 * H  # dense MLP, its two norms
-                 + 2 * H + 2 * H * H + H + V * H)  # enorm, hnorm, eh_proj, head norm, head
+    mtp_layer = (
+        2 * H * q
+        + 2 * H * kv
+        + H * 96
+        + 2 * 128  # q, o, k, v, head gate, q/k norms
+        + 3 * H * 11264
+        + 2 * H  # dense MLP, its two norms
+        + 2 * H
+        + 2 * H * H
+        + H
+        + V * H
+    )  # enorm, hnorm, eh_proj, head norm, head
     assert plan["model"]["num_mtp_layers"] == 3 and not plan["model"]["mtp_trained"]
     assert plan["model"]["params_total"] == 196_956_130_368 - 42 * 288 + 3 * mtp_layer
     assert plan["speed"]["flops_per_token"] == pytest.approx(73.506e9, rel=1e-4)  # docs/architecture.md §5; MTP not run
     if recipe == "npu":
         # 288 experts / ep 96 = 3 per rank; FSDP over efsdp=2 splits each expert's rows (dim 1).
         assert plan["layout"]["efsdp"] == 2
-        assert plan["state"]["expert_shapes"] == {"gate_proj.weight": [3, 640, 4096],
-                                                  "up_proj.weight": [3, 640, 4096],
-                                                  "down_proj.weight": [3, 2048, 1280]}
+        assert plan["state"]["expert_shapes"] == {
+            "gate_proj.weight": [3, 640, 4096],
+            "up_proj.weight": [3, 640, 4096],
+            "down_proj.weight": [3, 2048, 1280],
+        }
         code, out, _ = run_plan(capsys, "--config", f"configs/flash-196b-4k-{recipe}.yaml")
         assert code == 0 and "FITS:" in out and "MFU <=" in out
 
@@ -228,8 +277,16 @@ def test_recipes_fit_with_margin(capsys, recipe, device, min_margin):
 @pytest.mark.heavy  # the 196B model sharded for many simulated ranks
 @pytest.mark.timeout(600)
 def test_too_few_ranks_does_not_fit_and_suggests_more_nodes(capsys):
-    code, out, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--trainer.num_nodes", "1",
-                              "--trainer.strategy.expert_parallel_size", "8", "--json")
+    code, out, err = run_plan(
+        capsys,
+        "--config",
+        "configs/flash-196b-4k-gpu.yaml",
+        "--trainer.num_nodes",
+        "1",
+        "--trainer.strategy.expert_parallel_size",
+        "8",
+        "--json",
+    )
     assert code == 1, err[-3000:]
     plan = json.loads(out)
     assert not plan["verdict"]["fits"] and plan["layout"]["world_size"] == 8
@@ -239,19 +296,32 @@ def test_too_few_ranks_does_not_fit_and_suggests_more_nodes(capsys):
 
 @pytest.mark.heavy  # the 196B model sharded for many simulated ranks
 def test_invalid_expert_parallel_size_is_refused_with_valid_sizes(capsys):
-    code, _, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml",
-                            "--trainer.strategy.expert_parallel_size", "64")
+    code, _, err = run_plan(
+        capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--trainer.strategy.expert_parallel_size", "64"
+    )
     assert code == 2
     assert "expert_parallel_size=64 is invalid" in err and "Valid sizes: 1, 2, 4, 8, 16, 32" in err
     # 0 is refused the same way (it used to divide by zero in the check).
-    code, _, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--no-suggestions",
-                            "--trainer.strategy.expert_parallel_size", "0")
+    code, _, err = run_plan(
+        capsys,
+        "--config",
+        "configs/flash-196b-4k-gpu.yaml",
+        "--no-suggestions",
+        "--trainer.strategy.expert_parallel_size",
+        "0",
+    )
     assert code == 2 and "expert_parallel_size=0 is invalid" in err, err[-2000:]
 
 
 def test_step35_help_lists_plan_and_export():
-    proc = subprocess.run([sys.executable, "-m", "step35", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "step35", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0
     for sub in ("fit", "validate", "export", "plan"):
         assert f"  {sub} " in proc.stdout

@@ -25,9 +25,10 @@ from tests.runner import run_plan
 ROOT = Path(__file__).parent.parent
 GiB = 1024**3
 # The config the measurement script uses: the issue-10 shape with the release's head ratio.
-RELEASE_RATIO = ('{"num_attention_groups": 1, "attention_other_setting": {"attention_type": "sliding_attention", '
-                 '"num_attention_heads": 12, "num_attention_groups": 1, "head_dim": 32, "true_head_dim": 32}}')
-
+RELEASE_RATIO = (
+    '{"num_attention_groups": 1, "attention_other_setting": {"attention_type": "sliding_attention", '
+    '"num_attention_heads": 12, "num_attention_groups": 1, "head_dim": 32, "true_head_dim": 32}}'
+)
 
 
 @pytest.mark.multiprocess
@@ -50,11 +51,17 @@ def test_plan_predicts_the_measured_saved_bytes_at_cp2(cp_saved_bytes):
 def test_cp1_plans_are_unchanged(capsys):
     """The figures `step35 plan` printed before it counted cp (recorded from that version)."""
     for extra, required, acts, seconds in [
-            ((), 63732541922, 1583431688, 2.50438523328),
-            (("--device", "h200", "--data.seq_len", "32768", "--trainer.num_nodes", "4"), 140668952741, 12667453448,
-             9.11545705344)]:
-        code, out, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--json", "--no-suggestions",
-                                  *extra)
+        ((), 63732541922, 1583431688, 2.50438523328),
+        (
+            ("--device", "h200", "--data.seq_len", "32768", "--trainer.num_nodes", "4"),
+            140668952741,
+            12667453448,
+            9.11545705344,
+        ),
+    ]:
+        code, out, err = run_plan(
+            capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--json", "--no-suggestions", *extra
+        )
         plan = json.loads(out)
         assert plan["verdict"]["required"] == required and plan["activations"]["total"] == acts, err[-2000:]
         assert plan["speed"]["step_seconds_overlapped"] == pytest.approx(seconds, rel=1e-9)
@@ -83,28 +90,43 @@ def test_cp_divides_activations_and_counts_the_exchange(capsys):
     plan = json.loads(out)
     assert plan["layout"]["context_parallel_size"] == cp and plan["speed"]["tokens_per_rank_step"] == S // cp
     assert plan["speed"]["context_bytes"] == exchange * 3
-    assert plan["phases"]["block backward"]["cp K/V gradients"] == 2 * S * kv  # whole-sequence dK/dV + its reordered copy
+    assert (
+        plan["phases"]["block backward"]["cp K/V gradients"] == 2 * S * kv
+    )  # whole-sequence dK/dV + its reordered copy
     code, out, _ = run_plan(capsys, "--config", "configs/flash-196b-128k-gpu.yaml", *H200)
     assert "context parallel 8 (16384 tokens of each sequence per rank)" in out and "cp K/V per step" in out
 
 
-@pytest.mark.parametrize("cp,seq,message", [
-    ("3", "4096", "context_parallel_size=3 must divide the world size 64 (valid: "),
-    ("128", "4096", "context_parallel_size=128 is larger than the world size 64"),
-    ("8", "4104", "context_parallel_size=8 needs data.seq_len divisible by 2 x cp = 16"),
-])
+@pytest.mark.parametrize(
+    "cp,seq,message",
+    [
+        ("3", "4096", "context_parallel_size=3 must divide the world size 64 (valid: "),
+        ("128", "4096", "context_parallel_size=128 is larger than the world size 64"),
+        ("8", "4104", "context_parallel_size=8 needs data.seq_len divisible by 2 x cp = 16"),
+    ],
+)
 def test_sizes_cp_makes_invalid_are_refused(capsys, cp, seq, message):
-    code, _, err = run_plan(capsys, "--config", "configs/flash-196b-4k-gpu.yaml", "--no-suggestions",
-                            "--trainer.strategy.context_parallel_size", cp, "--data.seq_len", seq)
+    code, _, err = run_plan(
+        capsys,
+        "--config",
+        "configs/flash-196b-4k-gpu.yaml",
+        "--no-suggestions",
+        "--trainer.strategy.context_parallel_size",
+        cp,
+        "--data.seq_len",
+        seq,
+    )
     assert code == 2 and message in err, err[-2000:]
 
 
 # recipe -> (world, ep, cp, seq_len, plan flags, device name, min margin %)
 H200 = ("--device", "h200")
 # (the recipes name their device, `plan_device`: no flag needed)
-RECIPES = {"configs/flash-196b-32k-gpu.yaml": (32, 32, 2, 32768, (), "NVIDIA H200 SXM", 10),
-           "configs/flash-196b-128k-gpu.yaml": (32, 32, 8, 131072, (), "NVIDIA H200 SXM", 10),
-           "configs/flash-196b-128k-npu.yaml": (96, 96, 16, 131072, (), "Ascend 910B", 10)}
+RECIPES = {
+    "configs/flash-196b-32k-gpu.yaml": (32, 32, 2, 32768, (), "NVIDIA H200 SXM", 10),
+    "configs/flash-196b-128k-gpu.yaml": (32, 32, 8, 131072, (), "NVIDIA H200 SXM", 10),
+    "configs/flash-196b-128k-npu.yaml": (96, 96, 16, 131072, (), "Ascend 910B", 10),
+}
 
 
 @pytest.mark.timeout(600)
@@ -115,7 +137,9 @@ def test_long_context_recipe_fits_with_margin(capsys, path):
     args = cfg["trainer"]["strategy"]["init_args"]
     assert cfg["trainer"]["devices"] * cfg["trainer"]["num_nodes"] == world and cfg["data"]["seq_len"] == seq
     assert (args["expert_parallel_size"], args["context_parallel_size"]) == (ep, cp)
-    ParallelDims(world, ep, num_experts=preset("flash-196b").moe_num_experts, context_parallel_size=cp).check_seq_len(seq)
+    ParallelDims(world, ep, num_experts=preset("flash-196b").moe_num_experts, context_parallel_size=cp).check_seq_len(
+        seq
+    )
     code, out, err = run_plan(capsys, "--config", path, "--json", "--no-suggestions", *flags)
     assert code == 0, err[-2000:]
     plan = json.loads(out)
@@ -127,8 +151,9 @@ def test_long_context_recipe_fits_with_margin(capsys, path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", sorted(RECIPES))
 def test_long_context_recipe_parses_for_fit(path, step35_here):
-    code, out, err = step35_here("fit", "--config", path, "--model.checkpoint=/ckpt", "--data.files=/corpus/*.jsonl",
-                                 "--print_config")
+    code, out, err = step35_here(
+        "fit", "--config", path, "--model.checkpoint=/ckpt", "--data.files=/corpus/*.jsonl", "--print_config"
+    )
     assert code == 0, err[-3000:]
     printed = yaml.safe_load(out)
     assert printed["trainer"]["strategy"]["init_args"]["context_parallel_size"] == RECIPES[path][2]
@@ -138,16 +163,41 @@ def test_long_context_recipe_parses_for_fit(path, step35_here):
 @pytest.mark.timeout(600)
 def test_128k_gpu_recipe_and_128k_lora_are_the_fewest_devices_that_fit(capsys):
     # Full fine-tune: one node fewer (24 H200, EP 24, cp 8) does not fit.
-    code, out, err = run_plan(capsys, "--config", "configs/flash-196b-128k-gpu.yaml", "--no-suggestions", *H200,
-                              "--trainer.num_nodes", "3", "--trainer.strategy.expert_parallel_size", "24")
+    code, out, err = run_plan(
+        capsys,
+        "--config",
+        "configs/flash-196b-128k-gpu.yaml",
+        "--no-suggestions",
+        *H200,
+        "--trainer.num_nodes",
+        "3",
+        "--trainer.strategy.expert_parallel_size",
+        "24",
+    )
     assert code == 1 and "DOES NOT FIT" in out, err[-2000:]
     # LoRA at 128K (the LoRA recipe with cp): 4 H200 fit (EP 4, cp 4), 2 do not.
     lora = ["--config", "configs/flash-196b-lora-h200.yaml", "--no-suggestions", "--data.seq_len", "131072", *H200]
-    code, out, err = run_plan(capsys, *lora, "--trainer.devices", "4", "--trainer.strategy.expert_parallel_size", "4",
-                              "--trainer.strategy.context_parallel_size", "4")
+    code, out, err = run_plan(
+        capsys,
+        *lora,
+        "--trainer.devices",
+        "4",
+        "--trainer.strategy.expert_parallel_size",
+        "4",
+        "--trainer.strategy.context_parallel_size",
+        "4",
+    )
     assert code == 0 and "FITS:" in out, err[-2000:] + out[-2000:]
-    code, out, _ = run_plan(capsys, *lora, "--trainer.devices", "2", "--trainer.strategy.expert_parallel_size", "2",
-                            "--trainer.strategy.context_parallel_size", "2")
+    code, out, _ = run_plan(
+        capsys,
+        *lora,
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy.expert_parallel_size",
+        "2",
+        "--trainer.strategy.context_parallel_size",
+        "2",
+    )
     assert code == 1 and "DOES NOT FIT" in out
 
 

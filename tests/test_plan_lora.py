@@ -33,7 +33,6 @@ RECIPE = str(ROOT / "configs" / "flash-196b-lora-h200.yaml")
 GiB = 1024**3
 
 
-
 # ------------------------------------------------------------------------------ adapter counts
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj"}
 
@@ -53,10 +52,12 @@ def adapters_built_on(model, config: Step35Config, targets: set[str], rank: int,
         leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
         if isinstance(module, nn.Linear):
             out_f, in_f = module.weight.shape
-            adapted = ((parent == "self_attn" and leaf in attention)
-                       or (parent == "mlp" and "mlp" in targets)
-                       or (parent == "share_expert" and "shared_expert" in targets)
-                       or leaf == "eh_proj")  # MTP layers only, which are skipped unless targeted
+            adapted = (
+                (parent == "self_attn" and leaf in attention)
+                or (parent == "mlp" and "mlp" in targets)
+                or (parent == "share_expert" and "shared_expert" in targets)
+                or leaf == "eh_proj"
+            )  # MTP layers only, which are skipped unless targeted
             if parent == "moe" and leaf == "gate":  # the router: trained whole when named
                 if "router" in targets:
                     counts[f"{name}.weight"] = module.weight.numel()
@@ -83,9 +84,14 @@ def adapted_model(config: Step35Config, options: dict, mtp_loss_weight: float = 
     return training_model(TrainedModel(config, None, mtp_loss_weight, LoraConfig.of(options)))
 
 
-@pytest.mark.parametrize("targets", [list(DEFAULT_TARGETS), ["q_proj", "o_proj", "experts"],
-                                     ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head",
-                                      "embed"]])
+@pytest.mark.parametrize(
+    "targets",
+    [
+        list(DEFAULT_TARGETS),
+        ["q_proj", "o_proj", "experts"],
+        ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head", "embed"],
+    ],
+)
 def test_adapter_tensors_match_adapters_built_on_the_model(targets):
     config = tiny_config()
     lora = parse_lora({"rank": 4, "targets": targets}, config)
@@ -106,13 +112,20 @@ def test_unsharded_tiny_plan_counts_the_base_in_its_base_dtype_and_adapters_in_f
     base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lora", "{rank: 4}"]
     config = tiny_config()
     lora = parse_lora({"rank": 4}, config)
-    n_adapters = sum(adapters_built_on(build_model(config, device="meta"), config, set(DEFAULT_TARGETS), 4,
-                                       lora.expert_rank).values())
+    n_adapters = sum(
+        adapters_built_on(
+            build_model(config, device="meta"), config, set(DEFAULT_TARGETS), 4, lora.expert_rank
+        ).values()
+    )
     n_base = sum(p.numel() for p in build_model(config, device="meta").parameters())
     # As apply_lora: the base in model.lora.base_dtype, default the config's torch_dtype, whatever the precision.
     stored = torch.empty((), dtype=getattr(torch, config.torch_dtype)).element_size()
-    for precision, base_dtype, base_bytes in (("32-true", None, stored), ("bf16-mixed", None, stored),
-                                              ("bf16-mixed", "bfloat16", 2), ("32-true", "float16", 2)):
+    for precision, base_dtype, base_bytes in (
+        ("32-true", None, stored),
+        ("bf16-mixed", None, stored),
+        ("bf16-mixed", "bfloat16", 2),
+        ("32-true", "float16", 2),
+    ):
         args = [*base, "--trainer.precision", precision]
         if base_dtype:
             args[3] = f"{{rank: 4, base_dtype: {base_dtype}}}"
@@ -143,9 +156,20 @@ def test_plan_bytes_equal_the_real_adapted_sharded_model(world, ep):
 
     options = {"rank": 4, "targets": ["attention", "mlp", "shared_expert", "experts", "router"]}
     yaml_lora = "{rank: 4, targets: [attention, mlp, shared_expert, experts, router]}"
-    s = read_settings(["--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lora", yaml_lora,
-                       "--trainer.devices", str(world), "--trainer.strategy", "step35.strategy.Step35Strategy",
-                       "--trainer.strategy.expert_parallel_size", str(ep)])
+    s = read_settings(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--model.lora",
+            yaml_lora,
+            "--trainer.devices",
+            str(world),
+            "--trainer.strategy",
+            "step35.strategy.Step35Strategy",
+            "--trainer.strategy.expert_parallel_size",
+            str(ep),
+        ]
+    )
     config = tiny_config()
     for rank in range(world):
         simulated_world(world, rank)
@@ -155,15 +179,21 @@ def test_plan_bytes_equal_the_real_adapted_sharded_model(world, ep):
             parallelize(model, ParallelDims(world, ep, num_experts=config.moe_num_experts).build("cpu"))
             for layer in model.model.mtp_layers:  # mtp_loss_weight 0 in tiny.yaml
                 layer.requires_grad_(False)
-            local = {n: (p.to_local() if hasattr(p, "to_local") else p, p.requires_grad)
-                     for n, p in model.named_parameters()}
+            local = {
+                n: (p.to_local() if hasattr(p, "to_local") else p, p.requires_grad) for n, p in model.named_parameters()
+            }
         finally:
             close_world()
         params = sum(t.numel() * t.element_size() for t, _ in local.values())
         grads = sum(t.numel() * t.element_size() for t, trained in local.values() if trained)
         adapters = sum(t.numel() * t.element_size() for n, (t, _) in local.items() if ".lora_" in n)
         state = sharded_state(s, rank=rank).state
-        assert (state.params, state.grads, state.optimizer, state.adapter_params) == (params, grads, 2 * grads, adapters)
+        assert (state.params, state.grads, state.optimizer, state.adapter_params) == (
+            params,
+            grads,
+            2 * grads,
+            adapters,
+        )
         assert 0 < adapters < grads < params  # the router trains in full; the base is frozen
 
 
@@ -186,14 +216,18 @@ def hand_lora(rank: int, expert_rank: int, tokens: int) -> dict[str, float]:
             experts += 3 * E * re * (H + I)
             dense += 3 * r * (H + S)
             act += 3 * K * re * 2 + 3 * r * 2
-    return {"adapters": dense + experts, "activations": act * tokens,
-            "per_token": dense + experts * K / E}  # adapter parameters a token passes through
+    return {
+        "adapters": dense + experts,
+        "activations": act * tokens,
+        "per_token": dense + experts * K / E,
+    }  # adapter parameters a token passes through
 
 
 @pytest.mark.timeout(300)
 def test_recipe_lora_bytes_equal_a_hand_computation(capsys):
-    code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "h200", "--json",
-                              "--trainer.strategy.activation_checkpointing", "none")
+    code, out, err = run_plan(
+        capsys, "--config", RECIPE, "--device", "h200", "--json", "--trainer.strategy.activation_checkpointing", "none"
+    )
     assert code == 0, err[-3000:]
     plan = json.loads(out)
     assert plan["lora"]["rank"] == 32 and plan["lora"]["expert_rank"] == 4 and plan["lora"]["base_dtype"] == "bfloat16"
@@ -254,8 +288,20 @@ def test_recipe_fits_h200_and_the_smaller_setups(capsys):
     # 8 x H100 80 GB, and one node of 16 NPUs of 64 GB (EP 16), with the same recipe.
     code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "h100", "--json")
     assert code == 0 and json.loads(out)["verdict"]["fits"], err[-2000:]
-    code, out, err = run_plan(capsys, "--config", RECIPE, "--device", "910b", "--trainer.accelerator", "npu",
-                              "--trainer.devices", "16", "--trainer.strategy.expert_parallel_size", "16", "--json")
+    code, out, err = run_plan(
+        capsys,
+        "--config",
+        RECIPE,
+        "--device",
+        "910b",
+        "--trainer.accelerator",
+        "npu",
+        "--trainer.devices",
+        "16",
+        "--trainer.strategy.expert_parallel_size",
+        "16",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["verdict"]["fits"], err[-2000:]
 
 
@@ -292,13 +338,16 @@ def test_a_fine_tune_that_does_not_fit_is_offered_lora_and_context_parallelism(c
     full_gib, lora_gib = full["verdict"]["required"] / GiB, lora["verdict"]["required"] / GiB
     assert lora_gib < full_gib
     memory = f"{(full_gib + lora_gib) / 2:.6f}"
-    code, out, err = run_plan(capsys, "--config", str(config), "--device-memory-gib", memory, "--runtime-reserve-gib", "0")
+    code, out, err = run_plan(
+        capsys, "--config", str(config), "--device-memory-gib", memory, "--runtime-reserve-gib", "0"
+    )
     assert code == 1, err[-3000:]
     ways = out.split("Other ways on the same devices:")[1]
     assert "LoRA fine-tune (model.lora: {rank: 4}" in ways and "FITS" in ways.split("\n")[1]
     assert "context parallel size" in ways and "ESTIMATE" not in ways
-    code, out, _ = run_plan(capsys, "--config", str(config), "--device-memory-gib", memory, "--runtime-reserve-gib", "0",
-                            "--json")
+    code, out, _ = run_plan(
+        capsys, "--config", str(config), "--device-memory-gib", memory, "--runtime-reserve-gib", "0", "--json"
+    )
     plan = json.loads(out)
     (lora_way,) = [w for w in plan["other_ways"] if w["what"].startswith("LoRA")]
     assert lora_way["fits"]
@@ -307,36 +356,48 @@ def test_a_fine_tune_that_does_not_fit_is_offered_lora_and_context_parallelism(c
     assert "context_parallel_size" in cp_way["what"]
     # No LoRA offer for a run from scratch, no context parallelism for a short sequence.
     scratch = tmp_path / "scratch.yaml"
-    scratch.write_text(FINETUNE_YAML.format(checkpoint="null").replace("model:\n", "model:\n  config: tiny\n")
-                       .replace("seq_len: 8192", "seq_len: 256"))
+    scratch.write_text(
+        FINETUNE_YAML.format(checkpoint="null")
+        .replace("model:\n", "model:\n  config: tiny\n")
+        .replace("seq_len: 8192", "seq_len: 256")
+    )
     code, out, _ = run_plan(capsys, "--config", str(scratch), "--device-memory-gib", "0.001")
     assert code == 1 and "Other ways" not in out
 
 
 # ------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("lora,message", [
-    ("{rank: 0}", "model.lora.rank=0: must be an integer >= 1"),
-    ("{rank: -8}", "model.lora.rank=-8: must be an integer >= 1"),
-    ("{rank: eight}", "model.lora.rank='eight': must be an integer >= 1"),
-    ("{alpha: 16}", "model.lora: `rank` is required"),
-    ("{rank: 4, ranks: 8}", "model.lora: unknown field(s) ['ranks']"),
-    ("{rank: 4, targets: [attention, ffn]}", "model.lora.targets: unknown target(s) ['ffn']"),
-    ("{rank: 4, targets: attention}", "model.lora.targets='attention': must be a non-empty list"),
-    ("{rank: 4, targets: []}", "model.lora.targets=[]: must be a non-empty list"),
-    ("{rank: 4, dropout: 1.5}", "model.lora.dropout=1.5: must be in [0, 1)"),
-    ("{rank: 4, alpha: 0}", "model.lora.alpha=0: must be > 0"),
-    ("{rank: 4, expert_rank: 0}", "model.lora.expert_rank=0: must be an integer >= 1"),
-    ("{rank: 64}", "model.lora.rank=64 is larger than layer model.layers.0.self_attn.g_proj (128 -> 4) can use (at "
-                   "most 4)"),
-    ("{rank: 4, expert_rank: 100, targets: [experts]}", "model.lora.expert_rank=100 is larger than layer "
-                                                        "model.layers.1.moe.gate_proj (128 -> 64) can use (at most 64)"),
-    ("{rank: 4, targets: [lm_head], lora: 1}", "model.lora: unknown field(s) ['lora']"),
-    ("[4]", "model.lora must be a mapping of LoRA options or null"),
-])
+@pytest.mark.parametrize(
+    "lora,message",
+    [
+        ("{rank: 0}", "model.lora.rank=0: must be an integer >= 1"),
+        ("{rank: -8}", "model.lora.rank=-8: must be an integer >= 1"),
+        ("{rank: eight}", "model.lora.rank='eight': must be an integer >= 1"),
+        ("{alpha: 16}", "model.lora: `rank` is required"),
+        ("{rank: 4, ranks: 8}", "model.lora: unknown field(s) ['ranks']"),
+        ("{rank: 4, targets: [attention, ffn]}", "model.lora.targets: unknown target(s) ['ffn']"),
+        ("{rank: 4, targets: attention}", "model.lora.targets='attention': must be a non-empty list"),
+        ("{rank: 4, targets: []}", "model.lora.targets=[]: must be a non-empty list"),
+        ("{rank: 4, dropout: 1.5}", "model.lora.dropout=1.5: must be in [0, 1)"),
+        ("{rank: 4, alpha: 0}", "model.lora.alpha=0: must be > 0"),
+        ("{rank: 4, expert_rank: 0}", "model.lora.expert_rank=0: must be an integer >= 1"),
+        (
+            "{rank: 64}",
+            "model.lora.rank=64 is larger than layer model.layers.0.self_attn.g_proj (128 -> 4) can use (at most 4)",
+        ),
+        (
+            "{rank: 4, expert_rank: 100, targets: [experts]}",
+            "model.lora.expert_rank=100 is larger than layer "
+            "model.layers.1.moe.gate_proj (128 -> 64) can use (at most 64)",
+        ),
+        ("{rank: 4, targets: [lm_head], lora: 1}", "model.lora: unknown field(s) ['lora']"),
+        ("[4]", "model.lora must be a mapping of LoRA options or null"),
+    ],
+)
 def test_bad_lora_values_are_refused_naming_the_field(capsys, tmp_path, lora, message):
     config = tmp_path / "run.yaml"
-    config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("  config: tiny\n",
-                                                                           f"  config: tiny\n  lora: {lora}\n"))
+    config.write_text(
+        (ROOT / "configs" / "tiny.yaml").read_text().replace("  config: tiny\n", f"  config: tiny\n  lora: {lora}\n")
+    )
     code, _, err = run_plan(capsys, "--config", str(config))
     assert code == 2, err[-2000:]
     assert err.startswith("step35 plan: ") and message in err, err

@@ -14,8 +14,10 @@ pytestmark = pytest.mark.heavy  # processes and their timeouts
 
 def test_timeout_kills_children(tmp_path):
     pidfile = tmp_path / "child.pid"
-    code = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
-            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    code = (
+        f"import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
     start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run_process_group([sys.executable, "-c", code], timeout=3)

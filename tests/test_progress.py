@@ -4,11 +4,11 @@
 import lightning.pytorch as pl
 
 from step35.callbacks import Step35ProgressBar
-from step35.run import checkpoint_of
 from step35.checkpoint.training.trainer_io import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.loggers import CSVLogger
 from step35.module import Step35LightningModule
+from step35.run import checkpoint_of
 
 
 def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, builtin_cache, tmp_path, capsys):
@@ -16,9 +16,18 @@ def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, bu
     bar = Step35ProgressBar()
     module = Step35LightningModule(config="tiny", lr=1e-2, warmup_steps=1)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=CSVLogger(tmp_path), callbacks=[bar],
-                         enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
-                         default_root_dir=tmp_path, plugins=[Step35CheckpointIO()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        logger=CSVLogger(tmp_path),
+        callbacks=[bar],
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        plugins=[Step35CheckpointIO()],
+    )
     trainer.fit(module, datamodule=data, ckpt_path=str(checkpoint_of(run)))
     shown = bar.train_progress_bar
     assert shown.initial == 3 and shown.n == 5 and shown.total == 5  # from the resumed step to max_steps

@@ -63,11 +63,16 @@ def readme_runs(tmp_path_factory, builtin_cache) -> Path:
     folder = tmp_path_factory.mktemp("readme")
     (folder / "configs").symlink_to(ROOT / "configs")
     bin_dir = Path(sys.executable).parent  # the venv's `step35` entry point
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "STEP35_CACHE": str(builtin_cache), "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "STEP35_CACHE": str(builtin_cache),
+        "PYTHONPATH": str(ROOT),
+    }
     for command in readme_job_commands():
-        proc = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
-                              timeout=1200)
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=1200
+        )
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])
         if " generate " in f" {command} ":
             assert proc.stdout.strip(), (command, proc.stderr[-2000:])

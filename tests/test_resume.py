@@ -35,20 +35,42 @@ def test_auto_starts_fresh_then_last_resumes_the_newest_complete_checkpoint(tmp_
     leftover = ckpts / ".step=000005.ckpt.partial-1234-deadbeef"  # a save killed in an earlier life
     leftover.write_bytes(b"half a checkpoint")
 
-    first = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=20",
-                    "--trainer.callbacks.keep_last=2")
-    assert f"--ckpt_path auto: no complete checkpoint in {ckpts}" in first.stderr and "starting from scratch" in first.stderr
+    first = cli_fit(
+        capfd,
+        config,
+        run,
+        builtin_cache,
+        "--ckpt_path=auto",
+        "--trainer.max_steps=20",
+        "--trainer.callbacks.keep_last=2",
+    )
+    assert (
+        f"--ckpt_path auto: no complete checkpoint in {ckpts}" in first.stderr
+        and "starting from scratch" in first.stderr
+    )
     assert f"removed {leftover}" in first.stderr and not leftover.exists()
     assert saved_steps(ckpts) == [15, 20]  # keep_last=2: steps 5 and 10 deleted, manifests with them
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=000015.ckpt", "step=000015.ckpt.manifest.json",
-                                                       "step=000020.ckpt", "step=000020.ckpt.manifest.json"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "last.ckpt",
+        "step=000015.ckpt",
+        "step=000015.ckpt.manifest.json",
+        "step=000020.ckpt",
+        "step=000020.ckpt.manifest.json",
+    ]
     assert (ckpts / "last.ckpt").is_symlink() and os.readlink(ckpts / "last.ckpt") == "step=000020.ckpt"
     assert "max_steps: 20" in (run / "config.yaml").read_text()
 
     # A newer save that never finished (no manifest) must not be picked, but said.
     shutil.copy(ckpts / "step=000020.ckpt", ckpts / "step=000025.ckpt")
-    second = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=last", "--trainer.max_steps=30",
-                     "--trainer.callbacks.keep_last=1")
+    second = cli_fit(
+        capfd,
+        config,
+        run,
+        builtin_cache,
+        "--ckpt_path=last",
+        "--trainer.max_steps=30",
+        "--trainer.callbacks.keep_last=1",
+    )
     assert f"--ckpt_path last: resuming from {ckpts / 'step=000020.ckpt'} (global step 20" in second.stderr
     assert f"ignoring {ckpts / 'step=000025.ckpt'}: its save did not finish" in second.stderr
     # keep_last=1 keeps the newest, and the checkpoint this attempt resumed from is never deleted.
@@ -92,8 +114,18 @@ def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, built
     newest = run / "checkpoints" / "step=000010.ckpt"
     assert newest.is_dir() == (fmt == "sharded") and is_complete(newest)
 
-    resumed = cli_fit(capfd, config, run, builtin_cache, *strategy, "--ckpt_path=last", "--trainer.max_steps=15",
-                      "--model.lr=0.001", "--model.mtp_loss_weight=0.1", "--model.decay_steps=15")
+    resumed = cli_fit(
+        capfd,
+        config,
+        run,
+        builtin_cache,
+        *strategy,
+        "--ckpt_path=last",
+        "--trainer.max_steps=15",
+        "--model.lr=0.001",
+        "--model.mtp_loss_weight=0.1",
+        "--model.decay_steps=15",
+    )
     assert "lr: 0.003 -> 0.001" in resumed.stdout and "mtp_loss_weight: 0.3 -> 0.1" in resumed.stdout
     lrs = steps_of(metric_rows(run / "csv" / "version_1"), "lr/decay")
     assert set(range(10, 15)) <= set(lrs), sorted(lrs)
@@ -101,8 +133,17 @@ def test_resume_honours_the_command_line_and_refuses_a_new_shape(tmp_path, built
         assert lrs[step] == pytest.approx(expected_lr(1e-3, step, warmup=4, total=15), rel=1e-6), step
     assert "mtp_loss_weight: 0.1" in (run / "csv" / "version_1" / "hparams.yaml").read_text()
 
-    refused = cli_fit(capfd, config, run, builtin_cache, *strategy, "--ckpt_path=last", "--trainer.max_steps=20",
-                      "--model.config_overrides={hidden_size: 64}", check=False)
+    refused = cli_fit(
+        capfd,
+        config,
+        run,
+        builtin_cache,
+        *strategy,
+        "--ckpt_path=last",
+        "--trainer.max_steps=20",
+        "--model.config_overrides={hidden_size: 64}",
+        check=False,
+    )
     assert refused.returncode != 0
     assert "the model shape differs: hidden_size: 128 -> 64" in refused.stderr, refused.stderr[-3000:]
     assert saved_steps(run / "checkpoints") == [5, 10, 15]  # nothing trained, nothing saved
@@ -124,7 +165,10 @@ def test_catalog_newest_is_the_highest_complete_step_from_any_writer(tmp_path):
     fake_checkpoint(tmp_path, "epoch=0-step=11.ckpt", None)  # no step in the manifest: the name says 11
     (tmp_path / ".step=000020.ckpt.partial-1-x").mkdir()
     assert [(c.path.name, c.global_step) for c in catalog.complete_checkpoints(tmp_path)] == [
-        ("step=000010.ckpt", 10), ("epoch=0-step=11.ckpt", 11), ("step=000012-preempt.ckpt", 12)]
+        ("step=000010.ckpt", 10),
+        ("epoch=0-step=11.ckpt", 11),
+        ("step=000012-preempt.ckpt", 12),
+    ]
     assert catalog.newest_complete([tmp_path, tmp_path / "missing"]).path.name == "step=000012-preempt.ckpt"
     assert [p.name for p in catalog.incomplete_checkpoints(tmp_path)] == ["step=000015.ckpt"]
     catalog.point_last(tmp_path, tmp_path / "step=000012-preempt.ckpt")
@@ -137,8 +181,9 @@ def test_last_pointer_is_switched_by_one_rename(tmp_path, monkeypatch):
     catalog.point_last(tmp_path, a)
     calls = []
     real_replace = os.replace
-    monkeypatch.setattr(catalog.os, "replace", lambda src, dst: calls.append((Path(src).name, Path(dst).name)) or
-                        real_replace(src, dst))
+    monkeypatch.setattr(
+        catalog.os, "replace", lambda src, dst: calls.append((Path(src).name, Path(dst).name)) or real_replace(src, dst)
+    )
     real_unlink = os.unlink
 
     def unlink(path, *args, **kwargs):
@@ -153,7 +198,8 @@ def test_last_pointer_is_switched_by_one_rename(tmp_path, monkeypatch):
     os.symlink(a.name, tmp_path / ".last.ckpt.partial-99-link")
     monkeypatch.undo()
     assert catalog.clean_leftovers(tmp_path) == [
-        f"removed {tmp_path / '.last.ckpt.partial-99-link'} (left by a save of last.ckpt that was killed)"]
+        f"removed {tmp_path / '.last.ckpt.partial-99-link'} (left by a save of last.ckpt that was killed)"
+    ]
 
 
 def test_leftovers_are_removed_and_a_checkpoint_moved_aside_is_restored(tmp_path):
@@ -165,9 +211,12 @@ def test_leftovers_are_removed_and_a_checkpoint_moved_aside_is_restored(tmp_path
     (partial / "shard").write_bytes(b"half")
     kept = fake_checkpoint(tmp_path, "step=000005.ckpt", 5)
     report = catalog.clean_leftovers(tmp_path)
-    assert sorted(report) == sorted([
-        f"restored {tmp_path / 'step=000010.ckpt'} (an interrupted save had moved it aside to {old.name})",
-        f"removed {partial} (left by a save of step=000015.ckpt that was killed)"])
+    assert sorted(report) == sorted(
+        [
+            f"restored {tmp_path / 'step=000010.ckpt'} (an interrupted save had moved it aside to {old.name})",
+            f"removed {partial} (left by a save of step=000015.ckpt that was killed)",
+        ]
+    )
     assert (tmp_path / "step=000010.ckpt" / "shard").read_bytes() == b"intact" and not partial.exists()
     assert kept.exists() and catalog.clean_leftovers(tmp_path) == []
 
@@ -187,8 +236,10 @@ def test_optimizer_settings_after_restore_are_the_runs_and_unchanged_ones_are_bi
     def build(lr, betas=(0.9, 0.95), wd=0.1):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
-        settings = [{"lr": lr, "betas": betas, "eps": 1e-8, "weight_decay": wd},
-                    {"lr": lr, "betas": betas, "eps": 1e-8, "weight_decay": 0.0}]
+        settings = [
+            {"lr": lr, "betas": betas, "eps": 1e-8, "weight_decay": wd},
+            {"lr": lr, "betas": betas, "eps": 1e-8, "weight_decay": 0.0},
+        ]
         opt = torch.optim.AdamW([{"params": [params[0]], **settings[0]}, {"params": [params[1]], **settings[1]}])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * 0.5 ** (s // 4))
         return params, opt, sched, settings

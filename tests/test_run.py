@@ -21,20 +21,27 @@ from step35.run import RunFolder, RunFolderBusy, lock
 from tests.helpers import saved_steps, write_run_config
 from tests.runner import ROOT, cli_fit, command, environment, fit
 
-HOLD = ("import os, sys, time\n"
-        "from step35.run import RunFolder, lock\n"
-        "lock.acquire(RunFolder(sys.argv[1]))\n"
-        "child = os.fork() if len(sys.argv) > 2 else None\n"
-        "if child == 0:\n"
-        "    time.sleep(120); os._exit(0)\n"
-        "print('held', child, flush=True)\n"
-        "time.sleep(600)\n")
+HOLD = (
+    "import os, sys, time\n"
+    "from step35.run import RunFolder, lock\n"
+    "lock.acquire(RunFolder(sys.argv[1]))\n"
+    "child = os.fork() if len(sys.argv) > 2 else None\n"
+    "if child == 0:\n"
+    "    time.sleep(120); os._exit(0)\n"
+    "print('held', child, flush=True)\n"
+    "time.sleep(600)\n"
+)
 
 
 def hold(run: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
     """A process holding the run folder's lock (and, with `fork`, a forked child sharing it)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), *(["fork"] if fork else [])], env=environment(),
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run), *(["fork"] if fork else [])],
+        env=environment(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     words = proc.stdout.readline().split()
     assert words and words[0] == "held", words
     return proc, (int(words[1]) if fork else None)
@@ -51,8 +58,11 @@ def test_lock_refuses_a_live_holder_and_takes_over_from_a_dead_one(tmp_path):
     folder = RunFolder(tmp_path / "run")
     holder, _ = hold(folder.root)
     try:
-        with pytest.raises(RunFolderBusy, match=rf"in use by a live run \(pid {holder.pid} on host "
-                                                rf"{re.escape(socket.gethostname())}, started .*--run_dir"):
+        with pytest.raises(
+            RunFolderBusy,
+            match=rf"in use by a live run \(pid {holder.pid} on host "
+            rf"{re.escape(socket.gethostname())}, started .*--run_dir",
+        ):
             lock.RunLock(folder).acquire()
     finally:
         kill9(holder)
@@ -83,8 +93,9 @@ def test_a_forked_child_does_not_keep_a_dead_holders_lock(tmp_path):
 
 def test_ckpt_path_is_read_in_one_place():
     """`trainer.ckpt_path` is set by the CLI and read through step35.run.checkpoint_to_load only."""
-    readers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "step35").rglob("*.py")
-                     if re.search(r"\.ckpt_path\b", p.read_text()))
+    readers = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "step35").rglob("*.py") if re.search(r"\.ckpt_path\b", p.read_text())
+    )
     assert readers == ["step35/commands/fit.py", "step35/run/__init__.py"], readers
 
 
@@ -96,10 +107,24 @@ def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, built
     ckpts = run / "checkpoints"
     go = tmp_path / "go"
     first = subprocess.Popen(
-        command(["fit", "--config", str(config), f"--run_dir={run}", "--trainer.callbacks+=tests.dist.hooks.Gate",
-                 f"--trainer.callbacks.file={go}", "--trainer.callbacks.at_step=6"]),
-        cwd=ROOT, env=environment(builtin_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        command(
+            [
+                "fit",
+                "--config",
+                str(config),
+                f"--run_dir={run}",
+                "--trainer.callbacks+=tests.dist.hooks.Gate",
+                f"--trainer.callbacks.file={go}",
+                "--trainer.callbacks.at_step=6",
+            ]
+        ),
+        cwd=ROOT,
+        env=environment(builtin_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not (tmp_path / "gate.reached").exists():
@@ -111,7 +136,9 @@ def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, built
         second = cli_fit(capfd, config, run, builtin_cache, "--trainer.max_steps=99", "--ckpt_path=auto", check=False)
         assert first.poll() is None  # the first run was alive all along
         assert second.returncode != 0
-        assert f"in use by a live run (pid {first.pid} on host {socket.gethostname()}" in second.stderr, second.stderr[-3000:]
+        assert f"in use by a live run (pid {first.pid} on host {socket.gethostname()}" in second.stderr, second.stderr[
+            -3000:
+        ]
         assert "--run_dir" in second.stderr and "Traceback" not in second.stderr
         assert in_progress.exists() and saved_steps(ckpts) == [5]
     finally:
@@ -127,8 +154,12 @@ def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, built
 @pytest.mark.timeout(900)
 def test_two_ranks_refused_together_then_take_over_a_dead_holders_lock(tmp_path, builtin_cache):
     config, run = write_run_config(tmp_path), tmp_path / "run"
-    two_ranks = ["--trainer.max_steps=2", "--trainer.devices=2", "--trainer.strategy=step35.strategy.Step35Strategy",
-                 "--trainer.strategy.expert_parallel_size=2"]
+    two_ranks = [
+        "--trainer.max_steps=2",
+        "--trainer.devices=2",
+        "--trainer.strategy=step35.strategy.Step35Strategy",
+        "--trainer.strategy.expert_parallel_size=2",
+    ]
     holder, _ = hold(run)
     try:
         started = time.monotonic()
@@ -164,8 +195,10 @@ def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_
         f.truncate(size // 2)  # damaged: the manifest still vouches for the full size
 
     resumed = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
-    assert (f"--ckpt_path auto: skipping {newest} (global step 10), it is damaged: {newest}: {size // 2} bytes, "
-            f"the manifest says {size}: truncated") in resumed.stderr, resumed.stderr[-3000:]
+    assert (
+        f"--ckpt_path auto: skipping {newest} (global step 10), it is damaged: {newest}: {size // 2} bytes, "
+        f"the manifest says {size}: truncated"
+    ) in resumed.stderr, resumed.stderr[-3000:]
     assert f"resuming from {ckpts / 'step=000005.ckpt'} (global step 5" in resumed.stderr
     assert saved_steps(ckpts) == [5, 10, 12]  # step 10 saved again, whole
 
@@ -173,12 +206,21 @@ def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_
     manifest_path(older).unlink()
     refused = cli_fit(capfd, config, run, builtin_cache, f"--ckpt_path={older}", "--trainer.max_steps=7", check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert (f"{older}: no {manifest_path(older).name}, so its integrity cannot be checked" in refused.stderr and
-            "--allow_unverified_checkpoint" in refused.stderr and
-            f"python -m step35.checkpoint.integrity write {older}" in refused.stderr), refused.stderr[-3000:]
+    assert (
+        f"{older}: no {manifest_path(older).name}, so its integrity cannot be checked" in refused.stderr
+        and "--allow_unverified_checkpoint" in refused.stderr
+        and f"python -m step35.checkpoint.integrity write {older}" in refused.stderr
+    ), refused.stderr[-3000:]
 
-    accepted = cli_fit(capfd, config, run, builtin_cache, f"--ckpt_path={older}", "--allow_unverified_checkpoint=true",
-                       "--trainer.max_steps=7")
+    accepted = cli_fit(
+        capfd,
+        config,
+        run,
+        builtin_cache,
+        f"--ckpt_path={older}",
+        "--allow_unverified_checkpoint=true",
+        "--trainer.max_steps=7",
+    )
     assert f"ignoring {older}" not in accepted.stderr  # it is loaded on purpose, not "ignored"
     assert 7 in saved_steps(ckpts)
 
@@ -192,11 +234,14 @@ def test_auto_falls_back_past_a_damaged_newest_and_an_unverified_path_needs_the_
         f.write(bytes([byte[0] ^ 0xFF]))
     failed = fit(config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=14", check=False)  # a process
     assert failed.returncode != 0, failed.stderr[-3000:]
-    assert f"{newest}: checksum mismatch" in failed.stderr and ".step=000012.ckpt.damaged" in failed.stderr, \
+    assert f"{newest}: checksum mismatch" in failed.stderr and ".step=000012.ckpt.damaged" in failed.stderr, (
         failed.stderr[-3000:]
+    )
     restarted = cli_fit(capfd, config, run, builtin_cache, "--ckpt_path=auto", "--trainer.max_steps=12")
-    assert (f"skipping {newest} (global step 12), it is damaged: {newest}: checksum mismatch" in restarted.stderr and
-            "found by an earlier load" in restarted.stderr), restarted.stderr[-3000:]
+    assert (
+        f"skipping {newest} (global step 12), it is damaged: {newest}: checksum mismatch" in restarted.stderr
+        and "found by an earlier load" in restarted.stderr
+    ), restarted.stderr[-3000:]
     assert f"resuming from {ckpts / 'step=000010.ckpt'} (global step 10" in restarted.stderr
     assert 12 in saved_steps(ckpts)  # step 12 saved again at the end of training, though a damaged save had it
     from step35.checkpoint.integrity import verify
@@ -213,8 +258,11 @@ def test_last_refuses_when_every_checkpoint_is_damaged(tmp_path):
     path.write_bytes(os.urandom(32))
     said = []
     for value in ("last", "auto"):  # auto must not start from scratch over a run's damaged saves
-        with pytest.raises(NoCheckpoint, match=rf"--ckpt_path {value}: no intact checkpoint in {tmp_path}: every one "
-                                               rf"is damaged \({re.escape(str(path))}: .*32 bytes, the manifest says 64"):
+        with pytest.raises(
+            NoCheckpoint,
+            match=rf"--ckpt_path {value}: no intact checkpoint in {tmp_path}: every one "
+            rf"is damaged \({re.escape(str(path))}: .*32 bytes, the manifest says 64",
+        ):
             resolve(value, [tmp_path], say=said.append)
     assert said and all("skipping" in line for line in said)
 
@@ -222,8 +270,9 @@ def test_last_refuses_when_every_checkpoint_is_damaged(tmp_path):
 # ------------------------------------------------------------------------------ command-line edges
 @pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 def test_an_abbreviated_option_is_refused_with_a_suggestion(tmp_path, builtin_cache, capfd):
-    proc = cli_fit(capfd, ROOT / "configs" / "tiny.yaml", tmp_path, builtin_cache, "--trainer.max_step", "5",
-                   check=False)
+    proc = cli_fit(
+        capfd, ROOT / "configs" / "tiny.yaml", tmp_path, builtin_cache, "--trainer.max_step", "5", check=False
+    )
     assert proc.returncode != 0
     assert "unrecognized arguments: --trainer.max_step 5" in proc.stderr, proc.stderr[-2000:]
     assert "did you mean --trainer.max_steps" in proc.stderr
@@ -249,11 +298,21 @@ def test_a_trainer_built_without_the_cli_takes_the_lock_in_runcheckpoint(tmp_pat
     from step35.module import Step35LightningModule
 
     def fit(folder: Path) -> None:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, default_root_dir=folder,
-                             callbacks=[RunCheckpoint(every_n_train_steps=2)])
-        trainer.fit(Step35LightningModule(config="tiny", warmup_steps=1),
-                    datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=folder,
+            callbacks=[RunCheckpoint(every_n_train_steps=2)],
+        )
+        trainer.fit(
+            Step35LightningModule(config="tiny", warmup_steps=1),
+            datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)),
+        )
 
     busy = RunFolder(tmp_path / "busy")
     holder, _ = hold(busy.root)
@@ -309,16 +368,29 @@ def test_two_runs_given_one_checkpoint_folder_are_kept_apart(tmp_path, builtin_c
     write_manifest(theirs, extra={"global_step": 33})
 
     def fit(run: Path) -> None:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, default_root_dir=run,
-                             callbacks=[RunCheckpoint(dirpath=str(shared), every_n_train_steps=2, keep_last=1)])
-        trainer.fit(Step35LightningModule(config="tiny", warmup_steps=1),
-                    datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=run,
+            callbacks=[RunCheckpoint(dirpath=str(shared), every_n_train_steps=2, keep_last=1)],
+        )
+        trainer.fit(
+            Step35LightningModule(config="tiny", warmup_steps=1),
+            datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)),
+        )
 
     holder, _ = hold(shared)  # the live run that saves into the shared folder
     try:
-        with pytest.raises(RunFolderBusy, match=rf"the checkpoint folder \(RunCheckpoint.dirpath\) {shared} is in use "
-                                                rf"by a live run \(pid {holder.pid}.*own RunCheckpoint.dirpath"):
+        with pytest.raises(
+            RunFolderBusy,
+            match=rf"the checkpoint folder \(RunCheckpoint.dirpath\) {shared} is in use "
+            rf"by a live run \(pid {holder.pid}.*own RunCheckpoint.dirpath",
+        ):
             fit(tmp_path / "second")
         assert theirs.read_bytes() == b"the other run's save" and not (shared / "last.ckpt").exists()
     finally:

@@ -35,13 +35,21 @@ class RecordLR(pl.Callback):
 
 def run(tmp_path, cache, max_steps: int, ckpt_path=None, decay_steps=None) -> dict[int, float]:
     record = RecordLR()
-    module = Step35LightningModule(config="tiny", lr=LR, warmup_steps=WARMUP, min_lr_ratio=FLOOR,
-                                   decay_steps=decay_steps)
+    module = Step35LightningModule(
+        config="tiny", lr=LR, warmup_steps=WARMUP, min_lr_ratio=FLOOR, decay_steps=decay_steps
+    )
     data = Step35DataModule(seq_len=16, micro_batch_size=1, val_batches=0, cache_dir=str(cache))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-                         callbacks=[record, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3,
-                                                            save_top_k=-1)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        callbacks=[record, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],
+    )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return record.lr
 
@@ -73,8 +81,9 @@ def test_schedule_state_is_plain_data_and_another_schedulers_state_is_refused():
     assert state["total_steps"] == 8
     assert all(isinstance(v, (int, float, bool, list, type(None))) for v in state.values()), state  # weights_only-safe
     # A state saved by another scheduler (torch's LambdaLR) has no length: refused by name, not guessed.
-    legacy = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR),
-                                               lambda s: 1.0)
+    legacy = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR), lambda s: 1.0
+    )
     for _ in range(3):
         legacy.optimizer.step()
         legacy.step()

@@ -143,7 +143,9 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
             dm.setup("fit")
     with pytest.raises(ValueError, match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion'\)"):
         Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
-    with pytest.raises(ValueError, match=r"data: train_on='assistants'; expected one of assistant, last_assistant, all"):
+    with pytest.raises(
+        ValueError, match=r"data: train_on='assistants'; expected one of assistant, last_assistant, all"
+    ):
         Step35DataModule(train_on="assistants")
     with pytest.raises(ValueError, match="data: train_reasoning='no'; expected true or false"):
         Step35DataModule(train_reasoning="no")
@@ -160,8 +162,17 @@ def test_prompt_completion_trains_the_completion_and_eos(tmp_path, tok):
     first = [CHAT_IDS["user"], CHAT_IDS["w1"], CHAT_IDS["w2"], CHAT_IDS["w3"], CHAT_IDS["w4"], WORD_EOS]
     second = [CHAT_IDS["w5"], CHAT_IDS["w6"], WORD_EOS]
     assert got == expected_windows([(first, [False] * 3 + [True] * 3), (second, [False, True, True])], 10)
-    assert got[0]["labels"] == [-100, -100, CHAT_IDS["w3"], CHAT_IDS["w4"], WORD_EOS, -100, CHAT_IDS["w6"], WORD_EOS,
-                                -100]
+    assert got[0]["labels"] == [
+        -100,
+        -100,
+        CHAT_IDS["w3"],
+        CHAT_IDS["w4"],
+        WORD_EOS,
+        -100,
+        CHAT_IDS["w6"],
+        WORD_EOS,
+        -100,
+    ]
 
     # Message lists on both sides: one conversation, rendered with the template.
     listed = [{"prompt": [{"role": "user", "content": "w1"}], "completion": [{"role": "assistant", "content": "w2"}]}]
@@ -207,8 +218,9 @@ def test_text_windows_in_a_stream_with_conversations_carry_the_same_keys(tmp_pat
     records = [{"messages": conversation(i, rng)} for i in range(9)]
     chats = chat_source("chat", [write_jsonl(tmp_path / "c.jsonl", records)])
     windows = list(TokenWindows([FileSource("text", [text]), chats], tok, seq_len=11, endless=False, template=template))
-    text_windows = [w for w in windows
-                    if CHAT_IDS["w1"] in w["input_ids"].tolist() and CHAT_IDS["user"] not in w["input_ids"]]
+    text_windows = [
+        w for w in windows if CHAT_IDS["w1"] in w["input_ids"].tolist() and CHAT_IDS["user"] not in w["input_ids"]
+    ]
     assert text_windows and all(w.keys() == {"input_ids", "labels", "position_ids"} for w in windows)
     for w in text_windows:  # every next token a target; positions restart after each EOS
         ids = w["input_ids"].tolist()
@@ -269,8 +281,10 @@ def test_an_endless_stream_that_drops_every_conversation_stops_with_an_error(tmp
 
 BAD = [
     ({"text": "w1"}, "no 'messages' field"),
-    ({"messages": [{"role": "robot", "content": "w1"}, {"role": "assistant", "content": "w2"}]},
-     "unknown role 'robot'"),
+    (
+        {"messages": [{"role": "robot", "content": "w1"}, {"role": "assistant", "content": "w2"}]},
+        "unknown role 'robot'",
+    ),
     ({"messages": []}, "empty conversation"),
     ({"messages": [{"role": "user", "content": "w1"}]}, "no assistant turn"),
     ({"messages": "w1 w2"}, "'messages' must be a list"),
@@ -395,6 +409,7 @@ def test_exact_resume_mid_epoch_with_two_workers_and_two_ranks(tmp_path, tok, te
     text.write_text("".join(json.dumps({"text": " ".join(["w1"] * rng.randint(2, 30))}) + "\n" for _ in range(30)))
 
     for rank in range(2):
+
         def make(rank=rank):
             sources = [chat_source("chat", files, seed=5), FileSource("text", [text])]
             return TokenWindows(sources, tok, seq_len=23, weights=[3, 1], rank=rank, world_size=2, seed=2,
@@ -471,8 +486,14 @@ def test_train_reasoning_reaches_the_batches(tmp_path, tok_dir, train_reasoning)
     records = []
     for i in range(12):
         thought = " ".join(f"w{rng.randrange(10, 20)}" for _ in range(3))
-        records.append({"messages": [{"role": "user", "content": f"c{i + 2} w30"},
-                                     {"role": "assistant", "reasoning_content": thought, "content": f"w{i % 9 + 1}"}]})
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"c{i + 2} w30"},
+                    {"role": "assistant", "reasoning_content": thought, "content": f"w{i % 9 + 1}"},
+                ]
+            }
+        )
     write_jsonl(tmp_path / "c.jsonl", records)
     (tmp_path / "r.jinja").write_text(REASONING_TEMPLATE)
     dm = Step35DataModule(files=str(tmp_path / "c.jsonl"), tokenizer=str(tok_dir), seq_len=31, micro_batch_size=2,

@@ -28,8 +28,10 @@ def random_word_conversations(path, n: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 5)))
-                             for _ in range(rng.randint(3, 6)))
+            words = " ".join(
+                "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 5)))
+                for _ in range(rng.randint(3, 6))
+            )
             messages = [{"role": "user", "content": words}, {"role": "assistant", "content": REPLY}]
             f.write(json.dumps({"messages": messages}) + "\n")
 
@@ -37,12 +39,22 @@ def random_word_conversations(path, n: int, seed: int = 0) -> None:
 def fit(data_file, cache, train_on: str, steps: int) -> list[float]:
     pl.seed_everything(0)
     module = Step35LightningModule(config="tiny", lr=3e-3, warmup_steps=5, weight_decay=0.0, mtp_loss_weight=0.3)
-    data = Step35DataModule(files=str(data_file), train_on=train_on, seq_len=64, micro_batch_size=4,
-                            cache_dir=str(cache), val_batches=0)
+    data = Step35DataModule(
+        files=str(data_file), train_on=train_on, seq_len=64, micro_batch_size=4, cache_dir=str(cache), val_batches=0
+    )
     log = LossLog()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                         callbacks=[log], gradient_clip_val=1.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[log],
+        gradient_clip_val=1.0,
+    )
     trainer.fit(module, datamodule=data)
     assert data.train_on == train_on and data._train_sources[0].format == "chat"  # detected from `messages`
     return log.losses
@@ -59,7 +71,9 @@ def test_assistant_only_loss_learns_the_fixed_reply_and_all_tokens_cannot(tmp_pa
     assistant = fit(data_file, builtin_cache, "assistant", steps=40)
     everything = fit(data_file, builtin_cache, "all", steps=40)
     tail = lambda losses: sum(losses[-5:]) / 5  # noqa: E731
-    print(f"assistant-only loss {assistant[0]:.2f} -> {tail(assistant):.3f}; all tokens {everything[0]:.2f} -> "
-          f"{tail(everything):.3f}")
+    print(
+        f"assistant-only loss {assistant[0]:.2f} -> {tail(assistant):.3f}; all tokens {everything[0]:.2f} -> "
+        f"{tail(everything):.3f}"
+    )
     assert tail(assistant) < 0.15, assistant
     assert tail(everything) > 1.0, everything

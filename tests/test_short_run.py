@@ -15,11 +15,26 @@ pytestmark = pytest.mark.heavy  # a short training run as a subprocess
 
 @pytest.mark.timeout(900)
 def test_short_run_validates_and_draws_a_heatmap_into_tensorboard(tmp_path, builtin_cache):
-    step35(["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "6",
-            "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger", "--trainer.logger.save_dir",
-            str(tmp_path / "tb"), f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=32",
-            "--data.micro_batch_size=2", "--data.val_batches=2", "--trainer.limit_val_batches=2"], builtin_cache,
-           timeout=840)
+    step35(
+        [
+            "fit",
+            "--config",
+            "configs/tiny.yaml",
+            "--trainer.max_steps",
+            "6",
+            "--trainer.logger",
+            "lightning.pytorch.loggers.TensorBoardLogger",
+            "--trainer.logger.save_dir",
+            str(tmp_path / "tb"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.seq_len=32",
+            "--data.micro_batch_size=2",
+            "--data.val_batches=2",
+            "--trainer.limit_val_batches=2",
+        ],
+        builtin_cache,
+        timeout=840,
+    )
     version = tmp_path / "tb" / "lightning_logs" / "version_0"
     assert sorted(p.name for p in (version / "expert_load").glob("heatmap_*.png")) == ["heatmap_step0000006.png"]
     values = [(e.step, v) for e in tensorboard_events(version) for v in e.summary.value]

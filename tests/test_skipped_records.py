@@ -22,7 +22,6 @@ from lightning.pytorch.loggers import CSVLogger
 
 from step35.data import Step35DataModule
 from step35.data.bad_records import METRIC_PREFIX, REPORTS_PER_SOURCE
-
 from tests.runner import run_process_group
 
 pytestmark = pytest.mark.heavy  # DataLoader worker processes, or several ranks
@@ -66,11 +65,25 @@ def test_counts_of_both_workers_are_logged_per_source_and_summed_up(tmp_path, bu
     a = write_corpus(tmp_path / "a.jsonl", bad=30, good=300)  # 15 per worker: more than the reports
     b = write_corpus(tmp_path / "b.jsonl", bad=3, good=300)
     assert 30 // 2 > REPORTS_PER_SOURCE
-    dm = Step35DataModule(files=[str(a), str(b)], weights=[1.0, 1.0], seq_len=16, micro_batch_size=2, num_workers=2,
-                          cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, log_every_n_steps=3, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False,
-                         logger=CSVLogger(tmp_path / "logs", name="csv"), default_root_dir=tmp_path)
+    dm = Step35DataModule(
+        files=[str(a), str(b)],
+        weights=[1.0, 1.0],
+        seq_len=16,
+        micro_batch_size=2,
+        num_workers=2,
+        cache_dir=str(builtin_cache),
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        log_every_n_steps=3,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=CSVLogger(tmp_path / "logs", name="csv"),
+        default_root_dir=tmp_path,
+    )
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -81,7 +94,9 @@ def test_counts_of_both_workers_are_logged_per_source_and_summed_up(tmp_path, bu
         logging.getLogger("lightning.pytorch").removeHandler(handler)
 
     key_a, key_b = METRIC_PREFIX + str(a), METRIC_PREFIX + str(b)
-    logged = {int(r["step"]): (float(r[key_a]), float(r[key_b])) for r in metric_rows(tmp_path / "logs") if r.get(key_a)}
+    logged = {
+        int(r["step"]): (float(r[key_a]), float(r[key_b])) for r in metric_rows(tmp_path / "logs") if r.get(key_a)
+    }
     # Every 3 steps and at the last one (7). At step 0 only worker 0 has delivered a batch: a running count.
     assert sorted(logged) == [0, 3, 6, 7], logged
     assert logged[0][0] < 30
@@ -95,9 +110,17 @@ def test_counts_of_both_workers_are_logged_per_source_and_summed_up(tmp_path, bu
 def test_clean_data_logs_no_metric_and_says_none(tmp_path, builtin_cache):
     clean = write_corpus(tmp_path / "clean.jsonl", bad=0, good=200)
     dm = Step35DataModule(files=str(clean), seq_len=16, micro_batch_size=2, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False,
-                         logger=CSVLogger(tmp_path / "logs", name="csv"), default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=CSVLogger(tmp_path / "logs", name="csv"),
+        default_root_dir=tmp_path,
+    )
     trainer.fit(Mean(), datamodule=dm)
     assert not any(k.startswith(METRIC_PREFIX) for k in metric_rows(tmp_path / "logs")[0])
     assert dm._skipped_log.summary() == f"bad records skipped, all ranks and workers: none ({str(clean)!r}: 0)"
@@ -111,13 +134,32 @@ def test_two_ranks_two_workers_and_validation_count_every_bad_record_once(tmp_pa
     corpus = write_corpus(tmp_path / "corpus.jsonl", bad=40, good=600)
     run = tmp_path / "run"
     env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "step35",
-           "fit", "--config", "configs/tiny.yaml", "--trainer.strategy=step35.strategy.Step35Strategy",
-           "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2", "--trainer.max_steps=4",
-           "--trainer.val_check_interval=1000", "--trainer.log_every_n_steps=2",
-           f"--data.files={corpus}", "--data.num_workers=2", "--data.val_fraction=0.1", "--data.val_batches=1",
-           "--data.seq_len=32", "--data.micro_batch_size=2",
-           f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "step35",
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.strategy=step35.strategy.Step35Strategy",
+        "--trainer.strategy.expert_parallel_size=2",
+        "--trainer.devices=2",
+        "--trainer.max_steps=4",
+        "--trainer.val_check_interval=1000",
+        "--trainer.log_every_n_steps=2",
+        f"--data.files={corpus}",
+        "--data.num_workers=2",
+        "--data.val_fraction=0.1",
+        "--data.val_batches=1",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+    ]
     proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     key = METRIC_PREFIX + str(corpus)

@@ -47,8 +47,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def validation(batches: int, every: int) -> list[str]:
-    return [f"--trainer.val_check_interval={every}", "--trainer.limit_val_batches=1.0",
-            f"--data.val_batches={batches}"]
+    return [f"--trainer.val_check_interval={every}", "--trainer.limit_val_batches=1.0", f"--data.val_batches={batches}"]
 
 
 def printed(job, line: str) -> bool:
@@ -66,8 +65,14 @@ def test_sigterm_during_a_long_validation_stops_within_seconds_and_resumes_bitwi
     uninterrupted run, logged at the same steps."""
     run = tmp_path / "run"
     # RunCheckpoint (the config's last callback) saves no step of this run: the pre-emption save must be written.
-    cmd = run_cmd(run, "--trainer.max_steps=6", "--trainer.callbacks.every_n_train_steps=100", *validation(30, 3),
-                  "--trainer.callbacks+=tests.dist.hooks.SlowValidation", "--trainer.callbacks.sleep_s=1")
+    cmd = run_cmd(
+        run,
+        "--trainer.max_steps=6",
+        "--trainer.callbacks.every_n_train_steps=100",
+        *validation(30, 3),
+        "--trainer.callbacks+=tests.dist.hooks.SlowValidation",
+        "--trainer.callbacks.sleep_s=1",
+    )
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: printed(job, "slow validation batch 2 after step 3"), 300, job, "validation batch 2")
         rc, stopped_in = stop_job(job, signal.SIGTERM)
@@ -86,8 +91,9 @@ def test_sigterm_during_a_long_validation_stops_within_seconds_and_resumes_bitwi
     # depend on validating at step 3 as the interrupted run did (before the loop state was recorded
     # as at the step boundary, every metric of such a resume was logged one step early).
     resumed = tmp_path / "resumed"
-    with Job(run_cmd(resumed, "--trainer.max_steps=6", f"--ckpt_path={ckpt}"), tmp_path / "resumed.txt",
-             builtin_cache) as job:
+    with Job(
+        run_cmd(resumed, "--trainer.max_steps=6", f"--ckpt_path={ckpt}"), tmp_path / "resumed.txt", builtin_cache
+    ) as job:
         assert job.wait(timeout=300) == 0, job.output()[-4000:]
     reference = tmp_path / "reference"
     with Job(run_cmd(reference, "--trainer.max_steps=6"), tmp_path / "reference.txt", builtin_cache) as job:
@@ -105,8 +111,9 @@ def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step
     5 (`step=000005-preempt.ckpt`) was written. Now: skipped and said, exit 75, and `--ckpt_path auto`
     resumes from the periodic one."""
     run = tmp_path / "run"
-    cmd = run_cmd(run, "--trainer.max_steps=50", "--trainer.callbacks+=tests.dist.hooks.SlowSave",
-                  "--trainer.callbacks.sleep_s=3")
+    cmd = run_cmd(
+        run, "--trainer.max_steps=50", "--trainer.callbacks+=tests.dist.hooks.SlowSave", "--trainer.callbacks.sleep_s=3"
+    )
     with Job(cmd, tmp_path / "log.txt", builtin_cache) as job:
         wait_for(lambda: printed(job, "slow save of step 5"), 300, job, "the save of step 5")
         rc, _ = stop_job(job, signal.SIGTERM)
@@ -114,14 +121,15 @@ def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step
     checkpoints = run / "checkpoints"
     assert rc == EXIT_PREEMPTED, out[-4000:]
     periodic = checkpoints / "step=000005.ckpt"
-    assert (f"stopped by SIGTERM after step 5; step 5 is saved already ({periodic}), so no second checkpoint of it "
-            f"is written; exit code 75") in out, out[-3000:]
+    assert (
+        f"stopped by SIGTERM after step 5; step 5 is saved already ({periodic}), so no second checkpoint of it "
+        f"is written; exit code 75"
+    ) in out, out[-3000:]
     assert not list(checkpoints.glob("*preempt*")), sorted(p.name for p in checkpoints.iterdir())
     assert [c.global_step for c in catalog.complete_checkpoints(checkpoints)] == [5]
     assert sorted(losses(run)) == [0, 1, 2, 3, 4]
 
-    with Job(run_cmd(run, "--trainer.max_steps=7", "--ckpt_path=auto"), tmp_path / "resumed.txt",
-             builtin_cache) as job:
+    with Job(run_cmd(run, "--trainer.max_steps=7", "--ckpt_path=auto"), tmp_path / "resumed.txt", builtin_cache) as job:
         assert job.wait(timeout=300) == 0, job.output()[-4000:]
         out = job.output()
     assert str(periodic) in out, out[-3000:]  # resumed from it (said by --ckpt_path auto)
@@ -153,11 +161,23 @@ def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind,
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 
-    callbacks = ([RunCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)] if callback == "RunCheckpoint"
-                 else [FaultTolerance(watchdog=False)])
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
-                         plugins=async_plugins(kind), callbacks=callbacks)
+    callbacks = (
+        [RunCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)]
+        if callback == "RunCheckpoint"
+        else [FaultTolerance(watchdog=False)]
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        plugins=async_plugins(kind),
+        callbacks=callbacks,
+    )
     module = Step35LightningModule(config="tiny", warmup_steps=1)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
     try:
@@ -165,8 +185,9 @@ def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind,
             trainer.fit(module, datamodule=data)
     finally:
         faults._PHASE.failed_in = None  # FaultTolerance reported it: the next in-process report starts afresh
-    assert str(refused.value) == ("asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO "
-                                  "from trainer.plugins")
+    assert str(refused.value) == (
+        "asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO from trainer.plugins"
+    )
     assert trainer.global_step == 0 and not (tmp_path / "ckpt").exists()
 
 
@@ -182,9 +203,14 @@ def test_a_full_disk_mid_run_ends_in_step35_lines_not_a_traceback(tmp_path, buil
     from step35.cli import main
 
     monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
-    args = run_args(tmp_path / "run", "--trainer.max_steps=6", "--trainer.logger=tests.dist.hooks.FullDiskLogger",
-                    # listed, so that `fit` adds no other: no watchdog thread left in this process
-                    "--trainer.callbacks+=step35.callbacks.FaultTolerance", "--trainer.callbacks.watchdog=false")
+    args = run_args(
+        tmp_path / "run",
+        "--trainer.max_steps=6",
+        "--trainer.logger=tests.dist.hooks.FullDiskLogger",
+        # listed, so that `fit` adds no other: no watchdog thread left in this process
+        "--trainer.callbacks+=step35.callbacks.FaultTolerance",
+        "--trainer.callbacks.watchdog=false",
+    )
     capfd.readouterr()
     try:
         with pytest.raises(SystemExit) as ended:
@@ -193,7 +219,10 @@ def test_a_full_disk_mid_run_ends_in_step35_lines_not_a_traceback(tmp_path, buil
         faults._PHASE.failed_in = None  # the next in-process report starts afresh
     err = capfd.readouterr().err
     assert ended.value.code == EXIT_FAILED, err[-3000:]
-    assert "[rank 0] step35: run failed during " in err and "OSError: [Errno 28] No space left on device" in err, err[-3000:]
+    assert "[rank 0] step35: run failed during " in err and "OSError: [Errno 28] No space left on device" in err, err[
+        -3000:
+    ]
     last = [line for line in err.splitlines() if line.strip()][-1]
-    assert last == ("[rank 0] step35: ending the run after that failure failed too: OSError: [Errno 28] No space "
-                    "left on device"), err[-3000:]
+    assert last == (
+        "[rank 0] step35: ending the run after that failure failed too: OSError: [Errno 28] No space left on device"
+    ), err[-3000:]

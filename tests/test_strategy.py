@@ -19,11 +19,21 @@ from tests.runner import step35
 
 
 def fit_args(run: Path, *extra: str) -> list[str]:
-    return ["fit", "--config", "configs/tiny.yaml", "--trainer.strategy=step35.strategy.Step35Strategy",
-            "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2",
-            "--trainer.val_check_interval=1000", "--trainer.log_every_n_steps=1",
-            "--data.seq_len=64", "--data.micro_batch_size=2",
-            f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}", *extra]
+    return [
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.strategy=step35.strategy.Step35Strategy",
+        "--trainer.strategy.expert_parallel_size=2",
+        "--trainer.devices=2",
+        "--trainer.val_check_interval=1000",
+        "--trainer.log_every_n_steps=1",
+        "--data.seq_len=64",
+        "--data.micro_batch_size=2",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+        *extra,
+    ]
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -35,9 +45,12 @@ def losses(run: Path) -> dict[int, float]:
 @pytest.mark.timeout(900)
 def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_cache):
     ckpt_dir = tmp_path / "ckpt"
-    checkpointing = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                     "--trainer.callbacks.every_n_train_steps=4", "--trainer.callbacks.save_top_k=-1",
-                     f"--trainer.callbacks.dirpath={ckpt_dir}"]
+    checkpointing = [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=4",
+        "--trainer.callbacks.save_top_k=-1",
+        f"--trainer.callbacks.dirpath={ckpt_dir}",
+    ]
     step35(fit_args(tmp_path / "full", "--trainer.max_steps=8", *checkpointing), builtin_cache, nproc=2)
     step4 = sorted(ckpt_dir.glob("*step=4*"))
     assert step4 and step4[0].is_dir(), list(ckpt_dir.iterdir())  # a DCP folder: shards + meta.pt
@@ -69,18 +82,28 @@ def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_c
 @pytest.mark.timeout(300)
 def test_expert_parallel_size_that_does_not_divide_experts_fails_fast(tmp_path, builtin_cache):
     # tiny has 8 experts; 2 ranks with ep=2 is fine, so ask for ep=3 (divides neither).
-    proc = step35(fit_args(tmp_path / "bad", "--trainer.max_steps=1", "--trainer.strategy.expert_parallel_size=3"),
-                  builtin_cache, nproc=2, timeout=240, check=False)
+    proc = step35(
+        fit_args(tmp_path / "bad", "--trainer.max_steps=1", "--trainer.strategy.expert_parallel_size=3"),
+        builtin_cache,
+        nproc=2,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode != 0
-    assert "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: " \
-           "[1, 2])" in proc.stderr + proc.stdout
+    assert (
+        "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: "
+        "[1, 2])" in proc.stderr + proc.stdout
+    )
 
 
 def test_parallel_dims_errors_name_both_values():
     with pytest.raises(ParallelConfigError, match="expert_parallel_size=64 must divide num_experts=288"):
         ParallelDims(world_size=192, expert_parallel_size=64, num_experts=288)
-    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=5 must divide the world size 8 \(sizes that "
-                                                  r"divide the world size and the experts: \[1, 2, 4, 8\]\)"):
+    with pytest.raises(
+        ParallelConfigError,
+        match=r"expert_parallel_size=5 must divide the world size 8 \(sizes that "
+        r"divide the world size and the experts: \[1, 2, 4, 8\]\)",
+    ):
         ParallelDims(world_size=8, expert_parallel_size=5, num_experts=288)
     with pytest.raises(ParallelConfigError, match=r"divide the world size: \[1, 2, 3, 6\]\)"):
         ParallelDims(world_size=6, expert_parallel_size=4)
@@ -101,7 +124,6 @@ def test_npu_without_torch_npu_is_a_clear_error():
 
     with pytest.raises(NPUUnavailableError, match="torch_npu"):
         pl.Trainer(accelerator="npu", devices=1, logger=False)
-
 
 
 class ThreeExperts(pl.LightningModule):

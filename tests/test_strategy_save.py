@@ -23,10 +23,18 @@ def fit(tmp_path, builtin_cache, max_steps: int, ckpt_path=None, dirpath=None, s
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
     module = Step35LightningModule(config="tiny", warmup_steps=1)
     kwargs = {"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         default_root_dir=tmp_path, **kwargs,
-                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=dirpath or tmp_path / "ckpt", save_last=True)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        **kwargs,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=dirpath or tmp_path / "ckpt", save_last=True)],
+    )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer
 
@@ -124,17 +132,31 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()[:200]}")
     try:
-        args = ["fit", "--config", "configs/tiny.yaml", "--trainer.val_check_interval=1000",
-                "--trainer.limit_val_batches=1", "--data.seq_len=32", "--data.micro_batch_size=2",
-                "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}",
-                f"--trainer.logger.init_args.save_dir={run}", "--trainer.strategy=step35.strategy.Step35Strategy",
-                "--trainer.strategy.expert_parallel_size=2", "--trainer.devices=2", "--trainer.max_steps=1"]
+        args = [
+            "fit",
+            "--config",
+            "configs/tiny.yaml",
+            "--trainer.val_check_interval=1000",
+            "--trainer.limit_val_batches=1",
+            "--data.seq_len=32",
+            "--data.micro_batch_size=2",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.save_dir={run}",
+            "--trainer.strategy=step35.strategy.Step35Strategy",
+            "--trainer.strategy.expert_parallel_size=2",
+            "--trainer.devices=2",
+            "--trainer.max_steps=1",
+        ]
         result = step35(args, builtin_cache, timeout=400, nproc=2, check=False)
         assert result.returncode != 0
         for rank in (0, 1):  # each rank's failure report: one `step35:` line naming the checkpoint
-            assert any(ln.startswith(f"[rank {rank}] step35: run failed during 'checkpoint save")
-                       and "no space left on device (ENOSPC)" in ln and str(checkpoints) in ln
-                       for ln in result.stderr.splitlines()), result.stderr[-3000:]
+            assert any(
+                ln.startswith(f"[rank {rank}] step35: run failed during 'checkpoint save")
+                and "no space left on device (ENOSPC)" in ln
+                and str(checkpoints) in ln
+                for ln in result.stderr.splitlines()
+            ), result.stderr[-3000:]
         assert leftovers(checkpoints) == [] and not [p for p in checkpoints.iterdir() if p.is_dir()]
     finally:
         subprocess.run(["umount", str(checkpoints)], check=True)

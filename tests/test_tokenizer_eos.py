@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.training import run_tokenizer
 from step35.data.tokenizer import TextTokenizer
 
 VOCAB = {"<eos>": 0, "<unk>": 1, "<s>": 2, "w3": 3, "w4": 4, "w5": 5}
@@ -48,7 +48,9 @@ def test_no_eos_and_an_unknown_eos_token(tmp_path):
     with pytest.raises(ValueError, match="cannot tell the EOS token"):
         TextTokenizer.from_folder(folder)
     folder = word_tokenizer(tmp_path / "bad", tokenizer_config={"eos_token": "<end>"})
-    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: eos_token '<end>' is not in the tokenizer's vocabulary"):
+    with pytest.raises(
+        CheckpointError, match=r"tokenizer_config.json: eos_token '<end>' is not in the tokenizer's vocabulary"
+    ):
         run_tokenizer.special_ids(run_tokenizer.folder_files(folder), folder)
     with pytest.raises(ValueError, match="eos_token '<end>' is not in"):
         TextTokenizer.from_folder(folder)

@@ -13,7 +13,6 @@ import pytest
 
 from step35.config import FIELD_NAMES, ConfigError, Step35Config, load_config
 from step35.module import Step35LightningModule
-
 from tests.helpers import flash_config_dict, tiny_config_dict
 
 ROOT = Path(__file__).parent.parent
@@ -49,16 +48,19 @@ def test_release_config_json_with_keys_for_other_tools_is_still_accepted(tmp_pat
     assert {"auto_map", "architectures", "model_type", "transformers_version"} <= set(config.extra)
 
 
-@pytest.mark.parametrize("field,value,expected", [
-    ("hidden_size", "64", "must be int"),
-    ("hidden_size", 64.0, "must be int"),
-    ("use_moe", "false", "must be bool"),
-    ("moe_top_k", True, "must be int"),
-    ("sliding_window", None, "must be int"),
-    ("rope_scaling", "llama3", "must be object (dict) or null"),
-    ("layer_types", "full_attention", "must be list"),
-    ("moe_router_scaling_factor", "3", "must be float"),
-])
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("hidden_size", "64", "must be int"),
+        ("hidden_size", 64.0, "must be int"),
+        ("use_moe", "false", "must be bool"),
+        ("moe_top_k", True, "must be int"),
+        ("sliding_window", None, "must be int"),
+        ("rope_scaling", "llama3", "must be object (dict) or null"),
+        ("layer_types", "full_attention", "must be list"),
+        ("moe_router_scaling_factor", "3", "must be float"),
+    ],
+)
 def test_wrongly_typed_field_is_refused_by_name(field, value, expected):
     with pytest.raises(ConfigError, match=re.escape(f"config field {field}: {expected}")):
         Step35LightningModule(config="tiny", config_overrides={field: value})
@@ -98,26 +100,29 @@ def test_missing_checkpoint_folder_names_the_option(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- optimisation options
-@pytest.mark.parametrize("option,value,message", [
-    ("lr", -1.0, "model.lr=-1.0: must be >= 0"),
-    ("lr", math.nan, "model.lr=nan: must be >= 0"),
-    ("warmup_steps", -5, "model.warmup_steps=-5: must be >= 0"),
-    ("decay_steps", 0, "model.decay_steps=0: must be > model.warmup_steps"),
-    ("decay_steps", 50, "model.decay_steps=50: must be > model.warmup_steps"),  # warmup is 100
-    ("min_lr_ratio", -0.1, "model.min_lr_ratio=-0.1: must be between 0 and 1"),
-    ("min_lr_ratio", 1.5, "model.min_lr_ratio=1.5: must be between 0 and 1"),
-    ("weight_decay", -0.1, "model.weight_decay=-0.1: must be >= 0"),
-    ("betas", (0.9, 1.0), r"model.betas=\[0.9, 1.0\]: must be two numbers in \[0, 1\)"),
-    ("betas", (-0.1, 0.95), r"model.betas=\[-0.1, 0.95\]"),
-    ("betas", (0.9,), r"model.betas=\[0.9\]"),
-    ("eps", 0.0, "model.eps=0.0: must be > 0"),
-    ("loss_chunk_size", 0, "model.loss_chunk_size=0: must be >= 1"),
-    ("mtp_loss_weight", -0.3, "model.mtp_loss_weight=-0.3: must be >= 0"),
-    ("moe_bias_update_rate", -1e-3, "model.moe_bias_update_rate=-0.001: must be >= 0"),
-    ("moe_aux_loss_coef", -1.0, "model.moe_aux_loss_coef=-1.0: must be >= 0"),
-    ("num_mtp_layers", 2, "model.num_mtp_layers=2: must be between 0 and the config's num_nextn_predict_layers=1"),
-    ("num_mtp_layers", -1, "model.num_mtp_layers=-1"),
-])
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("lr", -1.0, "model.lr=-1.0: must be >= 0"),
+        ("lr", math.nan, "model.lr=nan: must be >= 0"),
+        ("warmup_steps", -5, "model.warmup_steps=-5: must be >= 0"),
+        ("decay_steps", 0, "model.decay_steps=0: must be > model.warmup_steps"),
+        ("decay_steps", 50, "model.decay_steps=50: must be > model.warmup_steps"),  # warmup is 100
+        ("min_lr_ratio", -0.1, "model.min_lr_ratio=-0.1: must be between 0 and 1"),
+        ("min_lr_ratio", 1.5, "model.min_lr_ratio=1.5: must be between 0 and 1"),
+        ("weight_decay", -0.1, "model.weight_decay=-0.1: must be >= 0"),
+        ("betas", (0.9, 1.0), r"model.betas=\[0.9, 1.0\]: must be two numbers in \[0, 1\)"),
+        ("betas", (-0.1, 0.95), r"model.betas=\[-0.1, 0.95\]"),
+        ("betas", (0.9,), r"model.betas=\[0.9\]"),
+        ("eps", 0.0, "model.eps=0.0: must be > 0"),
+        ("loss_chunk_size", 0, "model.loss_chunk_size=0: must be >= 1"),
+        ("mtp_loss_weight", -0.3, "model.mtp_loss_weight=-0.3: must be >= 0"),
+        ("moe_bias_update_rate", -1e-3, "model.moe_bias_update_rate=-0.001: must be >= 0"),
+        ("moe_aux_loss_coef", -1.0, "model.moe_aux_loss_coef=-1.0: must be >= 0"),
+        ("num_mtp_layers", 2, "model.num_mtp_layers=2: must be between 0 and the config's num_nextn_predict_layers=1"),
+        ("num_mtp_layers", -1, "model.num_mtp_layers=-1"),
+    ],
+)
 def test_nonsensical_option_is_refused_by_name(option, value, message):
     with pytest.raises(ValueError, match=message):
         Step35LightningModule(config="tiny", **{option: value})
@@ -130,8 +135,16 @@ def test_mtp_loss_weight_without_mtp_layers_is_refused():
 
 
 def test_sensible_edges_are_accepted():
-    Step35LightningModule(config="tiny", lr=1e-6, warmup_steps=0, decay_steps=1, min_lr_ratio=0.0,
-                          weight_decay=0.0, betas=(0.0, 0.999), loss_chunk_size=1)
+    Step35LightningModule(
+        config="tiny",
+        lr=1e-6,
+        warmup_steps=0,
+        decay_steps=1,
+        min_lr_ratio=0.0,
+        weight_decay=0.0,
+        betas=(0.0, 0.999),
+        loss_chunk_size=1,
+    )
     Step35LightningModule(config="tiny", min_lr_ratio=1.0, decay_steps=101)
 
 
@@ -142,12 +155,22 @@ def test_cli_strategy_by_class_path_alone_trains(tmp_path, step35_here):
     """`--trainer.strategy step35.strategy.Step35Strategy` with no sub-option: jsonargparse keeps a bare
     class path as a string, which Lightning refused as an unknown strategy name. (Short sequences, one
     validation batch: the parsing and the wrap are what is checked.)"""
-    code, out, err = step35_here("fit", "--config", str(ROOT / "configs/tiny.yaml"),
-                                 "--trainer.strategy", "step35.strategy.Step35Strategy", "--trainer.max_steps", "3",
-                                 f"--trainer.default_root_dir={tmp_path}",
-                                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.log_every_n_steps=1",
-                                 "--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1",
-                                 "--data.val_batches=1")
+    code, out, err = step35_here(
+        "fit",
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        "--trainer.strategy",
+        "step35.strategy.Step35Strategy",
+        "--trainer.max_steps",
+        "3",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.log_every_n_steps=1",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--trainer.limit_val_batches=1",
+        "--data.val_batches=1",
+    )
     assert code == 0, out[-3000:] + err[-5000:]
     assert "FSDPStep35ForCausalLM" in out  # the model went through Step35Strategy's FSDP2 wrap
     saved = [p.read_text() for p in tmp_path.rglob("config.yaml")]
@@ -160,17 +183,31 @@ def test_cli_strategy_by_class_path_alone_trains(tmp_path, step35_here):
 
 
 def test_cli_strategy_class_path_that_is_not_a_strategy_is_refused(tmp_path, step35_here):
-    for value, expected in [("step35.strategy.NoSuchStrategy", "cannot import it"),
-                            ("step35.module.Step35LightningModule", "is not a lightning.pytorch.strategies.Strategy")]:
-        code, _, err = step35_here("fit", "--config", str(ROOT / "configs/tiny.yaml"), "--trainer.strategy", value,
-                                   f"--trainer.default_root_dir={tmp_path}")
+    for value, expected in [
+        ("step35.strategy.NoSuchStrategy", "cannot import it"),
+        ("step35.module.Step35LightningModule", "is not a lightning.pytorch.strategies.Strategy"),
+    ]:
+        code, _, err = step35_here(
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny.yaml"),
+            "--trainer.strategy",
+            value,
+            f"--trainer.default_root_dir={tmp_path}",
+        )
         assert code != 0
         assert f"trainer.strategy={value!r}" in err and expected in err, err[-3000:]
 
 
 def test_cli_misspelt_override_fails_before_training(tmp_path, step35_here):
-    code, _, err = step35_here("fit", "--config", str(ROOT / "configs/tiny.yaml"), "--model.config_overrides",
-                               "{hiden_size: 64}", f"--trainer.default_root_dir={tmp_path}")
+    code, _, err = step35_here(
+        "fit",
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        "--model.config_overrides",
+        "{hiden_size: 64}",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
     assert code != 0
     assert "unknown config field 'hiden_size' (did you mean 'hidden_size'?)" in err, err[-3000:]
     assert not list(tmp_path.rglob("*.ckpt"))
@@ -184,9 +221,17 @@ def test_cli_validate_leaves_the_run_folders_config_alone(tmp_path, step35_here,
     run = tmp_path / "run"
     shutil.copytree(tiny_run[0], run, symlinks=True)
     (run / "config.yaml").write_text("# the live fit's config\n")
-    code, out, err = step35_here("validate", "--config", str(ROOT / "configs/tiny.yaml"), f"--run_dir={run}",
-                                 "--ckpt_path=last", "--data.seq_len=32", "--trainer.limit_val_batches=1",
-                                 "--data.val_batches=1", "--model.mtp_loss_weight=0")
+    code, out, err = step35_here(
+        "validate",
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        f"--run_dir={run}",
+        "--ckpt_path=last",
+        "--data.seq_len=32",
+        "--trainer.limit_val_batches=1",
+        "--data.val_batches=1",
+        "--model.mtp_loss_weight=0",
+    )
     assert code == 0, out[-3000:] + err[-5000:]
     assert "val/loss" in out
     assert (run / "config.yaml").read_text() == "# the live fit's config\n"

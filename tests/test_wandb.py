@@ -32,14 +32,32 @@ def test_key_detection(tmp_path, monkeypatch):
 @pytest.mark.timeout(600)
 def test_cli_run_goes_offline_and_logs_config_and_code_version(tmp_path, builtin_cache):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # let step35 decide
-    env.update({"STEP35_CACHE": str(builtin_cache), "NETRC": str(tmp_path / "no-netrc"), "PYTHONPATH": str(ROOT),
-                "OMP_NUM_THREADS": "2", "WANDB_SILENT": "true"})
-    args = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
-            "--data.seq_len=32", "--data.micro_batch_size=2", "--trainer.limit_val_batches=1", "--data.val_batches=1",
-            "--trainer.logger+=step35.loggers.Step35WandbLogger", f"--trainer.logger.save_dir={tmp_path / 'wandb'}",
-            "--trainer.logger.project=step35-test"]
-    proc = subprocess.run([sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=500)
+    env.update(
+        {
+            "STEP35_CACHE": str(builtin_cache),
+            "NETRC": str(tmp_path / "no-netrc"),
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "2",
+            "WANDB_SILENT": "true",
+        }
+    )
+    args = [
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.max_steps=2",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--trainer.limit_val_batches=1",
+        "--data.val_batches=1",
+        "--trainer.logger+=step35.loggers.Step35WandbLogger",
+        f"--trainer.logger.save_dir={tmp_path / 'wandb'}",
+        "--trainer.logger.project=step35-test",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "step35", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = list((tmp_path / "wandb").glob("**/offline-run-*"))
     assert runs, "no offline run folder: the logger did not go offline by itself"

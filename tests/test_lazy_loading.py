@@ -2,8 +2,6 @@
 its own slices and its host memory grows by about its shard, not by the model."""
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ from step35.checkpoint.hf.pretrained import save_pretrained
 from step35.config import Step35Config
 from step35.model import Step35ForCausalLM
 from tests.helpers import tiny_config
-from tests.runner import run_process_group
+from tests.runner import run_script
 
 ROOT = Path(__file__).parent.parent
 WORLD = 4
@@ -35,26 +33,17 @@ def test_each_rank_reads_only_its_slices(tmp_path):
     sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
     total = sum(sizes.values())
     replicated = sum(v for n, v in sizes.items() if n.endswith("router_bias"))  # buffers: a copy per rank
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = run_process_group(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={WORLD}",
-            str(ROOT / "tests" / "dist" / "lazy_load.py"),
-            "--checkpoint",
-            str(tmp_path / "hf"),
-            "--ep",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        env=env,
+    run_script(
+        ROOT / "tests" / "dist" / "lazy_load.py",
+        WORLD,
+        "--checkpoint",
+        str(tmp_path / "hf"),
+        "--ep",
+        "2",
+        "--out",
+        str(tmp_path),
         timeout=500,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     # Every byte of the checkpoint is read exactly once across ranks (replicated buffers once per rank).
     assert sum(r["bytes_read"] for r in ranks) == total + (WORLD - 1) * replicated

@@ -3,13 +3,12 @@ nothing in step35/model imports step35.checkpoint, torch.distributed or Lightnin
 loads none of them."""
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import step35.model
+from tests.runner import python
 
 MODEL_DIR = Path(step35.model.__file__).parent
 FORBIDDEN = (
@@ -53,5 +52,6 @@ def test_importing_the_model_loads_no_higher_layer():
         "import sys, step35.model; print('\\n'.join(m for m in sys.modules if m.startswith("
         "('step35.checkpoint', 'step35.parallel', 'step35.module', 'lightning', 'pytorch_lightning'))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == ""
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ""

@@ -7,9 +7,6 @@
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from step35.model import Step35ForCausalLM
 from step35.parallel.parallelize import apply_activation_checkpointing
 from step35.plan.activations import Shape, model_activations
 from tests.helpers import tiny_config_dict
-from tests.runner import run_plan, run_process_group
+from tests.runner import cli, run_plan, run_script
 
 ROOT = Path(__file__).parent.parent
 
@@ -130,21 +127,15 @@ def test_predicted_activations_match_under_expert_parallelism(tmp_path):
     what it sends with the routing, so the plan (balanced routing) is compared on the sum over ranks."""
     config = preset("tiny")
     config.save(tmp_path / "config.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(ROOT / "tests" / "dist" / "plan_ep_activations.py"),
+    run_script(
+        ROOT / "tests" / "dist" / "plan_ep_activations.py",
+        2,
         "--config",
         str(tmp_path / "config.json"),
         "--out",
         str(tmp_path),
-    ]
-    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        timeout=540,
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     shape = Shape(2, 64, 2, device_type="cpu", expert_parallel_size=2)  # the script's micro-batch, bf16
     for mode in ("none", "selective", "full"):
@@ -201,21 +192,9 @@ def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
     fine-tune and for LoRA (a frozen bf16 base, fp32 adapters sharded like their layers)."""
     config = tmp_path / "run.yaml"
     config.write_text(run_yaml)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=4",
-        str(ROOT / "tests" / "dist" / "plan_state_run.py"),
-        "--config",
-        str(config),
-        "--out",
-        str(tmp_path),
-    ]
-    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(
+        ROOT / "tests" / "dist" / "plan_state_run.py", 4, "--config", str(config), "--out", str(tmp_path), timeout=540
+    )
     real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
 
     from step35.plan.planner import sharded_state
@@ -313,18 +292,11 @@ def test_invalid_expert_parallel_size_is_refused_with_valid_sizes(capsys):
     assert code == 2 and "expert_parallel_size=0 is invalid" in err, err[-2000:]
 
 
-def test_step35_help_lists_plan_and_export():
-    proc = subprocess.run(
-        [sys.executable, "-m", "step35", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0
+def test_step35_help_lists_plan_and_export(capsys):
+    code, out, _ = cli(capsys, "--help")  # in this process; test_cli.py runs `python -m step35 --help`
+    assert code == 0
     for sub in ("fit", "validate", "export", "plan"):
-        assert f"  {sub} " in proc.stdout
+        assert f"  {sub} " in out
 
 
 def test_unreadable_inputs_name_the_field(capsys, tmp_path):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import metric_rows, steps_of
+from tests.runner import environment, run_process_group
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -63,16 +63,9 @@ def readme_runs(tmp_path_factory, builtin_cache) -> Path:
     folder = tmp_path_factory.mktemp("readme")
     (folder / "configs").symlink_to(ROOT / "configs")
     bin_dir = Path(sys.executable).parent  # the venv's `step35` entry point
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "STEP35_CACHE": str(builtin_cache),
-        "PYTHONPATH": str(ROOT),
-    }
+    env = environment(builtin_cache, threads=2, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     for command in readme_job_commands():
-        proc = subprocess.run(
-            ["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=1200
-        )
+        proc = run_process_group(["bash", "-c", command], timeout=1200, cwd=folder, env=env)
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])
         if " generate " in f" {command} ":
             assert proc.stdout.strip(), (command, proc.stderr[-2000:])

@@ -11,8 +11,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -22,11 +20,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 from step35.data import Step35DataModule
 from step35.data.bad_records import METRIC_PREFIX, REPORTS_PER_SOURCE
-from tests.runner import run_process_group
+from tests.runner import step35
 
 pytestmark = pytest.mark.heavy  # DataLoader worker processes, or several ranks
 
-ROOT = Path(__file__).parent.parent
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs".split()
 
 
@@ -133,35 +130,30 @@ def test_two_ranks_two_workers_and_validation_count_every_bad_record_once(tmp_pa
     held-out stream from its start (validation.py): the logged total is every bad line, once."""
     corpus = write_corpus(tmp_path / "corpus.jsonl", bad=40, good=600)
     run = tmp_path / "run"
-    env = {**os.environ, "STEP35_CACHE": str(builtin_cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "step35",
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.strategy=step35.strategy.Step35Strategy",
-        "--trainer.strategy.expert_parallel_size=2",
-        "--trainer.devices=2",
-        "--trainer.max_steps=4",
-        "--trainer.val_check_interval=1000",
-        "--trainer.log_every_n_steps=2",
-        f"--data.files={corpus}",
-        "--data.num_workers=2",
-        "--data.val_fraction=0.1",
-        "--data.val_batches=1",
-        "--data.seq_len=32",
-        "--data.micro_batch_size=2",
-        f"--trainer.default_root_dir={run}",
-        f"--trainer.logger.init_args.save_dir={run}",
-    ]
-    proc = run_process_group(cmd, cwd=ROOT, env=env, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = step35(
+        [
+            "fit",
+            "--config",
+            "configs/tiny.yaml",
+            "--trainer.strategy=step35.strategy.Step35Strategy",
+            "--trainer.strategy.expert_parallel_size=2",
+            "--trainer.devices=2",
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=1000",
+            "--trainer.log_every_n_steps=2",
+            f"--data.files={corpus}",
+            "--data.num_workers=2",
+            "--data.val_fraction=0.1",
+            "--data.val_batches=1",
+            "--data.seq_len=32",
+            "--data.micro_batch_size=2",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.save_dir={run}",
+        ],
+        builtin_cache,
+        nproc=2,
+        timeout=840,
+    )  # under torchrun, one thread per rank
     key = METRIC_PREFIX + str(corpus)
     logged = {int(r["step"]): float(r[key]) for r in metric_rows(run) if r.get(key)}
     assert logged[3] == 40.0, logged

@@ -80,11 +80,11 @@ def _logger_configs(logger) -> list:
     return [entry for entry in _as_list(logger) if isinstance(entry, (Namespace, dict))]
 
 
-def say(message: str, stream=sys.stderr) -> None:
+def say(message: str, stream=None) -> None:
     """A line of the job, printed by its rank 0 only (step35.job: known before the Trainer sets
-    Lightning's rank_zero_only)."""
+    Lightning's rank_zero_only), to `stream` (default: sys.stderr as it is at the call)."""
     if job.this_process().is_rank_zero:
-        print(f"step35: {message}", file=stream, flush=True)
+        print(f"step35: {message}", file=stream or sys.stderr, flush=True)
 
 
 def devices_per_node(devices) -> int | None:

@@ -27,7 +27,8 @@ from step35.model.lora import LoraConfig
 from step35.parallel.collectives import distributed
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, check_resume, checkpoint_to_load
-from step35.training.objective import LanguageModelObjective, add_micro_batch
+from step35.training.dpo import build_objective
+from step35.training.objective import add_micro_batch
 from step35.training.optimizer import OptimizerOptions, apply_resumed_settings, build_optimizer, lr_schedule
 from step35.training.options import check_rules
 from step35.training.setup import TrainedModel, model_config_of, training_model
@@ -55,6 +56,8 @@ class Step35LightningModule(pl.LightningModule):
         moe_bias_update_rate: float = 0.0,
         moe_aux_loss_coef: float = 0.0,
         lora: LoraConfig | None = None,
+        objective: str = "lm",
+        dpo: dict[str, Any] | None = None,
     ):
         """
         Args:
@@ -95,6 +98,11 @@ class Step35LightningModule(pl.LightningModule):
             lora: LoRA fine-tuning (docs/lora.md): adapters on the named targets, the base frozen in
                 its own dtype with no gradients or optimizer state; e.g. `--model.lora.rank 16`.
                 None (default): every parameter trains, as without this option.
+            objective: `lm` (default: next-token loss) or `dpo` (preference pairs, training/dpo.py: the
+                reference is the start model: with LoRA the policy with its adapters off, else a frozen
+                sharded copy; mtp_loss_weight and moe_aux_loss_coef must be 0).
+            dpo: DPO options (training/dpo.py DpoOptions): beta, loss_type (sigmoid | ipo | hinge),
+                label_smoothing, sft_weight, reference_free, gamma; e.g. `--model.dpo.beta 0.2`.
         """
         super().__init__()
         lora_config = LoraConfig.of(lora)
@@ -103,7 +111,14 @@ class Step35LightningModule(pl.LightningModule):
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         self.optimization = OptimizerOptions.of(dict(self.hparams))  # checked: model.lr=-1 is refused here
-        self.objective = LanguageModelObjective(mtp_loss_weight, moe_aux_loss_coef, loss_chunk_size)
+        self.objective = build_objective(
+            objective,
+            dpo,
+            mtp_loss_weight=mtp_loss_weight,
+            moe_aux_loss_coef=moe_aux_loss_coef,
+            loss_chunk_size=loss_chunk_size,
+            lora=lora_config,
+        )
         check_rules({"moe_bias_update_rate": (moe_bias_update_rate, lambda v: v >= 0, ">= 0")})
         self.model_config: Step35Config = model_config_of(config, checkpoint, config_overrides)
         if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
@@ -177,6 +192,17 @@ class Step35LightningModule(pl.LightningModule):
             checkpoint=checkpoint,
             seed=self.hparams.init_seed,
         )
+        if getattr(self.objective, "reference", None) == "model":  # DPO's frozen reference: the run's start,
+            self.objective.set_reference_model(  # also on a resume (model.checkpoint or the init of init_seed)
+                training_model(
+                    TrainedModel(self.model_config, num_mtp_layers=0),
+                    shard=getattr(strategy, "parallelize_model", None),
+                    dtype=getattr(strategy, "param_dtype", None),
+                    device=strategy.root_device,
+                    checkpoint=self.hparams.checkpoint,
+                    seed=self.hparams.init_seed,
+                )
+            )
         self.expert_counter = ExpertCounter(self.model, reduce_every_step=self.hparams.moe_bias_update_rate > 0)
 
     def on_train_start(self) -> None:
@@ -268,14 +294,14 @@ class Step35LightningModule(pl.LightningModule):
             self.log(name, value, prog_bar=name == "train/loss")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss, trained = self.objective.validation(self.model, batch)
-        # Weighted by the batch's trained tokens (summed over batches and ranks, as the values):
-        # val/loss is the mean over every trained token of the validation set.
-        self.log("val/loss", loss, sync_dist=True, prog_bar=True, batch_size=trained)
+        # Each value weighted by its weight (the LM: the batch's trained tokens; DPO: its pairs), summed over
+        # batches and ranks as the values: val/loss is the mean over every trained token (pair) of the set.
+        for name, (value, weight) in self.objective.validation(self.model, batch).items():
+            self.log(name, value, sync_dist=True, prog_bar=name == "val/loss", batch_size=weight)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
-        if loss is not None:
+        if loss is not None and self.objective.name == "lm":  # a perplexity of the next-token loss only
             self.log("val/ppl", torch.exp(loss.float()), sync_dist=False)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

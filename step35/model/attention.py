@@ -77,7 +77,8 @@ class Attention(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             return self.o_proj((o * gate.unsqueeze(-1)).reshape(B, S, self.num_heads * self.head_dim))
         out = _GatedOutput.apply(o, gate, self.o_proj.weight)
-        if hasattr(self.o_proj, "delta"):  # a LoRA adapter on o_proj (model/lora.py) reads the gated product
+        # A LoRA adapter on o_proj (model/lora.py) reads the gated product, unless switched off (adapters_off).
+        if hasattr(self.o_proj, "delta") and not self.o_proj.lora_off:
             out = out + self.o_proj.delta((o * gate.unsqueeze(-1)).reshape(B, S, self.num_heads * self.head_dim))
         return out
 

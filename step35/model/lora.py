@@ -20,6 +20,8 @@ Shape legend: r rank of a dense adapter, re the expert rank, E experts, in/out a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -168,8 +170,11 @@ class LoraLinear(nn.Linear):
     lora_rank: int
     lora_scale: float
     lora_dropout: float
+    lora_off = False  # set by adapters_off: the base layer alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_off:
+            return F.linear(x, self.weight)
         return F.linear(x, self.weight) + self.delta(x)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,6 +327,22 @@ def _freeze_base(model: nn.Module, targets: set[str], base_dtype: torch.dtype) -
             module.register_forward_hook(lambda m, args, out: out.to(base_dtype))
         elif isinstance(module, nn.Linear):  # lm_head, router: read the bf16 activations in the weight's dtype
             module.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype), *args[1:]))
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base inside the block: every LoRA adapter (LoraLinear, routed experts) is
+    skipped, no delta is computed (its A and B are not read). The reference model of LoRA preference
+    optimisation (training/dpo.py). Full targets (router, lm_head, embed) are not undone: they are the
+    trained weights themselves. Restored on exit, also after an exception."""
+    adapted = [m for m in model.modules() if "lora_A" in m._parameters]
+    for module in adapted:
+        module.lora_off = True
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.lora_off = False
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

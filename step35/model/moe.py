@@ -30,7 +30,10 @@ class ExpertWeight(nn.Module):
     """One stacked projection of all experts, nn.Linear layout per expert: weight [E, out, in].
 
     With LoRA (model/lora.py adds `lora_A` [E, in, r] and `lora_B` [E, r, out]) each expert adds
-    its own (dropout(x) @ A_e @ B_e) * lora_scale, through the same grouped GEMM as the weight."""
+    its own (dropout(x) @ A_e @ B_e) * lora_scale, through the same grouped GEMM as the weight, unless
+    `lora_off` (model.lora.adapters_off) is set."""
+
+    lora_off = False
 
     def __init__(self, num_experts: int, in_features: int, out_features: int):
         super().__init__()
@@ -41,7 +44,7 @@ class ExpertWeight(nn.Module):
 
         Under expert parallelism this module holds a slice of the experts (see kernels.grouped_gemm.grouped_mm)."""
         y = grouped_mm(x, self.weight, counts)
-        if "lora_A" not in self._parameters:
+        if "lora_A" not in self._parameters or self.lora_off:
             return y
         return y + expert_lora_delta(
             x, self.lora_A, self.lora_B, counts, self.lora_scale, self.lora_dropout, self.training

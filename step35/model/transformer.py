@@ -23,7 +23,7 @@ from step35.kernels.masks import DocumentMask, SequenceShard
 from step35.model.attention import Attention
 from step35.model.cache import KVCache, LayerKV
 from step35.model.init import init_tensor
-from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from step35.model.loss import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logprobs
 from step35.model.mlp import SwiGLU
 from step35.model.moe import MoE, RouterAuxLosses
 from step35.model.norm import RMSNorm
@@ -332,6 +332,47 @@ class Step35ForCausalLM(nn.Module):
             mtp_sums=mtp_sums,
             mtp_counts=mtp_counts,
         )
+
+    def sequence_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        num_sequences: int,
+        *,
+        position_ids: torch.Tensor | None = None,
+        loss_chunk_size: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probabilities of packed sequences: input_ids, labels (-100 = not counted),
+        sequence_ids [B, S] (the sequence in [0, num_sequences) a slot belongs to, -1 none) ->
+        (sums [num_sequences] fp32, counts [num_sequences] int64): sums[q] is the sum over the slots of
+        sequence q with a label of log softmax(logits)[label], counts[q] their number.
+
+        Memory-bounded as `loss` (chunked_token_logprobs holds `loss_chunk_size` rows of logits) and
+        differentiable. Under context parallelism every rank of a cp group passes the same whole rows,
+        computes its share, and the sums and counts are those of the whole rows (summed over the cp
+        group, differentiably, as the loss sums). MTP layers do not run. Registered as an FSDP forward
+        method beside `loss`."""
+        if labels.shape != input_ids.shape or sequence_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} and sequence_ids {tuple(sequence_ids.shape)} must have "
+                f"input_ids' shape {tuple(input_ids.shape)}"
+            )
+        _check_positions(input_ids, position_ids)
+        cp = self.context_parallel
+        shard = cp.split(input_ids, position_ids) if cp is not None else None
+        take = (lambda x: x) if shard is None else (lambda x: cp.take(shard, x))
+        h, _, _ = self._trunk(take(input_ids), None if position_ids is None else take(position_ids), None, shard)
+        labels, sequence_ids = take(labels), take(sequence_ids)
+        logp = chunked_token_logprobs(self.model.norm(h), self.lm_head.weight, labels, loss_chunk_size)
+        counted = (labels != IGNORE_INDEX) & (sequence_ids >= 0) & (sequence_ids < num_sequences)
+        slot = torch.where(counted, sequence_ids, num_sequences).reshape(-1)  # uncounted slots go to a spare bin
+        sums = logp.new_zeros(num_sequences + 1).index_add(0, slot, (logp * counted).reshape(-1))[:num_sequences]
+        counts = torch.zeros(num_sequences + 1, dtype=torch.int64, device=slot.device)
+        counts = counts.index_add(0, slot, counted.reshape(-1).long())[:num_sequences]
+        if cp is not None:
+            sums, counts = cp.sum(sums), cp.sum(counts)
+        return sums, counts
 
     def _trunk(
         self,

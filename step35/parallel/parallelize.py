@@ -94,8 +94,10 @@ def apply_fsdp(
     if lora:
         for unit in units + [model]:
             unit.set_reduce_scatter_unused_params(True)
-    # The training loss is `model.loss`, not `forward`: give it the root's gather and input casting.
+    # The training losses are `model.loss` and `model.sequence_logprobs`, not `forward`: give them the root's
+    # gather and input casting.
     register_fsdp_forward_method(model, "loss")
+    register_fsdp_forward_method(model, "sequence_logprobs")  # the preference objective's (training/dpo.py)
 
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:

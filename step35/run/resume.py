@@ -6,7 +6,8 @@
   sliding_window). The optimizer's restored param groups and the LR scheduler's base lr are
   overwritten with the command line's values after the restore (training/optimizer.py's
   `apply_resumed_settings`; that room names what of the optimizer a resume may change, and refuses
-  another `model.optimizer`, whose state would not fit).
+  another `model.optimizer`, whose state would not fit). Another `model.objective` is refused too
+  (training/objective.py `resume_refusals`); `model.dpo`'s options may change (reported).
 - a different model shape (config / config_overrides fields that change a tensor, num_mtp_layers)
   or a different set of trained parameters (mtp_loss_weight 0 <-> non-zero: MTP layers are frozen
   at 0, so the optimizer state has no entries for them) is refused before anything is loaded,
@@ -125,6 +126,7 @@ def check_resume(saved: SavedRun, model_config: Step35Config, hparams: dict[str,
             f"are frozen at 0), so the checkpoint's optimizer state does not fit"
         )
     refused += optimizer.resume_refusals(saved.hparams, hparams)
+    refused += objective.resume_refusals(saved.hparams, hparams)
     lora_refused, lora_notes = _lora_changes(saved.hparams.get("lora"), hparams.get("lora"), model_config)
     refused += lora_refused
     notes += lora_notes

@@ -7,9 +7,11 @@ An objective has three parts the LightningModule calls and nothing else:
   sums (on the device, no host sync) that the module adds up over the step;
 - `reduce(sums, group, over_ranks)` -> StepResult: the sums over the ranks, the step's trained count, the
   gradient factor and what is logged;
-- `validation(model, batch)` -> (the value logged as val/loss, its weight).
+- `validation(model, batch)` -> {name: (value, weight)}: each logged as the weighted mean over the
+  validation set (val/loss among them).
 
-`LanguageModelObjective` (next-token loss, MTP and the sequence balance loss) is the only one today.
+`LanguageModelObjective` (next-token loss, MTP and the sequence balance loss) is `model.objective: lm`;
+training/dpo.py's DpoObjective (preference pairs) is `dpo`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,20 @@ from step35.model import LossOutput, Step35ForCausalLM
 from step35.training.options import check_rules
 
 # Objective options a resume may change (the command line wins; each is reported when it does).
-RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef")
+RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef", "dpo")
+
+
+def resume_refusals(saved: dict, hparams: dict) -> list[str]:
+    """Why a run cannot resume a checkpoint of another objective (`model.objective`): another objective
+    trains another model from the checkpoint's step on, and the full-fine-tuning DPO reference is the run's
+    start, which a language-model checkpoint never recorded as such."""
+    before, after = saved.get("objective") or "lm", hparams.get("objective") or "lm"
+    if before != after:
+        return [
+            f"model.objective: {before} -> {after}: the checkpoint trained the {before} objective; resume with "
+            f"model.objective={before}, or start a new run from an exported model (model.checkpoint)"
+        ]
+    return []
 
 
 @dataclass
@@ -85,7 +100,14 @@ class LanguageModelObjective:
 
     def forward(self, model: Step35ForCausalLM, batch: dict, training: bool) -> tuple[LossOutput, torch.Tensor]:
         """(LossOutput, labels [B, S]) of a batch: input_ids [B, S + 1], optional labels [B, S] and
-        position_ids [B, S] (data.document_masking). MTP and the aux loss only in training."""
+        position_ids [B, S] (data.document_masking). MTP and the aux loss only in training. A batch of
+        preference pairs (`preference` ids, data.format: preference) is refused: it is DPO's."""
+        if "preference" in batch:
+            raise ValueError(
+                "the batch holds preference pairs (`preference` ids from data.format: preference sources), "
+                "which model.objective=lm would train on as plain text: set model.objective: dpo, or give "
+                "the run text / chat sources"
+            )
         labels = labels_of(batch)
         return model.loss(
             batch["input_ids"][:, :-1],
@@ -136,11 +158,11 @@ class LanguageModelObjective:
         logged["train/trained_tokens"] = float(trained)
         return StepResult(trained, logged, slots, micro_batches * trained)
 
-    def validation(self, model: Step35ForCausalLM, batch: dict) -> tuple[torch.Tensor, int]:
-        """The batch's mean main-head loss and its trained tokens (the weight: val/loss is the mean over
-        every trained token of the validation set)."""
+    def validation(self, model: Step35ForCausalLM, batch: dict) -> dict[str, tuple[torch.Tensor, int]]:
+        """{"val/loss": (the batch's mean main-head loss, its trained tokens)}: each value logged is a mean
+        weighted by its weight, so val/loss is the mean over every trained token of the validation set."""
         out, _ = self.forward(model, batch, training=False)
-        return out.lm_loss, int(out.num_tokens)
+        return {"val/loss": (out.lm_loss, int(out.num_tokens))}
 
 
 def add_micro_batch(step_sums: torch.Tensor | None, micro_batch: MicroBatch) -> torch.Tensor:

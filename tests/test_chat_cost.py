@@ -1,5 +1,6 @@
-"""A conversation costs what its window needs, not what its length is; preference files are refused (chat_template.py's
-`ChatTemplate.encode_prefix`, sft.py's `SftEncoder(window=...)` and format detection).
+"""A conversation costs what its window needs, not what its length is; preference files stated as conversations
+are refused (chat_template.py's `ChatTemplate.encode_prefix`, sft.py's `SftEncoder(window=...)` and format
+detection).
 
 Measured on the shared 2-core test machine (7 users at once), in this process:
 
@@ -234,7 +235,9 @@ PAIRS = [{"prompt": f"w{i}", "chosen": "w1 w2", "rejected": "w3"} for i in range
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
 def test_a_preference_file_is_refused_naming_it(tmp_path, suffix):
     """Before: no format told, so the source was text and the text-field check said 'set text_field'; set to
-    `chosen`, it trained on the chosen answers as plain text and ignored the rejected ones."""
+    `chosen`, it trained on the chosen answers as plain text and ignored the rejected ones. Now (issue 26) `auto`
+    reads such a file as preference pairs (tests/test_preference_data.py), and a file stated as a conversation
+    format is refused, naming it and the way to train on it (DPO)."""
     tok_dir = make_chat_tokenizer(tmp_path / "tok", template=True)
     path = tmp_path / f"pairs.{suffix}"
     if suffix == "jsonl":
@@ -244,18 +247,19 @@ def test_a_preference_file_is_refused_naming_it(tmp_path, suffix):
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(PAIRS), path)
-    named = f"{path}:1" if suffix == "jsonl" else str(path)
     for source in ({"path": str(path)}, {"path": str(path), "text_field": "chosen"}):
         dm = Step35DataModule(sources=[source], tokenizer=str(tok_dir), seq_len=8, val_batches=0)
-        with pytest.raises(ValueError) as error:
-            dm.setup("fit")
-        message = str(error.value)
-        assert message.startswith(f"{named}: the records are preference pairs (prompt/chosen/rejected), which need")
-        assert "preference objective (DPO) that step35 does not have yet" in message
-    if suffix == "parquet":  # a stated conversation format says the same, not just "no column 'messages'"
-        dm = Step35DataModule(sources=[{"path": str(path), "format": "chat"}], tokenizer=str(tok_dir), val_batches=0)
-        with pytest.raises(ValueError, match="preference pairs"):
-            dm.setup("fit")
+        dm.setup("fit")
+        assert dm._train_sources[0].format == "preference"
+    named = f"{path}:1" if suffix == "jsonl" else str(path)
+    dm = Step35DataModule(sources=[{"path": str(path), "format": "chat"}], tokenizer=str(tok_dir), seq_len=8,
+                          val_batches=0)  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        dm.setup("fit")  # parquet: by its columns
+        next(iter(dm.train_dataloader()))  # jsonl: at its first record
+    message = str(error.value)
+    assert message.startswith(f"{named}: the records are preference pairs (prompt/chosen/rejected), not chat")
+    assert "train on them with --model.objective dpo and data.format: preference" in message
     # Stated as text, one field is trained as plain text: the way out the message names.
     dm = Step35DataModule(sources=[{"path": str(path), "format": "text", "text_field": "chosen"}],
                           tokenizer=str(tok_dir), seq_len=4, micro_batch_size=1, val_batches=0)  # fmt: skip

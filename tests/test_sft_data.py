@@ -141,7 +141,9 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
                               val_batches=0)  # fmt: skip
         with pytest.raises(ValueError, match=message):
             dm.setup("fit")
-    with pytest.raises(ValueError, match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion'\)"):
+    with pytest.raises(
+        ValueError, match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion', 'preference'\)"
+    ):
         Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
     with pytest.raises(
         ValueError, match=r"data: train_on='assistants'; expected one of assistant, last_assistant, all"

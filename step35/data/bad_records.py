@@ -58,19 +58,20 @@ class OverlongRecords:
     token). Like bad records, the counts live in the stream state and reach the logs
     (`data/truncated/<source>`, `data/dropped/<source>`)."""
 
-    def __init__(self, source_name: str, truncated: int = 0, dropped: int = 0) -> None:
+    def __init__(self, source_name: str, truncated: int = 0, dropped: int = 0, what: str = "conversation") -> None:
         self.source_name = source_name
+        self.what = what  # what a record is, in the reports: "conversation", "preference pair"
         self.truncated = truncated
         self.dropped = dropped
         self.reported = 0
 
     def truncate(self, where: str, length: int, window: int) -> None:
         self.truncated += 1
-        self._report(f"truncating the conversation at {where}: {length} tokens, a window holds {window}")
+        self._report(f"truncating the {self.what} at {where}: {length} tokens, a window holds {window}")
 
     def drop(self, where: str, why: str) -> None:
         self.dropped += 1
-        self._report(f"dropping the conversation at {where}: {why}")
+        self._report(f"dropping the {self.what} at {where}: {why}")
 
     def _report(self, message: str) -> None:
         if self.reported < REPORTS_PER_SOURCE:

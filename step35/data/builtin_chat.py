@@ -11,6 +11,12 @@ name) and paragraphs. Each becomes conversations whose answers are that document
 The questions come from a few fixed phrasings, so a model that learns the mapping from a subject to its
 text lowers its loss on the answers; the prompts themselves carry little to learn. About 450 conversations,
 0.3 MB. Written once, atomically, as jsonl of {"messages": [...]} under the same cache as the corpus.
+
+The built-in preference pairs (`builtin_preference_pairs`, for `data.format: preference` with no files) are
+made from these conversations, with no model and no randomness: each conversation's last assistant turn is
+the chosen reply, the prompt is everything before it (so a multi-turn conversation's first answer is context),
+and the rejected reply is the same turn of another conversation of the same kind (one question form, same
+turn count), half the list away, about another subject: a fluent answer to the wrong question.
 """
 
 import json
@@ -101,6 +107,33 @@ def _answer(paragraph: str) -> str:
 def _first_sentence(text: str) -> str:
     found = _SENTENCE_END.search(text)
     return text[: found.start()] if found else text
+
+
+def builtin_preference_pairs() -> list[dict]:
+    """The preference pairs, conversational: {"prompt": [...], "chosen": [reply], "rejected": [reply]}, in
+    the order of `builtin_conversations`."""
+    conversations = [c["messages"] for c in builtin_conversations()]
+    kinds: dict[tuple, list[int]] = {}  # one question form: turn count, first role, the question's start
+    for i, messages in enumerate(conversations):
+        kinds.setdefault((len(messages), messages[0]["role"], messages[-2]["content"][:8]), []).append(i)
+    pairs = []
+    for members in kinds.values():
+        for k, i in enumerate(members):
+            chosen = conversations[i][-1]
+            others = members[k + len(members) // 2 :] + members[: k + len(members) // 2]
+            rejected = next((conversations[j][-1] for j in others if conversations[j][-1] != chosen), None)
+            if rejected is not None:
+                pairs.append((i, {"prompt": conversations[i][:-1], "chosen": [chosen], "rejected": [rejected]}))
+    return [pair for _, pair in sorted(pairs, key=lambda item: item[0])]
+
+
+def builtin_preference_path(cache_dir: str | Path | None = None) -> Path:
+    """The built-in preference pairs as jsonl (one record per line), written on first use."""
+    path = cache_root(cache_dir) / f"preference-{sys.implementation.name}-{platform.python_version()}.jsonl"
+    if not path.exists():
+        lines = "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in builtin_preference_pairs())
+        write_atomically(path, lines.encode("utf-8"))
+    return path
 
 
 def builtin_chat_path(cache_dir: str | Path | None = None) -> Path:

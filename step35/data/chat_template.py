@@ -346,6 +346,7 @@ class ChatTemplate:
         train_reasoning: bool = True,
         tools: list | None = None,
         where: str = "",
+        trained_turns: list[int] | None = None,
         **extra,
     ) -> tuple[list[int], list[bool], int | None]:
         """As `encode`, for the first `max_tokens` tokens only (all when None): (their ids, their mask, how many
@@ -363,6 +364,9 @@ class ChatTemplate:
           span starts past the end of the one before, so once a turn is known to start past the kept characters
           every later one does too: the mask of the kept tokens is the one the whole conversation gives. A turn
           past the kept tokens is not located, so a fault in it (one that would make `encode` raise) is not seen.
+
+        `trained_turns`: the indices of the assistant messages to train, instead of the ones `train_on` picks
+        (a preference pair trains only its reply's turns, preference.py); not with `train_on` "all".
         """
         check_train_choice(train_on, train_reasoning, where)
         check_messages(messages, where)
@@ -371,6 +375,13 @@ class ChatTemplate:
         ids, offsets, total = _tokenize_prefix(tokenizer, conversation.text, max_tokens)
         limit = None if total == len(ids) else (offsets[-1][1] if offsets else 0)  # the characters of the kept tokens
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if trained_turns is not None:
+            if train_on == "all" or not set(trained_turns) <= set(turns):
+                raise ChatTemplateError(
+                    f"{where_prefix(where)}trained_turns {trained_turns} must be assistant messages (at {turns}), and"
+                    f" train_on not 'all' (got {train_on!r})"
+                )
+            turns, train_on = sorted(trained_turns), "assistant"
         if train_on == "all":
             if train_reasoning:
                 return ids, [True] * len(ids), total

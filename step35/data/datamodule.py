@@ -1,5 +1,5 @@
-"""Step35DataModule: raw text, conversations or prompt/completion pairs in, packed token windows out, with exact
-per-rank resume."""
+"""Step35DataModule: raw text, conversations, prompt/completion or preference pairs in, packed token windows out,
+with exact per-rank resume."""
 
 import dataclasses
 import warnings
@@ -13,9 +13,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
-from step35.data.builtin_chat import builtin_chat_path
+from step35.data.builtin_chat import builtin_chat_path, builtin_preference_path
 from step35.data.chat_messages import check_train_choice
 from step35.data.packing import document_positions
+from step35.data.preference import check_not_mixed
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
 from step35.data.sft import FORMATS, OVERLONG, resolve_template
@@ -44,7 +45,8 @@ class Step35DataModule(pl.LightningDataModule):
             .txt, .md, .parquet and .arrow files, or `save_to_disk` folders. Without `weights` all of them form
             one source; with `weights` each entry is its own source. No `files`, `sources` or `hub_dataset`:
             the built-in corpus (Python's own documentation), or with `format: chat` the built-in
-            conversations made from it (questions answered with its paragraphs; builtin_chat.py).
+            conversations made from it (questions answered with its paragraphs; builtin_chat.py), or with
+            `format: preference` the built-in preference pairs made from those (builtin_chat.py).
         weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
         text_field: Field of json records, or column of parquet/arrow data, holding the text; the default for
             every source of `sources` that names none.
@@ -82,6 +84,10 @@ class Step35DataModule(pl.LightningDataModule):
             "prompt_completion" (records with `prompt` and `completion`), or "auto": decided per source from
             its first records, and said at start. Conversation and prompt/completion batches also hold
             "labels" [micro_batch_size, seq_len] (-100 where not trained) and "position_ids" (docs/data.md).
+            "preference": records with `chosen` and `rejected` (and an optional `prompt`), for
+            `--model.objective dpo`; its batches also hold "preference" [micro_batch_size, seq_len] (which
+            sequence of which pair each slot belongs to; preference.py, docs/data.md). Preference sources cannot
+            be mixed with sources of other formats; `preference` says whether this datamodule's are.
         train_on: Which tokens of a conversation are trained: "assistant" (every assistant turn), "last_assistant"
             (the final one), "all" (every token; for prompt/completion pairs, the prompt too).
         train_reasoning: False: the reasoning text of the trained assistant turns (a reasoning field, or a
@@ -209,7 +215,9 @@ class Step35DataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning runs this once per node before setup(); the builtin files are written atomically anyway.
         if self.uses_builtin_corpus:
-            builtin_chat_path(self.cache_dir) if self.format == "chat" else builtin_corpus_path(self.cache_dir)
+            {"chat": builtin_chat_path, "preference": builtin_preference_path}.get(self.format, builtin_corpus_path)(
+                self.cache_dir
+            )
         if self.tokenizer_path is None:
             builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
 
@@ -225,6 +233,8 @@ class Step35DataModule(pl.LightningDataModule):
             return [SourceSpec(path=self.files)]
         if self.format == "chat":  # the built-in conversations: questions answered from the same corpus
             return [SourceSpec(path=str(builtin_chat_path(self.cache_dir)), name="builtin-chat")]
+        if self.format == "preference":  # the built-in preference pairs, made from the built-in conversations
+            return [SourceSpec(path=str(builtin_preference_path(self.cache_dir)), name="builtin-preference")]
         return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
 
     def setup(self, stage: str | None = None) -> None:
@@ -254,6 +264,7 @@ class Step35DataModule(pl.LightningDataModule):
         if self.val_files:
             val_sources = [open_source(SourceSpec(path=self.val_files), self.text_field, self.txt_mode, None,
                                        shuffle=False, seed=self.seed, format=self.format)]  # fmt: skip
+        check_not_mixed(train_sources + val_sources)
         stream_options = self._chat_options(folder, train_sources + val_sources)
 
         # Set last, so that a failed setup() fails again when called again.
@@ -276,10 +287,15 @@ class Step35DataModule(pl.LightningDataModule):
         }
         if all(source.format == "text" for source in sources):
             return options
+        if self.train_on == "all" and any(source.format == "preference" for source in sources):
+            raise ValueError(
+                "data.train_on: all trains prompt tokens, which a preference pair does not compare; preference"
+                " sources train the replies (data.train_on: assistant or last_assistant)"
+            )
         from pathlib import Path
 
         template, missing = resolve_template(Path(tokenizer_folder), self.chat_template)
-        chat = sorted({source.name for source in sources if source.format == "chat"})
+        chat = sorted({source.name for source in sources if source.format == "chat"})  # preference: per record
         if template is None and chat:
             raise ValueError(f"source(s) {chat} hold conversations, but {missing}")
         return {**options, "template": template, "template_missing": missing}
@@ -298,6 +314,12 @@ class Step35DataModule(pl.LightningDataModule):
                 "validation: off (data.val_fraction=0 and no data.val_files); set data.val_fraction (e.g. 0.01)"
                 " or data.val_files to validate"
             )
+
+    @property
+    def preference(self) -> bool:
+        """Whether the batches are preference pairs (carry "preference"; after setup): the sources' format is
+        `preference`, stated or detected. The DPO objective needs them; the language-model objective refuses them."""
+        return any(source.format == "preference" for source in self._train_sources)
 
     @property
     def vocab_size(self) -> int:
@@ -385,8 +407,9 @@ class Step35DataModule(pl.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With document_masking, add each window's document positions (computed on the host, before the
-        batch moves to the device; train and validation batches alike)."""
-        if self.document_masking and isinstance(batch, dict) and "input_ids" in batch:
+        batch moves to the device; train and validation batches alike). Preference batches keep the packer's
+        positions (one document per sequence: a reply's EOS inside a multi-turn prompt starts none)."""
+        if self.document_masking and isinstance(batch, dict) and "input_ids" in batch and "preference" not in batch:
             if self.eos_token_id is None:
                 raise RuntimeError("document_masking needs the EOS id: call setup() before drawing batches")
             batch = {**batch, "position_ids": document_positions(batch["input_ids"][:, :-1], [self.eos_token_id])}

@@ -1,6 +1,7 @@
 """Packing one source's documents into fixed windows of tokens, resumable at every window: text documents run
 across windows (`PackedSource`); conversations and prompt/completion pairs are packed whole, with labels and
-positions (`PackedConversations`)."""
+positions (`PackedConversations`); preference pairs are packed whole, their two sequences side by side, with
+the `preference` ids of the DPO batch contract (`PackedPairs`)."""
 
 import warnings
 from collections.abc import Iterator
@@ -163,7 +164,8 @@ class PackedConversations(PackedSource):
         super().__init__(source, encoder.tokenizer, window, shard, num_shards, endless, strict, state)
         self.encoder = encoder
         self.overlong_mode = overlong
-        self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0))
+        what = "preference pair" if getattr(encoder, "format", "") == "preference" else "conversation"
+        self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0), what)
 
     def windows(self) -> Iterator[tuple[list[int], list[int], list[int]]]:  # type: ignore[override]
         state = self.state
@@ -221,6 +223,93 @@ class PackedConversations(PackedSource):
     def _count(self) -> None:
         self.state["skipped"] = self.bad.count
         self.state["truncated"], self.state["dropped"] = self.overlong.truncated, self.overlong.dropped
+
+
+class PackedPairs(PackedConversations):
+    """Windows of `window` tokens from one shard of a preference source: whole pairs (preference.py), each
+    pair's chosen sequence then its rejected sequence, packed greedily and never split across windows; the
+    rest of a window is padding. Each window comes out as (tokens [window], labels [window - 1], positions
+    [window - 1], preference [window - 1]), built by `pair_window`.
+
+    An overlong pair (both sequences longer than a window together) has its reply tails cut
+    (`preference.fit_pair`, `overlong: truncate`) and fills a window of its own, or is dropped (`drop`, and
+    when the cut would leave a reply without a trained token); either is counted as for conversations.
+    State and resume as `PackedConversations`: the cursor names the pair the next window starts with."""
+
+    def windows(self) -> Iterator[tuple[list[int], list[int], list[int], list[int]]]:  # type: ignore[override]
+        from step35.data.preference import fit_pair
+
+        state = self.state
+        if state["done"]:
+            return
+        self.check_data()
+        cursor = Cursor(*state["cursor"])
+        documents = self.source.documents(
+            cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
+        )  # fmt: skip
+        current: list[Any] = []
+        used = 0
+        placed = cursor.epoch  # the epoch of the last pair placed in a window
+        for start, after, pair in documents:
+            if pair.length > self.window:
+                fitted = None if self.overlong_mode == "drop" else fit_pair(pair, self.window)
+                if fitted is None:
+                    why = f"{pair.size} tokens, a window holds {self.window}" + (
+                        "" if self.overlong_mode == "drop" else "; cut, a reply would keep no trained token"
+                    )
+                    self.overlong.drop(pair.where, why)
+                    if start.epoch > placed + 1:  # a whole epoch dropped: an endless stream would spin
+                        raise RuntimeError(
+                            f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
+                            f" preference pair of a whole epoch as longer than a window of {self.window} tokens;"
+                            " raise seq_len, or set data.overlong: truncate"
+                        )
+                    continue
+                if current:  # the cut pair fills a window of its own
+                    yield self._emit(current, start)
+                    current, used = [], 0
+                self.overlong.truncate(pair.where, pair.size, self.window)
+                pair = fitted
+            elif used + pair.length > self.window:
+                yield self._emit(current, start)
+                current, used = [], 0
+            placed = start.epoch
+            current.append(pair)
+            used += pair.length
+            if used == self.window:
+                yield self._emit(current, after)
+                current, used = [], 0
+        if current:  # a finite stream's last window
+            yield self._emit(current, None)
+        self._count()
+        state["done"] = True
+
+    def _emit(self, pairs: list[Any], next_start: Cursor | None) -> tuple[list[int], ...]:  # type: ignore[override]
+        """The window of `pairs`, with the state moved to `next_start` (the next window's first pair)."""
+        if next_start is not None:
+            self.state["cursor"], self.state["piece"], self.state["skip"] = next_start.to_list(), 0, 0
+            self._mark(next_start)
+        self._count()
+        sides = [(e.ids, e.trained) for pair in pairs for e in (pair.chosen, pair.rejected)]
+        return pair_window(sides, self.window, self.tokenizer.eos_token_id)
+
+
+def pair_window(
+    sequences: list[tuple[list[int], list[bool]]], window: int, pad_id: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(tokens, labels, positions, preference) of one window holding preference pairs: `sequences` lists
+    (ids, trained per token) of pair 0's chosen, pair 0's rejected, pair 1's chosen, ... Tokens, labels and
+    positions as `conversation_window` (each sequence one document). preference [window - 1], label-aligned:
+    slot i holds the sequence token i lies in, 2 * p for pair p's chosen and 2 * p + 1 for its rejected, -1
+    for padding."""
+    if len(sequences) % 2:
+        raise ValueError(f"{len(sequences)} sequences: preference pairs come as chosen, rejected")
+    tokens, labels, positions = conversation_window(sequences, window, pad_id)
+    preference: list[int] = []
+    for q, (ids, _) in enumerate(sequences):
+        preference += [q] * len(ids)
+    preference += [-1] * (window - len(preference))
+    return tokens, labels, positions, preference[: window - 1]
 
 
 def conversation_window(

@@ -1,5 +1,5 @@
-"""Conversation and prompt/completion records: which format a source holds, and how one record becomes
-token ids with a trained flag per token.
+"""Conversation, prompt/completion and preference records: which format a source holds, and how one record
+becomes token ids with a trained flag per token.
 
 Formats (`data.format`, or `format` of a `data.sources` entry):
 
@@ -9,10 +9,16 @@ Formats (`data.format`, or `format` of a `data.sources` entry):
 * `prompt_completion`: records with a string `prompt` and `completion`: ids(prompt) + ids(completion) + EOS,
   trained on the completion and the EOS (`train_on: all` trains the prompt too). When both are lists of
   messages, the record is the conversation prompt + completion, rendered with the template like `chat`.
-* `auto` (default): decided from the first records of the source, and said at start. Records with `chosen`
-  and `rejected` (preference pairs) are refused: they need a preference objective step35 does not have.
+* `preference`: preference pairs for `--model.objective dpo`, records with `chosen` and `rejected` (and an
+  optional `prompt`), as TRL's standard (strings) and conversational (message lists) preference formats;
+  each record becomes two sequences, prompt + chosen and prompt + rejected, trained on the replies only
+  (preference.py's `PreferenceEncoder`, packed side by side by packing.py's `PackedPairs`).
+* `auto` (default): decided from the first records of the source, and said at start (`chosen` and `rejected`:
+  preference). A preference file stated as `chat` or `prompt_completion` is refused (`preference_error`), and
+  a stream may not mix preference sources with others (preference.py's `check_not_mixed`).
 
-An encoded record is an `Example`; `PackedConversations` (packing.py) packs whole examples into windows.
+An encoded record is an `Example` (a pair of them for preference records); `PackedConversations`
+(packing.py) packs whole examples into windows.
 """
 
 from collections.abc import Iterable, Sequence
@@ -24,10 +30,10 @@ from step35.data.chat_messages import ChatTemplateError, check_messages, check_t
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
 from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 
-FORMATS = ("auto", "text", "chat", "prompt_completion")
+FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
 OVERLONG = ("truncate", "drop")
 PLAIN_TEXT_SUFFIXES = (".txt", ".md")
-PREFERENCE_FIELDS = ("chosen", "rejected")  # with `prompt`: a preference pair (DPO-style), which we refuse
+PREFERENCE_FIELDS = ("chosen", "rejected")  # with an optional `prompt`: a preference pair (format preference)
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,7 @@ class Example:
 def format_of_fields(fields: Iterable[str], text_field: str) -> tuple[str, str] | None:
     """(format, reason) decided by a record's field names, or None when they decide nothing; "preference" for
     preference pairs (`chosen` and `rejected`, even when the text field names one of them: training on the
-    chosen answer alone as text is not what such a file is for), which the caller refuses
-    (`preference_error`)."""
+    chosen answer alone as text is not what such a file is for; `format: text` says so when it is)."""
     names = set(fields)
     if "messages" in names:
         return "chat", "records have 'messages'"
@@ -66,21 +71,20 @@ def format_of_fields(fields: Iterable[str], text_field: str) -> tuple[str, str] 
     return None
 
 
-def preference_error(where: Any) -> ValueError:
-    """The error for a source of preference pairs (`where`: its file or hub name)."""
+def preference_error(where: Any, format: str = "chat") -> ValueError:
+    """The error for a source of preference pairs read as another format (`where`: its file, record or hub name)."""
     return ValueError(
-        f"{where}: the records are preference pairs (prompt/chosen/rejected), which need a preference objective"
-        " (DPO) that step35 does not have yet; for supervised fine-tuning give conversations ('messages') or"
-        " prompt/completion pairs, or set the source's format: text and a text_field to train on one field as"
-        " plain text"
+        f"{where}: the records are preference pairs (prompt/chosen/rejected), not {format} records: train on them"
+        " with --model.objective dpo and data.format: preference (or auto, which detects them); for supervised"
+        " fine-tuning give conversations ('messages') or prompt/completion pairs, or set the source's format: text"
+        " and a text_field to train on one field as plain text"
     )
 
 
 def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
     """(format, reason) of local files: plain text files are text; columnar files by their column names;
     json by the fields of the first record (of the first `FIELD_CHECK_RECORDS`) that decides. Nothing
-    decides: text (the text-field check then names the fields found). Preference pairs raise
-    `preference_error` naming the file."""
+    decides: text (the text-field check then names the fields found)."""
     looked = 0
     for path in files:
         if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
@@ -88,8 +92,6 @@ def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
         reader = reader_for(path, text_field, whole_records=True)
         if hasattr(reader, "field_names"):
             found = format_of_fields(reader.field_names(), text_field)
-            if found is not None and found[0] == "preference":
-                raise preference_error(path)
             if found is not None:
                 return found[0], found[1].replace("records have", "columns include")
             continue
@@ -102,11 +104,22 @@ def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
             except BadRecord:
                 continue
             found = format_of_fields(value or {}, text_field)
-            if found is not None and found[0] == "preference":
-                raise preference_error(record.where())  # file:line
             if found is not None:
                 return found
     return "text", "no record tells"
+
+
+def first_ids(tokenizer: TextTokenizer, text: str, limit: int | None) -> tuple[list[int], bool]:
+    """(the ids of `text`, whether they are all of them): tokenized in pieces as the text stream does
+    (tokenizer.py), only until there are more than `limit` (all when `limit` is None)."""
+    if limit is None:
+        return tokenizer.encode(text), True
+    ids: list[int] = []
+    for start, piece in tokenizer.pieces(text):
+        ids += piece
+        if len(ids) > limit:
+            return ids, cut_after(text, start, PIECE_CHARS) >= len(text)
+    return ids, True
 
 
 class SftEncoder:
@@ -147,6 +160,8 @@ class SftEncoder:
         if value is None:
             return None
         where = record.where()
+        if "messages" not in value and "completion" not in value and set(PREFERENCE_FIELDS) <= set(value):
+            raise preference_error(where, self.format)  # not a bad record: the source is of another format
         if self.format == "chat":
             if "messages" not in value:
                 raise MissingField("messages", sorted(value), what="field")
@@ -173,16 +188,7 @@ class SftEncoder:
         return Example(ids[: self.limit], trained[: self.limit], where, total, complete=False)
 
     def _first_ids(self, text: str, limit: int | None) -> tuple[list[int], bool]:
-        """(the ids of `text`, whether they are all of them): tokenized in pieces as the text stream does
-        (tokenizer.py), only until there are more than `limit` (all when `limit` is None)."""
-        if limit is None:
-            return self.tokenizer.encode(text), True
-        ids: list[int] = []
-        for start, piece in self.tokenizer.pieces(text):
-            ids += piece
-            if len(ids) > limit:
-                return ids, cut_after(text, start, PIECE_CHARS) >= len(text)
-        return ids, True
+        return first_ids(self.tokenizer, text, limit)
 
     def _conversation(self, messages: Any, tools: Any, where: str) -> Example:
         """The record's conversation through the template. A bad conversation (no messages, an unknown role,

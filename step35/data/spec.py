@@ -15,6 +15,9 @@ becomes a readable source.
           weight: 1
         - path: /data/sft/*.parquet          # conversations (`messages`) or prompt/completion pairs
           format: chat                       # default auto: decided from the first records (sft.py)
+
+Preference pairs (`format: preference`, records with `chosen` and `rejected`) are for `--model.objective dpo`
+and cannot share a run with sources of other formats (preference.py).
 """
 
 from dataclasses import dataclass, fields
@@ -45,7 +48,8 @@ class SourceSpec:
         weight: Sampling weight, as a share of training tokens (weights are normalised over the sources).
         name: The source's name in logs and metrics; None: its path or hub name.
         format: "text", "chat" (records with `messages`), "prompt_completion" (records with `prompt` and
-            `completion`) or "auto" (decided from the first records); None: `data.format`.
+            `completion`), "preference" (records with `chosen`, `rejected` and an optional `prompt`, for
+            `--model.objective dpo`) or "auto" (decided from the first records); None: `data.format`.
     """
 
     path: str | list[str] | None = None
@@ -118,8 +122,6 @@ def open_source(
         source = HubSource(spec.hub, spec.subset, spec.split, field, holdout, shuffle, seed, source_name=name)
         if wanted == "auto":
             found = format_of_fields(source.field_names(), field)
-            if found is not None and found[0] == "preference":
-                raise preference_error(f"hub dataset {spec.hub!r}")
             wanted, reason = found if found is not None else ("text", "no field tells")
         else:
             reason = "as asked"
@@ -152,9 +154,9 @@ def _set_format(source: Source, format: str, reason: str) -> None:
 
 
 def check_record_files(name: str, files: list[Path], format: str) -> None:
-    """A conversation or prompt/completion source needs records with fields: plain text files cannot be one,
-    and a columnar file must have the columns."""
-    needed = ["messages"] if format == "chat" else ["prompt", "completion"]
+    """A conversation, prompt/completion or preference source needs records with fields: plain text files cannot
+    be one, and a columnar file must have the columns."""
+    needed = {"chat": ["messages"], "preference": list(PREFERENCE_FIELDS)}.get(format, ["prompt", "completion"])
     for f in files:
         suffix = f.suffix.lower()
         if suffix in (".txt", ".md"):
@@ -166,9 +168,14 @@ def check_record_files(name: str, files: list[Path], format: str) -> None:
             if set(needed) <= set(columns):
                 continue
             if set(PREFERENCE_FIELDS) <= set(columns):
-                raise preference_error(f)
+                raise preference_error(f, format)
             if format == "chat":
                 raise ValueError(f"{f}: no column 'messages' (columns: {columns}); a chat source needs it")
+            if format == "preference":
+                raise ValueError(
+                    f"{f}: a preference source needs columns 'chosen' and 'rejected', and may have 'prompt'"
+                    f" (columns: {columns})"
+                )
             raise ValueError(
                 f"{f}: a prompt_completion source needs columns 'prompt' and 'completion' (columns: {columns})"
             )

@@ -10,7 +10,14 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from step35.data.packing import PackedConversations, PackedSource, fresh_packing_state, text_window_targets
+from step35.data.packing import (
+    PackedConversations,
+    PackedPairs,
+    PackedSource,
+    fresh_packing_state,
+    text_window_targets,
+)
+from step35.data.preference import PreferenceEncoder, check_not_mixed
 from step35.data.resume import STATE_FORMAT, check_stream_state
 from step35.data.sft import OVERLONG, SftEncoder
 from step35.data.tokenizer import TextTokenizer
@@ -24,6 +31,10 @@ class TokenWindows(IterableDataset):
     ones handled per `overlong`); when any source is one, every window also has "labels" [seq_len] (the targets of
     input_ids[:-1], -100 where not trained) and "position_ids" [seq_len] (0 where a document starts), text
     windows included (every next token a target, positions restarting after each EOS).
+
+    Preference sources (`format: preference`, preference.py) are packed pair by pair (`PackedPairs`) and every
+    window also has "preference" [seq_len] (the DPO batch contract: 2p / 2p + 1 for the chosen / rejected
+    sequence of the window's pair p, -1 for padding); they cannot be mixed with sources of other formats.
 
     Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
     documents go round-robin to shards, or whole files of a hub stream that has enough (see sources.py), so
@@ -84,11 +95,15 @@ class TokenWindows(IterableDataset):
         if overlong not in OVERLONG:
             raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
         self.overlong = overlong
+        check_not_mixed(self.sources)
         formats = [getattr(source, "format", "text") for source in self.sources]
+        options = (template, train_on, template_missing, train_reasoning)
         self.encoders = [
             None
             if f == "text"
-            else SftEncoder(f, tokenizer, template, train_on, template_missing, train_reasoning, window=seq_len + 1)
+            else PreferenceEncoder(tokenizer, *options, window=seq_len + 1)
+            if f == "preference"
+            else SftEncoder(f, tokenizer, *options, window=seq_len + 1)
             for f in formats
         ]
         self.labelled = any(encoder is not None for encoder in self.encoders)
@@ -118,7 +133,7 @@ class TokenWindows(IterableDataset):
         packers = [
             PackedSource(source, self.tokenizer, window, shard, num_shards, self.endless, self.strict, s)
             if encoder is None
-            else PackedConversations(
+            else (PackedPairs if isinstance(encoder, PreferenceEncoder) else PackedConversations)(
                 source, encoder, window, shard, num_shards, self.endless, self.strict, s, self.overlong
             )
             for source, encoder, s in zip(self.sources, self.encoders, state["sources"])
@@ -136,6 +151,9 @@ class TokenWindows(IterableDataset):
             yield self._batch_item(window)
 
     def _batch_item(self, window: Any) -> dict[str, torch.Tensor]:
+        if isinstance(window, tuple) and len(window) == 4:  # a preference window: (tokens, labels, positions, ids)
+            keys = ("input_ids", "labels", "position_ids", "preference")
+            return {key: torch.tensor(values, dtype=torch.long) for key, values in zip(keys, window)}
         if isinstance(window, tuple):  # a conversation window: (tokens, labels, positions)
             tokens, labels, positions = window
         elif self.labelled:

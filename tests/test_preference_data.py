@@ -21,6 +21,7 @@ from step35.data import Step35DataModule
 from step35.data.bad_records import BadRecordError, BadRecordWarning, OverlongWarning
 from step35.data.builtin_chat import builtin_conversations, builtin_preference_pairs
 from step35.data.chat_template import ChatTemplate
+from step35.data.packing import document_positions
 from step35.data.preference import Pair, fit_pair
 from step35.data.sft import Example
 from step35.data.sources import FileSource
@@ -475,3 +476,35 @@ def test_the_builtin_pairs_prefer_the_sft_reply_to_another_questions(builtin_cac
             text = tokenizer.decode(labels[(preference == q) & (labels != IGNORE)].tolist())
             assert any(text.rstrip("\n") in reply or reply[1:] in text for reply in replies), text
     dm.teardown("fit")
+
+
+def test_the_datamodule_checkpoint_entry_resumes_pairs_exactly_with_workers(tmp_path, tok_dir):
+    """state_dict / load_state_dict of the DataModule (two DataLoader workers, as a checkpoint holds it) give the
+    same following batches; document_masking keeps the packer's positions for pairs (an EOS inside a prompt
+    starts no document)."""
+    rng = random.Random(8)
+    write_jsonl(tmp_path / "p.jsonl", [conversational_pair(i, rng) for i in range(40)])
+
+    def datamodule() -> Step35DataModule:
+        dm = Step35DataModule(files=str(tmp_path / "p.jsonl"), tokenizer=str(tok_dir), seq_len=40,
+                              micro_batch_size=2, num_workers=2, val_batches=0, document_masking=True)  # fmt: skip
+        dm.setup("fit")
+        return dm
+
+    dm = datamodule()
+    batches = iter(dm.train_dataloader())
+    [next(batches) for _ in range(4)]
+    torch.save(dm.state_dict(), tmp_path / "datamodule_state.pt")
+    entry = torch.load(tmp_path / "datamodule_state.pt", weights_only=True)
+    expected = [as_lists(next(batches)) for _ in range(8)]  # past an epoch of each worker's 20 pairs
+    dm.teardown("fit")
+    masked = dm.on_before_batch_transfer({key: torch.tensor(v) for key, v in expected[0].items()}, 0)
+    assert masked["position_ids"].tolist() == expected[0]["position_ids"]
+    by_eos = [document_positions(torch.tensor(b["input_ids"])[:, :-1], [WORD_EOS]).tolist() for b in expected]
+    assert any(p != b["position_ids"] for p, b in zip(by_eos, expected))  # restarts after a two-turn prompt's EOS
+
+    resumed = datamodule()
+    resumed.load_state_dict(entry)
+    replay = iter(resumed.train_dataloader())
+    assert [as_lists(next(replay)) for _ in range(8)] == expected
+    resumed.teardown("fit")

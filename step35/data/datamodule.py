@@ -97,7 +97,9 @@ class Step35DataModule(pl.LightningDataModule):
         chat_template: A .jinja file to render conversations with, instead of the tokenizer folder's template.
             (The built-in tokenizer's folder carries step35's default template.)
         overlong: A conversation longer than seq_len + 1 tokens is cut to the window ("truncate") or dropped
-            ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported.
+            ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported. A
+            preference pair whose two sequences do not fit one window together has its reply tails cut, the
+            longer reply first, keeping a trained token each ("truncate"), or is dropped; counted the same way.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 trained parameter against an independent float64 computation (log-probabilities token by token from the full
 logits), the reference at the first step, the gradient factor over micro-batches, and the option refusals.
 
-Batches are packed by hand here (`pack`), following the batch contract of docs/issue 26 (the data side builds the
+Batches are packed by hand (tests/dist/dpo_steps.py `pack`), following the batch contract of docs/issue 26 (the data side builds the
 same tensors): each pair's chosen then rejected sequence (prompt + reply) side by side in one row, labels only on
 reply tokens whose previous token is of the same sequence, position_ids restarting per sequence, preference ids
 2 p / 2 p + 1 on the label slots of pair p of the row, -1 elsewhere.
@@ -10,6 +10,7 @@ reply tokens whose previous token is of the same sequence, position_ids restarti
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -21,60 +22,25 @@ from step35.model import build_model
 from step35.model.lora import LoraConfig, adapters_off, apply_lora
 from step35.training.dpo import LOSS_TYPES, DpoObjective, DpoOptions, build_objective, pair_losses
 from step35.training.objective import LanguageModelObjective
+from tests.dist.dpo_steps import pack, sample_rows
 
-EOS = 1
-SEQ = 40
-
-
-def pack(rows: list[list[tuple[list[int], list[int], list[int]]]], seq_len: int = SEQ) -> dict:
-    """The contract's tensors for rows of pairs (prompt ids, chosen reply ids, rejected reply ids)."""
-    out = {k: [] for k in ("input_ids", "labels", "position_ids", "preference")}
-    for pairs in rows:
-        tokens, reply, seq_of, pref_of, pos = [], [], [], [], []
-        for p, (prompt, chosen, rejected) in enumerate(pairs):
-            for side, answer in enumerate((chosen, rejected)):
-                q = len(set(seq_of))
-                for j, t in enumerate(prompt + answer):
-                    tokens.append(t)
-                    reply.append(j >= len(prompt))
-                    seq_of.append(q)
-                    pref_of.append(2 * p + side)
-                    pos.append(j)
-        pad = seq_len + 1 - len(tokens)
-        assert pad >= 1, "the row is too long"
-        pad_seq = len(set(seq_of))
-        tokens += [EOS] * pad
-        reply += [False] * pad
-        seq_of += [pad_seq] * pad
-        pref_of += [-1] * pad
-        pos += list(range(pad))
-        labels = [tokens[i + 1] if reply[i + 1] and seq_of[i + 1] == seq_of[i] else -100 for i in range(seq_len)]
-        out["input_ids"].append(tokens)
-        out["labels"].append(labels)
-        out["position_ids"].append(pos[:seq_len])
-        out["preference"].append(pref_of[:seq_len])
-    return {k: torch.tensor(v) for k, v in out.items()}
+_BUILT: dict = {}
 
 
-def sample_rows(seed: int = 0) -> list:
-    """Two rows: three pairs, then two pairs (several pairs per row), replies of varied lengths."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n):
-        return torch.randint(2, 1024, (n,), generator=g).tolist()
-
-    return [
-        [(ids(3), ids(4), ids(2)), (ids(2), ids(3), ids(5)), (ids(4), ids(2), ids(2))],
-        [(ids(5), ids(6), ids(3)), (ids(1), ids(4), ids(4))],
-    ]
+def _built(seed: int, lora: LoraConfig | None):
+    key = (seed, repr(lora))
+    if key not in _BUILT:
+        model = build_model(preset("tiny"), 0)
+        if lora is not None:
+            apply_lora(model, lora)
+        materialize(model, "cpu", seed=seed)
+        _BUILT[key] = model
+    return _BUILT[key]
 
 
 def model_of(seed: int, dtype=torch.float64, lora: LoraConfig | None = None):
-    model = build_model(preset("tiny"), 0)
-    if lora is not None:
-        apply_lora(model, lora)
-    materialize(model, "cpu", seed=seed)
-    return model.to(dtype)
+    """The tiny model (no MTP layers) from the init of `seed`, in `dtype`: a fresh copy of one built once."""
+    return copy.deepcopy(_built(seed, lora)).to(dtype)
 
 
 # ----------------------------------------------------------------------------------- the independent computation

@@ -1,0 +1,46 @@
+"""DPO on real gloo processes gives what one process gives (tests/dist/dpo_steps.py): one 2-rank torchrun job for
+every case: full fine-tuning (the frozen reference copy sharded like the policy) and LoRA (the adapters off) at EP 2
+over 2 data-parallel ranks, whose rows hold 3 and 2 pairs (the loss is the mean over the step's 5 pairs, not the mean
+of the ranks' means), and context parallelism 2 (each rank its share of every sequence, the log-probabilities summed
+over the cp group) against cp 1. Compared: the logged loss, rewards and log-probabilities, and every trained
+parameter's gradient (relative 1e-5)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.cases import case_args
+from tests.runner import run_dist_script
+
+SCRIPT = Path(__file__).parent / "dist" / "dpo_steps.py"
+REL = 1e-5
+CASES = {
+    "full_ep2": ["--ep", "2"],
+    "lora_ep2": ["--ep", "2", "--lora"],
+    "full_cp2": ["--cp", "2"],
+    "lora_cp2_ipo": ["--cp", "2", "--lora", "--loss-type", "ipo"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    return run_dist_script(SCRIPT, tmp_path_factory.mktemp("dpo") / "r.pt", 2, *case_args(CASES), timeout=900)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)  # the first case waits for the job
+@pytest.mark.parametrize("case", list(CASES))
+def test_dpo_on_two_ranks_equals_one_process(two_ranks, case):
+    plain, got = two_ranks[case]["plain"], two_ranks[case]["parallel"]
+    assert plain["pairs"] == got["pairs"] == 5
+    for name, value in plain["logged"].items():
+        assert got["logged"][name] == pytest.approx(value, rel=REL, abs=1e-7), name
+    assert plain["logged"]["train/reward_margin"] != 0  # the policy is not its reference: a real comparison
+    assert plain["grads"].keys() == got["grads"].keys() and plain["grads"]
+    for name, g in plain["grads"].items():
+        assert rel_err(got["grads"][name], g) < REL, name

@@ -98,6 +98,8 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
 
 def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate) -> list[Phase]:
     persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
+    if state.reference:
+        persistent["DPO reference"] = state.reference  # model.objective dpo, full fine-tuning
     grads_in_forward = state.grads if s.accumulate_grad_batches > 1 else 0
     acts = act.total
     block_work = act.recompute if act.mode != "none" else act.largest_layer

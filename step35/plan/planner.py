@@ -78,11 +78,16 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
         rank,
         lora,
         s.optimizer_slots,
+        s.reference_copy,
+        s.compute_dtype,
     )
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
     dims = parallel_dims(s)
     spec = trained_model_of(s)
+    reference = 0
+    if s.reference_copy:  # DPO's frozen reference, made as Step35LightningModule.configure_model makes it
+        reference = sum(_local_bytes(p) for p in reference_model(s, dims, rank).parameters())
     if s.sharded:
         model = sharded_meta_model(
             spec,
@@ -102,9 +107,35 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
     groups = fsdp_groups(
         model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=dims.expert_parallel_size, train_mtp=s.train_mtp
     )
-    result = ShardedState(rank_state(model, s.optimizer_slots), groups, trained)
+    state = rank_state(model, s.optimizer_slots)
+    state.reference = reference
+    result = ShardedState(state, groups, trained)
     _STATE_CACHE[key] = result
     return result
+
+
+def reference_model(s: RunSettings, dims: ParallelDims, rank: int = 0):
+    """Full-fine-tuning DPO's frozen reference on `rank` (meta): the one training setup without MTP layers, in
+    the compute dtype, sharded as the policy."""
+    spec = TrainedModel(s.model_config, num_mtp_layers=0)
+    if not s.sharded:
+        return training_model(spec, dtype=s.compute_dtype)
+    model = sharded_meta_model(
+        spec,
+        dims,
+        rank=rank,
+        stored_dtype=s.compute_dtype,
+        param_dtype=s.param_dtype,
+        reduce_dtype=s.reduce_dtype,
+        reshard_after_forward=s.reshard_after_forward,
+    )
+    close_world()
+    return model
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def parallel_dims(s: RunSettings) -> ParallelDims:

@@ -114,6 +114,11 @@ def text(p: Plan) -> str:
             lines.insert(
                 len(lines) - 3, f"    full targets        {_gib(full)}   {_dtype(s.stored_dtype)}, trained whole"
             )
+    if st.reference:
+        lines.append(
+            f"    DPO reference       {_gib(st.reference)}   {_dtype(s.compute_dtype)} frozen copy of the start model, "
+            "sharded as the policy (model.objective dpo)"
+        )
     if st.expert_shapes:
         shapes = ", ".join(f"{k.removesuffix('.weight')} {v}" for k, v in st.expert_shapes.items())
         lines.append(f"    local experts of one MoE layer: {shapes}")

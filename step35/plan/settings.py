@@ -56,6 +56,14 @@ class RunSettings:
     plan_device: str | None = None  # the device the config says it is sized for (top-level `plan_device`)
     optimizer: str = "adamw"  # model.optimizer
     optimizer_slots: int = 2  # states the optimizer keeps per trained parameter (training/optimizer.state_slots)
+    objective: str = "lm"  # model.objective
+    dpo_reference_free: bool = False  # model.dpo.reference_free: no reference model
+
+    @property
+    def reference_copy(self) -> bool:
+        """DPO's reference is a frozen copy of the model (full fine-tuning); with LoRA it is the policy with
+        its adapters off, and reference_free has none: no extra bytes (training/dpo.py)."""
+        return self.objective == "dpo" and self.lora is None and not self.dpo_reference_free
 
     @property
     def train_mtp(self) -> bool:
@@ -219,6 +227,13 @@ def _count(value, name: str) -> int:
     raise PlanInputError(f"{name}={value!r}: the plan needs an explicit count (e.g. --{name} 8)")
 
 
+def _get(options, key: str):
+    """options[key] of a mapping or jsonargparse Namespace (None: absent)."""
+    if options is None:
+        return None
+    return options.get(key) if hasattr(options, "get") else getattr(options, key, None)
+
+
 def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
@@ -256,6 +271,8 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         finetune=bool(model.get("checkpoint")),
         notes=notes,
         plan_device=cfg.get("plan_device"),
+        objective=str(model.get("objective") or "lm"),
+        dpo_reference_free=bool(_get(model.get("dpo"), "reference_free")),
         **_optimizer(model),
     )
     if settings.sharded:

@@ -35,10 +35,11 @@ class RankState:
     frozen: int = 0  # LoRA: bytes of the frozen base (part of `params`)
     adapter_params: int = 0  # LoRA: bytes of the local adapter shards (part of `params`)
     adapters_total: int = 0  # LoRA: global adapter element count (not in params_total, the model's)
+    reference: int = 0  # full-fine-tuning DPO: the frozen reference copy's local shards (compute dtype)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buffers
+        return self.params + self.grads + self.optimizer + self.buffers + self.reference
 
 
 @dataclass

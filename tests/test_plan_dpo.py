@@ -1,0 +1,68 @@
+"""`step35 plan` for DPO runs (issue 26): a full-fine-tuning DPO run holds, beside the policy, a frozen reference copy
+of the start model (no MTP layers) in the compute dtype, sharded as the policy; its bytes on every simulated rank equal
+that copy built here by hand (build_model, the real `parallelize` on 3 and 4 simulated ranks), and they are added to
+what the rank holds. LoRA DPO (the reference is the policy with its adapters off) and reference_free hold nothing more.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from step35.model import build_model
+from step35.plan.settings import read_settings
+from tests.helpers import tiny_config
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def settings(*extra: str, world: int = 1, ep: int = 1, objective: str = "dpo"):
+    args = ["--config", TINY, "--model.objective", objective]
+    if world > 1:
+        args += [
+            "--trainer.devices",
+            str(world),
+            "--trainer.strategy",
+            "step35.strategy.Step35Strategy",
+            "--trainer.strategy.expert_parallel_size",
+            str(ep),
+        ]
+    return read_settings(args + list(extra))
+
+
+@pytest.mark.parametrize("world,ep,param_dtype", [(3, 1, None), (4, 2, "bfloat16")])
+def test_full_dpo_counts_the_sharded_reference_copy(world, ep, param_dtype):
+    from step35.parallel import ParallelDims, parallelize
+    from step35.plan.planner import sharded_state
+    from step35.plan.world import close_world, simulated_world
+
+    extra = ["--trainer.strategy.param_dtype", param_dtype] if param_dtype else []
+    s = settings(*extra, world=world, ep=ep)
+    lm = settings(*extra, world=world, ep=ep, objective="lm")
+    assert s.objective == "dpo" and s.reference_copy
+    config = tiny_config()
+    dtype = getattr(torch, param_dtype) if param_dtype else torch.float32
+    for rank in range(world):
+        simulated_world(world, rank)
+        try:
+            model = build_model(config, 0, device="meta", dtype=dtype)  # the start model, MTP layers left out
+            parallelize(model, ParallelDims(world, ep, num_experts=config.moe_num_experts).build("cpu"))
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        finally:
+            close_world()
+        want = sum(t.numel() * t.element_size() for t in local)
+        state, policy = sharded_state(s, rank=rank).state, sharded_state(lm, rank=rank).state
+        assert state.reference == want > 0, rank
+        assert state.total == policy.total + want  # nothing else changes: no gradient, no optimizer state
+        assert (state.params, state.grads, state.optimizer) == (policy.params, policy.grads, policy.optimizer)
+
+
+def test_lora_and_reference_free_dpo_hold_no_reference():
+    from step35.plan.planner import sharded_state
+
+    assert sharded_state(settings("--model.lora", "{rank: 4}")).state.reference == 0
+    assert sharded_state(settings("--model.dpo", "{reference_free: true}")).state.reference == 0
+    full = sharded_state(settings()).state
+    n = sum(p.numel() for p in build_model(tiny_config(), 0, device="meta").parameters())
+    assert full.reference == n * 4  # unsharded, 32-true: fp32

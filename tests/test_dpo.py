@@ -391,3 +391,77 @@ def test_resume_with_another_objective_is_refused(tmp_path):
         {"objective": "dpo", "dpo": {"beta": 0.2}},
     )
     assert notes == ["dpo: {'beta': 0.1} -> {'beta': 0.2}"]
+
+
+# ----------------------------------------------------------------------------------- the module: reference and resume
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self):
+        self.batch = pack(sample_rows(7))
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {k: v[i % 2] for k, v in self.batch.items()}
+
+
+def _reference_callback():
+    import lightning.pytorch as pl
+
+    from step35.training.dpo import sequence_logprobs
+
+    class ReferenceAtStart(pl.Callback):
+        """The reference's and the policy's log-probabilities on a fixed pair at the start of training."""
+
+        def __init__(self):
+            self.seen = []
+
+        def on_train_start(self, trainer, module):
+            batch = pack(sample_rows(9)[:1])
+            with torch.no_grad():
+                ref = sequence_logprobs(module.objective.reference_model, batch, 64)[0]
+                policy = sequence_logprobs(module.model, batch, 64)[0]
+            self.seen.append((ref.clone(), policy.clone()))
+
+    return ReferenceAtStart()
+
+
+@pytest.mark.heavy  # two short Lightning fits
+def test_full_dpo_reference_is_the_start_model_after_a_resume(tmp_path):
+    import lightning.pytorch as pl
+
+    from step35.module import Step35LightningModule
+
+    def fit(steps: int, ckpt=None, record=None):
+        module = Step35LightningModule(
+            config="tiny", objective="dpo", dpo={"beta": 0.5}, lr=1e-2, warmup_steps=1, num_mtp_layers=0
+        )
+        loader = torch.utils.data.DataLoader(_Pairs(), batch_size=2)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+            callbacks=[pl.Callback()] if record is None else [record],
+        )
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
+        return module, trainer
+
+    record = _reference_callback()
+    module, trainer = fit(2, record=record)
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert not any("reference" in k for k in saved["state_dict"])  # not a submodule: not in checkpoints
+    assert len(saved["state_dict"]) == len(module.model.state_dict())
+    trained = sum(1 for p in module.model.parameters() if p.requires_grad)
+    assert sum(len(g["params"]) for g in trainer.optimizers[0].param_groups) == trained  # no reference entries
+    fit(3, ckpt=path, record=record)
+    (ref0, policy0), (ref1, policy1) = record.seen
+    assert torch.equal(ref0, policy0)  # a from-scratch start: the policy is the reference
+    assert torch.equal(ref1, ref0)  # bit for bit: the reference is the start model, not the resumed policy
+    assert not torch.allclose(policy1, ref1)  # the resumed policy has learned

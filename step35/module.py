@@ -192,6 +192,12 @@ class Step35LightningModule(pl.LightningModule):
             checkpoint=checkpoint,
             seed=self.hparams.init_seed,
         )
+        if self.objective.name == "dpo" and self.trained.built_mtp_layers and self.trainer.is_global_zero:
+            print(
+                f"step35: model.objective dpo trains the main model only; the MTP layer(s) ({self.trained.built_mtp_layers}) "
+                "are kept as loaded, frozen (model.num_mtp_layers 0 leaves them out)",
+                flush=True,
+            )
         if getattr(self.objective, "reference", None) == "model":  # DPO's frozen reference: the run's start,
             self.objective.set_reference_model(  # also on a resume (model.checkpoint or the init of init_seed)
                 training_model(

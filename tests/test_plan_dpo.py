@@ -66,3 +66,24 @@ def test_lora_and_reference_free_dpo_hold_no_reference():
     full = sharded_state(settings()).state
     n = sum(p.numel() for p in build_model(tiny_config(), 0, device="meta").parameters())
     assert full.reference == n * 4  # unsharded, 32-true: fp32
+
+
+DPO_RECIPE = str(ROOT / "configs" / "flash-196b-lora-dpo-h200.yaml")
+
+
+def test_the_196b_lora_dpo_recipe_is_the_fewest_h200_that_fit(step35_here):
+    """configs/flash-196b-lora-dpo-h200.yaml: 4 H200 fit (the LoRA reference costs no bytes), 3 do not; the
+    recipe is a valid `step35 fit` config (objective dpo, preference data)."""
+    import json
+
+    code, out, err = step35_here("plan", "--config", DPO_RECIPE, "--json")
+    assert code == 0, err[-3000:]
+    plan = json.loads(out)
+    assert plan["verdict"]["fits"] and plan["device"]["name"].startswith("NVIDIA H200"), plan["verdict"]
+    assert plan["state"].get("reference", 0) == 0  # the policy with adapters off: no copy
+    three = ["--trainer.devices", "3", "--trainer.strategy.expert_parallel_size", "3"]
+    code, out, _ = step35_here("plan", "--config", DPO_RECIPE, "--json", *three)
+    assert code != 0 and not json.loads(out)["verdict"]["fits"]
+    code, out, err = step35_here("fit", "--config", DPO_RECIPE, "--print_config")
+    assert code == 0, err[-3000:]
+    assert "objective: dpo" in out and "format: preference" in out and "devices: 4" in out

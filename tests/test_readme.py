@@ -1,5 +1,5 @@
 """The README's own commands, as written: the main job, what it learned (generate), the second main job
-(export, fine-tune on conversations, generate --chat) and the LoRA lines (fit, merged export), in that
+(export, fine-tune on conversations, generate --chat), the third (export, DPO) and the LoRA lines (fit, merged export), in that
 order, in a fresh folder (so `runs/...` are the README's relative paths), each line run by bash exactly as
 the README prints it. The commands are read from the README, so the test follows it when it changes.
 
@@ -52,7 +52,7 @@ def test_the_readme_commands_are_found():
     commands = readme_job_commands()
     assert commands[0] == "step35 fit --config configs/tiny.yaml"
     names = [c.split()[1] for c in commands]
-    assert names.count("fit") == 3 and names.count("export") == 2 and names.count("generate") >= 4, commands
+    assert names.count("fit") == 4 and names.count("export") == 3 and names.count("generate") >= 4, commands
     assert any("--chat" in c for c in commands) and any("--merge" in c for c in commands), commands
 
 
@@ -83,6 +83,11 @@ def test_the_readme_commands_run_as_written(readme_runs):
     assert sft_val[max(sft_val)] < sft_val[min(sft_val)], sft_val
     assert (runs / "tiny-lora" / "merged" / "config.json").is_file()
     assert (runs / "tiny" / "hf" / "config.json").is_file()
+    # DPO (README: val/reward_accuracy 0.51 -> 0.85, val/dpo_loss 1.14 -> 0.26; ln 2 = 0.69 at the start)
+    dpo_rows = metric_rows(runs / "tiny-dpo" / "csv" / "version_0")
+    accuracy, dpo_loss = steps_of(dpo_rows, "val/reward_accuracy"), steps_of(dpo_rows, "val/dpo_loss")
+    assert max(accuracy) == 99 and accuracy[99] >= 0.6 and dpo_loss[99] < 0.69, (accuracy, dpo_loss)
+    assert steps_of(dpo_rows, "train/chosen_logp") and steps_of(dpo_rows, "train/reward_margin")
 
 
 @pytest.mark.multiprocess

@@ -448,6 +448,26 @@ def test_validation_batches_carry_labels_and_the_builtin_tokenizer_gets_the_defa
     dm.teardown("fit")
 
 
+def test_document_masking_keeps_a_multi_turn_conversation_one_document(tmp_path, builtin_cache):
+    # An assistant turn ends with EOS; positions restarted after every EOS would cut a multi-turn conversation
+    # into documents at each turn, and the second reply could not attend to the first question.
+    records = [{"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Yes."},
+                             {"role": "user", "content": "Why?"}, {"role": "assistant", "content": f"Because {i}."}]}
+               for i in range(40)]  # fmt: skip
+    write_jsonl(tmp_path / "c.jsonl", records)
+    batches = {}
+    for masking in (False, True):
+        dm = Step35DataModule(files=str(tmp_path / "c.jsonl"), seq_len=64, micro_batch_size=2, val_fraction=0,
+                              cache_dir=str(builtin_cache), document_masking=masking)  # fmt: skip
+        dm.setup("fit")
+        batches[masking] = dm.on_before_batch_transfer(next(iter(dm.train_dataloader())), 0)
+        dm.teardown("fit")
+    assert torch.equal(batches[True]["position_ids"], batches[False]["position_ids"])
+    eos = (batches[True]["input_ids"][:, :-1] == dm.eos_token_id).sum(1)
+    starts = (batches[True]["position_ids"] == 0).sum(1)
+    assert (eos >= 2 * (starts - 1)).all() and (starts < eos).all(), (eos, starts)  # two EOS per conversation
+
+
 def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_dir):
     rng = random.Random(9)
     chats = [conversation(i, rng) for i in range(20)]

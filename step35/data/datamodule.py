@@ -409,9 +409,10 @@ class Step35DataModule(pl.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With document_masking, add each window's document positions (computed on the host, before the
-        batch moves to the device; train and validation batches alike). Preference batches keep the packer's
-        positions (one document per sequence: a reply's EOS inside a multi-turn prompt starts none)."""
-        if self.document_masking and isinstance(batch, dict) and "input_ids" in batch and "preference" not in batch:
+        batch moves to the device; train and validation batches alike). Batches that carry positions already
+        keep the packer's: conversations, prompt/completion and preference pairs (one document per packed
+        example: the EOS that ends an assistant turn inside a multi-turn conversation starts none)."""
+        if self.document_masking and isinstance(batch, dict) and "input_ids" in batch and "position_ids" not in batch:
             if self.eos_token_id is None:
                 raise RuntimeError("document_masking needs the EOS id: call setup() before drawing batches")
             batch = {**batch, "position_ids": document_positions(batch["input_ids"][:, :-1], [self.eos_token_id])}

@@ -110,3 +110,28 @@ def test_dpo_learns_the_preferred_reply_and_the_opposite_when_swapped(tmp_path, 
     assert before == pytest.approx(before_swapped, abs=1e-9)  # the same start model
     assert trained > before + 5.0, gaps  # the sentence gained against random words ...
     assert trained_swapped < before - 5.0, gaps  # ... and lost against them with the labels swapped
+
+
+@pytest.mark.heavy  # three short in-process fits
+def test_a_resumed_dpo_run_continues_bit_for_bit(tmp_path, builtin_cache, capfd):
+    """Stopped at step 5 and resumed, a DPO run logs the losses and rewards of the run that went through: the
+    data stream of pairs, the policy and its optimizer state come back, and the reference is the start model."""
+    from tests.helpers import RUN_CONFIG, run_losses, write_run_config
+    from tests.runner import cli_fit
+
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs(pairs, swapped=False)
+    # decay_steps fixed: by default the schedule's length is the max_steps of the run that started (5 for the cut one)
+    text = RUN_CONFIG.replace(
+        "  mtp_loss_weight: 0.3\n", "  objective: dpo\n  dpo:\n    beta: 0.2\n  decay_steps: 10\n"
+    )
+    text = text.replace("  seq_len: 32\n", f"  seq_len: 96\n  format: preference\n  files: {pairs}\n")
+    assert "objective: dpo" in text and "format: preference" in text
+    config = write_run_config(tmp_path, text)
+    cli_fit(capfd, config, tmp_path / "through", builtin_cache)
+    cli_fit(capfd, config, tmp_path / "cut", builtin_cache, "--trainer.max_steps=5")
+    cli_fit(capfd, config, tmp_path / "cut", builtin_cache, "--ckpt_path=last")
+    for column in ("train/dpo_loss", "train/chosen_reward", "train/rejected_logp"):
+        through, resumed = run_losses(tmp_path / "through", column), run_losses(tmp_path / "cut", column)
+        assert sorted(through) == sorted(resumed) == list(range(10)), (through, resumed)
+        assert [resumed[s] for s in range(5, 10)] == [through[s] for s in range(5, 10)], column  # bitwise

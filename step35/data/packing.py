@@ -167,7 +167,22 @@ class PackedConversations(PackedSource):
         what = "preference pair" if getattr(encoder, "format", "") == "preference" else "conversation"
         self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0), what)
 
-    def windows(self) -> Iterator[tuple[list[int], list[int], list[int]]]:  # type: ignore[override]
+    kind = "conversation"  # what an item is called in the reports
+    cut_fails = "truncated, nothing trained would be left"  # why a cut item is dropped
+
+    def _length(self, example: Example) -> int:
+        return len(example.ids)
+
+    def _cut(self, example: Example) -> Example | None:
+        """The example truncated to the window, or None when nothing trained would be left."""
+        if not any(example.trained[1 : self.window]):
+            return None
+        return Example(example.ids[: self.window], example.trained[: self.window], example.where)
+
+    def _window_of(self, examples: list[Example]) -> tuple[list[int], ...]:
+        return conversation_window([(e.ids, e.trained) for e in examples], self.window, self.tokenizer.eos_token_id)
+
+    def windows(self) -> Iterator[tuple[list[int], ...]]:  # type: ignore[override]
         state = self.state
         if state["done"]:
             return
@@ -176,34 +191,36 @@ class PackedConversations(PackedSource):
         documents = self.source.documents(
             cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
         )  # fmt: skip
-        current: list[Example] = []
+        current: list[Any] = []
         used = 0
-        placed = cursor.epoch  # the epoch of the last example placed in a window
-        for start, after, example in documents:
-            if len(example.ids) > self.window:
-                if self.overlong_mode == "drop" or not any(example.trained[1 : self.window]):
-                    why = f"{example.size} tokens, a window holds {self.window}" + (
-                        "" if self.overlong_mode == "drop" else "; truncated, nothing trained would be left"
+        placed = cursor.epoch  # the epoch of the last item placed in a window
+        for start, after, item in documents:
+            length = self._length(item)
+            if length > self.window:
+                cut = None if self.overlong_mode == "drop" else self._cut(item)
+                if cut is None:
+                    why = f"{item.size} tokens, a window holds {self.window}" + (
+                        "" if self.overlong_mode == "drop" else f"; {self.cut_fails}"
                     )
-                    self.overlong.drop(example.where, why)
+                    self.overlong.drop(item.where, why)
                     if start.epoch > placed + 1:  # a whole epoch dropped: an endless stream would spin
                         raise RuntimeError(
                             f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
-                            f" conversation of a whole epoch as longer than a window of {self.window} tokens; raise"
+                            f" {self.kind} of a whole epoch as longer than a window of {self.window} tokens; raise"
                             " seq_len, or set data.overlong: truncate"
                         )
                     continue
-                if current:  # the truncated example fills a window of its own
+                if current:  # the cut item fills a window of its own
                     yield self._emit(current, start)
                     current, used = [], 0
-                self.overlong.truncate(example.where, example.size, self.window)
-                example = Example(example.ids[: self.window], example.trained[: self.window], example.where)
-            elif used + len(example.ids) > self.window:
+                self.overlong.truncate(item.where, item.size, self.window)
+                item, length = cut, self._length(cut)
+            elif used + length > self.window:
                 yield self._emit(current, start)
                 current, used = [], 0
             placed = start.epoch
-            current.append(example)
-            used += len(example.ids)
+            current.append(item)
+            used += length
             if used == self.window:
                 yield self._emit(current, after)
                 current, used = [], 0
@@ -212,13 +229,13 @@ class PackedConversations(PackedSource):
         self._count()
         state["done"] = True
 
-    def _emit(self, examples: list[Example], next_start: Cursor | None) -> tuple[list[int], list[int], list[int]]:
-        """The window of `examples`, with the state moved to `next_start` (the next window's first example)."""
+    def _emit(self, items: list[Any], next_start: Cursor | None) -> tuple[list[int], ...]:
+        """The window of `items`, with the state moved to `next_start` (the next window's first item)."""
         if next_start is not None:
             self.state["cursor"], self.state["piece"], self.state["skip"] = next_start.to_list(), 0, 0
             self._mark(next_start)
         self._count()
-        return conversation_window([(e.ids, e.trained) for e in examples], self.window, self.tokenizer.eos_token_id)
+        return self._window_of(items)
 
     def _count(self) -> None:
         self.state["skipped"] = self.bad.count
@@ -236,60 +253,18 @@ class PackedPairs(PackedConversations):
     when the cut would leave a reply without a trained token); either is counted as for conversations.
     State and resume as `PackedConversations`: the cursor names the pair the next window starts with."""
 
-    def windows(self) -> Iterator[tuple[list[int], list[int], list[int], list[int]]]:  # type: ignore[override]
+    kind = "preference pair"
+    cut_fails = "cut, a reply would keep no trained token"
+
+    def _length(self, pair: Any) -> int:
+        return pair.length
+
+    def _cut(self, pair: Any) -> Any:
         from step35.data.preference import fit_pair
 
-        state = self.state
-        if state["done"]:
-            return
-        self.check_data()
-        cursor = Cursor(*state["cursor"])
-        documents = self.source.documents(
-            cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
-        )  # fmt: skip
-        current: list[Any] = []
-        used = 0
-        placed = cursor.epoch  # the epoch of the last pair placed in a window
-        for start, after, pair in documents:
-            if pair.length > self.window:
-                fitted = None if self.overlong_mode == "drop" else fit_pair(pair, self.window)
-                if fitted is None:
-                    why = f"{pair.size} tokens, a window holds {self.window}" + (
-                        "" if self.overlong_mode == "drop" else "; cut, a reply would keep no trained token"
-                    )
-                    self.overlong.drop(pair.where, why)
-                    if start.epoch > placed + 1:  # a whole epoch dropped: an endless stream would spin
-                        raise RuntimeError(
-                            f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
-                            f" preference pair of a whole epoch as longer than a window of {self.window} tokens;"
-                            " raise seq_len, or set data.overlong: truncate"
-                        )
-                    continue
-                if current:  # the cut pair fills a window of its own
-                    yield self._emit(current, start)
-                    current, used = [], 0
-                self.overlong.truncate(pair.where, pair.size, self.window)
-                pair = fitted
-            elif used + pair.length > self.window:
-                yield self._emit(current, start)
-                current, used = [], 0
-            placed = start.epoch
-            current.append(pair)
-            used += pair.length
-            if used == self.window:
-                yield self._emit(current, after)
-                current, used = [], 0
-        if current:  # a finite stream's last window
-            yield self._emit(current, None)
-        self._count()
-        state["done"] = True
+        return fit_pair(pair, self.window)
 
-    def _emit(self, pairs: list[Any], next_start: Cursor | None) -> tuple[list[int], ...]:  # type: ignore[override]
-        """The window of `pairs`, with the state moved to `next_start` (the next window's first pair)."""
-        if next_start is not None:
-            self.state["cursor"], self.state["piece"], self.state["skip"] = next_start.to_list(), 0, 0
-            self._mark(next_start)
-        self._count()
+    def _window_of(self, pairs: list[Any]) -> tuple[list[int], ...]:
         sides = [(e.ids, e.trained) for pair in pairs for e in (pair.chosen, pair.rejected)]
         return pair_window(sides, self.window, self.tokenizer.eos_token_id)
 

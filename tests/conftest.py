@@ -32,6 +32,29 @@ def builtin_cache(tmp_path_factory):
     return path
 
 
+# The word-level chat tokenizer with its template (tests/helpers.py make_chat_tokenizer), for the conversation
+# and preference data tests; a module that defines its own `tok` uses that one.
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from tests.helpers import make_chat_tokenizer
+
+    return make_chat_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), template=True)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from step35.data.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_folder(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def template(tok_dir):
+    from step35.data.chat_template import ChatTemplate
+
+    return ChatTemplate.from_folder(tok_dir)
+
+
 @pytest.fixture
 def step35_here(capfd, monkeypatch, builtin_cache):
     """`step35 <args>` in this process (tests/runner.cli), as a job started by tests/runner.step35 would see

@@ -20,31 +20,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from step35.data import Step35DataModule
 from step35.data.bad_records import BadRecordError, BadRecordWarning, OverlongWarning
 from step35.data.builtin_chat import builtin_conversations, builtin_preference_pairs
-from step35.data.chat_template import ChatTemplate
 from step35.data.packing import document_positions
 from step35.data.preference import Pair, fit_pair
 from step35.data.sft import Example
 from step35.data.sources import FileSource
 from step35.data.stream import TokenWindows
-from step35.data.tokenizer import TextTokenizer
-from tests.helpers import CHAT_IDS, WORD_EOS, make_chat_tokenizer, write_jsonl
+from tests.helpers import CHAT_IDS, WORD_EOS, write_jsonl
 
 IGNORE = -100
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    return make_chat_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), template=True)
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir) -> TextTokenizer:
-    return TextTokenizer.from_folder(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tok_dir) -> ChatTemplate:
-    return ChatTemplate.from_folder(tok_dir)
 
 
 def pair_source(files: list[Path], **kwargs) -> FileSource:

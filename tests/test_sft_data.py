@@ -23,25 +23,9 @@ from step35.data.bad_records import BadRecordError, BadRecordWarning, OverlongWa
 from step35.data.chat_template import ChatTemplate
 from step35.data.sources import FileSource
 from step35.data.stream import TokenWindows
-from step35.data.tokenizer import TextTokenizer
 from tests.helpers import CHAT_IDS, CHAT_WORD_TEMPLATE, WORD_EOS, chat_source, make_chat_tokenizer, write_jsonl
 
 IGNORE = -100
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    return make_chat_tokenizer(tmp_path_factory.mktemp("word_tokenizer"), template=True)
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir) -> TextTokenizer:
-    return TextTokenizer.from_folder(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tok_dir) -> ChatTemplate:
-    return ChatTemplate.from_folder(tok_dir)
 
 
 def conversation(i: int, rng: random.Random, turns: int = 2, words: tuple[int, int] = (1, 6)) -> list[dict]:

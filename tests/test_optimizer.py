@@ -102,7 +102,7 @@ def test_the_plan_counts_the_state_of_the_chosen_optimizer():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"optimizer": "adam"}, "model.optimizer='adam': not one of adamw, nor a class path"),
+        ({"optimizer": "adam"}, "model.optimizer='adam': not one of adamw, muon, nor a class path"),
         ({"optimizer": "torch.optim.NoSuch"}, "model.optimizer='torch.optim.NoSuch': cannot import it"),
         ({"optimizer": "torch.nn.Linear"}, "model.optimizer='torch.nn.Linear' is not a torch.optim.Optimizer subclass"),
         (

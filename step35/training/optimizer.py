@@ -7,6 +7,13 @@ class has one) and `model.optimizer_options` (its own keyword arguments, e.g. `{
 Every optimizer gets two param groups, `decay` and `no_decay` (norm weights: no weight decay), so
 LearningRateMonitor logs `lr/decay` and `lr/no_decay`; frozen parameters (the LoRA base, untrained MTP
 layers) are in neither.
+
+`muon` (training/muon.py): Muon on the matrices and AdamW on the rest, one optimizer with three groups:
+`muon` (the matrices training/muon.matrix_role gives Muon), `decay` and `no_decay` (AdamW's, as above). Its
+options are `model.optimizer_options` (training/muon.MuonOptions: ns_steps, coefficients, momentum,
+nesterov, lr_adjust, lr, weight_decay, ns_dtype, adamw_lr, adamw_betas, preset `stepfun`), not a `model.muon`
+group: they are the chosen optimizer's own options, as for any other, and a resume may change them like
+those. Single process only for now: sharded (FSDP2 / EP) parameters are refused.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from torch import nn
 
 from step35.schedule import WarmupCosineLR
+from step35.training.muon import Muon, MuonOptions, is_sharded, matrix_role
 from step35.training.options import check_rules
 
 # Above this peak lr a warning is printed (see OptimizerOptions.check).
@@ -44,8 +52,13 @@ def _adamw(groups: list[dict], options: OptimizerOptions) -> torch.optim.AdamW:
     )
 
 
+def _muon(groups: list[dict], options: OptimizerOptions) -> Muon:
+    return Muon(groups, lr=options.lr, eps=options.eps)  # every group carries its own settings
+
+
 OPTIMIZERS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind(_adamw, ("lr", "betas", "eps", "weight_decay")),
+    "muon": OptimizerKind(_muon, ("lr", "betas", "eps", "weight_decay")),
 }
 
 
@@ -100,7 +113,9 @@ class OptimizerOptions:
             }
         )
         self.kind()  # an unknown name or class path: now, not at configure_optimizers
-        if self.name in OPTIMIZERS and self.extra:
+        if self.name == "muon":
+            MuonOptions.of(self.extra)
+        elif self.name in OPTIMIZERS and self.extra:
             accepted = set(inspect.signature(torch.optim.AdamW).parameters) - {
                 "params",
                 "lr",
@@ -151,6 +166,8 @@ class OptimizerOptions:
     def group_settings(self) -> list[dict[str, Any]]:
         """The settings of the two param groups (decayed, then the norms without decay), as the optimizer
         gets them and as a resume restores them."""
+        if self.name == "muon":
+            return self._muon_group_settings()
         values = {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps}
         keys = self.kind().group_keys
         common = {k: v for k, v in values.items() if k in keys}
@@ -159,6 +176,28 @@ class OptimizerOptions:
         return [
             {**common, "weight_decay": self.weight_decay, "name": "decay"},
             {**common, "weight_decay": 0.0, "name": "no_decay"},
+        ]
+
+    def _muon_group_settings(self) -> list[dict[str, Any]]:
+        """muon's three groups: `muon` (Muon's settings), then AdamW's `decay` and `no_decay`."""
+        muon = MuonOptions.of(self.extra)
+        adamw = {
+            "lr": self.lr if muon.adamw_lr is None else muon.adamw_lr,
+            "betas": tuple(self.betas) if muon.adamw_betas is None else muon.adamw_betas,
+            "eps": self.eps,
+        }
+        matrices = {
+            "name": "muon",
+            "use_muon": True,
+            "lr": self.lr if muon.lr is None else muon.lr,
+            "weight_decay": self.weight_decay if muon.weight_decay is None else muon.weight_decay,
+            **{k: getattr(muon, k) for k in ("momentum", "nesterov", "ns_steps", "coefficients", "lr_adjust")},
+            "ns_dtype": muon.ns_dtype,
+        }
+        return [
+            matrices,
+            {**adamw, "weight_decay": self.weight_decay, "name": "decay"},
+            {**adamw, "weight_decay": 0.0, "name": "no_decay"},
         ]
 
 
@@ -180,13 +219,25 @@ def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
 
 
 def param_groups(model: nn.Module, options: OptimizerOptions) -> list[dict]:
-    """The trained parameters in two groups: `decay`, and `no_decay` (the norm weights)."""
-    decay, no_decay = [], []
+    """The trained parameters in two groups: `decay`, and `no_decay` (the norm weights); for muon a
+    `muon` group of the matrices first (training/muon.matrix_role)."""
+    decay, no_decay, matrices = [], [], []
     for name, param in model.named_parameters():
-        if param.requires_grad:
+        if not param.requires_grad:
+            continue
+        if options.name == "muon" and matrix_role(name, tuple(param.shape)).optimizer == "muon":
+            if is_sharded(param):
+                raise ValueError(
+                    f"model.optimizer muon: sharded parameters are not supported yet ({name} is a DTensor "
+                    f"{tuple(param.shape)} on mesh {param.device_mesh}: Newton–Schulz must see whole matrices; "
+                    "run on one process or use model.optimizer adamw)"
+                )
+            matrices.append(param)
+        else:
             (no_decay if name.endswith("norm.weight") else decay).append(param)
-    decay_settings, no_decay_settings = options.group_settings()
-    return [{"params": decay, **decay_settings}, {"params": no_decay, **no_decay_settings}]
+    *muon_settings, decay_settings, no_decay_settings = options.group_settings()
+    groups = [{"params": decay, **decay_settings}, {"params": no_decay, **no_decay_settings}]
+    return [{"params": matrices, **muon_settings[0]}, *groups] if muon_settings else groups
 
 
 def build_optimizer(model: nn.Module, options: OptimizerOptions) -> torch.optim.Optimizer:
@@ -214,12 +265,21 @@ def foreach_ok(params: list[torch.Tensor]) -> bool:
 def state_slots(options: OptimizerOptions) -> int:
     """Tensors the size of the parameter that the optimizer keeps per trained parameter (AdamW: exp_avg
     and exp_avg_sq; SGD with momentum: one; without: none), asked of the optimizer itself: one step of it
-    on a probe parameter, its state counted."""
-    probe = nn.Parameter(torch.zeros(4, 4))
-    optimizer = options.kind().build([{"params": [probe], **options.group_settings()[0]}], options)
-    probe.grad = torch.ones_like(probe)
-    optimizer.step()
-    return sum(1 for v in optimizer.state[probe].values() if torch.is_tensor(v) and v.shape == probe.shape)
+    on a probe parameter, its state counted; the most of any group (muon: 1 in its `muon` group, AdamW's
+    2 in the others, so 2: an upper bound until the plan counts per group, see state_slots_per_group)."""
+    return max(state_slots_per_group(options))
+
+
+def state_slots_per_group(options: OptimizerOptions) -> list[int]:
+    """state_slots of each param group, in the optimizer's group order."""
+    slots = []
+    for settings in options.group_settings():
+        probe = nn.Parameter(torch.zeros(4, 4))
+        optimizer = options.kind().build([{"params": [probe], **settings}], options)
+        probe.grad = torch.ones_like(probe)
+        optimizer.step()
+        slots.append(sum(1 for v in optimizer.state[probe].values() if torch.is_tensor(v) and v.shape == probe.shape))
+    return slots
 
 
 # ---------------------------------------------------------------------------------------------- resume

@@ -314,3 +314,22 @@ def test_a_tiny_fit_with_muon_lowers_the_loss(tmp_path, builtin_cache, capfd):
     losses = run_losses(tmp_path / "run")
     assert sorted(losses) == list(range(5)), losses
     assert losses[4] < losses[0] - 0.1, losses
+
+
+@pytest.mark.heavy
+def test_a_resumed_muon_run_continues_bit_for_bit(tmp_path, builtin_cache, capfd):
+    """Stopped at step 5 (its checkpoint holds the momentum buffers and the AdamW moments) and resumed with
+    `--ckpt_path last`, a muon run logs the losses of the run that went through, bit for bit."""
+    from tests.helpers import RUN_CONFIG, run_losses, write_run_config
+    from tests.runner import cli_fit
+
+    text = "  decay_steps: 10\n  optimizer: muon\n  optimizer_options:\n    preset: stepfun\n  mtp_loss_weight: 0.3\n"
+    assert "  mtp_loss_weight: 0.3\n" in RUN_CONFIG
+    config = write_run_config(tmp_path, RUN_CONFIG.replace("  mtp_loss_weight: 0.3\n", text))
+    cli_fit(capfd, config, tmp_path / "through", builtin_cache)
+    cli_fit(capfd, config, tmp_path / "cut", builtin_cache, "--trainer.max_steps=5")
+    cli_fit(capfd, config, tmp_path / "cut", builtin_cache, "--ckpt_path=last")
+    through, resumed = run_losses(tmp_path / "through"), run_losses(tmp_path / "cut")
+    assert sorted(through) == sorted(resumed) == list(range(10)), (through, resumed)
+    assert [resumed[s] for s in range(5, 10)] == [through[s] for s in range(5, 10)]
+    assert through[9] < through[0]

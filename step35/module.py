@@ -78,10 +78,12 @@ class Step35LightningModule(pl.LightningModule):
             decay_steps: steps until the end of the cosine decay (default: trainer.max_steps of the
                 run that started training: a resumed run keeps that length whatever its own max_steps,
                 and stays at lr * min_lr_ratio past it; set decay_steps to choose a new length).
-            optimizer: `adamw` (default) or the class path of a torch.optim.Optimizer (e.g. torch.optim.SGD),
-                built with lr, weight_decay and `optimizer_options` (step35/training/optimizer.py).
-            optimizer_options: the optimizer's own keyword arguments, e.g. `{momentum: 0.9}` for SGD or
-                `{amsgrad: true}` for AdamW (lr, betas, eps and weight_decay are the options below).
+            optimizer: `adamw` (default), `muon` (Muon on the matrices, AdamW on the rest; training/muon.py) or the
+                class path of a torch.optim.Optimizer (e.g. torch.optim.SGD), built with lr, weight_decay and
+                `optimizer_options` (step35/training/optimizer.py).
+            optimizer_options: the optimizer's own keyword arguments, e.g. `{momentum: 0.9}` for SGD,
+                `{amsgrad: true}` for AdamW (lr, betas, eps and weight_decay are the options below) or
+                `{preset: stepfun}` / `{ns_steps: 6, coefficients: polar_express}` for muon (MuonOptions).
             weight_decay: decoupled weight decay (AdamW); never applied to norms.
             betas: AdamW betas.
             eps: AdamW epsilon.

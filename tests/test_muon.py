@@ -213,6 +213,14 @@ def test_which_parameters_muon_takes():
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for p in optimizer.param_groups[0]["params"])
     assert muon and all(n.endswith(("lora_A", "lora_B")) and ".moe.gate." not in n for n in muon)
+    tokens = torch.randint(0, 1024, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):  # B starts at 0, so A's first gradient is 0: NS of a zero matrix must stay 0, not NaN
+        optimizer.zero_grad()
+        losses.append(model.loss(tokens[:, :-1], tokens[:, 1:]).loss)
+        losses[-1].backward()
+        optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and losses[2] < losses[0]
     assert any(".moe.up_proj.lora_A" in n for n in muon) and any(
         "lm_head" in names[id(p)] for p in optimizer.param_groups[1]["params"]
     )

@@ -88,19 +88,7 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
     reference = 0
     if s.reference_copy:  # DPO's frozen reference, made as Step35LightningModule.configure_model makes it
         reference = sum(_local_bytes(p) for p in reference_model(s, dims, rank).parameters())
-    if s.sharded:
-        model = sharded_meta_model(
-            spec,
-            dims,
-            rank=rank,
-            stored_dtype=s.stored_dtype,
-            param_dtype=s.param_dtype,
-            reduce_dtype=s.reduce_dtype,
-            reshard_after_forward=s.reshard_after_forward,
-        )
-        close_world()
-    else:
-        model = training_model(spec, dtype=s.stored_dtype)
+    model = run_model(s, spec, dims, rank, s.stored_dtype)
     trained = trained_tensors(model) if s.lora is not None else []
     if s.lora is not None and not any(t.adapter for t in trained):
         raise PlanInputError(f"model.lora.targets={list(s.lora.targets)!r}: adapts nothing in this model")
@@ -117,14 +105,19 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
 def reference_model(s: RunSettings, dims: ParallelDims, rank: int = 0):
     """Full-fine-tuning DPO's frozen reference on `rank` (meta): the one training setup without MTP layers, in
     the compute dtype, sharded as the policy."""
-    spec = TrainedModel(s.model_config, num_mtp_layers=0)
+    return run_model(s, TrainedModel(s.model_config, num_mtp_layers=0), dims, rank, s.compute_dtype)
+
+
+def run_model(s: RunSettings, spec: TrainedModel, dims: ParallelDims, rank: int, dtype: torch.dtype):
+    """`spec` on `rank` (meta) as the run's fit builds it, with its parameters stored in `dtype`: sharded by the
+    run's strategy settings, or whole on one device."""
     if not s.sharded:
-        return training_model(spec, dtype=s.compute_dtype)
+        return training_model(spec, dtype=dtype)
     model = sharded_meta_model(
         spec,
         dims,
         rank=rank,
-        stored_dtype=s.compute_dtype,
+        stored_dtype=dtype,
         param_dtype=s.param_dtype,
         reduce_dtype=s.reduce_dtype,
         reshard_after_forward=s.reshard_after_forward,

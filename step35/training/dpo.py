@@ -42,7 +42,7 @@ from step35.model.lora import FULL_TARGETS, LoraConfig, adapters_off
 from step35.training.objective import MicroBatch, StepResult, labels_of
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-# The logged values, in the order of a micro-batch's sums after [pairs, micro-batches]; each a sum over pairs.
+# The logged values, in the order of a micro-batch's sums after the pair count; each a sum over pairs.
 PAIR_VALUES = (
     "loss",
     "dpo_loss",
@@ -285,7 +285,7 @@ class DpoObjective:
         valid, losses, logps = self.pairs(model, batch)
         loss = torch.where(valid, losses.loss, 0).sum()  # the pairs' summed losses; the factor makes it a mean
         count = valid.sum().double()
-        sums = torch.cat([torch.stack([count, count.new_ones(())]), self._values(valid, losses, logps)])
+        sums = torch.cat([count[None], self._values(valid, losses, logps)])
         return MicroBatch(loss, sums, labels_of(batch).numel())
 
     def reduce(self, sums: torch.Tensor, group=None, over_ranks: bool = True) -> StepResult:
@@ -296,7 +296,7 @@ class DpoObjective:
         values = sums.tolist()
         pairs = int(values[0])
         per = max(pairs, 1)
-        logged = {f"train/{name}": total / per for name, total in zip(PAIR_VALUES, values[2:])}
+        logged = {f"train/{name}": total / per for name, total in zip(PAIR_VALUES, values[1:])}
         logged["train/pairs"] = float(pairs)
         return StepResult(pairs, logged, 1, pairs)
 

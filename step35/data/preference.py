@@ -32,7 +32,7 @@ from typing import Any
 
 from step35.data.chat_messages import ChatTemplateError, check_messages, check_train_choice
 from step35.data.readers import BadRecord, MissingField, Record
-from step35.data.sft import PREFERENCE_FIELDS, Example, first_ids
+from step35.data.sft import PREFERENCE_FIELDS, Example, text_pair
 from step35.data.tokenizer import TextTokenizer
 
 
@@ -108,25 +108,14 @@ class PreferenceEncoder:
                 raise BadRecord("'prompt' is a string but a reply is a list of messages; give the prompt as messages")
             pair = self._conversations(prompt or [], chosen, rejected, value.get("tools"), where)
         else:
-            pair = Pair(self._text(prompt or "", chosen, where), self._text(prompt or "", rejected, where), where)
+            sides = [text_pair(self.tokenizer, prompt or "", reply, self.limit, where) for reply in (chosen, rejected)]
+            pair = Pair(sides[0], sides[1], where)
         for name, example in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             if example.complete and reply_start(example) is None:
                 raise BadRecord(f"{name!r}: nothing to train (no reply token after the sequence's first token)")
         if pair.chosen.complete and pair.rejected.complete and pair.chosen.ids == pair.rejected.ids:
             raise BadRecord("'chosen' and 'rejected' are the same tokens: the pair has nothing to prefer")
         return pair
-
-    def _text(self, prompt: str, reply: str, where: str) -> Example:
-        """prompt + reply + EOS as ids, trained on the reply and the EOS (as a string prompt/completion pair)."""
-        prompt_ids, whole_prompt = first_ids(self.tokenizer, prompt, self.limit)
-        room = None if self.limit is None else self.limit - len(prompt_ids)
-        reply_ids, whole_reply = first_ids(self.tokenizer, reply, room)
-        ids = prompt_ids + reply_ids + [self.tokenizer.eos_token_id]
-        trained = [False] * len(prompt_ids) + [True] * (len(reply_ids) + 1)
-        if self.limit is None or len(ids) <= self.limit:
-            return Example(ids, trained, where)
-        total = len(ids) if whole_prompt and whole_reply else None
-        return Example(ids[: self.limit], trained[: self.limit], where, total, complete=False)
 
     def _conversations(self, prompt: list, chosen: Any, rejected: Any, tools: Any, where: str) -> Pair:
         replies = [[{"role": "assistant", "content": r}] if isinstance(r, str) else r for r in (chosen, rejected)]

@@ -122,6 +122,24 @@ def first_ids(tokenizer: TextTokenizer, text: str, limit: int | None) -> tuple[l
     return ids, True
 
 
+def text_pair(
+    tokenizer: TextTokenizer, prompt: str, completion: str, limit: int | None, where: str, train_prompt: bool = False
+) -> Example:
+    """ids(prompt) + ids(completion) + EOS, trained on the completion and the EOS (and the prompt when
+    `train_prompt`). With a `limit`, tokenized only until there are more than `limit` ids: an `Example` cut to
+    `limit` with `complete` false (its `total` known when both texts were tokenized whole)."""
+    prompt_ids, whole_prompt = first_ids(tokenizer, prompt, limit)
+    room = None if limit is None else limit - len(prompt_ids)
+    completion_ids, whole_completion = first_ids(tokenizer, completion, room)
+    completion_ids.append(tokenizer.eos_token_id)
+    trained = [train_prompt] * len(prompt_ids) + [True] * len(completion_ids)
+    ids = prompt_ids + completion_ids
+    if limit is None or len(ids) <= limit:
+        return Example(ids, trained, where)
+    total = len(ids) if whole_prompt and whole_completion else None
+    return Example(ids[:limit], trained[:limit], where, total, complete=False)
+
+
 class SftEncoder:
     """Turns a record of a `chat` or `prompt_completion` source into an `Example` (the `read` of
     `Source.documents`). Picklable: it travels to DataLoader workers with the stream.
@@ -176,19 +194,7 @@ class SftEncoder:
                 raise BadRecord(
                     f"{name!r} is {type(part).__name__}; prompt and completion are both strings or both message lists"
                 )
-        prompt_ids, whole_prompt = self._first_ids(prompt, self.limit)
-        room = None if self.limit is None else self.limit - len(prompt_ids)
-        completion_ids, whole_completion = self._first_ids(completion, room)
-        completion_ids.append(self.tokenizer.eos_token_id)
-        trained = [self.train_on == "all"] * len(prompt_ids) + [True] * len(completion_ids)
-        ids = prompt_ids + completion_ids
-        if self.limit is None or len(ids) <= self.limit:
-            return Example(ids, trained, where)
-        total = len(ids) if whole_prompt and whole_completion else None
-        return Example(ids[: self.limit], trained[: self.limit], where, total, complete=False)
-
-    def _first_ids(self, text: str, limit: int | None) -> tuple[list[int], bool]:
-        return first_ids(self.tokenizer, text, limit)
+        return text_pair(self.tokenizer, prompt, completion, self.limit, where, train_prompt=self.train_on == "all")
 
     def _conversation(self, messages: Any, tools: Any, where: str) -> Example:
         """The record's conversation through the template. A bad conversation (no messages, an unknown role,

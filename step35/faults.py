@@ -84,6 +84,15 @@ def set_phase(name: str, step: int | None = None, patient: bool = False) -> None
     _PHASE.since = time.monotonic()
 
 
+def begin_run() -> None:
+    """Forgets the failure of an earlier run in this process (an in-process `step35 fit` after a
+    failed one, a notebook's second `Trainer.fit`): without it the new run's failure was reported in
+    the phase where the old one failed. Called as a fit starts (Step35Strategy.setup_environment,
+    FaultTolerance.setup)."""
+    _PHASE.failed_in = None
+    set_phase("start-up")
+
+
 def current_phase() -> str:
     step = f" (step {_PHASE.step})" if _PHASE.step is not None else ""
     return f"{_PHASE.name}{step}"

@@ -122,6 +122,7 @@ class Step35Strategy(ModelParallelStrategy):
         `parallelize_model`, which gets both meshes)."""
         # A rank whose launcher dies ends itself (faults.watch_launcher), from here on: the process
         # group init below can wait for peers, and the model build and checkpoint load take long.
+        faults.begin_run()
         faults.watch_launcher()  # (the rank is known after _setup_distributed)
         world = self.num_nodes * self.num_processes
         dims = ParallelDims(

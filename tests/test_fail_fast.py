@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from step35 import faults
 from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
 from tests.runner import ROOT, Job, command, ended, python, step35_in_process, stop_job, wait_for
 
@@ -362,9 +363,13 @@ def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tm
         "--trainer.callbacks.at_step=2",
         ranks=1,
     )
+    # An earlier failed run in this process (in CI: another in-process test) left its phase behind;
+    # before, this run's failure was reported in that phase ('end of training ...').
+    faults._PHASE.failed_in = "an earlier run's phase"
     proc = step35_in_process(capfd, args, builtin_cache, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
+    assert "an earlier run's phase" not in out
     head = (
         "[rank 0] step35: run failed during 'batch start hooks (step 2)': RuntimeError: "
         "injected failure at the start of step 2"

@@ -155,7 +155,6 @@ def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind,
     RunCheckpoint the first save failed (FileNotFoundError on step=000001.ckpt: its manifest was
     written before the asynchronous write had made the file); with FaultTolerance the pre-emption
     save was asynchronous. Now: refused before the model is built or anything is written."""
-    from step35 import faults
     from step35.callbacks import FaultTolerance, RunCheckpoint
     from step35.checkpoint.errors import CheckpointError
     from step35.data import Step35DataModule
@@ -180,11 +179,8 @@ def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind,
     )
     module = Step35LightningModule(config="tiny", warmup_steps=1)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
-    try:
-        with pytest.raises(CheckpointError) as refused:
-            trainer.fit(module, datamodule=data)
-    finally:
-        faults._PHASE.failed_in = None  # FaultTolerance reported it: the next in-process report starts afresh
+    with pytest.raises(CheckpointError) as refused:
+        trainer.fit(module, datamodule=data)
     assert str(refused.value) == (
         "asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO from trainer.plugins"
     )
@@ -199,7 +195,6 @@ def test_a_full_disk_mid_run_ends_in_step35_lines_not_a_traceback(tmp_path, buil
     logger again, which fails again. Before: that second error escaped the entry point and the
     output ended in its bare traceback. Now: one more `step35:` line says it, exit code 1.
     (A checkpoint save onto a full disk: tests/test_strategy_save.py.)"""
-    from step35 import faults
     from step35.cli import main
 
     monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
@@ -212,11 +207,8 @@ def test_a_full_disk_mid_run_ends_in_step35_lines_not_a_traceback(tmp_path, buil
         "--trainer.callbacks.watchdog=false",
     )
     capfd.readouterr()
-    try:
-        with pytest.raises(SystemExit) as ended:
-            main(args)
-    finally:
-        faults._PHASE.failed_in = None  # the next in-process report starts afresh
+    with pytest.raises(SystemExit) as ended:
+        main(args)
     err = capfd.readouterr().err
     assert ended.value.code == EXIT_FAILED, err[-3000:]
     assert "[rank 0] step35: run failed during " in err and "OSError: [Errno 28] No space left on device" in err, err[

@@ -179,6 +179,7 @@ class FaultTolerance(Checkpoint):
         lightning_private.disable_signal_handlers(trainer)
         if stage != "fit":
             return
+        faults.begin_run()  # (again after Step35Strategy's: another strategy may run this callback)
         refuse_asynchronous_io(trainer.strategy)  # the pre-emption save must be on disk before the exit
         self._saved_step = None
         rank = trainer.global_rank

@@ -3,6 +3,8 @@ fit and validate are LightningCLI (step35/commands/fit.py), export, generate and
 
 from __future__ import annotations
 
+import atexit
+import gc
 import sys
 
 SUBCOMMANDS = """usage: step35 {fit,validate,export,generate,plan} ...
@@ -22,6 +24,12 @@ SUBCOMMANDS = """usage: step35 {fit,validate,export,generate,plan} ...
 
 def main(args: list[str] | None = None) -> None:
     """`step35 fit|validate ...` (LightningCLI), `step35 export|generate|plan ...`."""
+    if args is None:  # this process is the command (not a caller's `main([...])`)
+        # Registered before anything else, so run after every other exit handler: the objects that
+        # torch, Lightning and the model left are frozen, and the interpreter's final garbage
+        # collections skip them (about 2 s of every process's exit on a 2-core machine, per rank).
+        # Nothing is lost: atexit handlers have run, and files are closed as their modules clear.
+        atexit.register(gc.freeze)
     argv = sys.argv[1:] if args is None else list(args)
     if not argv or argv[0] in ("-h", "--help"):
         print(SUBCOMMANDS)

@@ -9,6 +9,8 @@ than a tiny-model case, so the tests start one job per world size and compare ev
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import shlex
 from collections.abc import Callable
@@ -21,6 +23,7 @@ def main(options: argparse.ArgumentParser, run: Callable[[argparse.Namespace, bo
          argv: list[str] | None = None, save: Callable[[object, str], None] = torch.save) -> None:
     """Parse --out and --case from `argv`, the rest by `options`; call run(args, distributed) per case (torchrun
     sets WORLD_SIZE: then one gloo process group for all of them); rank 0 saves the result(s) with `save`."""
+    atexit.register(gc.freeze)  # as step35.cli.main: the exit's final collections skip torch's objects
     top = argparse.ArgumentParser(add_help=False)
     top.add_argument("--out", required=True)
     top.add_argument("--case", action="append", default=[], metavar="NAME=OPTIONS")

@@ -312,7 +312,9 @@ def test_chaos_sft_two_workers_bitwise_equal(tmp_path, builtin_cache):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2400)
 def test_chaos_sft_two_ranks_bitwise_equal(tmp_path, builtin_cache):
-    """Conversations on 2 ranks under torchrun (EP 2, sharded checkpoints), killed twice, resumed bitwise."""
+    """Conversations on 2 ranks under torchrun (EP 2, sharded checkpoints), killed twice, resumed bitwise; trained
+    with Muon (StepFun's preset): its momentum buffers are sharded DTensors in the checkpoint like AdamW's moments,
+    and Newton–Schulz of the dense matrices exchanges their halves between the ranks (parallel/whole_matrices.py)."""
     chaos(
         tmp_path,
         builtin_cache,
@@ -322,6 +324,7 @@ def test_chaos_sft_two_ranks_bitwise_equal(tmp_path, builtin_cache):
         deadline_s=2100,
         nproc=2,
         config_text=SFT_CONFIG.format(workers=0),
+        extra=("--model.optimizer=muon", "--model.optimizer_options={preset: stepfun}"),
     )
 
 

@@ -1,6 +1,6 @@
 """FSDP2 + expert parallel on real gloo processes gives what one plain process gives.
 
-Same init (deterministic, sharding-independent), same global batches, several AdamW steps with
+Same init (deterministic, sharding-independent), same global batches, several AdamW (or step35's Muon) steps with
 global-norm clipping active (max norm 0.05 < the norm at every step) and the MTP loss on. Compared:
 per-step global losses (relative 1e-5), grad norms before clipping (relative 1e-5) and every final
 full parameter (relative Frobenius error ||a - b|| / ||a|| <= 1e-5 per tensor; elementwise, Adam's
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.heavy  # a fixture trains under several processes
 
 SCRIPT = Path(__file__).parent / "dist" / "train_steps.py"
 REL = 1e-5
+MUON = ("--optimizer", "muon", "--steps", "3")
 # (world size, EP size, more options): every case of a world size runs in one job (tests/dist/cases.py).
 CASES = [
     (2, 1, ()),
@@ -32,6 +33,16 @@ CASES = [
     (4, 4, ()),
     (4, 2, ("--accum", "2", "--ac", "full")),
     (4, 2, ("--replicate", "2")),
+    # Muon: Newton–Schulz of whole matrices (parallel/whole_matrices.py): dense matrices split over 2 and 4
+    # ranks (some rows of some ranks empty), experts over efsdp 2 and 4 or whole per rank (ep 2 of 2, ep 4 of
+    # 4), and HSDP. 3 steps: at Muon's larger steps a 4th flips a near-tie of the top-k routing on 4 ranks (the
+    # parameters after 3 steps are within 3e-6; the 4th step's gradients then differ by 4e-4, by that flip).
+    (2, 1, MUON),
+    (2, 2, MUON),
+    (4, 1, MUON),
+    (4, 2, MUON),
+    (4, 4, MUON),
+    (4, 2, (*MUON, "--replicate", "2")),
 ]
 BF16 = (2, 2, ("--param-dtype", "bfloat16"))
 
@@ -57,8 +68,23 @@ def jobs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain() -> dict:
-    return train_steps.plain()  # one plain process: this one
+def plains() -> dict:
+    """plains(extra): the one plain process's run (in this process, each made once) with the options of a case's
+    `extra` that a plain run has (the optimizer and the step count; sharding, accumulation and recomputation not)."""
+    done = {}
+
+    def of(extra: tuple[str, ...]) -> dict:
+        argv = tuple(v for i, k in enumerate(extra[::2]) if k in ("--optimizer", "--steps") for v in extra[2 * i : 2 * i + 2])
+        if argv not in done:
+            done[argv] = train_steps.plain(*argv)
+        return done[argv]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def plain(plains) -> dict:
+    return plains(())
 
 
 def assert_same(ref: dict, got: dict) -> None:
@@ -75,8 +101,8 @@ def assert_same(ref: dict, got: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1200)  # the first case of a world size waits for its job
 @pytest.mark.parametrize("world,ep,extra", CASES, ids=lambda v: str(v))
-def test_matches_one_process(jobs, plain, world, ep, extra):
-    assert_same(plain, jobs(world)[name((world, ep, extra))])
+def test_matches_one_process(jobs, plains, world, ep, extra):
+    assert_same(plains(extra), jobs(world)[name((world, ep, extra))])
 
 
 def test_clipping_was_active(plain):

@@ -289,27 +289,41 @@ def test_a_resume_with_another_optimizer_is_refused():
         check_resume(saved, config, {"optimizer": "adamw", "lr": 3e-4})
 
 
-def test_sharded_parameters_are_refused(tmp_path):
-    """A DTensor matrix (as FSDP2 / EP leave them) is refused, naming it, rather than orthogonalising a shard."""
+def test_a_one_rank_dtensor_takes_the_plain_update_and_a_partial_one_is_refused(tmp_path):
+    """A DTensor matrix (as FSDP2 / EP leave them) on a one-rank mesh takes the plain tensor's update (nothing to
+    exchange); a placement that is no slice of rows or columns (Partial) is refused, naming the parameter.
+    (2 and 4 ranks, EP 1/2/4 and HSDP: tests/test_distributed_equivalence.py's muon cases.)"""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        model = torch.nn.Module()
-        model.proj = torch.nn.Linear(4, 4, bias=False)
-        model.proj.weight = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
-        with pytest.raises(
-            ValueError, match=r"model.optimizer muon: sharded parameters are not supported yet \(proj.weight"
-        ):
-            build_optimizer(model, OptimizerOptions(name="muon"))
-        with pytest.raises(ValueError, match=r"model.optimizer muon: sharded parameters are not supported yet"):
-            Muon([{"params": [model.proj.weight], "use_muon": True}])
+        torch.manual_seed(0)
+        weight, grad = torch.randn(6, 4), torch.randn(6, 4)
+        sharded = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+        plain = torch.nn.Parameter(weight.clone())
+        for param in (sharded, plain):
+            optimizer = Muon([{"params": [param], "use_muon": True}], lr=0.1, coefficients="polar_express")
+            param.grad = distribute_tensor(grad, mesh, [Shard(0)]) if param is sharded else grad.clone()
+            optimizer.step()
+        assert torch.equal(sharded.full_tensor(), plain.detach())
+        partial = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
+        with pytest.raises(ValueError, match=r"param 0 of group 'matrices' \(4, 4\): placement Partial\(sum\) .*not a plain Shard"):
+            Muon([{"params": [partial], "use_muon": True, "name": "matrices"}])
     finally:
         dist.destroy_process_group()
+
+
+def test_chunk_sizes_are_torch_chunks():
+    from step35.parallel.whole_matrices import chunk_sizes
+
+    for n in range(0, 13):
+        for k in range(1, 6):
+            assert chunk_sizes(n, k)[: len(torch.arange(n).chunk(k))] == [len(c) for c in torch.arange(n).chunk(k)]
+            assert sum(chunk_sizes(n, k)) == n and len(chunk_sizes(n, k)) == k
 
 
 def test_a_tiny_fit_with_muon_lowers_the_loss(tmp_path, builtin_cache, capfd):

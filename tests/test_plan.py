@@ -182,14 +182,19 @@ LORA_RUN_YAML = RUN_YAML.replace(
     "  mtp_loss_weight: 0.0\n  lora:\n    rank: 4\n    base_dtype: bfloat16\n",
 )
 assert "lora:" in LORA_RUN_YAML  # the replacement above matched
+# Full fine-tuning with Muon: one fp32 momentum per matrix value (Newton–Schulz over the shards, EP 2 x
+# efsdp 2), AdamW's two moments for the embeddings, norms and router: the plan counts each group's own.
+MUON_RUN_YAML = RUN_YAML.replace("  config: tiny\n", "  config: tiny\n  optimizer: muon\n  optimizer_options: {preset: stepfun}\n")
+assert "optimizer: muon" in MUON_RUN_YAML
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("run_yaml", [RUN_YAML, LORA_RUN_YAML], ids=["full", "lora"])
+@pytest.mark.parametrize("run_yaml", [MUON_RUN_YAML, LORA_RUN_YAML], ids=["full-muon", "lora-adamw"])
 def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
-    """Per-rank parameter, gradient and AdamW bytes of a real 4-rank step equal the plan's, for a full
-    fine-tune and for LoRA (a frozen bf16 base, fp32 adapters sharded like their layers)."""
+    """Per-rank parameter, gradient and optimizer-state bytes of a real 4-rank step equal the plan's, for a
+    full fine-tune with Muon (its momentum for the matrices, AdamW's moments for the rest) and for LoRA with
+    AdamW (a frozen bf16 base, fp32 adapters sharded like their layers)."""
     config = tmp_path / "run.yaml"
     config.write_text(run_yaml)
     run_script(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from step35.parallel.whole_matrices import BUCKET_BYTES as MUON_BUCKET_BYTES
 from step35.plan.activations import ActivationEstimate
 from step35.plan.context import gathered_gradient_bytes
 from step35.plan.settings import RunSettings
@@ -77,6 +78,11 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     trainable_local = state.grads
     foreach = s.expert_parallel_size == 1  # training/optimizer.foreach_ok: one mesh only
     optimizer = trainable_local if foreach else 2 * state.largest_local_param
+    if s.optimizer == "muon":
+        # AdamW's part steps one tensor at a time; Muon's exchange holds about 8 buckets at once (the
+        # updates, what is sent and received, the whole matrices, Newton-Schulz's terms, the results),
+        # a bucket one parameter when that is larger (parallel/whole_matrices.py)
+        optimizer = 2 * state.largest_local_param + 8 * max(MUON_BUCKET_BYTES, state.largest_local_param)
     if not s.sharded:
         return Transients(0, 0, 0, 0, 0, 0, 0, 0, loss_fwd, loss_bwd, optimizer)
     gathered = 2 if s.reshard_after_forward else max(1, len(blocks))

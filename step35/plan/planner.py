@@ -95,7 +95,7 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
     groups = fsdp_groups(
         model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=dims.expert_parallel_size, train_mtp=s.train_mtp
     )
-    state = rank_state(model, s.optimizer_slots)
+    state = rank_state(model, s.slots_of, s.muon_of)
     state.reference = reference
     result = ShardedState(state, groups, trained)
     _STATE_CACHE[key] = result
@@ -220,7 +220,7 @@ def make_plan(
         t,
         phase_list,
         v,
-        speed(s, groups, device, sharded.trained),
+        speed(s, groups, device, sharded.trained, state.muon_exchange),
         time.perf_counter() - start,
         trained=sharded.trained,
     )

@@ -101,7 +101,7 @@ def text(p: Plan) -> str:
     lines += [
         f"    parameters          {_gib(st.params)}   {st.params_local / 1e6:,.1f} M local values",
         f"    gradients           {_gib(st.grads)}   trainable shards",
-        f"    optimizer states    {_gib(st.optimizer)}   {s.optimizer}: {s.optimizer_slots} per trained value",
+        f"    optimizer states    {_gib(st.optimizer)}   {s.optimizer}: {s.describe_slots()}",
         f"    buffers             {_gib(st.buffers)}   router biases, token counters",
     ]
     if s.lora is not None:
@@ -181,6 +181,14 @@ def text(p: Plan) -> str:
                 f"(all-gathers, reduce-scatters, halos)"
             ]
             if s.context_parallel_size > 1
+            else []
+        ),
+        *(
+            [
+                f"  Muon per step           {sp.muon_bytes / GiB:,.2f} GiB sent per rank "
+                f"(whole matrices to their owners and back, fp32)"
+            ]
+            if s.optimizer == "muon"
             else []
         ),
         f"  step time >=            {sp.step_seconds_overlapped:.3f} s (compute {sp.compute_seconds:.3f}, "

@@ -15,7 +15,7 @@ import torch
 from step35.config import Step35Config
 from step35.kernels.sequence_split import rank_tokens
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
-from step35.training.optimizer import OptimizerOptions, state_slots
+from step35.training.optimizer import OptimizerOptions, group_of, state_slots_per_group
 from step35.training.setup import model_config_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -55,9 +55,25 @@ class RunSettings:
     notes: list[str] = field(default_factory=list)
     plan_device: str | None = None  # the device the config says it is sized for (top-level `plan_device`)
     optimizer: str = "adamw"  # model.optimizer
-    optimizer_slots: int = 2  # states the optimizer keeps per trained parameter (training/optimizer.state_slots)
+    # state bytes the optimizer keeps per byte of a trained parameter, per param group
+    # (training/optimizer.state_slots_per_group: AdamW 2; Muon's fp32 momentum 1, or 2 beside bf16 params)
+    optimizer_slots: tuple[float, ...] = (2, 2)
     objective: str = "lm"  # model.objective
     dpo_reference_free: bool = False  # model.dpo.reference_free: no reference model
+
+    def slots_of(self, name: str, shape: tuple[int, ...]) -> float:
+        """Optimizer states of the trained parameter `name` (its group's, training/optimizer.group_of)."""
+        return self.optimizer_slots[group_of(self.optimizer, name, shape)]
+
+    def muon_of(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Muon orthogonalises this trained parameter (model.optimizer muon, its `muon` group)."""
+        return self.optimizer == "muon" and group_of(self.optimizer, name, shape) == 0
+
+    def describe_slots(self) -> str:
+        if self.optimizer == "muon":
+            muon, adamw = self.optimizer_slots[0], self.optimizer_slots[1]
+            return f"{muon:g}x the Muon matrices' bytes (momentum), {adamw:g}x the AdamW parameters'"
+        return f"{max(self.optimizer_slots):g}x the trained parameters' bytes"
 
     @property
     def reference_copy(self) -> bool:
@@ -202,8 +218,9 @@ def _model_config(model) -> tuple[Step35Config, str, list[str]]:
     return config, source + (" + model.config_overrides" if overrides else ""), notes
 
 
-def _optimizer(model) -> dict[str, Any]:
-    """model.optimizer and the states it keeps per trained parameter, asked of the optimizer itself."""
+def _optimizer(model, precision: str) -> dict[str, Any]:
+    """model.optimizer and the state bytes it keeps per byte of a trained parameter stored as `precision`
+    keeps it, per param group, asked of the optimizer itself."""
     try:
         options = OptimizerOptions.of(
             {
@@ -212,7 +229,8 @@ def _optimizer(model) -> dict[str, Any]:
                 if model.get(k) is not None
             }
         )
-        return {"optimizer": options.name, "optimizer_slots": state_slots(options)}
+        stored = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
+        return {"optimizer": options.name, "optimizer_slots": tuple(state_slots_per_group(options, stored))}
     except ValueError as err:
         raise PlanInputError(str(err)) from None
 
@@ -273,7 +291,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         plan_device=cfg.get("plan_device"),
         objective=str(model.get("objective") or "lm"),
         dpo_reference_free=bool(_get(model.get("dpo"), "reference_free")),
-        **_optimizer(model),
+        **_optimizer(model, str(trainer.precision)),
     )
     if settings.sharded:
         args = strategy.init_args

@@ -33,6 +33,7 @@ class Speed:
     mfu_serial: float
     tokens_per_second_per_device: float
     context_bytes: float = 0.0  # per rank per step, received by the cp K/V all-gathers, reduce-scatters and halos
+    muon_bytes: float = 0.0  # per rank per step, sent by Muon's whole-matrix exchange (fp32, there and back)
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -53,8 +54,12 @@ def adapter_params_per_token(s: RunSettings, trained: list[Trained]) -> float:
     return active
 
 
-def speed(s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list[Trained] = ()) -> Speed:
-    """`trained`: the LoRA run's trained tensors (planner.sharded_state), empty for a full fine-tune."""
+def speed(
+    s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list[Trained] = (), muon_bytes: float = 0.0
+) -> Speed:
+    """`trained`: the LoRA run's trained tensors (planner.sharded_state), empty for a full fine-tune;
+    `muon_bytes`: what Muon's exchange sends per rank per step (RankState.muon_exchange), charged to the
+    FSDP links once per optimizer step (not per micro-batch)."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
@@ -114,7 +119,7 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list
             gather += g.unsharded_numel * a * share * times * micro_batches
             reduce += g.grad_numel * r * share * micro_batches  # LoRA: adapters and full targets only
         link = device.inter_node_gbps if nodes > 1 else device.intra_node_gbps
-        t = (gather + reduce) / (link * 1e9)
+        t = (gather + reduce + muon_bytes) / (link * 1e9)
         if nodes > 1:
             inter += t
         else:
@@ -140,4 +145,5 @@ def speed(s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list
         useful / serial,
         step_tokens / overlapped,
         context,
+        muon_bytes,
     )

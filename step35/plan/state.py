@@ -4,6 +4,7 @@ and the FSDP groups whose gathered parameters and gradients are the large transi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from step35.model import Step35ForCausalLM
 from step35.model.lora import is_adapter
+from step35.parallel.whole_matrices import split_ranks
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +38,9 @@ class RankState:
     adapter_params: int = 0  # LoRA: bytes of the local adapter shards (part of `params`)
     adapters_total: int = 0  # LoRA: global adapter element count (not in params_total, the model's)
     reference: int = 0  # full-fine-tuning DPO: the frozen reference copy's local shards (compute dtype)
+    # Muon: fp32 bytes this rank sends per optimizer step to bring whole matrices to their owners and the
+    # results back (parallel/whole_matrices.py): 2 x its slices x (k - 1) / k for a matrix split k ways
+    muon_exchange: float = 0.0
 
     @property
     def total(self) -> int:
@@ -58,11 +63,17 @@ class FsdpGroup:
             self.grad_numel = self.unsharded_numel if self.trainable else 0
 
 
-def rank_state(model: Step35ForCausalLM, state_slots: int) -> RankState:
+def rank_state(
+    model: Step35ForCausalLM,
+    slots_of: Callable[[str, tuple[int, ...]], float],
+    muon_of: Callable[[str, tuple[int, ...]], bool] = lambda name, shape: False,
+) -> RankState:
     """The local shards `model` holds on this rank, each in its own dtype (a LoRA base in its base dtype,
-    the adapters and full targets in theirs); gradients and `state_slots` optimizer states (see
-    training/optimizer.state_slots) like each trainable parameter."""
-    params = grads = trainable = largest = total = local_numel = frozen = adapters = adapters_total = 0
+    the adapters and full targets in theirs); gradients like each trainable parameter, and
+    `slots_of(name, shape)` optimizer states of its size (RunSettings.slots_of: its param group's);
+    `muon_of(name, shape)`: Muon orthogonalises it (its exchange counted)."""
+    muon_exchange = 0.0
+    params = grads = optimizer = trainable = largest = total = local_numel = frozen = adapters = adapters_total = 0
     shapes: dict[str, list[int]] = {}
     for name, p in model.named_parameters():
         local = _local(p)
@@ -71,6 +82,9 @@ def rank_state(model: Step35ForCausalLM, state_slots: int) -> RankState:
         params += _nbytes(local)
         if p.requires_grad:
             grads += _nbytes(local)
+            optimizer += slots_of(name, tuple(p.shape)) * _nbytes(local)
+            if muon_of(name, tuple(p.shape)) and (k := split_ranks(p, name)) > 1:
+                muon_exchange += 2 * local.numel() * 4 * (k - 1) / k
             trainable += local.numel()
             largest = max(largest, _nbytes(local))
         else:
@@ -85,7 +99,7 @@ def rank_state(model: Step35ForCausalLM, state_slots: int) -> RankState:
     return RankState(
         params,
         grads,
-        state_slots * grads,
+        round(optimizer),
         buffers,
         total,
         local_numel,
@@ -95,6 +109,7 @@ def rank_state(model: Step35ForCausalLM, state_slots: int) -> RankState:
         frozen=frozen if lora else 0,
         adapter_params=adapters,
         adapters_total=adapters_total,
+        muon_exchange=muon_exchange,
     )
 
 

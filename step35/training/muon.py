@@ -31,8 +31,11 @@ coefficients, lr_adjust, ns_dtype, ns_eps and `row_splits`, one entry per param,
 group is AdamW's (lr, betas, eps, weight_decay), stepped by torch's own AdamW function, so it is AdamW's
 update bit for bit and keeps AdamW's state (step, exp_avg, exp_avg_sq).
 
-Single process only: a DTensor (FSDP2 / EP sharded) parameter in a Muon group is refused, since NS of a
-shard is not Muon's update (the exchange that brings whole matrices to one rank is not built yet).
+Sharded (FSDP2 / EP) parameters: momentum and decay act on the local shards (elementwise), and
+Newton–Schulz sees whole matrices: parallel/whole_matrices.py deals each logical matrix split over an
+FSDP mesh dim to one owner rank of that dim, which gets the slices (all_to_all), orthogonalises, and
+sends every rank its slice back; experts split whole over `ep` need no exchange. The result is the
+single-process update up to float rounding (tests/test_muon_dist.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.optim.adamw import adamw as adamw_step
+
+from step35.parallel.whole_matrices import buckets, split_of, transform_whole
 
 CLASSIC = (3.4445, -4.7750, 2.0315)
 
@@ -113,12 +118,32 @@ def lr_ratio(lr_adjust: str, rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: in-place changes are the DTensor's), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
 
-    return isinstance(tensor, DTensor)
+
+def _describe(group: dict[str, Any], i: int, param: torch.Tensor) -> str:
+    return f"param {i} of group {group.get('name', '?')!r} {tuple(param.shape)}"
+
+
+def _check_same_count(count: int, group: dict[str, Any]) -> None:
+    """Every rank must bring the same matrices to the exchange: refuse (instead of a hang in it) a step
+    where ranks differ in which Muon parameters have a gradient."""
+    if not _sharded_group(group):
+        return
+    counts = torch.tensor([count, -count], dtype=torch.int64)
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+    if counts[0].item() != -counts[1].item():
+        raise RuntimeError(
+            f"Muon group {group.get('name', '?')!r}: ranks differ in how many of its parameters have a gradient "
+            f"this step ({-counts[1].item()} to {counts[0].item()}; this rank {count}): Newton–Schulz of sharded "
+            "matrices needs every rank's slices"
+        )
+
+
+def _sharded_group(group: dict[str, Any]) -> bool:
+    return any(hasattr(p, "device_mesh") for p in group["params"])
 
 
 class Muon(torch.optim.Optimizer):
@@ -162,12 +187,7 @@ class Muon(torch.optim.Optimizer):
             if len(splits) != len(group["params"]):
                 raise ValueError(f"row_splits has {len(splits)} entries for {len(group['params'])} params")
             for i, (param, split) in enumerate(zip(group["params"], splits)):
-                if is_sharded(param):
-                    raise ValueError(
-                        "model.optimizer muon: sharded parameters are not supported yet (param "
-                        f"{i} of group {group.get('name', '?')} is a DTensor {tuple(param.shape)}: Newton–Schulz "
-                        "must see whole matrices; train on one process or use model.optimizer adamw)"
-                    )
+                split_of(param, _describe(group, i, param))  # a sharding the exchange cannot take: now
                 if param.dim() < 2:
                     raise ValueError(f"Muon takes matrices; param {i} of its group has shape {tuple(param.shape)}")
                 if split is not None and (param.dim() != 2 or sum(split) != param.shape[0]):
@@ -187,27 +207,45 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        lr, momentum = group["lr"], group["momentum"]
-        for param, split in zip(group["params"], group["row_splits"]):
-            if param.grad is None:
-                continue
-            grad = param.grad.float()
-            state = self.state[param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            dtype = NS_DTYPES[group["ns_dtype"]] or (torch.float32 if param.device.type == "cpu" else torch.bfloat16)
-            blocks = update.split(list(split), dim=0) if split is not None else (update,)
-            param.mul_(1 - lr * group["weight_decay"])
-            start = 0
-            for block in blocks:
-                ortho = newton_schulz(block, group["coefficients"], group["ns_steps"], dtype, group["ns_eps"])
-                rows, cols = block.shape[-2:]
-                target = param if split is None else param[start : start + rows]
-                target.add_(ortho.to(param.dtype), alpha=-lr * lr_ratio(group["lr_adjust"], rows, cols))
-                start += rows
+        params = [(i, p, rows) for i, (p, rows) in enumerate(zip(group["params"], group["row_splits"])) if p.grad is not None]
+        _check_same_count(len(params), group)
+        if not params:
+            return
+        device = _local(params[0][1]).device
+        dtype = NS_DTYPES[group["ns_dtype"]] or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+        def orthogonalize(matrices: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+            """[n, A, B] -> NS of each matrix (of each row block with row_splits), times its lr ratio, fp32."""
+            blocks = matrices.split(list(rows), dim=1) if rows is not None else (matrices,)
+            return torch.cat(
+                [
+                    newton_schulz(block, group["coefficients"], group["ns_steps"], dtype, group["ns_eps"]).float()
+                    * lr_ratio(group["lr_adjust"], *block.shape[-2:])
+                    for block in blocks
+                ],
+                dim=1,
+            )
+
+        splits = [split_of(p, _describe(group, i, p)) for i, p, _ in params]
+        for bucket in buckets([p for _, p, _ in params]):
+            updates = [self._momentum_update(params[j][1], group) for j in bucket]
+            results = transform_whole(updates, [splits[j] for j in bucket], [params[j][2] for j in bucket], orthogonalize)
+            lr = group["lr"]
+            for j, result in zip(bucket, results):
+                local = _local(params[j][1])
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(result.to(local.dtype), alpha=-lr)
+
+    def _momentum_update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The momentum buffer moved by this step's gradient (local shards, fp32); the update to orthogonalise."""
+        momentum = group["momentum"]
+        grad = _local(param.grad).float()
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
+        buf = _local(state["momentum_buffer"])
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

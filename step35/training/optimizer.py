@@ -13,7 +13,7 @@ layers) are in neither.
 options are `model.optimizer_options` (training/muon.MuonOptions: ns_steps, coefficients, momentum,
 nesterov, lr_adjust, lr, weight_decay, ns_dtype, adamw_lr, adamw_betas, preset `stepfun`), not a `model.muon`
 group: they are the chosen optimizer's own options, as for any other, and a resume may change them like
-those. Single process only for now: sharded (FSDP2 / EP) parameters are refused.
+those. Under FSDP2 + EP Newton–Schulz still sees whole matrices (parallel/whole_matrices.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from step35.schedule import WarmupCosineLR
-from step35.training.muon import Muon, MuonOptions, is_sharded, matrix_role
+from step35.training.muon import Muon, MuonOptions, matrix_role
 from step35.training.options import check_rules
 
 # Above this peak lr a warning is printed (see OptimizerOptions.check).
@@ -218,26 +218,25 @@ def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
+def group_of(optimizer: str, name: str, shape: tuple[int, ...]) -> int:
+    """The index of the param group a trained parameter `name` of `shape` goes to, in the optimizer's
+    group order (group_settings): `decay`, `no_decay` (norm weights); muon: `muon` (the matrices,
+    training/muon.matrix_role) first, then those two."""
+    if optimizer == "muon":
+        if matrix_role(name, shape).optimizer == "muon":
+            return 0
+        return 2 if name.endswith("norm.weight") else 1
+    return 1 if name.endswith("norm.weight") else 0
+
+
 def param_groups(model: nn.Module, options: OptimizerOptions) -> list[dict]:
-    """The trained parameters in two groups: `decay`, and `no_decay` (the norm weights); for muon a
-    `muon` group of the matrices first (training/muon.matrix_role)."""
-    decay, no_decay, matrices = [], [], []
+    """The trained parameters in their groups (group_of), each with its settings (group_settings)."""
+    settings = options.group_settings()
+    groups = [{"params": [], **values} for values in settings]
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if options.name == "muon" and matrix_role(name, tuple(param.shape)).optimizer == "muon":
-            if is_sharded(param):
-                raise ValueError(
-                    f"model.optimizer muon: sharded parameters are not supported yet ({name} is a DTensor "
-                    f"{tuple(param.shape)} on mesh {param.device_mesh}: Newton–Schulz must see whole matrices; "
-                    "run on one process or use model.optimizer adamw)"
-                )
-            matrices.append(param)
-        else:
-            (no_decay if name.endswith("norm.weight") else decay).append(param)
-    *muon_settings, decay_settings, no_decay_settings = options.group_settings()
-    groups = [{"params": decay, **decay_settings}, {"params": no_decay, **no_decay_settings}]
-    return [{"params": matrices, **muon_settings[0]}, *groups] if muon_settings else groups
+        if param.requires_grad:
+            groups[group_of(options.name, name, tuple(param.shape))]["params"].append(param)
+    return groups
 
 
 def build_optimizer(model: nn.Module, options: OptimizerOptions) -> torch.optim.Optimizer:
@@ -266,19 +265,21 @@ def state_slots(options: OptimizerOptions) -> int:
     """Tensors the size of the parameter that the optimizer keeps per trained parameter (AdamW: exp_avg
     and exp_avg_sq; SGD with momentum: one; without: none), asked of the optimizer itself: one step of it
     on a probe parameter, its state counted; the most of any group (muon: 1 in its `muon` group, AdamW's
-    2 in the others, so 2: an upper bound until the plan counts per group, see state_slots_per_group)."""
-    return max(state_slots_per_group(options))
+    2 in the others, so 2; the plan counts per group, state_slots_per_group and group_of)."""
+    return round(max(state_slots_per_group(options)))
 
 
-def state_slots_per_group(options: OptimizerOptions) -> list[int]:
-    """state_slots of each param group, in the optimizer's group order."""
+def state_slots_per_group(options: OptimizerOptions, dtype: torch.dtype = torch.float32) -> list[float]:
+    """state_slots of each param group, in the optimizer's group order, for parameters of `dtype`: the bytes
+    of its parameter-sized state tensors over the parameter's (Muon's fp32 momentum beside a bf16 param: 2)."""
     slots = []
     for settings in options.group_settings():
-        probe = nn.Parameter(torch.zeros(4, 4))
+        probe = nn.Parameter(torch.zeros(4, 4, dtype=dtype))
         optimizer = options.kind().build([{"params": [probe], **settings}], options)
         probe.grad = torch.ones_like(probe)
         optimizer.step()
-        slots.append(sum(1 for v in optimizer.state[probe].values() if torch.is_tensor(v) and v.shape == probe.shape))
+        states = [v for v in optimizer.state[probe].values() if torch.is_tensor(v) and v.shape == probe.shape]
+        slots.append(sum(v.element_size() for v in states) / probe.element_size())
     return slots
 
 

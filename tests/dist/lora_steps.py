@@ -18,6 +18,7 @@ from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, apply_lora
 from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
+from step35.training.optimizer import OptimizerOptions, build_optimizer
 from tests.dist.cases import main
 
 GLOBAL_BATCH, SEQ = 8, 32
@@ -34,6 +35,7 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ac", default="none")
     p.add_argument("--base-dtype", default=None, choices=[None, "bfloat16"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
     return p
 
 
@@ -56,7 +58,10 @@ def run(args: argparse.Namespace, distributed: bool) -> dict:
     # SGD with momentum (it keeps state, as AdamW does): AdamW's normalised step would turn fp32
     # reduction-order noise in near-zero gradients into 1e-5-sized parameter differences, and
     # this run compares gradients at every step, not only the first.
-    opt = torch.optim.SGD([p for _, p in trained], lr=0.5, momentum=0.9, foreach=False)
+    if args.optimizer == "muon":  # step35's: Muon on every adapter's A and B (per expert), AdamW on the router
+        opt = build_optimizer(model, OptimizerOptions(name="muon", lr=2e-2, extra={"preset": "stepfun"}))
+    else:
+        opt = torch.optim.SGD([p for _, p in trained], lr=0.5, momentum=0.9, foreach=False)
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, config.vocab_size, (args.steps, GLOBAL_BATCH, SEQ + 1), generator=g)
     per_rank = GLOBAL_BATCH // world

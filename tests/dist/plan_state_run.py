@@ -1,6 +1,6 @@
 """One optimizer step of the tiny model under torchrun with Step35Strategy, configured from a
 `step35 fit` YAML (read with step35 plan's own copy of the fit parser); every rank then writes the
-bytes of what it really holds: local parameter shards, gradient shards and AdamW states.
+bytes of what it really holds: local parameter shards, gradient shards and optimizer states.
 
   torchrun --standalone --nproc-per-node 4 tests/dist/plan_state_run.py --config run.yaml --out DIR
 """
@@ -46,7 +46,7 @@ def main() -> None:
     result = {
         "params": sum(local_bytes(q) for q in params),
         "grads": sum(local_bytes(q.grad) for q in params if q.grad is not None),
-        # exp_avg and exp_avg_sq; the step counters are 0-dim host tensors
+        # AdamW's exp_avg and exp_avg_sq, Muon's momentum_buffer; the step counters are 0-dim host tensors
         "optimizer": sum(local_bytes(v) for s in state.values() for v in s.values()
                          if isinstance(v, torch.Tensor) and v.dim() > 0),
         "frozen": sum(local_bytes(q) for q in params if not q.requires_grad),

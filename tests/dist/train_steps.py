@@ -6,6 +6,7 @@ per-step global losses, grad norms and the final full parameters to --out; sever
   python tests/dist/train_steps.py --out plain.pt
   torchrun --standalone --nproc-per-node 4 tests/dist/train_steps.py --ep 2 --out ep2.pt
   torchrun --standalone --nproc-per-node 2 tests/dist/train_steps.py --out all.pt --case ep1="--ep 1" --case ep2="--ep 2"
+  ... --optimizer muon: step35's Muon (training/muon.py) instead of torch's AdamW
 """
 
 import argparse
@@ -17,9 +18,12 @@ from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
+from step35.training.optimizer import OptimizerOptions, build_optimizer
 from tests.dist.cases import main
 
 GLOBAL_BATCH, SEQ = 8, 48
+# StepFun's recipe (polar express, AdamW-matched lr), its AdamW part at AdamW's lr here
+MUON = {"preset": "stepfun", "adamw_lr": 1e-3}
 
 
 def batches(steps: int, vocab: int) -> torch.Tensor:
@@ -38,6 +42,7 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--ac", default="none")
     p.add_argument("--param-dtype", default=None, choices=[None, "bfloat16"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     return p
 
 
@@ -54,7 +59,10 @@ def run(args: argparse.Namespace, distributed: bool) -> dict:
         parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac, compile=args.compile,
                     param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None)
     materialize(model, "cpu", seed=7)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    if args.optimizer == "muon":  # step35's, as fit builds it: Newton–Schulz of whole matrices under FSDP2 + EP
+        opt = build_optimizer(model, OptimizerOptions(name="muon", lr=2e-2, weight_decay=0.1, extra=MUON))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     data = batches(args.steps, config.vocab_size)
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // args.accum

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import Step35ForCausalLM
-from step35.parallel import ParallelDims, parallelize
-from step35.parallel import whole_matrices
+from step35.parallel import ParallelDims, parallelize, whole_matrices
 from step35.training.optimizer import OptimizerOptions, build_optimizer
 
 OPTIMIZERS = {
@@ -63,12 +62,25 @@ def main() -> None:
             if step >= 2:  # two warm-up steps (state allocation)
                 times.append(time.perf_counter() - start)
         sent = whole_matrices.SENT_BYTES[0] / (args.steps + 2)
-        results[label] = {"step_ms": round(1e3 * sorted(times)[len(times) // 2], 1), "muon_sent_bytes_per_step": int(sent)}
+        results[label] = {
+            "step_ms": round(1e3 * sorted(times)[len(times) // 2], 1),
+            "muon_sent_bytes_per_step": int(sent),
+        }
     if not distributed or dist.get_rank() == 0:
-        print(json.dumps({
-            "config": args.config, "world": world, "ep": args.ep, "threads": torch.get_num_threads(),
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "results": results,
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "world": world,
+                    "ep": args.ep,
+                    "threads": torch.get_num_threads(),
+                    "machine": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(),
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
     if distributed:
         dist.destroy_process_group()
 

@@ -74,7 +74,9 @@ def plains() -> dict:
     done = {}
 
     def of(extra: tuple[str, ...]) -> dict:
-        argv = tuple(v for i, k in enumerate(extra[::2]) if k in ("--optimizer", "--steps") for v in extra[2 * i : 2 * i + 2])
+        argv = tuple(
+            v for i, k in enumerate(extra[::2]) if k in ("--optimizer", "--steps") for v in extra[2 * i : 2 * i + 2]
+        )
         if argv not in done:
             done[argv] = train_steps.plain(*argv)
         return done[argv]

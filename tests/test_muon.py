@@ -311,7 +311,9 @@ def test_a_one_rank_dtensor_takes_the_plain_update_and_a_partial_one_is_refused(
             optimizer.step()
         assert torch.equal(sharded.full_tensor(), plain.detach())
         partial = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
-        with pytest.raises(ValueError, match=r"param 0 of group 'matrices' \(4, 4\): placement Partial\(sum\) .*not a plain Shard"):
+        with pytest.raises(
+            ValueError, match=r"param 0 of group 'matrices' \(4, 4\): placement Partial\(sum\) .*not a plain Shard"
+        ):
             Muon([{"params": [partial], "use_muon": True, "name": "matrices"}])
     finally:
         dist.destroy_process_group()

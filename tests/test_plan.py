@@ -184,7 +184,9 @@ LORA_RUN_YAML = RUN_YAML.replace(
 assert "lora:" in LORA_RUN_YAML  # the replacement above matched
 # Full fine-tuning with Muon: one fp32 momentum per matrix value (Newton–Schulz over the shards, EP 2 x
 # efsdp 2), AdamW's two moments for the embeddings, norms and router: the plan counts each group's own.
-MUON_RUN_YAML = RUN_YAML.replace("  config: tiny\n", "  config: tiny\n  optimizer: muon\n  optimizer_options: {preset: stepfun}\n")
+MUON_RUN_YAML = RUN_YAML.replace(
+    "  config: tiny\n", "  config: tiny\n  optimizer: muon\n  optimizer_options: {preset: stepfun}\n"
+)
 assert "optimizer: muon" in MUON_RUN_YAML
 
 

@@ -82,7 +82,9 @@ def _matrix_splits(tensor: torch.Tensor, name: str) -> list[tuple[int, int]]:
         if placement.dim in matrix_dims and mesh.size(mesh_dim) > 1:
             found.append((mesh_dim, placement.dim))
     if len(found) > 1:
-        raise ShardingError(f"{name}: its matrices are split over {len(found)} mesh dims {tensor.placements}; one at most")
+        raise ShardingError(
+            f"{name}: its matrices are split over {len(found)} mesh dims {tensor.placements}; one at most"
+        )
     return found
 
 
@@ -140,7 +142,9 @@ def _share_bytes(tensor: torch.Tensor) -> float:
     """A rank's share of `tensor` in fp32 bytes, the same number on every rank (local shards differ by a
     row where the sizes do not divide: bucket bounds from them would differ between ranks)."""
     mesh = getattr(tensor, "device_mesh", None)
-    ways = 1 if mesh is None else math.prod(mesh.size(d) for d, p in enumerate(tensor.placements) if not p.is_replicate())
+    ways = (
+        1 if mesh is None else math.prod(mesh.size(d) for d, p in enumerate(tensor.placements) if not p.is_replicate())
+    )
     return tensor.numel() * 4 / ways
 
 
@@ -185,7 +189,9 @@ class _Layout:
         return shape[0], shape[1]
 
 
-def _exchange(locals_: list[torch.Tensor], splits: list[Split], keys: list[object], fn: Transform) -> list[torch.Tensor]:
+def _exchange(
+    locals_: list[torch.Tensor], splits: list[Split], keys: list[object], fn: Transform
+) -> list[torch.Tensor]:
     group, k, me = splits[0].group, splits[0].ranks, splits[0].index
     layouts = []
     for local, split in zip(locals_, splits):

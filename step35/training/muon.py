@@ -207,7 +207,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        params = [(i, p, rows) for i, (p, rows) in enumerate(zip(group["params"], group["row_splits"])) if p.grad is not None]
+        params = [
+            (i, p, rows) for i, (p, rows) in enumerate(zip(group["params"], group["row_splits"])) if p.grad is not None
+        ]
         _check_same_count(len(params), group)
         if not params:
             return
@@ -229,7 +231,9 @@ class Muon(torch.optim.Optimizer):
         splits = [split_of(p, _describe(group, i, p)) for i, p, _ in params]
         for bucket in buckets([p for _, p, _ in params]):
             updates = [self._momentum_update(params[j][1], group) for j in bucket]
-            results = transform_whole(updates, [splits[j] for j in bucket], [params[j][2] for j in bucket], orthogonalize)
+            results = transform_whole(
+                updates, [splits[j] for j in bucket], [params[j][2] for j in bucket], orthogonalize
+            )
             lr = group["lr"]
             for j, result in zip(bucket, results):
                 local = _local(params[j][1])

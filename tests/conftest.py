@@ -2,7 +2,9 @@ import os
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two OpenMP threads for the tests in this process on a two-core machine; one per worker when two
+# pytest-xdist workers share it (pyproject.toml's addopts), as the jobs the tests start have one per rank.
+os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network from tests
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -19,6 +21,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(name) for name in TIER_MARKERS):
             item.add_marker(pytest.mark.quick)
+    # Files marked `early` (minutes each) first, each in its written order, the rest as collected: the
+    # workers of a parallel run take files in this order, so a long file never starts last, alone.
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
 
 
 @pytest.fixture(scope="session")

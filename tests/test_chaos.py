@@ -30,7 +30,8 @@ from step35.checkpoint.training.keys import LORA_BASE
 from tests.helpers import CHAOS_CONFIG, lora_config
 from tests.runner import ROOT, command, environment, kill_job, signal_job
 
-pytestmark = pytest.mark.heavy  # a chaos supervisor kills and restarts step35 processes
+# a chaos supervisor kills and restarts step35 processes, for minutes: started first in the parallel run
+pytestmark = [pytest.mark.heavy, pytest.mark.early]
 
 
 @dataclass

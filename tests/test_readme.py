@@ -23,6 +23,8 @@ from tests.runner import environment, run_process_group
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 
+pytestmark = pytest.mark.early  # minutes of processes: started first in the parallel run (conftest.py)
+
 
 def bash_blocks(text: str) -> list[list[str]]:
     """The README's ```bash blocks, each as its commands (comments dropped, `\\` continuations joined)."""

@@ -31,7 +31,7 @@ from tests.helpers import CHAOS_CONFIG, lora_config
 from tests.runner import ROOT, command, environment, kill_job, signal_job
 
 # a chaos supervisor kills and restarts step35 processes, for minutes: started first in the parallel run
-pytestmark = [pytest.mark.heavy, pytest.mark.early]
+pytestmark = [pytest.mark.heavy, pytest.mark.early(minutes=2.2)]
 
 
 @dataclass

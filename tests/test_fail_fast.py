@@ -24,7 +24,7 @@ from step35 import faults
 from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
 from tests.runner import ROOT, Job, command, ended, python, step35_in_process, stop_job, wait_for
 
-pytestmark = pytest.mark.early  # minutes of processes: started first in the parallel run (conftest.py)
+pytestmark = pytest.mark.early(minutes=3.2)  # minutes of processes: started first in the parallel run (conftest.py)
 
 
 def two_ranks_after_two_steps(job: Job, run: Path) -> list:

@@ -23,7 +23,7 @@ from step35.run import lock
 from tests.helpers import metric_rows, steps_of, write_run_config
 from tests.runner import LAUNCH_PREFIXES, LAUNCH_VARIABLES, LAUNCHERS, ROOT, cli_fit, command, environment, step35
 
-pytestmark = pytest.mark.early  # minutes of processes: started first in the parallel run (conftest.py)
+pytestmark = pytest.mark.early(minutes=2.5)  # minutes of processes: started first in the parallel run (conftest.py)
 
 REL = 1e-5
 STEPS = ["--trainer.max_steps=4", "--trainer.callbacks.every_n_train_steps=4"]

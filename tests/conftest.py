@@ -21,6 +21,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(name) for name in TIER_MARKERS):
             item.add_marker(pytest.mark.quick)
+
     # Files marked `early(minutes)` first, the longest first, each in its written order, the rest as collected:
     # the workers of a parallel run take files in this order, so a long file never starts last, alone.
     def minutes(item) -> float:

@@ -19,6 +19,13 @@ from step35.training.optimizer import OptimizerOptions, group_of, state_slots_pe
 from step35.training.setup import model_config_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def stored_dtype_of(precision: str) -> torch.dtype:
+    """The dtype Lightning's `precision` keeps trained parameters, gradients and optimizer states in."""
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
+
+
 STEP35_STRATEGY = "step35.strategy.Step35Strategy"
 
 
@@ -97,7 +104,7 @@ class RunSettings:
     @property
     def stored_dtype(self) -> torch.dtype:
         """The dtype trained parameters, their gradients and optimizer states are kept in (Lightning's precision)."""
-        return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(self.precision, torch.float32)
+        return stored_dtype_of(self.precision)
 
     @property
     def base_dtype(self) -> torch.dtype:
@@ -229,8 +236,8 @@ def _optimizer(model, precision: str) -> dict[str, Any]:
                 if model.get(k) is not None
             }
         )
-        stored = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
-        return {"optimizer": options.name, "optimizer_slots": tuple(state_slots_per_group(options, stored))}
+        slots = state_slots_per_group(options, stored_dtype_of(precision))
+        return {"optimizer": options.name, "optimizer_slots": tuple(slots)}
     except ValueError as err:
         raise PlanInputError(str(err)) from None
 

@@ -35,7 +35,7 @@ Sharded (FSDP2 / EP) parameters: momentum and decay act on the local shards (ele
 Newton–Schulz sees whole matrices: parallel/whole_matrices.py deals each logical matrix split over an
 FSDP mesh dim to one owner rank of that dim, which gets the slices (all_to_all), orthogonalises, and
 sends every rank its slice back; experts split whole over `ep` need no exchange. The result is the
-single-process update up to float rounding (tests/test_muon_dist.py).
+single-process update up to float rounding (tests/test_distributed_equivalence.py, tests/test_lora_dist.py).
 """
 
 from __future__ import annotations

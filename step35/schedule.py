@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
@@ -67,6 +66,10 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         self.warmup_steps, self.total_steps, self.min_ratio, self.length_from_option = mine
         saved = state_dict["total_steps"]
         if saved != self.total_steps:
+            # here, not at the top: export and generate import this module (through the resume rules) without
+            # Lightning, which costs them ~2.5 s of start-up
+            from lightning.pytorch.utilities import rank_zero_info
+
             if self.length_from_option:
                 rank_zero_info(
                     f"LR schedule: model.decay_steps={self.total_steps} replaces the checkpoint's "

@@ -4,7 +4,12 @@ import pytest
 
 # Two OpenMP threads for the tests in this process on a two-core machine; one per worker when two
 # pytest-xdist workers share it (pyproject.toml's addopts), as the jobs the tests start have one per rank.
-os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
+# A worker sets it whatever it inherited: the controller's own setdefault ("2") reaches the workers through
+# their environment, and two workers of two OpenMP threads on two cores ran in-process training 10x slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network from tests
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -97,7 +102,7 @@ def tiny_run(tmp_path_factory, builtin_cache):
     import lightning.pytorch as pl
 
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

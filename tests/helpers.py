@@ -291,7 +291,7 @@ def lora_fit(
     import lightning.pytorch as pl
 
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

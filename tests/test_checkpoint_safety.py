@@ -30,7 +30,8 @@ from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
 from step35.checkpoint.training.export import export_checkpoint
-from step35.checkpoint.training.trainer_io import Step35CheckpointIO, load_file
+from step35.checkpoint.training.plugin import Step35CheckpointIO
+from step35.checkpoint.training.trainer_io import load_file
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy

@@ -2,10 +2,10 @@
 and SLURM's srun (emulated by tests/dist/fake_srun.py with the variables srun gives its tasks).
 
 In process: `step35.job` reads each launcher's variables the way Lightning's cluster environments do
-(which process is the job's rank 0, what identifies the job). As real jobs: EP 2 against EP 1 and cp 2
-against one process give the same per-step losses (relative 1e-5) through each launcher, and a real
-second job started the same way in the same run folder, while the first is held at a step, is refused
-naming the live one; the first then finishes unharmed.
+(which process is the job's rank 0, what identifies the job). As real jobs, one per launcher: EP 2 composed
+with cp 2 on 2 ranks gives one process's per-step losses (relative 1e-5), and a real second job started the
+same way in the same run folder, while the first is held at a step, is refused naming the live one; the
+first then finishes unharmed.
 """
 
 from __future__ import annotations
@@ -180,13 +180,6 @@ def on_ranks(launcher: str, nproc: int, args: list[str]) -> list[str]:
     return command([*args, f"--trainer.devices={nproc}"], nproc, launcher)
 
 
-def fit(launcher: str, nproc: int, run: Path, config: Path, cache: Path, *extra: str) -> dict[int, float]:
-    """The job's per-step train/loss (its CSV)."""
-    args = ["fit", "--config", str(config), f"--run_dir={run}", *STEPS, *extra, f"--trainer.devices={nproc}"]
-    step35(args, cache, nproc=nproc, launcher=launcher, threads=1)
-    return losses(run)
-
-
 def losses(run: Path) -> dict[int, float]:
     return steps_of(metric_rows(run / "csv" / "version_0"), "train/loss")
 
@@ -210,26 +203,16 @@ def one_process(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
     return losses(run)
 
 
-@pytest.fixture(scope="module")
-def ep1_two_ranks(tmp_path_factory, config, builtin_cache) -> dict[int, float]:
-    return fit(
-        "lightning",
-        2,
-        tmp_path_factory.mktemp("ep1") / "run",
-        config,
-        builtin_cache,
-        *STRATEGY,
-        "--trainer.strategy.expert_parallel_size=1",
-    )
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, config, builtin_cache, ep1_two_ranks):
-    """EP 2 on 2 ranks, started by `launcher`, logs EP 1's losses. While it is held at step 2 (tests.dist.hooks.Gate),
-    a second job started the same way in its run folder is refused, naming the first's rank 0; the first
-    then finishes with its checkpoint, and the second wrote nothing."""
+def test_ep2_cp2_gives_one_process_losses_and_a_second_job_is_refused(
+    tmp_path, launcher, config, builtin_cache, one_process
+):
+    """EP 2 composed with context parallel 2 on 2 ranks, started by `launcher`: both ranks read the same batches
+    and the job logs, step by step, the losses one process logs. While it is held at step 2
+    (tests.dist.hooks.Gate), a second job started the same way in its run folder is refused, naming the first's
+    rank 0; the first then finishes with its checkpoint, and the second wrote nothing."""
     run, go = tmp_path / "run", tmp_path / "go"
     args = [
         "fit",
@@ -239,6 +222,7 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
         *STEPS,
         *STRATEGY,
         "--trainer.strategy.expert_parallel_size=2",
+        "--trainer.strategy.context_parallel_size=2",
         "--trainer.callbacks+=tests.dist.hooks.Gate",
         f"--trainer.callbacks.file={go}",
         "--trainer.callbacks.at_step=2",
@@ -289,26 +273,7 @@ def test_ep2_gives_ep1s_losses_and_a_second_job_is_refused(tmp_path, launcher, c
     assert first.returncode == 0, err[-5000:]
     assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]  # the second job logged nothing
     assert (run / "checkpoints" / "step=000004.ckpt").exists()
-    assert_same_losses(ep1_two_ranks, losses(run))
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_cp2_on_two_ranks_gives_the_losses_of_one_process(tmp_path, launcher, config, builtin_cache, one_process):
-    """`--trainer.strategy.context_parallel_size 2` (EP 2 composed) on 2 ranks: both ranks read the same
-    batches and the job logs, step by step, the losses one process logs."""
-    got = fit(
-        launcher,
-        2,
-        tmp_path / "cp2",
-        config,
-        builtin_cache,
-        *STRATEGY,
-        "--trainer.strategy.expert_parallel_size=2",
-        "--trainer.strategy.context_parallel_size=2",
-    )
-    assert_same_losses(one_process, got)
+    assert_same_losses(one_process, losses(run))
 
 
 @pytest.mark.multiprocess

@@ -396,7 +396,7 @@ def test_lora_run_saves_and_resumes(tmp_path, builtin_cache):
     """The LoRA options travel in the checkpoint's hyper-parameters (a plain dict: checkpoints load
     with weights_only) and a resumed run continues with the saved adapters."""
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

@@ -34,7 +34,7 @@ def lora_run(tmp_path_factory, builtin_cache):
     """A tiny LoRA run of 3 steps (every adapter kind, MTP and a full-trained router; alpha != rank and
     an expert rank of its own, so each scale differs), saved as a run folder. Returns (run, model)."""
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
     from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 

@@ -4,7 +4,7 @@
 import lightning.pytorch as pl
 
 from step35.callbacks import Step35ProgressBar
-from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.loggers import CSVLogger
 from step35.module import Step35LightningModule

@@ -142,7 +142,7 @@ def test_sigterm_during_a_periodic_save_writes_no_second_checkpoint_of_that_step
 def async_plugins(kind: str) -> list:
     from lightning.pytorch.plugins import AsyncCheckpointIO
 
-    from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
 
     return [AsyncCheckpointIO()] if kind == "plain" else [AsyncCheckpointIO(Step35CheckpointIO())]
 

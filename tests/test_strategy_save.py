@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy

@@ -11,7 +11,7 @@ Lightning's ModelCheckpoint with three changes that make unattended restarts saf
   folder (and says so: under the lock every leftover is from a writer that is gone), points
   `last.ckpt` at the newest complete checkpoint (pre-emption saves are written without this
   callback), and lists checkpoints whose save did not finish. A refusal reaches every rank.
-- Lightning's AsyncCheckpointIO is refused at start (`trainer_io.refuse_asynchronous_io`): a save
+- Lightning's AsyncCheckpointIO is refused at start (`plugin.refuse_asynchronous_io`): a save
   is vouched for (manifest, `last.ckpt`, retention) as soon as it returns, before an asynchronous
   write has made the file.
 """
@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from step35 import lightning_private
 from step35.checkpoint.integrity import is_complete, recorded_damage, remove_manifest, write_manifest
 from step35.checkpoint.training import catalog, keys
-from step35.checkpoint.training.trainer_io import refuse_asynchronous_io
+from step35.checkpoint.training.plugin import refuse_asynchronous_io
 from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load, lock
 
 

@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 from step35 import faults, lightning_private
 from step35.callbacks.reporting import StepEnds, all_reduce_
 from step35.checkpoint.training import catalog
-from step35.checkpoint.training.trainer_io import refuse_asynchronous_io
+from step35.checkpoint.training.plugin import refuse_asynchronous_io
 from step35.run.layout import RunFolder, preempt_checkpoint
 
 DEFAULT_TIMEOUT_MINUTES = 10.0

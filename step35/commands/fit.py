@@ -222,7 +222,7 @@ class Step35CLI(LightningCLI):
         from step35.callbacks import FaultTolerance
         from step35.callbacks.progress import Step35ProgressBar
         from step35.callbacks.summary import Step35ModelSummary
-        from step35.checkpoint.training.trainer_io import Step35CheckpointIO
+        from step35.checkpoint.training.plugin import Step35CheckpointIO
 
         trainer = self._get(self.config_init, "trainer", default={})
         callbacks = _as_list(trainer.get("callbacks"))

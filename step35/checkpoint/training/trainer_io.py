@@ -8,7 +8,8 @@ Two layouts, both published atomically (`publish`) with a manifest (`integrity`)
 
 Reading verifies the manifest first (missing / truncated / damaged files named), unpickles only
 through `safe_load`, and refuses NaN/Inf in the loaded weights and optimizer state.
-`Step35CheckpointIO` is the CheckpointIO plugin for trainers without Step35Strategy (the CLI
+`plugin.Step35CheckpointIO` (Lightning's side, apart so that export and generate read checkpoints
+without importing Lightning) is the CheckpointIO plugin for trainers without Step35Strategy (the CLI
 installs it); Step35Strategy calls the same functions.
 """
 
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from step35.checkpoint.errors import CheckpointError, raise_together
 from step35.checkpoint.integrity import FILE_MANIFEST_SUFFIX, MANIFEST, damage_record, verify_for_load, write_manifest
@@ -296,41 +295,3 @@ def finite_modules(module: torch.nn.Module, optimizers: list, path: Path) -> Non
 def rank_files(folder: Path, rank: int) -> list[str]:
     """The DCP shard files rank `rank` wrote (`__<rank>_<i>.distcp`): the ones it hashes."""
     return sorted(f for f in os.listdir(folder) if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
-
-
-ASYNC_REFUSAL = "asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO from trainer.plugins"
-
-
-def refuse_asynchronous_io(strategy) -> None:
-    """Refuses Lightning's AsyncCheckpointIO (the plugin itself or wrapped in another) before anything is
-    saved. Its save returns before the file exists, while step35 vouches for a checkpoint right after
-    the save returns (manifest, `last.ckpt`, retention, the pre-emption exit): every save then failed
-    (FileNotFoundError on the checkpoint) and left a checkpoint without a manifest. Raises CheckpointError."""
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-    io, seen = strategy.checkpoint_io, set()
-    while io is not None and id(io) not in seen:
-        if isinstance(io, AsyncCheckpointIO):
-            raise CheckpointError(ASYNC_REFUSAL)
-        seen.add(id(io))
-        io = getattr(io, "checkpoint_io", None)  # a wrapping plugin's base
-
-
-class Step35CheckpointIO(TorchCheckpointIO):
-    """Single-file checkpoints for trainers without Step35Strategy: atomic, with a manifest, read
-    with weights_only=True and the step35 allowlist, verified and checked for NaN/Inf at load."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("Step35CheckpointIO.save_checkpoint takes no storage_options")
-        save_file(checkpoint, path)
-
-    def load_checkpoint(
-        self, path, map_location: Callable | Any = "cpu", weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        if weights_only is False:
-            raise CheckpointError(f"{path}: step35 never unpickles checkpoints with weights_only=False")
-        return load_file(path, map_location=map_location)
-
-    def remove_checkpoint(self, path) -> None:
-        remove(path)

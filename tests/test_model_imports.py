@@ -55,3 +55,16 @@ def test_importing_the_model_loads_no_higher_layer():
     proc = python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == ""
+
+
+@pytest.mark.heavy  # a subprocess
+def test_export_and_generate_start_without_lightning():
+    # Lightning (with torchmetrics and, where installed, transformers) is ~2/3 of a process's start-up: the
+    # commands that only read checkpoints must not pay it (step35/checkpoint/training/plugin.py holds its side).
+    code = (
+        "import sys, step35.commands.export, step35.commands.generate; print('\\n'.join(m for m in sys.modules if "
+        "m.startswith(('lightning', 'pytorch_lightning', 'torchmetrics'))))"
+    )
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ""

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from step35 import faults
+from step35.checkpoint.hf.pretrained import load_pretrained
+from step35.checkpoint.training.export import export_checkpoint
 from step35.faults import EXIT_ORPHANED, EXIT_PREEMPTED, EXIT_STALLED
 from tests.runner import ROOT, Job, command, ended, python, step35_in_process, stop_job, wait_for
 
@@ -154,6 +156,7 @@ def test_a_rank_that_raises_ends_the_job_in_seconds_with_its_error_and_rank(tmp_
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(tmp_path, builtin_cache):
+    # (and the sharded checkpoint it leaves exports to an HF folder equal to torch's DCP consolidation)
     # What `timeout`, a plain `kill` of the launcher or a scheduler signalling the launcher does:
     # torchrun forwards SIGTERM to every rank, the ranks agree on the stop at the next step boundary.
     steps = 10
@@ -184,6 +187,14 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_is_bitwise_exact(
         )
     assert 2 <= step < steps, step  # mid-run: the resumed run has steps left to compare
     assert ckpt.is_dir() and (ckpt / "meta.pt").exists() and list(ckpt.glob("*.distcp"))
+    assert not list(ckpt.parent.glob(".*partial*"))  # the atomic save left no temporary folder
+    # The sharded (EP 2) checkpoint exports to an HF folder equal to torch's own DCP consolidation.
+    export_checkpoint(ckpt, tmp_path / "hf", max_shard_size="2MB")
+    consolidated = consolidated_state(ckpt, tmp_path)
+    exported = load_pretrained(tmp_path / "hf").state_dict()
+    assert len(exported) == len([k for k in consolidated if k.startswith("model/model.")]) > 0
+    for name, value in exported.items():
+        assert torch.equal(value, consolidated["model/model." + name]), name  # the LightningModule's `model.`
 
     with Job(
         torchrun(

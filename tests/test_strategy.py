@@ -1,8 +1,7 @@
-"""Step35Strategy through the real CLI under torchrun (gloo, 2 processes, EP 2): training runs, the
-sharded (DCP) checkpoint resumes exactly, and bad parallel sizes fail before any collective."""
-
-import csv
-from pathlib import Path
+"""Step35Strategy in this process: bad parallel sizes fail before any process group, naming both values; the
+strategy asks the module for its experts and keeps its meshes to itself. Its real jobs (torchrun, Lightning's
+launcher, srun) are tests/test_launchers.py's and tests/test_fail_fast.py's: a sharded (DCP) EP 2 checkpoint
+resumes bitwise and exports like torch's consolidation there; a bad EP size ends a Lightning-launched job."""
 
 import lightning.pytorch as pl
 import pytest
@@ -11,89 +10,9 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.module import Step35LightningModule
 from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
-from tests.runner import step35
-
-
-def fit_args(run: Path, *extra: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.strategy=step35.strategy.Step35Strategy",
-        "--trainer.strategy.expert_parallel_size=2",
-        "--trainer.devices=2",
-        "--trainer.val_check_interval=1000",
-        "--trainer.log_every_n_steps=1",
-        "--data.seq_len=64",
-        "--data.micro_batch_size=2",
-        f"--trainer.default_root_dir={run}",
-        f"--trainer.logger.init_args.save_dir={run}",
-        *extra,
-    ]
-
-
-def losses(run: Path) -> dict[int, float]:
-    with open(run / "csv" / "version_0" / "metrics.csv") as f:
-        return {int(r["step"]): float(r["train/lm_loss"]) for r in csv.DictReader(f) if r.get("train/lm_loss")}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_fsdp_ep_run_resumes_exactly_from_sharded_checkpoint(tmp_path, builtin_cache):
-    ckpt_dir = tmp_path / "ckpt"
-    checkpointing = [
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        "--trainer.callbacks.every_n_train_steps=4",
-        "--trainer.callbacks.save_top_k=-1",
-        f"--trainer.callbacks.dirpath={ckpt_dir}",
-    ]
-    step35(fit_args(tmp_path / "full", "--trainer.max_steps=8", *checkpointing), builtin_cache, nproc=2)
-    step4 = sorted(ckpt_dir.glob("*step=4*"))
-    assert step4 and step4[0].is_dir(), list(ckpt_dir.iterdir())  # a DCP folder: shards + meta.pt
-    assert (step4[0] / "meta.pt").exists() and list(step4[0].glob("*.distcp"))
-    assert not list(ckpt_dir.glob(".*partial*"))  # the atomic save left no temporary folder
-    step35(fit_args(tmp_path / "resumed", "--trainer.max_steps=8", f"--ckpt_path={step4[0]}"), builtin_cache, nproc=2)
-    a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
-    # metrics are logged at 0-based global steps: the step-4 checkpoint is followed by steps 4..7
-    assert set(range(4, 8)) <= set(a) and set(range(4, 8)) <= set(b), (sorted(a), sorted(b))
-    for step in range(4, 8):
-        assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a[step], b[step])
-
-    # The sharded checkpoint exports to an HF folder equal to torch's own DCP consolidation.
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from step35.checkpoint.training.export import export_checkpoint
-
-    export_checkpoint(step4[0], tmp_path / "hf", max_shard_size="2MB")
-    dcp_to_torch_save(step4[0], tmp_path / "consolidated.pt")
-    consolidated = torch.load(tmp_path / "consolidated.pt", weights_only=False)["state_dict"]
-    exported = load_pretrained(tmp_path / "hf").state_dict()
-    assert len(exported) == len([k for k in consolidated if k.startswith("model.")]) > 0
-    for name, value in exported.items():
-        assert torch.equal(value, consolidated["model." + name]), name
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_expert_parallel_size_that_does_not_divide_experts_fails_fast(tmp_path, builtin_cache):
-    # tiny has 8 experts; 2 ranks with ep=2 is fine, so ask for ep=3 (divides neither).
-    proc = step35(
-        fit_args(tmp_path / "bad", "--trainer.max_steps=1", "--trainer.strategy.expert_parallel_size=3"),
-        builtin_cache,
-        nproc=2,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode != 0
-    assert (
-        "expert_parallel_size=3 must divide the world size 2 (sizes that divide the world size and the experts: "
-        "[1, 2])" in proc.stderr + proc.stdout
-    )
 
 
 def test_parallel_dims_errors_name_both_values():

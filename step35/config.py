@@ -5,7 +5,8 @@ The per-layer lists (`layer_types`, `rope_theta`, `partial_rotary_factors`, `swi
 followed by the `num_nextn_predict_layers` MTP layers (45 + 3 = 48 in the release).
 Every field is described in docs/architecture.md §1.
 
-A config.json of another model (its `model_type` / `architectures` not in MODEL_FAMILIES) is refused
+A Step-3.7 config.json (WRAPPING_FAMILIES) is read as its `text_config`, the same language model. A
+config.json of another model (its `model_type` / `architectures` not in MODEL_FAMILIES) is refused
 before its fields are read; `from_json` warns, in one line each, about a file without model_type and
 about the keys that no field uses (HF bookkeeping keys aside).
 """
@@ -27,11 +28,15 @@ DEFAULT_RMS_NORM_EPS = 1e-5  # absent from the released config.json; the HF remo
 FLOAT_DTYPE_NAMES = ("bfloat16", "float32", "float16", "float64")  # torch_dtype values (torch.<name>)
 
 # The model families step35 trains: config.json `model_type` -> the `architectures` entries it accepts.
-# The one place to add a family. Step-3.7-Flash (transformers' `step3p7`: model_type "step3p7",
-# architectures ["Step3p7ForConditionalGeneration"], its text model under `text_config`) is not
-# supported yet; it is added here, with its reader, when it is.
+# The one place to add a family.
 MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
     "step3p5": ("Step3p5ForCausalLM",),
+}
+# Releases whose config.json wraps that language model: model_type -> (its architectures, the key holding the
+# language model's fields). Step-3.7-Flash: the same language model as Step-3.5-Flash under `text_config`
+# (model_type "step3p5"), beside a vision encoder (`vision_config`) that step35 carries through, untrained.
+WRAPPING_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
+    "step3p7": (("Step3p7ForConditionalGeneration",), "text_config"),
 }
 # Keys that transformers (or the hub) writes into any config.json and that mean nothing to step35's
 # model: kept and written back, but not worth a warning. Any other key that is no field is named.
@@ -203,6 +208,7 @@ class Step35Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: holds a JSON {type(raw).__name__}, not an object of config fields")
         try:
+            raw = language_model_fields(raw)
             config = cls.from_dict(raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
@@ -488,6 +494,30 @@ def check_model_family(raw: dict[str, Any]) -> None:
             f"architectures {architectures} names {foreign[0]!r}, not a model step35 trains "
             f"(accepted: {_accepted_families()}); is this the config.json of another model?"
         )
+
+
+def language_model_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields of a config.json: the file itself for Step-3.5's, the wrapped config for a
+    release in WRAPPING_FAMILIES (Step-3.7's `text_config`). ConfigError when the wrapper lacks it."""
+    model_type = raw.get("model_type")
+    if model_type not in WRAPPING_FAMILIES:
+        return raw
+    architectures, key = WRAPPING_FAMILIES[model_type]
+    named = raw.get("architectures") or []
+    foreign = [a for a in named if a not in architectures] if isinstance(named, list) else [named]
+    if foreign:
+        raise ConfigError(
+            f"model_type {model_type!r} with architectures {named}: {foreign[0]!r} is not {list(architectures)}"
+        )
+    text = raw.get(key)
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"model_type {model_type!r} holds its language model's fields under {key!r}, which is "
+            f"{'missing' if text is None else 'a ' + type(text).__name__}"
+        )
+    text = dict(text)
+    text.setdefault("model_type", "step3p5")
+    return text
 
 
 def unused_keys(raw: dict[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.release import Layout, layout_of
 from step35.checkpoint.integrity import MANIFEST, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
 from step35.checkpoint.safe_load import leaves_folder
@@ -51,6 +52,7 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    key: str  # its name in `file` (a Step-3.7 folder may store a model tensor under another prefix: release.py)
 
 
 def tensor_locations(path: str | Path) -> dict[str, Path]:
@@ -125,7 +127,9 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
                             f"{file}: the index places tensor {name} in this file, but it is not there"
                         )
                     piece = f.get_slice(name)
-                    infos[name] = TensorInfo(file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                    infos[name] = TensorInfo(
+                        file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()], name
+                    )
                 stray = sorted(present - set(names))  # in the file but not in the index: never silently dropped
                 if stray:
                     raise CheckpointError(
@@ -136,6 +140,21 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
             raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
     return infos
+
+
+def model_tensor_infos(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, TensorInfo], Layout]:
+    """`read_tensor_infos` of the folder's language model, keyed by the model's names (each info's `key` is
+    where it is stored); apart, the tensors the folder carries (Step-3.7's vision side, by stored name); and the
+    folder's layout (release.py)."""
+    infos = read_tensor_infos(path)
+    layout = layout_of(Path(path), infos)
+    model, carried = {}, {}
+    for stored, info in infos.items():
+        if layout.carried(stored):
+            carried[stored] = info
+        else:
+            model[layout.model_name(stored)] = info
+    return model, carried, layout
 
 
 def check_tensors(
@@ -183,7 +202,7 @@ def _layer_summary(layer_ids: set[int], mtp_ids: set[int]) -> str:
     return f"{len(layer_ids) - len(mtp_ids)} main and {len(mtp_ids)} MTP layers (model.layers.{','.join(spans)})"
 
 
-def _header_shape(file: Path, name: str) -> tuple[int, ...]:
+def _header_shape(file: Path, name: str) -> tuple[int, ...]:  # `name` as stored in `file`
     from safetensors import safe_open
 
     try:
@@ -205,7 +224,9 @@ def check_config_fits(config: Step35Config, path: str | Path, num_mtp_layers: in
     path = Path(path)
     if not ((path / INDEX_FILE).exists() or (path / SINGLE_FILE).exists()):
         return  # nothing to compare with: whoever reads the weights says so
-    locations = tensor_locations(path)
+    stored = tensor_locations(path)
+    layout = layout_of(path, stored)
+    locations = {layout.model_name(n): f for n, f in stored.items() if not layout.carried(n)}
     layer_ids = {int(m.group(1)) for name in locations if (m := _LAYER_ID.match(name))}
     mtp_ids = {int(m.group(1)) for name in locations if name.endswith(_MTP_MARK) and (m := _LAYER_ID.match(name))}
     holds = _layer_summary(layer_ids, mtp_ids)
@@ -227,7 +248,7 @@ def check_config_fits(config: Step35Config, path: str | Path, num_mtp_layers: in
         )
     embed = "model.embed_tokens.weight"
     if embed in locations:
-        shape = _header_shape(locations[embed], embed)
+        shape = _header_shape(locations[embed], layout.stored_name(embed))
         for axis, field in ((0, "vocab_size"), (1, "hidden_size")):
             value = getattr(config, field)
             if len(shape) == 2 and shape[axis] != value:
@@ -244,7 +265,7 @@ def check_config_fits(config: Step35Config, path: str | Path, num_mtp_layers: in
         None,
     )
     if router is not None:
-        shape = _header_shape(locations[router], router)
+        shape = _header_shape(locations[router], layout.stored_name(router))
         if shape and shape[0] != config.moe_num_experts:
             raise CheckpointError(
                 f"config moe_num_experts={config.moe_num_experts}, but {path} holds {router} of "

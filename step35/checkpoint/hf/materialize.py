@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from step35.checkpoint.errors import raise_together
-from step35.checkpoint.hf.folder import TensorInfo, check_tensors, read_tensor_infos
+from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos
 from step35.checkpoint.integrity import verify_on_all_ranks
 from step35.checkpoint.safe_load import check_finite
 from step35.config import Step35Config
@@ -53,7 +53,7 @@ def materialize(
     if checkpoint is not None:
 
         def check_headers() -> dict[str, TensorInfo]:
-            infos = read_tensor_infos(checkpoint)
+            infos, _, _ = model_tensor_infos(checkpoint)  # a Step-3.7 folder's vision tensors are not the model's
             check_tensors(
                 infos, expected_tensors(model), ignored_mtp_tensors(model.config, model.num_mtp_layers, infos)
             )
@@ -97,7 +97,7 @@ def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
                 local, _, index = pieces[name]
                 if local.numel() == 0:
                     continue
-                value = f.get_slice(name)[index]
+                value = f.get_slice(infos[name].key)[index]
                 check_finite([(name, value)], file)
                 nbytes += value.numel() * value.element_size()
                 local.copy_(value)

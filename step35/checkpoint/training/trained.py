@@ -22,7 +22,7 @@ import torch
 
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf import lora_base
-from step35.checkpoint.hf.folder import INDEX_FILE, SINGLE_FILE, read_tensor_infos
+from step35.checkpoint.hf.folder import INDEX_FILE, SINGLE_FILE, model_tensor_infos
 from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
 from step35.checkpoint.training import keys, run_tokenizer
@@ -152,12 +152,12 @@ class TrainedCheckpoint:
         folder = record["folder"]
         lora_base.check_base(record, lora_base.base_identity(folder, 0), self.path)
         self.notes.append(f"the frozen base read from {folder} (named in {self.path}, fingerprint checked)")
-        infos = read_tensor_infos(folder)
+        infos, _, _ = model_tensor_infos(folder)
         for name, shape in names.items():
             if name not in infos or infos[name].shape != shape:
                 raise CheckpointError(f"{folder}: the LoRA run's base lacks {name} of shape {list(shape)}")
             with safe_open(infos[name].file, framework="pt") as f:
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(infos[name].key)
             check_finite([(name, tensor)], infos[name].file)
             yield name, tensor.to(dtype) if dtype is not None and not name.endswith("router_bias") else tensor
 

@@ -1,0 +1,132 @@
+"""A Step-3.7-Flash folder is a start folder: its language model (config under `text_config`, tensors under
+Step-3.5's names or under `model.language_model.*`) loads into step35's model, which then computes what
+transformers' own `Step3p7ForConditionalGeneration` computes on text (fp32 logits within 1e-5); the vision
+encoder and projector are not materialised.
+
+The folder is made here: a random tiny language model in the release's layout (tests/hf_oracle.py) nested as
+`text_config`, beside a tiny vision tower that transformers built and saved in the release's names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.folder import model_tensor_infos
+from step35.checkpoint.hf.pretrained import load_pretrained
+from step35.config import ConfigError, Step35Config, load_config
+from tests.hf_oracle import hf_config_from_dict, random_state_dict, tiny_config_dict
+
+pytestmark = pytest.mark.heavy  # transformers builds a vision tower and loads the folders
+
+BOOKKEEPING = ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
+TOLERANCE = 1e-5  # fp32, max abs over the logits (|logits| ~ 1-10); measured 3.5e-6 on both layouts
+
+
+def vision_tensors_and_config(tmp: Path, text: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A tiny Step-3.7 vision encoder + projector saved by transformers: its tensors in the release's names
+    (`vision_model.*`, `vit_large_projector.*`) and its config.json (without text_config)."""
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7Config, Step3p7VisionConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7ForConditionalGeneration
+
+    vision = Step3p7VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14, mlp_ratio=2.0
+    )
+    torch.manual_seed(0)
+    model = Step3p7ForConditionalGeneration(
+        Step3p7Config(text_config=hf_config_from_dict(text).to_dict(), vision_config=vision.to_dict())
+    )
+    model.save_pretrained(tmp / "transformers_saved")
+    tensors = {}
+    for file in sorted((tmp / "transformers_saved").glob("*.safetensors")):
+        tensors |= {n: t for n, t in load_file(file).items() if n.startswith(("vision_model.", "vit_large_projector."))}
+    assert any(n.startswith("vit_large_projector.") for n in tensors) and len(tensors) > 10, sorted(tensors)
+    config = json.loads((tmp / "transformers_saved" / "config.json").read_text())
+    config.pop("text_config")
+    return tensors, config
+
+
+def step37_folder(tmp: Path, nested: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Step-3.7 folder: (its path, the language model's tensors in step35's names). `nested`: the NVFP4
+    export's layout (model.language_model.*, no MTP layers), else the BF16/FP8 releases' (Step-3.5's names)."""
+    text = {k: v for k, v in tiny_config_dict().items() if k not in BOOKKEEPING}
+    text["torch_dtype"] = "float32"
+    language = random_state_dict(text, seed=1)
+    if nested:
+        first_mtp = text["num_hidden_layers"]
+        language = {
+            n: t
+            for n, t in language.items()
+            if not n.startswith(tuple(f"model.layers.{first_mtp + j}." for j in range(3)))
+        }
+    vision, config = vision_tensors_and_config(tmp, text)
+    config["text_config"] = {**text, "model_type": "step3p5"}
+    folder = tmp / ("nested" if nested else "flat")
+    folder.mkdir()
+    stored = {(n.replace("model.", "model.language_model.", 1) if nested else n): t for n, t in language.items()}
+    save_file({**stored, **vision}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder, language
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["release_names", "language_model_prefix"])
+def folder(request, tmp_path_factory):
+    return step37_folder(tmp_path_factory.mktemp("step37"), nested=request.param)
+
+
+def test_the_config_is_the_text_config(folder):
+    path, _ = folder
+    config = load_config(path)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["model_type"] == "step3p7" and config.hidden_size == raw["text_config"]["hidden_size"]
+    assert config.num_hidden_layers == raw["text_config"]["num_hidden_layers"]
+
+
+def test_the_layout_is_detected_and_vision_is_carried_not_loaded(folder):
+    path, language = folder
+    infos, carried, layout = model_tensor_infos(path)
+    nested = path.name == "nested"
+    assert layout.release == "Step-3.7" and layout.text_prefix == ("model.language_model." if nested else "model.")
+    assert "Step-3.7 folder" in layout.describe()
+    assert set(infos) == set(language)  # the model's names, whatever the prefix in the files
+    assert carried and all(n.startswith(("vision_model.", "vit_large_projector.")) for n in carried)
+    model = load_pretrained(path, num_mtp_layers=0 if nested else None)
+    assert not any("vision" in n or "projector" in n for n in model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, language[name]), name
+
+
+def test_logits_equal_transformers_step3p7_on_text(folder):
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7ForConditionalGeneration
+
+    path, _ = folder
+    ours = load_pretrained(path, num_mtp_layers=0 if path.name == "nested" else None).eval()
+    theirs = Step3p7ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = theirs(input_ids=ids, use_cache=False).logits
+        got = ours(ids)  # [B, S, V] logits
+    assert got.shape == expected.shape
+    err = (got - expected).abs().max().item()
+    print(f"max |logits - transformers| = {err:.2e}")
+    assert err <= TOLERANCE, err
+
+
+def test_a_step37_config_without_text_config_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "step3p7", "vision_config": {}}))
+    with pytest.raises(ConfigError, match="under 'text_config', which is missing"):
+        Step35Config.from_json(tmp_path)
+
+
+def test_both_prefixes_in_one_folder_are_refused(tmp_path):
+    path, language = step37_folder(tmp_path, nested=True)
+    extra = {"model.norm.weight": language["model.norm.weight"]}
+    save_file(extra, path / "extra.safetensors")
+    weights = load_file(path / "model.safetensors") | extra
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="both under model.language_model"):
+        load_pretrained(path, num_mtp_layers=0)

@@ -50,12 +50,15 @@ def vision_tensors_and_config(tmp: Path, text: dict) -> tuple[dict[str, torch.Te
     return tensors, config
 
 
-def step37_folder(tmp: Path, nested: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+def step37_folder(
+    tmp: Path, nested: bool, text: dict | None = None, language: dict | None = None
+) -> tuple[Path, dict[str, torch.Tensor]]:
     """A tiny Step-3.7 folder: (its path, the language model's tensors in step35's names). `nested`: the NVFP4
-    export's layout (model.language_model.*, no MTP layers), else the BF16/FP8 releases' (Step-3.5's names)."""
-    text = {k: v for k, v in tiny_config_dict().items() if k not in BOOKKEEPING}
+    export's layout (model.language_model.*, no MTP layers), else the BF16/FP8 releases' (Step-3.5's names).
+    `text` / `language`: the language model's config and tensors (default: hf_oracle's tiny, random)."""
+    text = {k: v for k, v in (text or tiny_config_dict()).items() if k not in BOOKKEEPING}
     text["torch_dtype"] = "float32"
-    language = random_state_dict(text, seed=1)
+    language = language if language is not None else random_state_dict(text, seed=1)
     if nested:
         first_mtp = text["num_hidden_layers"]
         language = {
@@ -130,3 +133,67 @@ def test_both_prefixes_in_one_folder_are_refused(tmp_path):
     save_file(weights, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="both under model.language_model"):
         load_pretrained(path, num_mtp_layers=0)
+
+
+def test_a_fine_tune_exports_a_step37_folder_transformers_loads(tmp_path, builtin_cache):
+    """One training step from a Step-3.7 folder (the tiny preset's language model, the built-in tokenizer), then
+    `export`: config.json is Step-3.7's with the trained text config; the vision tensors are the folder's, dtype
+    and bytes; the text tensors are the trained ones, in the release's names; transformers loads it natively
+    (no missing or unexpected key) and computes step35's logits."""
+    import lightning.pytorch as pl
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7ForConditionalGeneration
+
+    from step35.checkpoint.hf.materialize import checkpoint_state
+    from step35.checkpoint.training.export import export_checkpoint
+    from step35.config import preset
+    from step35.data import Step35DataModule, builtin_tokenizer_dir
+    from step35.model import Step35ForCausalLM
+    from step35.module import Step35LightningModule
+
+    start = Step35ForCausalLM(preset("tiny"))
+    start.init_weights(1)
+    initial = {n: t.detach().clone() for n, t in checkpoint_state(start).items()}
+    source, _ = step37_folder(tmp_path, nested=False, text=preset("tiny").to_dict(), language=initial)
+    tokenizer = builtin_tokenizer_dir(cache_dir=builtin_cache)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (source / name).write_bytes((tokenizer / name).read_bytes())
+    module = Step35LightningModule(checkpoint=str(source), lr=1e-2, warmup_steps=1)
+    data = Step35DataModule(tokenizer=str(source), seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path / "run",
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    report = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "hf")
+    out = tmp_path / "hf"
+    assert any("a Step-3.7 folder" in note for note in report.notes), report.notes
+    assert not (out / "modeling_step35.py").exists()  # transformers has the class
+    written, released = (json.loads((p / "config.json").read_text()) for p in (out, source))
+    assert written["model_type"] == "step3p7" and written["architectures"] == released["architectures"]
+    assert written["vision_config"] == released["vision_config"]
+    assert written["text_config"]["hidden_size"] == released["text_config"]["hidden_size"]
+    stored = {}
+    for file in sorted(out.glob("*.safetensors")):
+        stored |= load_file(file)
+    vision = {n: t for n, t in load_file(source / "model.safetensors").items() if n.startswith(("vision_", "vit_"))}
+    for name, tensor in vision.items():
+        assert stored[name].dtype == tensor.dtype and torch.equal(stored[name], tensor), name
+    trained = dict(module.model.state_dict())
+    assert set(stored) == set(vision) | set(trained)
+    for name, tensor in trained.items():
+        assert torch.equal(stored[name], tensor), name
+    assert any(not torch.equal(trained[n], initial[n]) for n in trained)  # the step changed the text tensors
+    theirs, info = Step3p7ForConditionalGeneration.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(2, 1000, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        err = (load_pretrained(out)(ids) - theirs.eval()(input_ids=ids, use_cache=False).logits).abs().max().item()
+    assert err <= TOLERANCE, err

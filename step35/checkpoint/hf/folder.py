@@ -296,11 +296,12 @@ def default_file_mode() -> int:
 def write_hf_folder(
     path: str | Path,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    config: Step35Config,
+    config: Step35Config | Mapping,
     max_shard_size: int | str = "5GB",
     copy_files: Mapping[str, Path | bytes] | None = None,
 ) -> Path:
-    """Write an HF folder at `path` from (name, tensor) pairs, streamed: a shard is written as soon as
+    """Write an HF folder at `path` from (name, tensor) pairs and `config` (a Step35Config, or a release's
+    config.json as a dict), streamed: a shard is written as soon as
     it is full, so the whole state never has to be in memory. Shards model-0000k-of-0000n, the index,
     config.json, `copy_files` (relative name -> a file copied byte for byte, or the bytes: tokenizer,
     remote code, ...), the manifest of weights and index, then one atomic publish; a failure removes
@@ -345,7 +346,10 @@ def write_hf_folder(
         (tmp / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-        config.save(tmp / "config.json")
+        if isinstance(config, Step35Config):
+            config.save(tmp / "config.json")
+        else:  # a release's own config.json (Step-3.7's wraps the language model's config)
+            (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
         for name, source in (copy_files or {}).items():
             target = tmp / name
             if target.exists() or name == MANIFEST or Path(name).is_absolute() or ".." in Path(name).parts:

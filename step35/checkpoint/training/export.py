@@ -44,18 +44,21 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf.folder import write_hf_folder
+from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, write_hf_folder
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
+from step35.checkpoint.hf.release import folder_model_type
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.publish import dead_partials, partial_writer, remove_path
 from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trained import TrainedCheckpoint, open_checkpoint
-from step35.config import Step35Config
+from step35.config import WRAPPING_FAMILIES, Step35Config
 from step35.model.lora import is_adapter, is_full_target
 
 # Model card and licence files, by the names the Hugging Face hub gives them.
 CARD_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "NOTICE", "USE_POLICY.md")
-COMPANION_FILES = run_tokenizer.TOKENIZER_FILES + CARD_FILES
+# A multimodal release's image processor (Step-3.7-Flash): carried with its vision tensors.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+COMPANION_FILES = run_tokenizer.TOKENIZER_FILES + CARD_FILES + PROCESSOR_FILES
 # What an export writes anew (weights, their index, config.json, manifests): not worth a mention when left out.
 _REWRITTEN = (
     ".safetensors",
@@ -134,6 +137,26 @@ def _our_modeling_note(source: Path | None, old: object) -> str:
     return f"{MODELING_FILE.name} written ({why}; transformers loads it with trust_remote_code); " + (
         f"auto_map {old} -> {AUTO_MAP}" if old else f"auto_map {AUTO_MAP} added"
     )
+
+
+def _wrapping_config(source: Path | None) -> dict | None:
+    """`source`/config.json when it wraps the language model's config (Step-3.7: release.py), else None."""
+    if source is None or folder_model_type(source) not in WRAPPING_FAMILIES:
+        return None
+    return json.loads((source / "config.json").read_text())
+
+
+def carried_tensors(carried: Mapping[str, TensorInfo]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a folder carries (Step-3.7's vision side), read file by file, dtype and bytes as stored."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for stored, info in carried.items():
+        by_file.setdefault(info.file, []).append(stored)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for stored in names:
+                yield stored, f.get_tensor(stored)
 
 
 def companion_files(folder: Path) -> dict[str, Path]:
@@ -470,7 +493,15 @@ def export_checkpoint(
     copied.update({name: tok_from for name in tok_files if name not in copied or name in replaced})
     notes += align_special_ids(exported, run_tokenizer.special_ids(tok_files, tok_from), run_eos)
 
-    model_code = _release_model_code(source, exported.extra.get("auto_map"))
+    wrapper = _wrapping_config(source)
+    if wrapper is not None:  # transformers, vLLM and SGLang load Step-3.7 natively: never our modeling file
+        model_code = _release_model_code(source, wrapper.get("auto_map")) or {}
+        notes.append(
+            f"a Step-3.7 folder as {source} is: config.json wraps the trained language model's config as "
+            "text_config; its vision encoder and projector tensors are copied from there as they are"
+        )
+    else:
+        model_code = _release_model_code(source, exported.extra.get("auto_map"))
     if model_code is None:  # the source brings no modeling code: ours, which computes what step35.model does
         files[MODELING_FILE.name] = MODELING_FILE.read_bytes()
         copied[MODELING_FILE.name] = "step35 (its transformers modeling file)"
@@ -491,9 +522,16 @@ def export_checkpoint(
         if left:
             notes.append(left)
 
+    layout, carried = None, {}
+    if wrapper is not None:
+        _, carried, layout = model_tensor_infos(source)
+
     def cast() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in trained.merged_tensors():  # = tensors() without adapters
-            yield name, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
+            stored = layout.stored_name(name) if layout else name  # the release's names
+            yield stored, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
+        yield from carried_tensors(carried)
 
-    write_hf_folder(out, cast(), exported, max_shard_size, copy_files=files)
+    config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}
+    write_hf_folder(out, cast(), config, max_shard_size, copy_files=files)
     return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)

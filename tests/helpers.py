@@ -567,3 +567,29 @@ CONVERSATION = [
     {"role": "assistant", "content": "<think>\nThe tool says 18.\n</think>\nIt is 18 degrees and clear in Paris."},
 ]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def one_step_from(source: Path, folder: Path, cache: Path):
+    """One training step (in this process, lr 1e-2) from the HF folder `source` with its own tokenizer, saved as
+    `folder`/run.ckpt: (the trained LightningModule, the checkpoint's path)."""
+    import lightning.pytorch as pl
+
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    module = Step35LightningModule(checkpoint=str(source), lr=1e-2, warmup_steps=1)
+    data = Step35DataModule(tokenizer=str(source), seq_len=16, micro_batch_size=1, cache_dir=str(cache))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=folder / "run",
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(folder / "run.ckpt")
+    return module, folder / "run.ckpt"

@@ -5,7 +5,6 @@ of that folder byte for byte."""
 import json
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,12 +14,12 @@ from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.training import keys
 from step35.checkpoint.training.export import export_checkpoint
 from step35.cli import main
-from step35.data import Step35DataModule
 from step35.data.builtin import builtin_tokenizer_dir
 from step35.data.tokenizer import TextTokenizer
 from step35.model import Step35ForCausalLM
 from step35.module import Step35LightningModule
 from step35.run import checkpoint_of
+from tests.helpers import one_step_from
 
 
 @pytest.fixture(scope="module")
@@ -171,21 +170,7 @@ def release_like_folder(path: Path, builtin: Path) -> dict[str, bytes]:
 def test_run_from_an_hf_folder_exports_its_files_byte_for_byte(tmp_path, builtin_cache):
     source = tmp_path / "release"
     extra = release_like_folder(source, builtin_tokenizer_dir(cache_dir=builtin_cache))
-    module = Step35LightningModule(checkpoint=str(source), lr=1e-2, warmup_steps=1)
-    data = Step35DataModule(tokenizer=str(source), seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path / "run",
-        enable_checkpointing=False,
-    )
-    trainer.fit(module, datamodule=data)
-    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    module, _ = one_step_from(source, tmp_path, builtin_cache)
     report = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "hf")
     out = tmp_path / "hf"
     for name, content in extra.items():

@@ -19,6 +19,7 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import model_tensor_infos
 from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.config import ConfigError, Step35Config, load_config
+from tests.helpers import one_step_from
 from tests.hf_oracle import hf_config_from_dict, random_state_dict, tiny_config_dict
 
 pytestmark = pytest.mark.heavy  # transformers builds a vision tower and loads the folders
@@ -140,15 +141,13 @@ def test_a_fine_tune_exports_a_step37_folder_transformers_loads(tmp_path, builti
     `export`: config.json is Step-3.7's with the trained text config; the vision tensors are the folder's, dtype
     and bytes; the text tensors are the trained ones, in the release's names; transformers loads it natively
     (no missing or unexpected key) and computes step35's logits."""
-    import lightning.pytorch as pl
     from transformers.models.step3p7.modeling_step3p7 import Step3p7ForConditionalGeneration
 
     from step35.checkpoint.hf.materialize import checkpoint_state
     from step35.checkpoint.training.export import export_checkpoint
     from step35.config import preset
-    from step35.data import Step35DataModule, builtin_tokenizer_dir
+    from step35.data import builtin_tokenizer_dir
     from step35.model import Step35ForCausalLM
-    from step35.module import Step35LightningModule
 
     start = Step35ForCausalLM(preset("tiny"))
     start.init_weights(1)
@@ -157,21 +156,7 @@ def test_a_fine_tune_exports_a_step37_folder_transformers_loads(tmp_path, builti
     tokenizer = builtin_tokenizer_dir(cache_dir=builtin_cache)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (source / name).write_bytes((tokenizer / name).read_bytes())
-    module = Step35LightningModule(checkpoint=str(source), lr=1e-2, warmup_steps=1)
-    data = Step35DataModule(tokenizer=str(source), seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path / "run",
-        enable_checkpointing=False,
-    )
-    trainer.fit(module, datamodule=data)
-    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    module, _ = one_step_from(source, tmp_path, builtin_cache)
     report = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "hf")
     out = tmp_path / "hf"
     assert any("a Step-3.7 folder" in note for note in report.notes), report.notes

@@ -45,26 +45,23 @@ def test_model_sources_import_no_higher_layer():
     assert found == []
 
 
+def loaded_by(imports: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules starting with one of `prefixes` that `import <imports>` loads in a fresh interpreter (this
+    test process has long imported everything)."""
+    proc = python(f"import sys, {imports}; print('\\n'.join(m for m in sys.modules if m.startswith({prefixes!r})))")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
 @pytest.mark.heavy  # a subprocess (tests/test_layers.py stays quick)
 def test_importing_the_model_loads_no_higher_layer():
-    # A fresh interpreter: this test process has long imported everything.
-    code = (
-        "import sys, step35.model; print('\\n'.join(m for m in sys.modules if m.startswith("
-        "('step35.checkpoint', 'step35.parallel', 'step35.module', 'lightning', 'pytorch_lightning'))))"
-    )
-    proc = python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == ""
+    prefixes = ("step35.checkpoint", "step35.parallel", "step35.module", "lightning", "pytorch_lightning")
+    assert loaded_by("step35.model", prefixes) == []
 
 
 @pytest.mark.heavy  # a subprocess
 def test_export_and_generate_start_without_lightning():
     # Lightning (with torchmetrics and, where installed, transformers) is ~2/3 of a process's start-up: the
     # commands that only read checkpoints must not pay it (step35/checkpoint/training/plugin.py holds its side).
-    code = (
-        "import sys, step35.commands.export, step35.commands.generate; print('\\n'.join(m for m in sys.modules if "
-        "m.startswith(('lightning', 'pytorch_lightning', 'torchmetrics'))))"
-    )
-    proc = python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == ""
+    prefixes = ("lightning", "pytorch_lightning", "torchmetrics")
+    assert loaded_by("step35.commands.export, step35.commands.generate", prefixes) == []

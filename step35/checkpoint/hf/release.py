@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from step35.checkpoint.errors import CheckpointError
+from step35.config import WRAPPING_FAMILIES
 
 MODEL_PREFIX = "model."  # the language model's own prefix (embed_tokens, layers, norm)
 NESTED_PREFIX = "model.language_model."  # Step-3.7's NVFP4 export
@@ -57,18 +58,19 @@ class Layout:
         )
 
 
-def folder_model_type(folder: Path) -> str | None:
-    """The `model_type` of `folder`/config.json (None when it has none or no config.json)."""
+def wrapping_config(folder: Path) -> dict | None:
+    """`folder`/config.json when it wraps the language model's config (a model_type of
+    step35.config.WRAPPING_FAMILIES: Step-3.7's), else None (Step-3.5's own, or no readable config.json)."""
     try:
         raw = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return raw.get("model_type") if isinstance(raw, dict) else None
+    return raw if isinstance(raw, dict) and raw.get("model_type") in WRAPPING_FAMILIES else None
 
 
 def layout_of(folder: Path, stored_names) -> Layout:
     """The layout of `folder` from its config.json and the names of the tensors its files hold."""
-    if folder_model_type(folder) != "step3p7":
+    if wrapping_config(folder) is None:
         return Layout("Step-3.5")
     names = list(stored_names)
     nested = any(n.startswith(NESTED_PREFIX) for n in names)

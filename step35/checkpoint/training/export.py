@@ -46,12 +46,12 @@ import torch
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, write_hf_folder
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
-from step35.checkpoint.hf.release import folder_model_type
+from step35.checkpoint.hf.release import wrapping_config
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.publish import dead_partials, partial_writer, remove_path
 from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trained import TrainedCheckpoint, open_checkpoint
-from step35.config import WRAPPING_FAMILIES, Step35Config
+from step35.config import Step35Config
 from step35.model.lora import is_adapter, is_full_target
 
 # Model card and licence files, by the names the Hugging Face hub gives them.
@@ -137,13 +137,6 @@ def _our_modeling_note(source: Path | None, old: object) -> str:
     return f"{MODELING_FILE.name} written ({why}; transformers loads it with trust_remote_code); " + (
         f"auto_map {old} -> {AUTO_MAP}" if old else f"auto_map {AUTO_MAP} added"
     )
-
-
-def _wrapping_config(source: Path | None) -> dict | None:
-    """`source`/config.json when it wraps the language model's config (Step-3.7: release.py), else None."""
-    if source is None or folder_model_type(source) not in WRAPPING_FAMILIES:
-        return None
-    return json.loads((source / "config.json").read_text())
 
 
 def carried_tensors(carried: Mapping[str, TensorInfo]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -493,7 +486,7 @@ def export_checkpoint(
     copied.update({name: tok_from for name in tok_files if name not in copied or name in replaced})
     notes += align_special_ids(exported, run_tokenizer.special_ids(tok_files, tok_from), run_eos)
 
-    wrapper = _wrapping_config(source)
+    wrapper = None if source is None else wrapping_config(source)
     if wrapper is not None:  # transformers, vLLM and SGLang load Step-3.7 natively: never our modeling file
         model_code = _release_model_code(source, wrapper.get("auto_map")) or {}
         notes.append(

@@ -57,6 +57,9 @@ HF_BOOKKEEPING_KEYS = frozenset(
         "chunk_size_feed_forward",
         "is_encoder_decoder",
         "tokenizer_class",
+        # How the folder's weights are stored (an FP8 release's blocks): read by the checkpoint reader
+        # (checkpoint/hf/fp8.py), not by the model; never written back (step35 writes no FP8 weights).
+        "quantization_config",
     }
 )
 

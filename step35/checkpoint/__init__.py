@@ -4,7 +4,8 @@
   `integrity` (its manifest: sizes and checksums, verified at load), `safe_load` (every load is free
   of code execution). It imports neither side.
 - `hf/`: Hugging Face checkpoint folders: the format (`folder`: config.json, safetensors, index),
-  filling a meta model from a folder or the init (`materialize`), model <-> folder (`pretrained`),
+  filling a meta model from a folder or the init (`materialize`), FP8 folders' block scales and their
+  dequantised reading (`fp8`), model <-> folder (`pretrained`),
   PEFT adapter folders (`peft`), the identity of a LoRA run's base folder (`lora_base`), the modeling
   file an export ships (`modeling/`). It uses the common part only.
 - `training/`: Lightning training checkpoints: every key they hold (`keys`), how they are written and

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.fp8 import BlockScales, pair_scales, without_quantization
 from step35.checkpoint.hf.release import Layout, layout_of
 from step35.checkpoint.integrity import MANIFEST, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
@@ -53,6 +54,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     key: str  # its name in `file` (a Step-3.7 folder may store a model tensor under another prefix: release.py)
+    scales: BlockScales | None = None  # an FP8-stored tensor's per-block inverse scales (fp8.py), read dequantised
 
 
 def tensor_locations(path: str | Path) -> dict[str, Path]:
@@ -145,8 +147,9 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
 def model_tensor_infos(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, TensorInfo], Layout]:
     """`read_tensor_infos` of the folder's language model, keyed by the model's names (each info's `key` is
     where it is stored); apart, the tensors the folder carries (Step-3.7's vision side, by stored name); and the
-    folder's layout (release.py)."""
-    infos = read_tensor_infos(path)
+    folder's layout (release.py). An FP8 folder's scale tensors are not listed: each FP8 tensor's info carries
+    them (fp8.pair_scales)."""
+    infos = pair_scales(path, read_tensor_infos(path))
     layout = layout_of(Path(path), infos)
     model, carried = {}, {}
     for stored, info in infos.items():
@@ -162,7 +165,9 @@ def check_tensors(
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
     ignored: set[str] = frozenset(),
 ) -> None:
-    """Every expected tensor present with its shape and dtype, nothing unexpected (but `ignored`)."""
+    """Every expected tensor present with its shape and dtype, nothing unexpected (but `ignored`). An FP8-stored
+    tensor (its info carries scales) is dequantised into the model's dtype as it is read: its stored dtype is
+    not compared."""
     missing = sorted(set(expected) - set(infos))
     unexpected = sorted(set(infos) - set(expected) - set(ignored))
     if missing:
@@ -178,7 +183,7 @@ def check_tensors(
             raise CheckpointError(
                 f"{name} in {info.file.name}: shape {list(info.shape)}, the config needs {list(shape)}"
             )
-        if info.dtype != dtype:
+        if info.scales is None and info.dtype != dtype:
             raise CheckpointError(
                 f"{name} in {info.file.name}: dtype {info.dtype}, expected {dtype} "
                 f"(config.json torch_dtype; router_bias is always float32)"
@@ -301,11 +306,11 @@ def write_hf_folder(
     copy_files: Mapping[str, Path | bytes] | None = None,
 ) -> Path:
     """Write an HF folder at `path` from (name, tensor) pairs and `config` (a Step35Config, or a release's
-    config.json as a dict), streamed: a shard is written as soon as
-    it is full, so the whole state never has to be in memory. Shards model-0000k-of-0000n, the index,
-    config.json, `copy_files` (relative name -> a file copied byte for byte, or the bytes: tokenizer,
-    remote code, ...), the manifest of weights and index, then one atomic publish; a failure removes
-    the temporary folder and leaves any previous `path` untouched."""
+    config.json as a dict; its quantization_config left out: fp8.without_quantization), streamed: a shard
+    is written as soon as it is full, so the whole state never has to be in memory. Shards
+    model-0000k-of-0000n, the index, config.json, `copy_files` (relative name -> a file copied byte for
+    byte, or the bytes: tokenizer, remote code, ...), the manifest of weights and index, then one atomic
+    publish; a failure removes the temporary folder and leaves any previous `path` untouched."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -346,10 +351,10 @@ def write_hf_folder(
         (tmp / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-        if isinstance(config, Step35Config):
-            config.save(tmp / "config.json")
-        else:  # a release's own config.json (Step-3.7's wraps the language model's config)
-            (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+        # a Step35Config, or a release's own config.json (Step-3.7's wraps the language model's config); never a
+        # quantization_config: step35 writes no FP8 weights, and an FP8 start folder's would describe weights not there
+        raw, _ = without_quantization(config.to_dict() if isinstance(config, Step35Config) else dict(config))
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         for name, source in (copy_files or {}).items():
             target = tmp / name
             if target.exists() or name == MANIFEST or Path(name).is_absolute() or ".." in Path(name).parts:

@@ -6,6 +6,7 @@ shards): each local piece is located in the full tensor by its global offset. Be
 read the headers are checked against the model (names, shapes, dtypes), then the files against
 the folder's manifest when it has one (checksums split over the ranks); every piece read is
 refused if it holds NaN/Inf. Errors are raised on all ranks alike, naming the file or tensor.
+An FP8 folder's tensors are dequantised slice by slice as they are read (fp8.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from step35.checkpoint.errors import raise_together
 from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos
+from step35.checkpoint.hf.fp8 import read_dequantized
 from step35.checkpoint.integrity import verify_on_all_ranks
 from step35.checkpoint.safe_load import check_finite
 from step35.config import Step35Config
@@ -83,7 +85,8 @@ def fill_from_init(model: nn.Module, seed: int, only=None) -> None:
 
 @torch.no_grad()
 def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
-    """Copy each local piece from its slice of the checkpoint; never reads a whole tensor it does not own."""
+    """Copy each local piece from its slice of the checkpoint; never reads a whole tensor it does not own (an FP8
+    tensor: its slice and the rows and columns of its scale grid that cover it, fp8.py)."""
     from safetensors import safe_open
 
     pieces = local_pieces(model)
@@ -97,9 +100,13 @@ def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
                 local, _, index = pieces[name]
                 if local.numel() == 0:
                     continue
-                value = f.get_slice(infos[name].key)[index]
+                if infos[name].scales is not None:  # FP8: this slice and the scale blocks it touches, dequantised
+                    value, read = read_dequantized(f, infos[name], index, local.dtype)
+                else:
+                    value = f.get_slice(infos[name].key)[index]
+                    read = value.numel() * value.element_size()
                 check_finite([(name, value)], file)
-                nbytes += value.numel() * value.element_size()
+                nbytes += read
                 local.copy_(value)
     return nbytes
 

@@ -45,6 +45,7 @@ import torch
 
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, write_hf_folder
+from step35.checkpoint.hf.fp8 import FP8_DTYPES, QUANTIZATION_KEY, block_size, read_whole, without_quantization
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.hf.release import wrapping_config
 from step35.checkpoint.integrity import manifest_info
@@ -139,8 +140,9 @@ def _our_modeling_note(source: Path | None, old: object) -> str:
     )
 
 
-def carried_tensors(carried: Mapping[str, TensorInfo]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a folder carries (Step-3.7's vision side), read file by file, dtype and bytes as stored."""
+def carried_tensors(carried: Mapping[str, TensorInfo], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a folder carries (Step-3.7's vision side), read file by file, dtype and bytes as stored; but
+    those stored in FP8, dequantised into `dtype` (the export's config.json declares no quantization)."""
     from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
@@ -149,7 +151,8 @@ def carried_tensors(carried: Mapping[str, TensorInfo]) -> Iterator[tuple[str, to
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for stored in names:
-                yield stored, f.get_tensor(stored)
+                info = carried[stored]
+                yield stored, read_whole(info, dtype) if info.scales is not None else f.get_tensor(stored)
 
 
 def companion_files(folder: Path) -> dict[str, Path]:
@@ -420,6 +423,11 @@ def export_checkpoint(
     `model_config`, the file `config` came from, are never replaced). `say` hears, as they happen,
     which dead exports' partial copies are removed (default: into the notes).
     Returns what was written and every change made to config.json."""
+    if dtype in FP8_DTYPES:  # a plain cast would drop the per-block scales the values need
+        raise CheckpointError(
+            f"--dtype {str(dtype).removeprefix('torch.')}: step35 does not write FP8 folders (block scales); export "
+            "in bfloat16 or float32"
+        )
     trained = open_checkpoint(checkpoint, config)
     lora = trained.lora
     if merge and lora is None:
@@ -523,8 +531,20 @@ def export_checkpoint(
         for name, tensor in trained.merged_tensors():  # = tensors() without adapters
             stored = layout.stored_name(name) if layout else name  # the release's names
             yield stored, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
-        yield from carried_tensors(carried)
+        yield from carried_tensors(carried, dtype)
 
+    # An FP8 start folder (fp8.py) was read dequantised and is written in `dtype`: its quantization_config would lie
+    quantized = exported.extra.pop(QUANTIZATION_KEY, None) is not None
+    if wrapper is not None:
+        wrapper, dropped = without_quantization(wrapper)
+        quantized = quantized or dropped
+    if quantized:
+        block = block_size(source) if source is not None and source.is_dir() else None
+        stored = f"FP8 (float8_e4m3fn, scale blocks {list(block)})" if block else "FP8"
+        notes.append(
+            f"the run started from a folder stored in {stored}, read dequantised: the weights are written in "
+            f"{str(dtype).removeprefix('torch.')}, and config.json has no {QUANTIZATION_KEY}"
+        )
     config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}
     write_hf_folder(out, cast(), config, max_shard_size, copy_files=files)
     return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)

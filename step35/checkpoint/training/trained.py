@@ -23,6 +23,7 @@ import torch
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf import lora_base
 from step35.checkpoint.hf.folder import INDEX_FILE, SINGLE_FILE, model_tensor_infos
+from step35.checkpoint.hf.fp8 import read_whole
 from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
 from step35.checkpoint.training import keys, run_tokenizer
@@ -156,8 +157,11 @@ class TrainedCheckpoint:
         for name, shape in names.items():
             if name not in infos or infos[name].shape != shape:
                 raise CheckpointError(f"{folder}: the LoRA run's base lacks {name} of shape {list(shape)}")
-            with safe_open(infos[name].file, framework="pt") as f:
-                tensor = f.get_tensor(infos[name].key)
+            if infos[name].scales is not None:  # an FP8 base, dequantised as the run read it (hf/fp8.py)
+                tensor = read_whole(infos[name], dtype or getattr(torch, self.config.torch_dtype))
+            else:
+                with safe_open(infos[name].file, framework="pt") as f:
+                    tensor = f.get_tensor(infos[name].key)
             check_finite([(name, tensor)], infos[name].file)
             yield name, tensor.to(dtype) if dtype is not None and not name.endswith("router_bias") else tensor
 

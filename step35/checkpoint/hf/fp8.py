@@ -1,0 +1,214 @@
+"""FP8 start folders (Step-3.5-Flash-FP8, Step-3.7-Flash-FP8): weights stored block-quantised, read
+dequantised.
+
+Such a folder's config.json carries `quantization_config` (`quant_method: fp8`, `weight_block_size: [bo, bi]`,
+`modules_to_not_convert`): at the top level of the file, also for Step-3.7, whose language model's fields sit
+under `text_config` (transformers and vLLM read it there; one found under `text_config` is read too). A
+quantised tensor `<name>` [..., out, in] is stored as float8_e4m3fn beside `<name>_scale_inv`, float32, of
+shape [..., ceil(out / bo), ceil(in / bi)]: one inverse scale per block, the blocks at the bottom and right
+edges cut short when a width is not a multiple of the block. The stored value of an element is
+`fp8.float() * scale_inv` of its block. Stacked experts [E, out, in] have scales [E, ceil(out / bo),
+ceil(in / bi)], one grid per expert. What `modules_to_not_convert` names (embedding, LM head, router, norms)
+is stored in the config's dtype without scales; the dtype of each stored tensor decides, not that list.
+
+Pairing (`pair_scales`, called when a folder's tensors are listed) attaches each FP8 tensor's scales to its
+entry and takes the scale tensors out of the listing, refusing, with the file and tensor named, an FP8
+tensor without its scales, scales of another shape or dtype, and scales of a tensor that is not FP8.
+Reading (`read_dequantized`) takes the slice of the FP8 tensor a rank owns and the rows and columns of the
+scale grid covering it, and multiplies one matrix at a time in float32 before casting to the model's dtype:
+a rank never reads more than its slice and the blocks it cuts into, and no full-precision copy of a file
+(or of a whole stacked tensor) is made. step35 writes no FP8 folders: an export writes the training dtype and
+a config.json without `quantization_config` (`without_quantization`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from step35.checkpoint.errors import CheckpointError
+from step35.config import WRAPPING_FAMILIES
+
+QUANTIZATION_KEY = "quantization_config"
+SCALE_SUFFIX = "_scale_inv"  # `<name>_scale_inv`: `...weight_scale_inv` for a `...weight`
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the releases store e4m3fn; e5m2 dequantises the same way
+SCALE_DTYPES = (torch.float32, torch.bfloat16)  # the releases store float32
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """Where the inverse scales of one FP8-stored tensor are (`key` in `file`) and the block each covers
+    (rows, columns of the tensor's last two dimensions)."""
+
+    file: Path
+    key: str
+    block: tuple[int, int]
+
+
+def _quantization_entry(raw: dict) -> object:
+    """config.json's quantization_config: at the top level (where transformers and vLLM read it, Step-3.7's
+    too), else under a wrapping release's language-model key (Step-3.7's text_config)."""
+    if QUANTIZATION_KEY in raw:
+        return raw[QUANTIZATION_KEY]
+    family = WRAPPING_FAMILIES.get(raw.get("model_type"))
+    inner = raw.get(family[1]) if family else None
+    return inner.get(QUANTIZATION_KEY) if isinstance(inner, dict) else None
+
+
+def block_size(folder: str | Path) -> tuple[int, int] | None:
+    """The FP8 block (rows, columns) `folder`'s config.json declares; None when it declares no quantization
+    (or has no readable config.json: whoever reads the config says so). A quantization step35 does not read
+    (another quant_method, FP8 without blocks) is refused naming the file and the field."""
+    config = Path(folder) / "config.json"
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    entry = _quantization_entry(raw) if isinstance(raw, dict) else None
+    if entry is None:
+        return None
+    method = entry.get("quant_method") if isinstance(entry, dict) else None
+    if method != "fp8":
+        raise CheckpointError(
+            f"{config}: {QUANTIZATION_KEY} with quant_method {method!r}; step35 reads FP8 block-quantised folders "
+            "(quant_method fp8, weight_block_size [rows, cols]) and unquantised ones only"
+        )
+    block = entry.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise CheckpointError(
+            f"{config}: {QUANTIZATION_KEY}.weight_block_size is {block!r}, expected [rows, cols] of one scale block "
+            "(the releases: [128, 128]); FP8 with one scale per tensor is not read"
+        )
+    return block[0], block[1]
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The shape of the inverse scales of a tensor of `shape`: one per block of its last two dimensions,
+    the blocks at the edges cut short (ceil division)."""
+    return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def pair_scales(folder: str | Path, infos: dict) -> dict:
+    """`infos` (stored name -> folder.TensorInfo) with every FP8 tensor's `scales` set and the scale tensors
+    taken out; unchanged for a folder without FP8 tensors or scales. Refuses, naming the file and tensor: an
+    FP8 tensor when config.json declares no FP8 blocks, one without its `<name>_scale_inv`, scales of another
+    shape than the block grid or of a dtype other than float32/bfloat16, and scales of a tensor that is not
+    stored in FP8 (or not there)."""
+    fp8 = [name for name, info in infos.items() if info.dtype in FP8_DTYPES]
+    scales = {name for name in infos if name.endswith(SCALE_SUFFIX)}
+    if not fp8 and not scales:
+        return infos
+    block = block_size(folder)
+    config = Path(folder) / "config.json"
+    out = {name: info for name, info in infos.items() if name not in scales}
+    for name in fp8:
+        info = infos[name]
+        if block is None:
+            raise CheckpointError(
+                f"{info.file}: tensor {name} is stored as {info.dtype}, but {config} declares no "
+                f"{QUANTIZATION_KEY} (quant_method fp8, weight_block_size) to say how to scale it"
+            )
+        if len(info.shape) < 2:
+            raise CheckpointError(
+                f"{info.file}: tensor {name} of shape {list(info.shape)} is stored as {info.dtype}; only matrices "
+                "(and stacked matrices) carry block scales"
+            )
+        scale_name = name + SCALE_SUFFIX
+        scale = infos.get(scale_name)
+        if scale is None:
+            raise CheckpointError(
+                f"{info.file}: tensor {name} is stored as {info.dtype} without its inverse scales {scale_name} "
+                "(not in the folder); it cannot be dequantised"
+            )
+        expected = scale_shape(info.shape, block)
+        if scale.shape != expected:
+            raise CheckpointError(
+                f"{scale.file}: tensor {scale_name} has shape {list(scale.shape)}, but {name} of shape "
+                f"{list(info.shape)} in blocks of {list(block)} ({config}) needs {list(expected)}"
+            )
+        if scale.dtype not in SCALE_DTYPES:
+            raise CheckpointError(
+                f"{scale.file}: tensor {scale_name} is {scale.dtype}; inverse scales are read as float32 or bfloat16"
+            )
+        out[name] = dataclasses.replace(info, scales=BlockScales(scale.file, scale.key, block))
+    for scale_name in sorted(scales):
+        base = scale_name[: -len(SCALE_SUFFIX)]
+        if base not in fp8:
+            what = f"stored as {infos[base].dtype}, not FP8" if base in infos else "not in the folder"
+            raise CheckpointError(
+                f"{infos[scale_name].file}: holds inverse scales {scale_name}, but {base} is {what}; "
+                "scales belong to FP8 tensors only"
+            )
+    return out
+
+
+def read_dequantized(handle, info, index: tuple[slice, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The slice `index` of the FP8 tensor `info` (open in `handle`, a safetensors file), dequantised into
+    `dtype`, and the bytes read: the FP8 slice and the rows and columns of the scale grid covering it."""
+    from safetensors import safe_open
+
+    block = info.scales.block
+    *leading, rows, cols = index
+    grid = (*leading, _blocks(rows, block[0]), _blocks(cols, block[1]))
+    weights = handle.get_slice(info.key)[index]
+    if info.scales.file == info.file:
+        scales = handle.get_slice(info.scales.key)[grid]
+    else:  # a release may put the scales in another shard than the weight
+        with safe_open(info.scales.file, framework="pt") as other:
+            scales = other.get_slice(info.scales.key)[grid]
+    nbytes = weights.numel() * weights.element_size() + scales.numel() * scales.element_size()
+    return dequantize(weights, scales, (rows.start % block[0], cols.start % block[1]), block, dtype), nbytes
+
+
+def _blocks(span: slice, size: int) -> slice:
+    """The blocks of `size` that the elements `span` of one dimension touch."""
+    return slice(span.start // size, -(-span.stop // size))
+
+
+def dequantize(
+    weights: torch.Tensor,
+    scales: torch.Tensor,
+    offset: tuple[int, int],
+    block: tuple[int, int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """FP8 `weights` [..., R, C] times their inverse scales, in `dtype`. `scales` [..., r, c] are the blocks the
+    slice touches, the first starting `offset` (rows, cols) elements before the slice. Computed in float32 one
+    matrix at a time (a stacked expert tensor: one expert), so the temporaries stay one matrix big."""
+    *leading, num_rows, num_cols = weights.shape
+    out = torch.empty(weights.shape, dtype=dtype)
+    flat_weights = weights.reshape(-1, num_rows, num_cols)
+    flat_scales = scales.reshape(-1, *scales.shape[-2:])
+    flat_out = out.view(-1, num_rows, num_cols)
+    for i in range(flat_weights.shape[0]):
+        per_element = flat_scales[i].to(torch.float32).repeat_interleave(block[0], dim=0)
+        per_element = per_element[offset[0] : offset[0] + num_rows].repeat_interleave(block[1], dim=1)
+        flat_out[i] = flat_weights[i].to(torch.float32) * per_element[:, offset[1] : offset[1] + num_cols]
+    return out
+
+
+def read_whole(info, dtype: torch.dtype) -> torch.Tensor:
+    """The whole FP8 tensor `info`, dequantised into `dtype` (an export's carried tensors, a LoRA run's base)."""
+    from safetensors import safe_open
+
+    with safe_open(info.file, framework="pt") as handle:
+        value, _ = read_dequantized(handle, info, tuple(slice(0, n) for n in info.shape), dtype)
+    return value
+
+
+def without_quantization(config: dict) -> tuple[dict, bool]:
+    """`config` (a config.json's content) without `quantization_config`, at the top level or under a wrapping
+    release's language-model key, and whether there was one: step35 writes no FP8 weights, so the key would
+    describe weights the folder does not hold."""
+    out = dict(config)
+    removed = out.pop(QUANTIZATION_KEY, None) is not None
+    family = WRAPPING_FAMILIES.get(out.get("model_type"))
+    if family and isinstance(out.get(family[1]), dict) and QUANTIZATION_KEY in out[family[1]]:
+        out[family[1]] = {k: v for k, v in out[family[1]].items() if k != QUANTIZATION_KEY}
+        removed = True
+    return out, removed

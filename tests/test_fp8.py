@@ -1,0 +1,327 @@
+"""FP8 start folders (Step-3.5-Flash-FP8, Step-3.7-Flash-FP8; checkpoint/hf/fp8.py): weights stored as
+float8_e4m3fn with per-block inverse scales `<name>_scale_inv`, the block in config.json's quantization_config.
+
+The folders are made here, by block-quantising the tiny preset's weights the way the releases are laid out
+(vLLM's and transformers' FP8 loaders, read for the layout): every matrix and stacked expert tensor in FP8 with
+float32 scales [..., ceil(out / rows), ceil(in / cols)], what `modules_to_not_convert` names (embedding, LM
+head, router) and the norms in bf16, the router bias in fp32. The block, [24, 40], is not square and cuts
+every tiny shape with a ragged edge (128 = 5 x 24 + 8 rows, 128 = 3 x 40 + 8 columns, g_proj's 4 rows in one
+block), and the 2-rank row shards cut blocks in two (64 = 2 x 24 + 16). The Step-3.5 folder keeps its scales
+in a second shard (the reader must open it); the Step-3.7 folder (config.json wrapping text_config, the
+quantization_config at its top level as transformers and vLLM read it) keeps them beside their weights and
+carries an FP8 vision tensor. The expected values are computed here independently: `fp8.float() *
+scale_inv` expanded per block with repeat_interleave."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.folder import INDEX_FILE, model_tensor_infos
+from step35.checkpoint.hf.materialize import checkpoint_state
+from step35.checkpoint.hf.pretrained import load_pretrained
+from step35.config import Step35Config, preset
+from step35.model import Step35ForCausalLM
+from tests.helpers import one_step_from
+from tests.runner import ROOT, run_script
+
+BLOCK = (24, 40)  # rows, cols of one scale block (the releases: 128 x 128)
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+NOT_CONVERTED = ("model.embed_tokens", "lm_head", "moe.gate", "shared_head.output")  # as modules_to_not_convert
+WEIGHTS, SCALES = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def quantised(name: str, tensor: torch.Tensor) -> bool:
+    """Whether the release stores `name` in FP8: matrices and stacked experts, but the modules not converted."""
+    module = name.removesuffix(".weight")
+    return tensor.dim() >= 2 and not any(module == m or module.endswith("." + m) for m in NOT_CONVERTED)
+
+
+def expand(scales: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """One scale per element of a tensor of `shape`: each block's scale repeated over its rows and columns."""
+    rows, cols = shape[-2:]
+    per_row = scales.repeat_interleave(BLOCK[0], dim=-2)[..., :rows, :]
+    return per_row.repeat_interleave(BLOCK[1], dim=-1)[..., :cols]
+
+
+def block_quantise(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, float32 inverse scales): each block's largest magnitude mapped to FP8_MAX."""
+    rows, cols = tensor.shape[-2:]
+    grid = (math.ceil(rows / BLOCK[0]), math.ceil(cols / BLOCK[1]))
+    padded = F.pad(tensor.float(), (0, grid[1] * BLOCK[1] - cols, 0, grid[0] * BLOCK[0] - rows))
+    blocks = padded.unflatten(-1, (grid[1], BLOCK[1])).unflatten(-3, (grid[0], BLOCK[0]))
+    largest = blocks.abs().amax(dim=(-3, -1))
+    scale_inv = torch.where(largest > 0, largest / FP8_MAX, torch.ones_like(largest))
+    values = (tensor.float() / expand(scale_inv, tensor.shape)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale_inv
+
+
+def dequantised(values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The reference: `fp8.float() * scale_inv` per block, in float32."""
+    return values.float() * expand(scale_inv, values.shape)
+
+
+def quantization_config() -> dict:
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": list(NOT_CONVERTED),
+    }
+
+
+def fp8_folder(folder: Path, language: dict[str, torch.Tensor], text: dict, release: str) -> dict[str, torch.Tensor]:
+    """Write `language` (step35's names, bf16 / fp32 router bias) block-quantised as an FP8 folder of `release`
+    ("Step-3.5": its config.json, scales in a second shard; "Step-3.7": text_config in a wrapping config.json,
+    one file, an FP8 vision tensor and a bf16 projector carried). Returns what step35 must read, in float32."""
+    folder.mkdir()
+    weights, scales, expected = {}, {}, {}
+    for name, tensor in language.items():
+        if quantised(name, tensor):
+            weights[name], scales[name + "_scale_inv"] = block_quantise(tensor)
+            expected[name] = dequantised(weights[name], scales[name + "_scale_inv"])
+        else:
+            weights[name], expected[name] = tensor, tensor.float()
+    if release == "Step-3.5":
+        save_file(weights, folder / WEIGHTS)
+        save_file(scales, folder / SCALES)
+        index = {n: WEIGHTS for n in weights} | {n: SCALES for n in scales}
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        config = {**text, "quantization_config": quantization_config()}
+    else:
+        vision = torch.randn(48, 88, generator=torch.Generator().manual_seed(7))
+        carried = {"vit_large_projector.weight": torch.randn(8, 48).to(torch.bfloat16)}
+        carried["vision_model.patch_embed.weight"], carried["vision_model.patch_embed.weight_scale_inv"] = (
+            block_quantise(vision)
+        )
+        save_file(weights | scales | carried, folder / "model.safetensors")
+        config = {
+            "model_type": "step3p7",
+            "architectures": ["Step3p7ForConditionalGeneration"],
+            "text_config": {**text, "model_type": "step3p5"},
+            "quantization_config": quantization_config(),
+        }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return expected
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, builtin_cache):
+    """The tiny preset's initial weights (seed 1) as a Step-3.5 and a Step-3.7 FP8 folder, each with the built-in
+    tokenizer: {release: (folder, the float32 values step35 must read)}."""
+    from step35.data import builtin_tokenizer_dir
+
+    text = {**preset("tiny").to_dict(), "torch_dtype": "bfloat16"}  # the releases: bf16 beside the FP8 tensors
+    model = Step35ForCausalLM(Step35Config.from_dict(text))
+    model.init_weights(1)
+    language = {
+        n: t.detach().clone() if n.endswith("router_bias") else t.detach().to(torch.bfloat16)
+        for n, t in checkpoint_state(model).items()
+    }
+    root = tmp_path_factory.mktemp("fp8")
+    tokenizer = builtin_tokenizer_dir(cache_dir=builtin_cache)
+    out = {}
+    for release in ("Step-3.5", "Step-3.7"):
+        folder = root / release
+        out[release] = folder, fp8_folder(folder, language, text, release)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tokenizer / name, folder / name)
+    return out
+
+
+def test_the_fixture_cuts_ragged_blocks_in_the_shapes_that_matter(folders):
+    _, expected = folders["Step-3.5"]
+    scales = load_file(folders["Step-3.5"][0] / SCALES)
+    ragged = [n for n in scales if any(d % b for d, b in zip(expected[n[: -len("_scale_inv")]].shape[-2:], BLOCK))]
+    assert "model.layers.1.moe.gate_proj.weight_scale_inv" in scales  # stacked experts, one grid per expert
+    assert scales["model.layers.1.moe.gate_proj.weight_scale_inv"].shape == (8, 3, 4)  # [8, 64, 128] / [24, 40]
+    assert len(ragged) == len(scales) and "model.embed_tokens.weight_scale_inv" not in scales
+
+
+@pytest.mark.parametrize("release", ["Step-3.5", "Step-3.7"])
+def test_loaded_weights_equal_the_blockwise_dequantisation(folders, release):
+    folder, expected = folders[release]
+    infos, carried, layout = model_tensor_infos(folder)
+    assert layout.release == release and not any(n.endswith("_scale_inv") for n in infos | carried)
+    assert {n for n, i in infos.items() if i.scales is not None} == {n for n, t in expected.items() if quantised(n, t)}
+    for dtype in (torch.float32, torch.bfloat16):
+        state = load_pretrained(folder, dtype=dtype).state_dict()
+        assert state.keys() == expected.keys()
+        for name, value in expected.items():
+            want = value if name.endswith("router_bias") else value.to(dtype)
+            assert state[name].dtype == want.dtype and torch.equal(state[name], want), (name, dtype)
+
+
+def broken_copy(folders, tmp_path, edit) -> Path:
+    """A copy of the Step-3.5 FP8 folder with its scale shard (and index) changed by `edit(scales, weight_map)`."""
+    folder = tmp_path / "broken"
+    shutil.copytree(folders["Step-3.5"][0], folder)
+    scales = load_file(folder / SCALES)
+    index = json.loads((folder / INDEX_FILE).read_text())
+    edit(scales, index["weight_map"])
+    save_file(scales, folder / SCALES)
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    return folder
+
+
+EXPERT = "model.layers.2.moe.down_proj.weight"
+ATTENTION = "model.layers.0.self_attn.g_proj.weight"
+
+
+def test_a_missing_scale_is_refused_naming_the_tensor_and_file(folders, tmp_path):
+    def drop(scales, weight_map):
+        del scales[EXPERT + "_scale_inv"], weight_map[EXPERT + "_scale_inv"]
+
+    with pytest.raises(CheckpointError, match=rf"{WEIGHTS}: tensor {EXPERT} is stored as torch.float8_e4m3fn without"):
+        load_pretrained(broken_copy(folders, tmp_path, drop))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [lambda s: s[:, :, :-1], lambda s: s[0], lambda s: torch.cat([s, s[:, :1]], dim=1)],
+    ids=["a_column_short", "one_expert", "a_block_row_more"],
+)
+def test_a_scale_of_the_wrong_shape_is_refused_naming_it(folders, tmp_path, bad):
+    def reshape(scales, weight_map):
+        scales[EXPERT + "_scale_inv"] = bad(scales[EXPERT + "_scale_inv"]).contiguous()
+
+    with pytest.raises(CheckpointError, match=rf"{SCALES}: tensor {EXPERT}_scale_inv has shape .* needs \[8, 6, 2\]"):
+        load_pretrained(broken_copy(folders, tmp_path, reshape))
+
+
+def test_other_broken_scales_are_refused(folders, tmp_path):
+    def as_fp16(scales, weight_map):
+        scales[ATTENTION + "_scale_inv"] = scales[ATTENTION + "_scale_inv"].half()
+
+    with pytest.raises(CheckpointError, match=rf"{ATTENTION}_scale_inv is torch.float16"):
+        load_pretrained(broken_copy(folders, tmp_path, as_fp16))
+    stray = "model.embed_tokens.weight_scale_inv"  # the embedding is stored in bf16: a scale of it is no FP8 scale
+
+    def add_stray(scales, weight_map):
+        scales[stray], weight_map[stray] = torch.ones(1, 1), SCALES
+
+    with pytest.raises(CheckpointError, match=rf"holds inverse scales {stray}, but .* stored as torch.bfloat16"):
+        load_pretrained(broken_copy(folders, tmp_path / "stray", add_stray))
+
+
+@pytest.mark.parametrize(
+    "quantization, message",
+    [
+        (None, "declares no quantization_config"),
+        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'; step35 reads FP8"),
+        ({"quant_method": "fp8", "weight_block_size": None}, "weight_block_size is None"),
+    ],
+    ids=["none", "another_method", "no_blocks"],
+)
+def test_a_config_that_does_not_say_how_to_scale_is_refused(folders, tmp_path, quantization, message):
+    folder = tmp_path / "config"
+    shutil.copytree(folders["Step-3.5"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config")
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_pretrained(folder)
+
+
+@pytest.mark.heavy  # one training step in this process (Lightning), then two exports
+def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(folders, tmp_path, builtin_cache):
+    """One step from the Step-3.5 FP8 folder, then `export`: bf16 weights (router bias fp32), config.json without
+    quantization_config, said in the export's notes; the folder loads back and holds the trained weights. The
+    same checkpoint exported with the Step-3.7 FP8 folder as --source (the same language model) writes a Step-3.7
+    folder whose carried FP8 vision tensor is dequantised into bf16 and whose scales are gone."""
+    from step35.checkpoint.training.export import export_checkpoint
+
+    source, _ = folders["Step-3.5"]
+    module, checkpoint = one_step_from(source, tmp_path, builtin_cache)
+    report = export_checkpoint(checkpoint, tmp_path / "hf")
+    notes = [n for n in report.notes if "FP8" in n]
+    assert len(notes) == 1 and "written in bfloat16" in notes[0] and "[24, 40]" in notes[0], report.notes
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    stored = {}
+    for file in sorted((tmp_path / "hf").glob("*.safetensors")):
+        stored |= load_file(file)
+    trained = dict(module.model.state_dict())
+    assert stored.keys() == trained.keys()
+    for name, value in trained.items():
+        dtype = torch.float32 if name.endswith("router_bias") else torch.bfloat16
+        assert stored[name].dtype == dtype and torch.equal(stored[name], value.to(dtype)), name
+    loaded = load_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(loaded[n], stored[n]) for n in stored)
+    with pytest.raises(CheckpointError, match="does not write FP8 folders"):  # a cast would drop the scales
+        export_checkpoint(checkpoint, tmp_path / "fp8", dtype=torch.float8_e4m3fn)
+
+    wrapped, _ = folders["Step-3.7"]
+    report = export_checkpoint(checkpoint, tmp_path / "hf37", source=wrapped)
+    config = json.loads((tmp_path / "hf37" / "config.json").read_text())
+    assert config["model_type"] == "step3p7" and "quantization_config" not in config
+    assert "quantization_config" not in config["text_config"]
+    assert any("FP8" in n for n in report.notes), report.notes
+    stored = {}
+    for file in sorted((tmp_path / "hf37").glob("*.safetensors")):
+        stored |= load_file(file)
+    assert not any(n.endswith("_scale_inv") for n in stored)
+    released = load_file(wrapped / "model.safetensors")
+    vision = "vision_model.patch_embed.weight"
+    want = dequantised(released[vision], released[vision + "_scale_inv"]).to(torch.bfloat16)
+    assert stored[vision].dtype == torch.bfloat16 and torch.equal(stored[vision], want)
+    assert torch.equal(stored["vit_large_projector.weight"], released["vit_large_projector.weight"])
+    assert load_pretrained(tmp_path / "hf37").state_dict().keys() == trained.keys()
+
+
+def slice_bytes(name: str, bounds: list[tuple[int, int]], expected: dict[str, torch.Tensor]) -> int:
+    """What reading the slice `bounds` of `name` costs, counted here: an FP8 slice's bytes (1 each) and the float32
+    scales of the blocks it touches; a bf16 slice 2 bytes an element, the router bias 4."""
+    count = math.prod(stop - start for start, stop in bounds)
+    if count == 0:
+        return 0  # an empty shard reads nothing
+    if not quantised(name, expected[name]):
+        return count * (4 if name.endswith("router_bias") else 2)
+    *leading, (r0, r1), (c0, c1) = bounds
+    blocks = (math.ceil(r1 / BLOCK[0]) - r0 // BLOCK[0]) * (math.ceil(c1 / BLOCK[1]) - c0 // BLOCK[1])
+    return count + 4 * blocks * math.prod(stop - start for start, stop in leading)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_two_ranks_with_ep_2_read_only_their_slices(folders, tmp_path):
+    """2 gloo ranks, FSDP x EP 2 (tests/dist/fp8_load.py), from the Step-3.5 FP8 folder: each rank's shards are the
+    dequantised slices of the full tensors, and it read exactly its FP8 slices and the scale blocks they touch:
+    about half the folder, not all of it."""
+    folder, expected = folders["Step-3.5"]
+    run_script(
+        ROOT / "tests" / "dist" / "fp8_load.py",
+        2,
+        "--checkpoint",
+        str(folder),
+        "--ep",
+        "2",
+        "--out",
+        str(tmp_path),
+        timeout=300,
+    )
+    whole = sum(t.numel() * t.element_size() for f in (WEIGHTS, SCALES) for t in load_file(folder / f).values())
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        pieces = result["pieces"]
+        assert pieces.keys() == expected.keys()
+        for name, (local, bounds) in pieces.items():
+            index = tuple(slice(start, stop) for start, stop in bounds)
+            assert torch.equal(local, expected[name][index]), (rank, name, bounds)
+        assert any(b[0] != (0, expected[n].shape[0]) for n, (_, b) in pieces.items())  # sharded, not replicated
+        read = result["bytes_read"]
+        assert read == sum(slice_bytes(n, b, expected) for n, (_, b) in pieces.items()), rank
+        print(f"rank {rank} read {read} of the folder's {whole} bytes")
+        assert read < 0.6 * whole, (read, whole)

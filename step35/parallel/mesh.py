@@ -24,10 +24,16 @@ class ParallelConfigError(ValueError):
     """Parallel sizes that cannot work together; raised before any collective or large allocation."""
 
 
-def valid_ep_sizes(world_size: int, num_experts: int | None = None) -> list[int]:
-    """Expert-parallel sizes that divide the world size and, when given, the number of experts, ascending."""
+def valid_ep_sizes(world_size: int, num_experts: int | None = None, expert_rows: tuple[int, ...] = ()) -> list[int]:
+    """Expert-parallel sizes that divide the world size and, when given, the number of experts, ascending; with
+    `expert_rows` (dim 1 of the stacked expert tensors, `ParallelDims.check_expert_rows`), only those whose efsdp
+    = world / ep divides every one of them (EP 1 keeps the experts in the dense units: no such limit)."""
     return [
-        d for d in range(1, world_size + 1) if world_size % d == 0 and (num_experts is None or num_experts % d == 0)
+        d
+        for d in range(1, world_size + 1)
+        if world_size % d == 0
+        and (num_experts is None or num_experts % d == 0)
+        and (d == 1 or all(r % (world_size // d) == 0 for r in expert_rows))
     ]
 
 
@@ -69,10 +75,12 @@ class ParallelDims:
                 f"{valid_ep_sizes(ws, self.num_experts)})"
             )
         if self.num_experts is not None and self.num_experts % ep:
+            # The model's expert count is the folder's (a pruned release may have any), so its divisors
+            # are said too: they are the sizes some world size allows.
             raise ParallelConfigError(
-                f"expert_parallel_size={ep} must divide num_experts={self.num_experts} "
-                f"(sizes that divide both the experts and the world size {ws}: "
-                f"{valid_ep_sizes(ws, self.num_experts)})"
+                f"expert_parallel_size={ep} must divide num_experts={self.num_experts} (the routed experts "
+                f"per MoE layer of the model; its divisors: {valid_ep_sizes(self.num_experts)}; sizes that "
+                f"divide both the experts and the world size {ws}: {valid_ep_sizes(ws, self.num_experts)})"
             )
         if rep < 1 or ws % rep:
             raise ParallelConfigError(f"replicate_size={rep} must divide the world size {ws}")
@@ -94,6 +102,26 @@ class ParallelDims:
                 f"context_parallel_size={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} "
                 f"(two chunks per rank); data.seq_len={seq_len} (valid cp sizes for this "
                 f"world size {self.world_size}: {valid_cp_sizes(self.world_size, seq_len)})"
+            )
+
+    def check_expert_rows(self, rows: dict[str, int]) -> None:
+        """Refuse an efsdp that does not divide dim 1 of every stacked expert tensor ({name: size}: the rows of
+        gate/up_proj, moe_intermediate_size; of down_proj, hidden_size; a LoRA adapter's rank or width). Under
+        EP the experts' dim 0 is split over ep and FSDP2 shards dim 1 over efsdp, which it does evenly only
+        (torch raises "FSDP does not support uneven sharding on dim 1" deep in the model's setup otherwise). A
+        pruned or smaller model makes more world sizes hit this; the message lists the EP sizes that work."""
+        efsdp, ep = self.efsdp, self.expert_parallel_size
+        if ep == 1:
+            return  # no expert mesh: the experts are sharded with their layer along dim 0 (experts)
+        uneven = {name: size for name, size in rows.items() if size % efsdp}
+        if uneven:
+            listed = ", ".join(f"{name} {size}" for name, size in uneven.items())
+            valid = valid_ep_sizes(self.world_size, self.num_experts, tuple(rows.values()))
+            raise ParallelConfigError(
+                f"expert_parallel_size={ep} on {self.world_size} ranks shards each expert's rows over efsdp = "
+                f"{self.world_size} / {ep} = {efsdp} ranks, which must divide them evenly (FSDP2 shards dim 1 "
+                f"evenly only); dim 1 of the stacked experts not a multiple of {efsdp}: {listed}. Sizes that "
+                f"work on this world size: {valid}"
             )
 
     @property

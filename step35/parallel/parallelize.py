@@ -70,7 +70,12 @@ def apply_fsdp(
     for layer in model.model.layers:
         if layer.spec.is_moe and meshes.experts is not None:
             experts = [layer.moe.gate_proj, layer.moe.up_proj, layer.moe.down_proj]
-            # Dim 0 is already split over ep; FSDP shards the per-expert rows (dim 1) over efsdp.
+            # Dim 0 is already split over ep; FSDP shards the per-expert rows (dim 1) over efsdp, evenly only:
+            # a size that would not split is refused here, naming it, on every rank alike.
+            names = ("gate_proj", "up_proj", "down_proj")
+            meshes.dims.check_expert_rows(
+                {f"{k}.{n}": p.shape[1] for k, m in zip(names, experts) for n, p in m.named_parameters()}
+            )
             fully_shard(
                 experts,
                 mesh=meshes.experts["efsdp"],

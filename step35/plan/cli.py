@@ -20,7 +20,7 @@ from step35.plan.devices import DEFAULT_FOR_ACCELERATOR, DEVICES, Device
 from step35.plan.planner import make_plan
 from step35.plan.report import as_json, text
 from step35.plan.settings import PlanInputError, read_settings
-from step35.plan.suggest import other_ways, suggest
+from step35.plan.suggest import expert_rows, other_ways, suggest
 
 FITS, DOES_NOT_FIT, INVALID = 0, 1, 2
 
@@ -111,12 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     if settings.sharded:
         experts = cfg.moe_num_experts if cfg.use_moe else None
         ep, world = settings.expert_parallel_size, settings.world_size
-        valid = valid_ep_sizes(world, experts)
+        valid = valid_ep_sizes(world, experts, expert_rows(cfg))
         if ep not in valid:
+            # The expert count is the model's (a pruned folder may have any): its divisors are the sizes some
+            # world size allows, said beside the ones this world size allows.
+            what = f"the {experts} experts and the world size" if experts else "the world size"
+            rows, divisors = "", ""
+            if experts:
+                rows = (
+                    f", and world / ep (efsdp) must divide each expert's rows (moe_intermediate_size "
+                    f"{cfg.moe_intermediate_size}, hidden_size {cfg.hidden_size})"
+                )
+                divisors = f" (the {experts} experts' divisors: {', '.join(map(str, valid_ep_sizes(experts)))})"
             print(
-                f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide the "
-                f"{experts} experts and the world size {world} ({settings.num_nodes} x {settings.devices_per_node}). "
-                f"Valid sizes: {', '.join(map(str, valid))}",
+                f"step35 plan: trainer.strategy.expert_parallel_size={ep} is invalid: it must divide {what} "
+                f"{world} ({settings.num_nodes} x {settings.devices_per_node}){rows}. Valid sizes: "
+                f"{', '.join(map(str, valid))}{divisors}",
                 file=sys.stderr,
             )
             if not args.no_suggestions:

@@ -17,10 +17,16 @@ from step35.plan.settings import RunSettings
 AC_ORDER = ("none", "selective", "full")
 
 
+def expert_rows(cfg) -> tuple[int, ...]:
+    """Dim 1 of the stacked expert tensors (gate/up_proj: moe_intermediate_size; down_proj: hidden_size), which
+    efsdp must divide under EP (ParallelDims.check_expert_rows); none without routed experts."""
+    return (cfg.moe_intermediate_size, cfg.hidden_size) if cfg.use_moe else ()
+
+
 def _ep_sizes(s: RunSettings, world: int) -> list[int]:
     """The EP sizes worth trying on `world` ranks: the valid ones, or only 1 without routed experts."""
     cfg = s.model_config
-    return valid_ep_sizes(world, cfg.moe_num_experts) if cfg.use_moe else [1]
+    return valid_ep_sizes(world, cfg.moe_num_experts, expert_rows(cfg)) if cfg.use_moe else [1]
 
 
 def _nearest_ep(sizes: list[int], ep: int) -> list[int]:

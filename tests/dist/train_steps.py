@@ -7,6 +7,7 @@ per-step global losses, grad norms and the final full parameters to --out; sever
   torchrun --standalone --nproc-per-node 4 tests/dist/train_steps.py --ep 2 --out ep2.pt
   torchrun --standalone --nproc-per-node 2 tests/dist/train_steps.py --out all.pt --case ep1="--ep 1" --case ep2="--ep 2"
   ... --optimizer muon: step35's Muon (training/muon.py) instead of torch's AdamW
+  ... --checkpoint FOLDER --batch 6: the model of an HF folder (its config and weights), 6 sequences a step
 """
 
 import argparse
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from step35.checkpoint.hf.materialize import materialize
-from step35.config import preset
+from step35.config import load_config, preset
 from step35.model import Step35ForCausalLM
 from step35.parallel import ParallelDims, clip_grad_norm_, parallelize
 from step35.training.optimizer import OptimizerOptions, build_optimizer
@@ -26,9 +27,9 @@ GLOBAL_BATCH, SEQ = 8, 48
 MUON = {"preset": "stepfun", "adamw_lr": 1e-3}
 
 
-def batches(steps: int, vocab: int) -> torch.Tensor:
+def batches(steps: int, vocab: int, batch: int = GLOBAL_BATCH) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, vocab, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+    return torch.randint(0, vocab, (steps, batch, SEQ + 1), generator=g)
 
 
 def options() -> argparse.ArgumentParser:
@@ -43,13 +44,15 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--param-dtype", default=None, choices=[None, "bfloat16"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    p.add_argument("--checkpoint", default=None, help="an HF folder: its config and weights, not the tiny init")
+    p.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="sequences per step, a multiple of the world")
     return p
 
 
 def run(args: argparse.Namespace, distributed: bool) -> dict:
     """The steps of one run (in this job's process group when `distributed`): losses, grad norms, final parameters."""
     torch.manual_seed(0)
-    config = preset("tiny")
+    config = load_config(args.checkpoint) if args.checkpoint else preset("tiny")
     with torch.device("meta"):
         model = Step35ForCausalLM(config)
     rank, world = 0, 1
@@ -58,13 +61,13 @@ def run(args: argparse.Namespace, distributed: bool) -> dict:
         dims = ParallelDims(world, args.ep, args.replicate, num_experts=config.moe_num_experts)
         parallelize(model, dims.build("cpu"), activation_checkpointing=args.ac, compile=args.compile,
                     param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None)
-    materialize(model, "cpu", seed=7)
+    materialize(model, "cpu", checkpoint=args.checkpoint, seed=7)
     if args.optimizer == "muon":  # step35's, as fit builds it: Newton–Schulz of whole matrices under FSDP2 + EP
         opt = build_optimizer(model, OptimizerOptions(name="muon", lr=2e-2, weight_decay=0.1, extra=MUON))
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
-    data = batches(args.steps, config.vocab_size)
-    per_rank = GLOBAL_BATCH // world
+    data = batches(args.steps, config.vocab_size, args.batch)
+    per_rank = args.batch // world
     micro = per_rank // args.accum
     losses, norms = [], []
     for step in range(args.steps):

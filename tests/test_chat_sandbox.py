@@ -280,9 +280,9 @@ def test_dropped_tools_are_warned_once_per_source(tmp_path, builtin_cache):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ([{"type": "image_url", "image_url": {"url": "https://x/cat.png"}}],
-         r"^data\.jsonl:3: message 0 \(user\): content part 0 has type 'image_url'; only text parts"),
-        ([{"type": "text", "text": "look"}, {"type": "image"}], r"message 0 \(user\): content part 1 has type 'image'"),
+        ([{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}],
+         r"^data\.jsonl:3: message 0 \(user\): content part 0 has type 'input_audio'; only text parts"),
+        ([{"type": "text", "text": "look"}, {"type": "audio"}], r"message 0 \(user\): content part 1 has type 'audio'"),
         ([], r"^data\.jsonl:3: message 0 \(user\) has 'content' \[\] \(no parts\)"),
         (["look"], r"content part 0 is a str, not a \{type, text\} object"),
         ([{"type": "text"}], r"content part 0 \(text\) has no 'text' string"),
@@ -290,7 +290,7 @@ def test_dropped_tools_are_warned_once_per_source(tmp_path, builtin_cache):
 )  # fmt: skip
 def test_content_parts_that_are_not_text_are_refused(builtin_cache, content, message):
     """They rendered as empty text, even under data.strict; now the record is bad (skipped and counted, or
-    refused when strict), named with its file and line."""
+    refused when strict), named with its file and line. (Images stop the run instead: the test below.)"""
     from step35.data import builtin_tokenizer_dir
 
     messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "A cat."}]
@@ -299,6 +299,58 @@ def test_content_parts_that_are_not_text_are_refused(builtin_cache, content, mes
     tok = TextTokenizer.from_folder(builtin_tokenizer_dir(cache_dir=builtin_cache))
     with pytest.raises(ChatTemplateError, match=message):
         ChatTemplate.default().encode(tok, messages, where="data.jsonl:3")
+
+
+class _Record:
+    """A record of `value` at `data.jsonl:3`, as a reader gives it to the encoders."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def value(self):
+        return self._value
+
+    def where(self):
+        return "data.jsonl:3"
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+        {"type": "image"},
+        {"type": "input_image", "image_url": "https://x/cat.png"},
+        {"type": "video"},
+    ],
+    ids=lambda part: part["type"],
+)
+def test_image_parts_stop_the_run_naming_the_record(builtin_cache, part):
+    """An image (or video) part is no bad record to skip: chat records and preference pairs alike raise
+    ImagesNotSupported naming the file and line, which no reader takes for a bad record (not a ValueError)."""
+    from step35.data import builtin_tokenizer_dir
+    from step35.data.chat_messages import ImagesNotSupported
+    from step35.data.preference import PreferenceEncoder
+    from step35.data.sft import SftEncoder
+
+    assert not issubclass(ImagesNotSupported, ValueError)
+    user = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}
+    said = (
+        rf"^data\.jsonl:3: message 0 \(user\): content part 1 is an image \('{part['type']}'\): training the vision "
+        "side and images in data is not supported yet"
+    )
+    with pytest.raises(ImagesNotSupported, match=said):
+        check_messages([user, {"role": "assistant", "content": "A cat."}], "data.jsonl:3")
+    tok = TextTokenizer.from_folder(builtin_tokenizer_dir(cache_dir=builtin_cache))
+    template = ChatTemplate.default().with_tokens(eos_token="<|endoftext|>")
+    with pytest.raises(ImagesNotSupported, match=said):
+        SftEncoder("chat", tok, template)(_Record({"messages": [user, {"role": "assistant", "content": "A cat."}]}))
+    with pytest.raises(ImagesNotSupported, match=said):
+        PreferenceEncoder(tok, template)(_Record({"prompt": [user], "chosen": "A cat.", "rejected": "A dog."}))
+    text = {"role": "user", "content": [{"type": "text", "text": "What is this?"}]}  # text parts: trained as before
+    example = SftEncoder("chat", tok, template)(
+        _Record({"messages": [text, {"role": "assistant", "content": "A cat."}]})
+    )
+    assert any(example.trained)
 
 
 def test_text_parts_and_tool_calls_without_content_are_accepted():

@@ -7,6 +7,9 @@ anything else with a ChatTemplateError naming the record, and `check_train_choic
 `reasoning_content`, `thinking` or `reasoning`, first found wins) copied to `reasoning_content`, and to
 `thinking` unless the message has one; and, unlike transformers, tool calls' `arguments` given as a JSON string
 parsed first (`_parsed_arguments`).
+
+Image (and video) content parts are no bad record to skip but `ImagesNotSupported`, which stops the run: step35
+trains the language model only (a Step-3.7-Flash folder's vision encoder and projector are carried, not trained).
 """
 
 from __future__ import annotations
@@ -17,10 +20,20 @@ from typing import Any
 TRAIN_ON = ("assistant", "last_assistant", "all")
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# The content part types of images and videos: transformers' (`image`, `video`), OpenAI chat's (`image_url`,
+# `video_url`) and OpenAI Responses' (`input_image`).
+IMAGE_PARTS = ("image", "image_url", "input_image", "video", "video_url")
 
 
 class ChatTemplateError(ValueError):
     """A conversation or chat template that cannot be rendered or masked; the message names where."""
+
+
+class ImagesNotSupported(NotImplementedError):
+    """A conversation with image or video content. Not a bad record (a ValueError, skipped and counted): data made
+    for a vision-language model trained on its text alone would be another run than the one asked for, so the
+    run stops, naming the record. Not a ValueError either, so that no reader takes it for a bad record or an
+    empty holdout."""
 
 
 def where_prefix(where: str) -> str:
@@ -83,18 +96,25 @@ def check_messages(messages: Any, where: str = "", *, require_assistant: bool = 
 
 def _check_parts(parts: list, at: str, *, allow_empty: bool) -> None:
     """Content given as parts must be {type: "text", text: ...} objects: a text model cannot train on an image
-    or audio part, and templates render such parts (and an empty list) as no text at all, silently; refusing
-    them makes the record a bad record, counted and skipped (or refused under data.strict)."""
+    or audio part, and templates render such parts (and an empty list) as no text at all, silently. An image or
+    video part stops the run (`ImagesNotSupported`); any other makes the record a bad record, counted and
+    skipped (or refused under data.strict)."""
     if not parts and not allow_empty:
         raise ChatTemplateError(f"{at} has 'content' [] (no parts): give its text, or leave the message out")
     for k, part in enumerate(parts):
         if not isinstance(part, dict):
             raise ChatTemplateError(f"{at}: content part {k} is a {type(part).__name__}, not a {{type, text}} object")
         kind = part.get("type")
+        if kind in IMAGE_PARTS:
+            raise ImagesNotSupported(
+                f"{at}: content part {k} is an image ({kind!r}): training the vision side and images in data is "
+                "not supported yet (step35 trains the language model; a Step-3.7 folder's vision encoder and "
+                "projector are carried unchanged). Leave the records with images out of the data"
+            )
         if kind != "text":
             raise ChatTemplateError(
                 f"{at}: content part {k} has type {kind!r}; only text parts can be trained on (drop or describe"
-                " non-text parts such as images in text)"
+                " non-text parts such as audio in text)"
             )
         if not isinstance(part.get("text"), str):
             raise ChatTemplateError(f"{at}: content part {k} (text) has no 'text' string")

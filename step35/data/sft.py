@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from step35.data.chat_messages import ChatTemplateError, check_messages, check_train_choice
+from step35.data.chat_messages import ChatTemplateError, ImagesNotSupported, check_messages, check_train_choice
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
 from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 
@@ -199,7 +199,8 @@ class SftEncoder:
     def _conversation(self, messages: Any, tools: Any, where: str) -> Example:
         """The record's conversation through the template. A bad conversation (no messages, an unknown role,
         no assistant turn, ...) and a template that fails to render it (the Jinja error) are bad records:
-        skipped and counted, or refused when strict; the report names the record."""
+        skipped and counted, or refused when strict; the report names the record. Images stop the run, naming
+        the record too (chat_messages.ImagesNotSupported)."""
         try:
             if self.template is None:
                 check_messages(messages)  # a bad record is still only skipped; a good one cannot be rendered
@@ -211,6 +212,8 @@ class SftEncoder:
             )  # fmt: skip
         except ChatTemplateError as error:
             raise BadRecord(str(error)) from None
+        except ImagesNotSupported as error:  # checked without `where` (bad records get it from their report)
+            raise ImagesNotSupported(f"{where}: {error}") from None
         return Example(list(ids), [bool(t) for t in trained], where, total, complete=total == len(ids))
 
 

@@ -3,13 +3,13 @@ Step-3.5's names or under `model.language_model.*`) loads into step35's model, w
 transformers' own `Step3p7ForConditionalGeneration` computes on text (fp32 logits within 1e-5); the vision
 encoder and projector are not materialised.
 
-The folder is made here: a random tiny language model in the release's layout (tests/hf_oracle.py) nested as
-`text_config`, beside a tiny vision tower that transformers built and saved in the release's names."""
+The folder is made by tests/helpers.step37_folder: a random tiny language model in the release's layout
+(tests/hf_oracle.py) nested as `text_config`, beside a tiny vision tower that transformers built and saved in the
+release's names. The commands on such a folder (fit, export, generate, plan) are tests/test_step37_cli.py's."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,62 +19,11 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import model_tensor_infos
 from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.config import ConfigError, Step35Config, load_config
-from tests.helpers import one_step_from
-from tests.hf_oracle import hf_config_from_dict, random_state_dict, tiny_config_dict
+from tests.helpers import one_step_from, step37_folder
 
 pytestmark = pytest.mark.heavy  # transformers builds a vision tower and loads the folders
 
-BOOKKEEPING = ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
 TOLERANCE = 1e-5  # fp32, max abs over the logits (|logits| ~ 1-10); measured 3.5e-6 on both layouts
-
-
-def vision_tensors_and_config(tmp: Path, text: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """A tiny Step-3.7 vision encoder + projector saved by transformers: its tensors in the release's names
-    (`vision_model.*`, `vit_large_projector.*`) and its config.json (without text_config)."""
-    from transformers.models.step3p7.configuration_step3p7 import Step3p7Config, Step3p7VisionConfig
-    from transformers.models.step3p7.modeling_step3p7 import Step3p7ForConditionalGeneration
-
-    vision = Step3p7VisionConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14, mlp_ratio=2.0
-    )
-    torch.manual_seed(0)
-    model = Step3p7ForConditionalGeneration(
-        Step3p7Config(text_config=hf_config_from_dict(text).to_dict(), vision_config=vision.to_dict())
-    )
-    model.save_pretrained(tmp / "transformers_saved")
-    tensors = {}
-    for file in sorted((tmp / "transformers_saved").glob("*.safetensors")):
-        tensors |= {n: t for n, t in load_file(file).items() if n.startswith(("vision_model.", "vit_large_projector."))}
-    assert any(n.startswith("vit_large_projector.") for n in tensors) and len(tensors) > 10, sorted(tensors)
-    config = json.loads((tmp / "transformers_saved" / "config.json").read_text())
-    config.pop("text_config")
-    return tensors, config
-
-
-def step37_folder(
-    tmp: Path, nested: bool, text: dict | None = None, language: dict | None = None
-) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A tiny Step-3.7 folder: (its path, the language model's tensors in step35's names). `nested`: the NVFP4
-    export's layout (model.language_model.*, no MTP layers), else the BF16/FP8 releases' (Step-3.5's names).
-    `text` / `language`: the language model's config and tensors (default: hf_oracle's tiny, random)."""
-    text = {k: v for k, v in (text or tiny_config_dict()).items() if k not in BOOKKEEPING}
-    text["torch_dtype"] = "float32"
-    language = language if language is not None else random_state_dict(text, seed=1)
-    if nested:
-        first_mtp = text["num_hidden_layers"]
-        language = {
-            n: t
-            for n, t in language.items()
-            if not n.startswith(tuple(f"model.layers.{first_mtp + j}." for j in range(3)))
-        }
-    vision, config = vision_tensors_and_config(tmp, text)
-    config["text_config"] = {**text, "model_type": "step3p5"}
-    folder = tmp / ("nested" if nested else "flat")
-    folder.mkdir()
-    stored = {(n.replace("model.", "model.language_model.", 1) if nested else n): t for n, t in language.items()}
-    save_file({**stored, **vision}, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder, language
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["release_names", "language_model_prefix"])

@@ -96,6 +96,8 @@ def text(p: Plan) -> str:
             f"lora       {s.lora.describe()}; {_count(st.adapters_total)} adapter parameters, base frozen "
             f"in {_dtype(s.base_dtype)} (no gradients, no optimizer state)"
         )
+    if s.carried is not None:
+        lines.append(f"vision     {s.carried.describe()}")
     lines += [f"note       {n}" for n in s.notes]
     lines += ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
     lines += [
@@ -278,6 +280,7 @@ def as_dict(p: Plan) -> dict:
             "adapter_params": p.state.adapters_total,
             "base_dtype": _dtype(s.base_dtype),
         },
+        "carried": None if s.carried is None else asdict(s.carried),  # on the host, in no per-device number
         "notes": s.notes,
         "seconds": round(p.seconds, 3),
     }

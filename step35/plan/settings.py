@@ -14,6 +14,7 @@ import torch
 
 from step35.config import Step35Config
 from step35.kernels.sequence_split import rank_tokens
+from step35.plan.carried import CarriedWeights, carried_weights
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
 from step35.training.optimizer import OptimizerOptions, group_of, state_slots_per_group
 from step35.training.setup import model_config_of
@@ -67,6 +68,7 @@ class RunSettings:
     optimizer_slots: tuple[float, ...] = (2, 2)
     objective: str = "lm"  # model.objective
     dpo_reference_free: bool = False  # model.dpo.reference_free: no reference model
+    carried: CarriedWeights | None = None  # a Step-3.7 folder's vision weights: on the host, never on a device
 
     def slots_of(self, name: str, shape: tuple[int, ...]) -> float:
         """Optimizer states of the trained parameter `name` (its group's, training/optimizer.group_of)."""
@@ -263,6 +265,8 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
     config, source, notes = _model_config(model)
+    carried, carried_notes = carried_weights(model.get("checkpoint"))
+    notes += carried_notes
     try:
         lora = parse_lora(lora, config)
     except LoraInputError as err:
@@ -278,6 +282,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     num_mtp = config.num_nextn_predict_layers if model.num_mtp_layers is None else model.num_mtp_layers
     settings = RunSettings(
         model_config=config,
+        carried=carried,
         model_source=source,
         num_mtp_layers=num_mtp,
         mtp_loss_weight=float(model.mtp_loss_weight),

@@ -192,6 +192,31 @@ def dequantize(
     return out
 
 
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise `weight` [..., R, C] the releases' way: per block, scale_inv = amax(|block|) / 448 in
+    float32 (an all-zero block gets 1), values = clamp(w / scale_inv, -448, 448) as float8_e4m3fn. One matrix
+    (one expert) at a time in float32. The building block of the FP8 export (not yet wired into it)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    *leading, num_rows, num_cols = weight.shape
+    grid = scale_shape(tuple(weight.shape), block)
+    values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(grid, dtype=torch.float32)
+    flat_w = weight.reshape(-1, num_rows, num_cols)
+    flat_v = values.view(-1, num_rows, num_cols)
+    flat_s = scales.view(-1, *grid[-2:])
+    pad_r, pad_c = grid[-2] * block[0] - num_rows, grid[-1] * block[1] - num_cols
+    for i in range(flat_w.shape[0]):
+        w = flat_w[i].to(torch.float32)
+        padded = torch.nn.functional.pad(w.abs(), (0, pad_c, 0, pad_r))
+        amax = padded.view(grid[-2], block[0], grid[-1], block[1]).amax(dim=(1, 3))
+        scale = amax / fp8_max
+        scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+        flat_s[i] = scale
+        per_element = scale.repeat_interleave(block[0], 0)[:num_rows].repeat_interleave(block[1], 1)[:, :num_cols]
+        flat_v[i] = (w / per_element).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    return values, scales
+
+
 def read_whole(info, dtype: torch.dtype) -> torch.Tensor:
     """The whole FP8 tensor `info`, dequantised into `dtype` (an export's carried tensors, a LoRA run's base)."""
     from safetensors import safe_open

@@ -65,3 +65,12 @@ def test_export_and_generate_start_without_lightning():
     # commands that only read checkpoints must not pay it (step35/checkpoint/training/plugin.py holds its side).
     prefixes = ("lightning", "pytorch_lightning", "torchmetrics")
     assert loaded_by("step35.commands.export, step35.commands.generate", prefixes) == []
+
+
+@pytest.mark.heavy  # a subprocess
+def test_a_job_the_tests_start_imports_no_test_oracle():
+    # A rank of `step35 fit` imports Lightning, whose torchmetrics imports transformers whenever it can (~3 s of
+    # every start on CI's two cores): the tests' references live in .oracle (tests/oracles.txt), off the path of
+    # the jobs they start, so those jobs start as a user's install does. Fails when an oracle is installed into
+    # step35's environment again (e.g. back in the dev extra).
+    assert loaded_by("step35.commands.fit", ("transformers", "peft", "accelerate", "msprobe")) == []

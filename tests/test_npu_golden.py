@@ -39,7 +39,9 @@ def _load_reference():
     einops, msprobe's constants (loaded from their file) and a logger (a plain logging.Logger here)."""
     spec = importlib.util.find_spec("msprobe")
     if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("einops") is None:
-        pytest.skip("mindstudio-probe (and einops) not installed: `pip install --no-deps mindstudio-probe einops`")
+        pytest.skip(
+            "mindstudio-probe (and einops) not installed: `pip install --no-deps --upgrade --target .oracle -r tests/oracles.txt`"
+        )
     root = Path(spec.submodule_search_locations[0])
 
     def load(name: str, path: Path):

@@ -216,6 +216,21 @@ def ignore_at_exit(signals: tuple[int, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------- watchdog
+# The watchdogs started in this process and not stopped: a fit that failed leaves its own running on purpose (it
+# watches the process's way out); `end_in_caller` stops them when the process goes on instead.
+_RUNNING_WATCHDOGS: set[Watchdog] = set()
+
+
+def end_in_caller() -> None:
+    """The end of a fit run inside a process that goes on (`step35.cli.main([...])` from a test, a notebook, a
+    driver script), however it ended: its watchdog and launcher watch stop. After a failure both stay for a
+    command's own way out; left running in a caller, the watchdog ended that process (`os._exit`, exit 76)
+    once its timeout passed without a fit marking progress."""
+    for watchdog in list(_RUNNING_WATCHDOGS):
+        watchdog.stop()
+    stop_watching_launcher()
+
+
 class Watchdog:
     """A daemon thread that ends the process (printing the rank, the phase and every thread's stack,
     exit code `EXIT_STALLED`, no cleanup: a process stuck in a collective cannot clean up) when
@@ -263,10 +278,12 @@ class Watchdog:
         set_phase(_PHASE.name)  # the clock starts now
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="step35-watchdog", daemon=True)
+        _RUNNING_WATCHDOGS.add(self)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        _RUNNING_WATCHDOGS.discard(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -389,6 +390,9 @@ def test_a_callback_raising_in_on_train_batch_start_is_reported_in_that_phase(tm
     )
     assert out.count(head) == 2, out[-4000:]  # before and after the traceback, printed once
     assert "[rank 0] Traceback (most recent call last)" in out
+    # The failed run's watchdog stopped with the run: left in this process (a caller that goes on), it ended the
+    # process 10 minutes later ('node down' of a pytest worker; a notebook's kernel).
+    assert not [t.name for t in threading.enumerate() if t.name in ("step35-watchdog", "step35-launcher-watch")]
 
 
 # ----------------------------------------------------------------------------------- a dead launcher (torchrun)

@@ -443,3 +443,5 @@ def run(args: list[str] | None = None) -> None:
         raise
     finally:
         lock.release_all()
+        if args is not None:  # called as a function: the caller's process goes on (faults.end_in_caller)
+            faults.end_in_caller()

@@ -131,5 +131,6 @@ def test_cli_installs_the_step_progress_bar(builtin_cache, tmp_path):
 
     assert isinstance(trainer().progress_bar_callback, Step35ProgressBar)
     assert trainer("--trainer.enable_progress_bar=false").progress_bar_callback is None
-    chosen = trainer("--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar").progress_bar_callback
-    assert type(chosen).__name__ == "RichProgressBar"  # a configured bar is kept, not doubled
+    # A configured bar is kept, not doubled (Lightning's own TQDM bar: RichProgressBar needs `rich`, not a dependency).
+    chosen = trainer("--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar").progress_bar_callback
+    assert type(chosen).__name__ == "TQDMProgressBar"

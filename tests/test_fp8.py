@@ -235,33 +235,46 @@ def test_a_config_that_does_not_say_how_to_scale_is_refused(folders, tmp_path, q
         load_pretrained(folder)
 
 
-@pytest.mark.heavy  # one training step in this process (Lightning), then two exports
-def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(folders, tmp_path, builtin_cache):
-    """One step from the Step-3.5 FP8 folder, then `export`: bf16 weights (router bias fp32), config.json without
+def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    stored = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        stored |= load_file(file)
+    return stored
+
+
+@pytest.fixture(scope="module")
+def one_step(folders, tmp_path_factory, builtin_cache):
+    """One training step (in this process, Lightning) from the Step-3.5 FP8 folder: (the trained float32
+    weights by name, the checkpoint)."""
+    source, _ = folders["Step-3.5"]
+    module, checkpoint = one_step_from(source, tmp_path_factory.mktemp("fp8-step"), builtin_cache)
+    return {n: t.detach().clone() for n, t in module.model.state_dict().items()}, checkpoint
+
+
+@pytest.mark.heavy  # the module's one training step (Lightning), then two exports
+def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(folders, one_step, tmp_path):
+    """`export` of a run from the Step-3.5 FP8 folder: bf16 weights (router bias fp32), config.json without
     quantization_config, said in the export's notes; the folder loads back and holds the trained weights. The
     same checkpoint exported with the Step-3.7 FP8 folder as --source (the same language model) writes a Step-3.7
     folder whose carried FP8 vision tensor is dequantised into bf16 and whose scales are gone."""
     from step35.checkpoint.training.export import export_checkpoint
 
-    source, _ = folders["Step-3.5"]
-    module, checkpoint = one_step_from(source, tmp_path, builtin_cache)
+    trained, checkpoint = one_step
     report = export_checkpoint(checkpoint, tmp_path / "hf")
     notes = [n for n in report.notes if "FP8" in n]
     assert len(notes) == 1 and "written in bfloat16" in notes[0] and "[24, 40]" in notes[0], report.notes
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
-    stored = {}
-    for file in sorted((tmp_path / "hf").glob("*.safetensors")):
-        stored |= load_file(file)
-    trained = dict(module.model.state_dict())
+    stored = stored_tensors(tmp_path / "hf")
     assert stored.keys() == trained.keys()
     for name, value in trained.items():
         dtype = torch.float32 if name.endswith("router_bias") else torch.bfloat16
         assert stored[name].dtype == dtype and torch.equal(stored[name], value.to(dtype)), name
     loaded = load_pretrained(tmp_path / "hf").state_dict()
     assert all(torch.equal(loaded[n], stored[n]) for n in stored)
-    with pytest.raises(CheckpointError, match="does not write FP8 folders"):  # a cast would drop the scales
-        export_checkpoint(checkpoint, tmp_path / "fp8", dtype=torch.float8_e4m3fn)
+    with pytest.raises(CheckpointError, match="float8_e5m2: step35 writes FP8 folders the releases' way"):
+        export_checkpoint(checkpoint, tmp_path / "e5m2", dtype=torch.float8_e5m2)
+    assert not (tmp_path / "e5m2").exists()
 
     wrapped, _ = folders["Step-3.7"]
     report = export_checkpoint(checkpoint, tmp_path / "hf37", source=wrapped)
@@ -269,9 +282,7 @@ def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(fo
     assert config["model_type"] == "step3p7" and "quantization_config" not in config
     assert "quantization_config" not in config["text_config"]
     assert any("FP8" in n for n in report.notes), report.notes
-    stored = {}
-    for file in sorted((tmp_path / "hf37").glob("*.safetensors")):
-        stored |= load_file(file)
+    stored = stored_tensors(tmp_path / "hf37")
     assert not any(n.endswith("_scale_inv") for n in stored)
     released = load_file(wrapped / "model.safetensors")
     vision = "vision_model.patch_embed.weight"
@@ -279,6 +290,86 @@ def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(fo
     assert stored[vision].dtype == torch.bfloat16 and torch.equal(stored[vision], want)
     assert torch.equal(stored["vit_large_projector.weight"], released["vit_large_projector.weight"])
     assert load_pretrained(tmp_path / "hf37").state_dict().keys() == trained.keys()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check_fp8_export(stored: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> None:
+    """`stored` (an FP8 export's tensors, step35's names) against `trained`: what the release quantises (the
+    test's own rule, `quantised`) equals this file's block quantisation of the trained float32 weight, bitwise,
+    values and scales, and dequantises within e4m3's rounding of it; the rest is bf16 (router bias fp32)."""
+    for name, value in trained.items():
+        if quantised(name, value):
+            values, scales = block_quantise(value)
+            assert same_bytes(stored[name], values) and same_bytes(stored[name + "_scale_inv"], scales), name
+            # e4m3 keeps 3 mantissa bits: a normal value within 2^-4 of itself, a subnormal within 2^-9 of its scale
+            error = (dequantised(values, scales) - value).abs()
+            assert (error <= value.abs() / 16 + expand(scales, value.shape) / 512).all(), name
+        else:
+            dtype = torch.float32 if name.endswith("router_bias") else torch.bfloat16
+            assert same_bytes(stored[name], value.to(dtype)), name
+
+
+@pytest.mark.heavy  # the module's one training step (Lightning), then three exports
+def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_path):
+    """`export --dtype float8_e4m3fn` of the run from the Step-3.5 FP8 folder: every matrix and stacked expert
+    tensor quantised in the start folder's [24, 40] blocks, bitwise as the test quantises the trained weights,
+    the modules not converted in bf16; config.json carries the start folder's quantization_config and
+    torch_dtype bfloat16; step35 reads it back as the block-wise dequantisation. With a Step-3.7 FP8 --source,
+    the vision tensor and its scales are carried byte for byte and the quantization_config sits at the top
+    level; with a bf16 Step-3.7 --source (made here), the vision side stays bf16 and is named among the
+    modules not converted, so no loader looks for its scales."""
+    from step35.checkpoint.training.export import export_checkpoint
+
+    trained, checkpoint = one_step
+    source, _ = folders["Step-3.5"]
+    report = export_checkpoint(checkpoint, tmp_path / "fp8", dtype=torch.float8_e4m3fn)
+    assert any("float8_e4m3fn, block-quantised in blocks of [24, 40]" in n for n in report.notes), report.notes
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"] == quantization_config() and config["torch_dtype"] == "bfloat16"
+    stored = stored_tensors(tmp_path / "fp8")
+    scales = {n + "_scale_inv" for n, t in trained.items() if quantised(n, t)}
+    assert scales and stored.keys() == trained.keys() | scales
+    check_fp8_export(stored, trained)
+    for name, value in load_pretrained(tmp_path / "fp8", dtype=torch.float32).state_dict().items():
+        want = dequantised(stored[name], stored[name + "_scale_inv"]) if name + "_scale_inv" in stored else stored[name]
+        assert torch.equal(value, want.float()), name
+
+    wrapped, _ = folders["Step-3.7"]
+    export_checkpoint(checkpoint, tmp_path / "fp8-37", dtype=torch.float8_e4m3fn, source=wrapped)
+    config = json.loads((tmp_path / "fp8-37" / "config.json").read_text())
+    entry = quantization_config()  # the release's projector is bf16 but not in its list: the export names it
+    entry["modules_to_not_convert"].append("vit_large_projector")
+    assert config["quantization_config"] == entry and "quantization_config" not in config["text_config"]
+    stored, released = stored_tensors(tmp_path / "fp8-37"), load_file(wrapped / "model.safetensors")
+    carried = [n for n in released if n.startswith(("vision_model.", "vit_large_projector."))]
+    assert len(carried) == 3 and all(same_bytes(stored[n], released[n]) for n in carried)
+    check_fp8_export(stored, trained)  # the release's names are step35's for this layout
+
+    plain = tmp_path / "bf16-37"  # the Step-3.7 folder as a bf16 release: dequantised, no scales, no quantization
+    shutil.copytree(wrapped, plain)
+    unquantised = {
+        n: dequantised(t, released[n + "_scale_inv"]).to(torch.bfloat16) if n + "_scale_inv" in released else t
+        for n, t in released.items()
+        if not n.endswith("_scale_inv")
+    }
+    save_file(unquantised, plain / "model.safetensors")
+    config = json.loads((plain / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    export_checkpoint(checkpoint, tmp_path / "fp8-from-bf16", dtype=torch.float8_e4m3fn, source=plain)
+    config = json.loads((tmp_path / "fp8-from-bf16" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]  # the releases' block: no FP8 start
+    assert config["quantization_config"]["modules_to_not_convert"] == [
+        "embed_tokens", "lm_head", "moe.gate", "shared_head.output", "vision_model", "vit_large_projector",
+    ]  # fmt: skip
+    stored = stored_tensors(tmp_path / "fp8-from-bf16")
+    assert all(same_bytes(stored[n], unquantised[n]) for n in unquantised if n.startswith(("vision_", "vit_")))
+    assert not any(n.startswith(("vision_", "vit_")) and n.endswith("_scale_inv") for n in stored)
+    assert stored["model.layers.1.moe.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.moe.gate_proj.weight_scale_inv"].shape == (8, 1, 1)  # [8, 64, 128] in 128 x 128
 
 
 def slice_bytes(name: str, bounds: list[tuple[int, int]], expected: dict[str, torch.Tensor]) -> int:
@@ -328,7 +419,7 @@ def test_two_ranks_with_ep_2_read_only_their_slices(folders, tmp_path):
 
 
 def test_quantize_matches_an_independent_block_quantisation():
-    """fp8.quantize (the FP8 export's building block) equals a per-block loop computed here, bitwise, on a
+    """fp8.quantize (what the FP8 export writes with) equals a per-block loop computed here, bitwise, on a
     stacked [E, out, in] tensor with ragged edge blocks and an all-zero block; dequantising it round-trips
     within float8_e4m3fn's precision."""
     from step35.checkpoint.hf import fp8

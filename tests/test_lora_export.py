@@ -115,6 +115,27 @@ def test_merged_export_computes_the_lora_models_logits_and_losses(lora_run, merg
         assert (base(ids) - want).abs().max() > 1e-3  # the adapters move the logits: the check can fail
 
 
+def test_an_fp8_export_of_a_lora_run_is_merged_first(lora_run, merged, tmp_path):
+    """`--dtype float8_e4m3fn` without --merge is refused (a PEFT folder's adapters are not quantised), writing
+    nothing; with --merge the merged weights are written block-quantised (the releases' 128 x 128), and step35
+    reads them back within e4m3's rounding of the bf16 merged export (2^-4 relative, plus bf16's own 2^-8)."""
+    run, _ = lora_run
+    with pytest.raises(SystemExit, match=r"--dtype float8_e4m3fn: .*PEFT adapter folder.*add --merge"):
+        main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "a"), "--dtype", "float8_e4m3fn"])
+    assert not (tmp_path / "a").exists()
+    out = tmp_path / "fp8"
+    main(["export", "--checkpoint", str(run), "--out", str(out), "--merge", "true", "--dtype", "float8_e4m3fn"])
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    fp8 = load_pretrained(out, dtype=torch.float32).state_dict()
+    plain = load_pretrained(merged, dtype=torch.float32).state_dict()
+    stored = load_file(next(out.glob("*.safetensors")))
+    quantised = [n for n in fp8 if n + "_scale_inv" in stored]
+    assert "model.layers.0.self_attn.q_proj.weight" in quantised and "model.layers.1.moe.up_proj.weight" in quantised
+    for name, value in fp8.items():
+        slack = 2**-4 + 2**-8 if name in quantised else 2**-8
+        assert ((value - plain[name]).abs() <= plain[name].abs() * slack + 1e-6).all(), name
+
+
 def test_merge_needs_a_lora_run(tiny_run, tmp_path):
     with pytest.raises(SystemExit, match=r"--merge: .*step=000003.ckpt is not a LoRA run's checkpoint"):
         main(["export", "--checkpoint", str(tiny_run[0]), "--out", str(tmp_path / "b"), "--merge", "true"])

@@ -88,7 +88,7 @@ def _write_failure(error: BaseException, out: Path) -> str:
 def export(
     checkpoint: str,
     out: str,
-    dtype: Literal["bfloat16", "float32", "float16"] | None = None,
+    dtype: Literal["bfloat16", "float32", "float16", "float8_e4m3fn"] | None = None,
     max_shard_size: str = "5GB",
     tokenizer: str | None = None,
     source: str | None = None,
@@ -106,6 +106,9 @@ def export(
             anything else only with --overwrite. Never the checkpoint, its run folder or its entries, the LoRA
             base or any folder the export reads, nor a folder holding one.
         dtype: dtype of the exported weights (router_bias stays float32); default: the config's torch_dtype.
+            float8_e4m3fn writes the FP8 releases' layout: matrices block-quantised with float32 inverse scales
+            <name>_scale_inv (the start folder's block, else 128 x 128), the embedding, LM heads, router and norms
+            in bfloat16, and config.json's quantization_config (docs/checkpoints.md).
         max_shard_size: largest safetensors shard, e.g. 5GB, 500MiB.
         tokenizer: a tokenizer folder to export instead of the one the run trained with.
         source: the HF folder the run started from, whose tokenizer, chat template, generation config, readme,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf.fp8 import BlockScales, pair_scales, without_quantization
+from step35.checkpoint.hf.fp8 import QUANTIZATION_KEY, BlockScales, pair_scales, without_quantization
 from step35.checkpoint.hf.release import Layout, layout_of
 from step35.checkpoint.integrity import MANIFEST, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
@@ -304,9 +304,11 @@ def write_hf_folder(
     config: Step35Config | Mapping,
     max_shard_size: int | str = "5GB",
     copy_files: Mapping[str, Path | bytes] | None = None,
+    quantization: Mapping | None = None,
 ) -> Path:
     """Write an HF folder at `path` from (name, tensor) pairs and `config` (a Step35Config, or a release's
-    config.json as a dict; its quantization_config left out: fp8.without_quantization), streamed: a shard
+    config.json as a dict; its quantization_config replaced by `quantization`, the entry describing FP8
+    `tensors` (fp8.quantized_tensors), at the top level where loaders read it, or left out), streamed: a shard
     is written as soon as it is full, so the whole state never has to be in memory. Shards
     model-0000k-of-0000n, the index, config.json, `copy_files` (relative name -> a file copied byte for
     byte, or the bytes: tokenizer, remote code, ...), the manifest of weights and index, then one atomic
@@ -351,9 +353,11 @@ def write_hf_folder(
         (tmp / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-        # a Step35Config, or a release's own config.json (Step-3.7's wraps the language model's config); never a
-        # quantization_config: step35 writes no FP8 weights, and an FP8 start folder's would describe weights not there
+        # a Step35Config, or a release's own config.json (Step-3.7's wraps the language model's config); its
+        # quantization_config only when it describes `tensors`: an FP8 start folder's would describe weights not there
         raw, _ = without_quantization(config.to_dict() if isinstance(config, Step35Config) else dict(config))
+        if quantization is not None:
+            raw[QUANTIZATION_KEY] = dict(quantization)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         for name, source in (copy_files or {}).items():
             target = tmp / name

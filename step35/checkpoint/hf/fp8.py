@@ -17,8 +17,14 @@ tensor without its scales, scales of another shape or dtype, and scales of a ten
 Reading (`read_dequantized`) takes the slice of the FP8 tensor a rank owns and the rows and columns of the
 scale grid covering it, and multiplies one matrix at a time in float32 before casting to the model's dtype:
 a rank never reads more than its slice and the blocks it cuts into, and no full-precision copy of a file
-(or of a whole stacked tensor) is made. step35 writes no FP8 folders: an export writes the training dtype and
-a config.json without `quantization_config` (`without_quantization`).
+(or of a whole stacked tensor) is made.
+
+Writing (`quantized_tensors`, for `step35 export --dtype float8_e4m3fn`): the releases' layout again. Each
+matrix and stacked expert tensor is block-quantised (`quantize`) but those whose module the
+`modules_to_not_convert` patterns name (`NOT_CONVERTED` unless the start folder's own list is kept), matched
+as transformers' FP8 loader matches them (`skipped`); the rest (norms, the router bias, the modules not
+converted) keep their high-precision dtype. An export in another dtype writes a config.json without
+`quantization_config` (`without_quantization`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +46,11 @@ QUANTIZATION_KEY = "quantization_config"
 SCALE_SUFFIX = "_scale_inv"  # `<name>_scale_inv`: `...weight_scale_inv` for a `...weight`
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the releases store e4m3fn; e5m2 dequantises the same way
 SCALE_DTYPES = (torch.float32, torch.bfloat16)  # the releases store float32
+DEFAULT_BLOCK = (128, 128)  # the releases' scale block, for an FP8 export of a run that did not start from one
+# The modules an FP8 export leaves in bf16, as config.json's modules_to_not_convert: the embedding, the LM heads
+# (the model's and each MTP layer's) and the router, whose small errors move every token or every routing choice.
+# Norms and the router bias are vectors, never quantised.
+NOT_CONVERTED = ("embed_tokens", "lm_head", "moe.gate", "shared_head.output")
 
 
 @dataclass(frozen=True)
@@ -195,7 +208,7 @@ def dequantize(
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantise `weight` [..., R, C] the releases' way: per block, scale_inv = amax(|block|) / 448 in
     float32 (an all-zero block gets 1), values = clamp(w / scale_inv, -448, 448) as float8_e4m3fn. One matrix
-    (one expert) at a time in float32. The building block of the FP8 export (not yet wired into it)."""
+    (one expert) at a time in float32."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     *leading, num_rows, num_cols = weight.shape
     grid = scale_shape(tuple(weight.shape), block)
@@ -228,8 +241,8 @@ def read_whole(info, dtype: torch.dtype) -> torch.Tensor:
 
 def without_quantization(config: dict) -> tuple[dict, bool]:
     """`config` (a config.json's content) without `quantization_config`, at the top level or under a wrapping
-    release's language-model key, and whether there was one: step35 writes no FP8 weights, so the key would
-    describe weights the folder does not hold."""
+    release's language-model key, and whether there was one: an export in another dtype than FP8 writes no FP8
+    weights, so the key would describe weights the folder does not hold."""
     out = dict(config)
     removed = out.pop(QUANTIZATION_KEY, None) is not None
     family = WRAPPING_FAMILIES.get(out.get("model_type"))
@@ -237,3 +250,46 @@ def without_quantization(config: dict) -> tuple[dict, bool]:
         out[family[1]] = {k: v for k, v in out[family[1]].items() if k != QUANTIZATION_KEY}
         removed = True
     return out, removed
+
+
+def skipped(name: str, patterns: Iterable[str]) -> bool:
+    """Whether the tensor `name` belongs to a module `patterns` (modules_to_not_convert) names, matched as
+    transformers' FP8 loader matches them, so that what step35 quantises is what a loader expects quantised: a
+    pattern (a regular expression) from the start of the module's name up to a boundary of its dotted parts
+    ("vision_model" takes "vision_model.blocks.0.fc1", "moe.gate" not "moe.gate_proj"), or a suffix of it."""
+    module = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
+
+
+def quantization_entry(block: tuple[int, int], not_converted: Iterable[str], like: dict | None = None) -> dict:
+    """config.json's quantization_config for weights written by `quantized_tensors`: `like` (the start folder's
+    own entry, its other fields kept) or the releases' fields, with this block and list."""
+    entry = dict(like) if like else {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+    entry.update(quant_method="fp8", weight_block_size=list(block), modules_to_not_convert=list(not_converted))
+    return entry
+
+
+def source_entry(folder: str | Path | None) -> dict | None:
+    """The quantization_config of `folder`'s config.json (block_size checks it), None for an unquantised one."""
+    if folder is None or block_size(folder) is None:
+        return None
+    return dict(_quantization_entry(json.loads((Path(folder) / "config.json").read_text())))
+
+
+def quantized_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int], not_converted: Iterable[str], high: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` written the FP8 releases' way: each matrix or stacked matrix not `skipped` by `not_converted` as
+    float8_e4m3fn `name` and float32 `name_scale_inv` (`quantize`, from the tensor's own precision); the router
+    bias in float32; everything else in `high`. One tensor at a time."""
+    patterns = tuple(not_converted)
+    for name, tensor in tensors:
+        if name.endswith("router_bias"):
+            yield name, tensor.to(torch.float32)
+        elif tensor.dim() >= 2 and tensor.is_floating_point() and not skipped(name, patterns):
+            values, scales = quantize(tensor, block)
+            yield name, values
+            yield name + SCALE_SUFFIX, scales
+        else:
+            yield name, tensor.to(high)

@@ -45,7 +45,19 @@ import torch
 
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, write_hf_folder
-from step35.checkpoint.hf.fp8 import FP8_DTYPES, QUANTIZATION_KEY, block_size, read_whole, without_quantization
+from step35.checkpoint.hf.fp8 import (
+    DEFAULT_BLOCK,
+    FP8_DTYPES,
+    NOT_CONVERTED,
+    QUANTIZATION_KEY,
+    SCALE_SUFFIX,
+    quantization_entry,
+    quantized_tensors,
+    read_whole,
+    skipped,
+    source_entry,
+    without_quantization,
+)
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
 from step35.checkpoint.hf.release import wrapping_config
 from step35.checkpoint.integrity import manifest_info
@@ -140,9 +152,12 @@ def _our_modeling_note(source: Path | None, old: object) -> str:
     )
 
 
-def carried_tensors(carried: Mapping[str, TensorInfo], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a folder carries (Step-3.7's vision side), read file by file, dtype and bytes as stored; but
-    those stored in FP8, dequantised into `dtype` (the export's config.json declares no quantization)."""
+def carried_tensors(
+    carried: Mapping[str, TensorInfo], dtype: torch.dtype, keep_fp8: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a folder carries (Step-3.7's vision side), read file by file, dtype and bytes as stored; those
+    stored in FP8 with their scales as stored too when `keep_fp8` (an FP8 export), else dequantised into `dtype`
+    (the export's config.json then declares no quantization)."""
     from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
@@ -152,7 +167,14 @@ def carried_tensors(carried: Mapping[str, TensorInfo], dtype: torch.dtype) -> It
         with safe_open(file, framework="pt") as f:
             for stored in names:
                 info = carried[stored]
-                yield stored, read_whole(info, dtype) if info.scales is not None else f.get_tensor(stored)
+                if info.scales is None:
+                    yield stored, f.get_tensor(info.key)
+                elif not keep_fp8:
+                    yield stored, read_whole(info, dtype)
+                else:
+                    yield stored, f.get_tensor(info.key)
+                    with safe_open(info.scales.file, framework="pt") as holder:
+                        yield stored + SCALE_SUFFIX, holder.get_tensor(info.scales.key)
 
 
 def companion_files(folder: Path) -> dict[str, Path]:
@@ -423,17 +445,23 @@ def export_checkpoint(
     `model_config`, the file `config` came from, are never replaced). `say` hears, as they happen,
     which dead exports' partial copies are removed (default: into the notes).
     Returns what was written and every change made to config.json."""
-    if dtype in FP8_DTYPES:  # a plain cast would drop the per-block scales the values need
+    if dtype in FP8_DTYPES and dtype != torch.float8_e4m3fn:
         raise CheckpointError(
-            f"--dtype {str(dtype).removeprefix('torch.')}: step35 does not write FP8 folders (block scales); export "
-            "in bfloat16 or float32"
+            f"--dtype {str(dtype).removeprefix('torch.')}: step35 writes FP8 folders the releases' way, float8_e4m3fn "
+            "with block scales (--dtype float8_e4m3fn); or export in bfloat16 or float32"
         )
+    fp8 = dtype == torch.float8_e4m3fn
     trained = open_checkpoint(checkpoint, config)
     lora = trained.lora
     if merge and lora is None:
         raise CheckpointError(
             f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
             "export it without --merge"
+        )
+    if fp8 and lora is not None and not merge:
+        raise CheckpointError(
+            f"--dtype float8_e4m3fn: {trained.path} is a LoRA run's checkpoint, exported as a PEFT adapter folder, "
+            "whose adapters are not quantised; add --merge to write the full model in FP8"
         )
     early: list[str] = []
     replaced = prepare_out(
@@ -459,7 +487,8 @@ def export_checkpoint(
         return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)
     exported = Step35Config.from_dict(trained.config.to_dict())
     dtype = dtype or getattr(torch, exported.torch_dtype)
-    exported.torch_dtype = str(dtype).removeprefix("torch.")
+    high = torch.bfloat16 if fp8 else dtype  # what an FP8 export keeps unquantised is bf16, as in the releases
+    exported.torch_dtype = str(high).removeprefix("torch.")
     notes = early + list(trained.notes)
     if lora is not None:
         notes.append(
@@ -527,24 +556,46 @@ def export_checkpoint(
     if wrapper is not None:
         _, carried, layout = model_tensor_infos(source)
 
-    def cast() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in trained.merged_tensors():  # = tensors() without adapters
-            stored = layout.stored_name(name) if layout else name  # the release's names
-            yield stored, tensor.to(torch.float32 if name.endswith("router_bias") else dtype)
-        yield from carried_tensors(carried, dtype)
-
-    # An FP8 start folder (fp8.py) was read dequantised and is written in `dtype`: its quantization_config would lie
+    # An FP8 start folder (fp8.py) was read dequantised: its quantization_config describes weights not written,
+    # unless this export is in FP8 too, which keeps the start folder's block and list of modules not converted.
+    started = source_entry(source) if source is not None and source.is_dir() else None
     quantized = exported.extra.pop(QUANTIZATION_KEY, None) is not None
     if wrapper is not None:
         wrapper, dropped = without_quantization(wrapper)
         quantized = quantized or dropped
-    if quantized:
-        block = block_size(source) if source is not None and source.is_dir() else None
+    entry = None
+    if fp8:
+        block = tuple(started["weight_block_size"]) if started else DEFAULT_BLOCK
+        not_converted = list((started or {}).get("modules_to_not_convert") or NOT_CONVERTED)
+        # carried tensors stay as stored: a matrix of the vision side stored unquantised and not yet named is named
+        # by its top module, so that loaders expect no scales for it
+        plain = {n.split(".", 1)[0] for n, i in carried.items() if not i.scales and len(i.shape) > 1}
+        not_converted += sorted(p for p in plain if not skipped(p, not_converted))
+        entry = quantization_entry(block, not_converted, like=started)
+        own = ", the start folder's own" if started else ""
+        notes.append(
+            f"weights written in float8_e4m3fn, block-quantised in blocks of {list(block)} with float32 inverse "
+            f"scales <name>{SCALE_SUFFIX} (config.json's {QUANTIZATION_KEY}{own}); left in bfloat16: "
+            f"{', '.join(not_converted)} and the norms; the router bias in float32"
+        )
+    elif quantized:
+        block = tuple(started["weight_block_size"]) if started else None
         stored = f"FP8 (float8_e4m3fn, scale blocks {list(block)})" if block else "FP8"
         notes.append(
             f"the run started from a folder stored in {stored}, read dequantised: the weights are written in "
-            f"{str(dtype).removeprefix('torch.')}, and config.json has no {QUANTIZATION_KEY}"
+            f"{str(dtype).removeprefix('torch.')}, and config.json has no {QUANTIZATION_KEY} (--dtype "
+            "float8_e4m3fn writes the release's FP8 layout)"
         )
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        # the trained tensors (adapters merged) in the release's names, then what the start folder carries
+        renamed = ((layout.stored_name(n) if layout else n, t) for n, t in trained.merged_tensors())
+        if entry is None:
+            yield from ((n, t.to(torch.float32 if n.endswith("router_bias") else dtype)) for n, t in renamed)
+        else:  # quantised from the checkpoint's own precision
+            yield from quantized_tensors(renamed, block, entry["modules_to_not_convert"], high)
+        yield from carried_tensors(carried, dtype, keep_fp8=fp8)
+
     config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}
-    write_hf_folder(out, cast(), config, max_shard_size, copy_files=files)
+    write_hf_folder(out, tensors(), config, max_shard_size, copy_files=files, quantization=entry)
     return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)

@@ -280,6 +280,66 @@ def test_rendering_features_as_transformers(tokenizers):
     assert "café <b>" in ours and "4False" in ours and '"tool_calls"' not in ours
 
 
+# A template with reasoning-effort levels, written here in the way of the Step-3.7 release's (whose text is not
+# copied into the project): the level is a variable apply_chat_template passes on, default medium, rendered into
+# the system header, and a high level opens the reply's think block in the generation prompt.
+EFFORT_TEMPLATE = (
+    "{%- set effort = reasoning_effort | default('medium') -%}"
+    "{%- if effort not in ['low', 'medium', 'high'] -%}{{ raise_exception('unknown reasoning_effort ' ~ effort) }}"
+    "{%- endif -%}"
+    "<|im_start|>system\nReasoning effort: {{ effort }}<|im_end|>\n"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}"
+    "{%- else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if effort == 'high' %}<think>\n{% endif %}{% endif -%}"
+)
+EFFORT_CONVERSATION = [{"role": "user", "content": "What is the weather in Paris?"},
+                       {"role": "assistant", "content": "It is 18 degrees and clear."}]  # fmt: skip
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high"])
+def test_template_variables_render_as_transformers_passes_them(tokenizers, effort):
+    """`with_variables` (data.chat_template_kwargs, generate's --chat_template_kwargs) renders as transformers'
+    apply_chat_template(**kwargs): the text, the generation prompt, the tokens and their trained mask; the
+    variables survive pickling (DataLoader workers); the levels render differently (the check can fail)."""
+    import pickle
+
+    ours_tok, theirs = tokenizers
+    template = ChatTemplate(EFFORT_TEMPLATE, "t").with_variables(
+        {"reasoning_effort": effort}, "data.chat_template_kwargs"
+    )
+    for prompt in (False, True):
+        want = theirs.apply_chat_template(EFFORT_CONVERSATION, chat_template=EFFORT_TEMPLATE, tokenize=False,
+                                          add_generation_prompt=prompt, reasoning_effort=effort)  # fmt: skip
+        assert template.render(EFFORT_CONVERSATION, add_generation_prompt=prompt) == want
+        assert pickle.loads(pickle.dumps(template)).render(EFFORT_CONVERSATION, add_generation_prompt=prompt) == want
+    assert f"Reasoning effort: {effort}" in want
+    out = theirs.apply_chat_template(EFFORT_CONVERSATION, chat_template=EFFORT_TEMPLATE, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True, reasoning_effort=effort)  # fmt: skip
+    assert template.encode(ours_tok, EFFORT_CONVERSATION) == (
+        list(out["input_ids"]),
+        [bool(m) for m in out["assistant_masks"]],
+    )
+    default = ChatTemplate(EFFORT_TEMPLATE, "t").render(EFFORT_CONVERSATION)
+    assert (default == template.render(EFFORT_CONVERSATION)) == (effort == "medium")
+
+
+def test_template_variables_the_template_does_not_take_are_refused_by_name():
+    """A misspelt variable would render the template's default silently: refused, listing what the template
+    reads; so are the renderer's own arguments and names that are no variable names."""
+    template = ChatTemplate(EFFORT_TEMPLATE, "t")
+    field = "data.chat_template_kwargs"
+    for variables, message in [
+        ({"reasoning_efort": "high"}, rf"{field}\.reasoning_efort: the chat template from t does not read a variable "
+                                      r"of that name \(it reads: reasoning_effort\)"),
+        ({"messages": []}, rf"{field}\.messages: set by step35 for every rendering"),
+        ({"reasoning-effort": "high"}, r"'reasoning-effort' is not a template variable name"),
+        ("high", rf"{field}: expected a mapping of template variables"),
+    ]:  # fmt: skip
+        with pytest.raises(ChatTemplateError, match=message):
+            template.with_variables(variables, field)
+
+
 # ------------------------------------------------------------------------------------------- bad input
 
 

@@ -139,6 +139,28 @@ def test_system_without_chat_is_refused_before_anything_loads(tmp_path):
         generate(str(tmp_path / "nothing-here"), "Hi", system="Be brief.")
 
 
+def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(folders, tmp_path, capfd):
+    """--chat_template_kwargs are variables of the chat rendering (as data.chat_template_kwargs in training):
+    the export's template, given one that raises on `reasoning_effort: boom`, raises with it; a name the
+    template does not read is refused naming the option; without --chat they are refused before loading."""
+    import shutil
+
+    from step35.commands.generate import generate
+
+    _, hf = folders
+    folder = shutil.copytree(hf, tmp_path / "hf")
+    guard = "{% if reasoning_effort is defined and reasoning_effort == 'boom' %}{{ raise_exception('boom read') }}"
+    ChatTemplate(guard + "{% endif %}" + ChatTemplate.default().source, "t").save(folder)
+    args = ["generate", "--checkpoint", str(folder), "--chat", "--prompt", "Hi", "--max_new_tokens", "2"]
+    code, _, err = cli(capfd, *args, "--chat_template_kwargs", '{"reasoning_effort": "boom"}')
+    assert code == 1 and "boom read" in err, err[-2000:]
+    code, _, err = cli(capfd, *args, "--chat_template_kwargs", '{"reasoning_efort": "low"}')
+    assert code == 1 and "--chat_template_kwargs.reasoning_efort: the chat template from chat_template.jinja" in err
+    assert cli(capfd, *args, "--chat_template_kwargs", '{"reasoning_effort": "low"}')[0] == 0
+    with pytest.raises(SystemExit, match="--chat_template_kwargs needs --chat true"):
+        generate(str(tmp_path / "nothing-here"), "Hi", chat_template_kwargs={"reasoning_effort": "low"})
+
+
 def test_a_tokenizer_without_a_chat_template_gets_step35s_default(folders):
     run, _ = folders
     generator = load_generator(run)

@@ -137,6 +137,34 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
         Step35DataModule(train_reasoning="no")
 
 
+def test_chat_template_kwargs_reach_every_conversation_and_a_misspelt_one_is_refused(tmp_path, tok_dir):
+    """data.chat_template_kwargs are variables of every rendering: a template that opens with `system <effort>`
+    when given one puts those two tokens before the first conversation, which follows unchanged; a name the
+    template does not read is refused at setup naming the field; on plain text they are said to change nothing."""
+    template = tmp_path / "effort.jinja"
+    template.write_text("{% if effort is defined %}system {{ effort }} {% endif %}" + CHAT_WORD_TEMPLATE)
+    rng = random.Random(0)
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(i, rng)} for i in range(8)])
+    write_jsonl(tmp_path / "text.jsonl", [{"text": f"w{i} w2"} for i in range(8)])
+
+    def first_window(name: str = "chat.jsonl", **options) -> list[int]:
+        dm = Step35DataModule(sources=[{"path": str(tmp_path / name)}], tokenizer=str(tok_dir), seq_len=32,
+                              micro_batch_size=1, val_batches=0, chat_template=str(template), **options)  # fmt: skip
+        dm.setup("fit")
+        try:
+            return next(iter(dm.train_dataloader()))["input_ids"][0].tolist()
+        finally:
+            dm.teardown("fit")
+
+    plain, effort = first_window(), first_window(chat_template_kwargs={"effort": "w7"})
+    assert plain[:2] != effort[:2] == [CHAT_IDS["system"], CHAT_IDS["w7"]]
+    assert effort[2:12] == plain[:10]  # the conversation itself (10 tokens at least) as without the variable
+    with pytest.raises(ValueError, match=r"data\.chat_template_kwargs\.efort: the chat template from .*effort\.jinja"):
+        first_window(chat_template_kwargs={"efort": "w7"})
+    with pytest.warns(UserWarning, match=r"data.chat_template_kwargs \['effort'\]: no source holds conversations"):
+        first_window("text.jsonl", chat_template_kwargs={"effort": "w7"})
+
+
 # -- tokens, labels, positions -----------------------------------------------------------------------------
 
 

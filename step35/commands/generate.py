@@ -39,7 +39,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -245,6 +245,7 @@ def generate(
     tokenizer: str | None = None,
     chat: bool = False,
     system: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     cache: bool = True,
 ) -> None:
     """Continue a prompt with a trained model and print prompt + continuation (with --chat: the reply).
@@ -263,12 +264,16 @@ def generate(
         chat: the prompt is the user's turn of a conversation, rendered with the chat template; print
             only the assistant's reply.
         system: with chat: a system message before the user's turn.
+        chat_template_kwargs: with chat: variables the template renders with, as in training's
+            data.chat_template_kwargs, e.g. '{"reasoning_effort": "high"}'.
         cache: keep a KV cache (false: rerun the whole context for every token, the same tokens slower).
     """
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise SystemExit("step35 generate: need max_new_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
     if system is not None and not chat:
         raise SystemExit("step35 generate: --system needs --chat true (a system message opens a conversation)")
+    if chat_template_kwargs and not chat:
+        raise SystemExit("step35 generate: --chat_template_kwargs needs --chat true (they reach the chat template)")
 
     def say(line: str) -> None:
         print(f"step35 generate: {line}", file=sys.stderr)
@@ -280,7 +285,10 @@ def generate(
         print(prompt + generator(prompt, **sampling), flush=True)
         return
     try:
-        ids = generator.chat_ids(generator.chat_template(say), prompt, system)
+        template = generator.chat_template(say)
+        if chat_template_kwargs:
+            template = template.with_variables(chat_template_kwargs, "--chat_template_kwargs")
+        ids = generator.chat_ids(template, prompt, system)
     except ChatTemplateError as e:
         raise SystemExit(f"step35 generate: {e}") from None
     print(generator.decode(generator.generate_ids(ids, **sampling)), flush=True)

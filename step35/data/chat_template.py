@@ -100,16 +100,30 @@ def _read_json(data: bytes | None, file: Path) -> dict:
 # ------------------------------------------------------------------------------------------- the template
 
 
-class ChatTemplate:
-    """A Jinja chat template (`source`), where it came from (`origin`), and the special tokens it is given."""
+# What the renderer itself passes a template (as transformers' apply_chat_template does): never a user variable.
+RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
 
-    def __init__(self, source: str, origin: str, *, bos_token: str | None = None, eos_token: str | None = None):
+
+class ChatTemplate:
+    """A Jinja chat template (`source`), where it came from (`origin`), the special tokens it is given, and
+    `variables` given to every rendering (`with_variables`: e.g. a release's reasoning_effort)."""
+
+    def __init__(
+        self,
+        source: str,
+        origin: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        variables: dict | None = None,
+    ):
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError(f"chat template from {origin}: empty or not text")
         self.source = source
         self.origin = origin
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.variables = dict(variables or {})
         self._compiled = None
         self._marked: bool | None = None
         self._uses_tools: bool | None = None
@@ -118,10 +132,17 @@ class ChatTemplate:
 
     def __getstate__(self) -> dict:
         # A compiled Jinja template does not pickle; DataLoader workers compile their own on first use.
-        return {"source": self.source, "origin": self.origin, "bos_token": self.bos_token, "eos_token": self.eos_token}
+        return {
+            "source": self.source,
+            "origin": self.origin,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "variables": self.variables,
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["source"], state["origin"], bos_token=state["bos_token"], eos_token=state["eos_token"])
+        source, origin = state.pop("source"), state.pop("origin")
+        self.__init__(source, origin, **state)
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} characters)"
@@ -225,7 +246,45 @@ class ChatTemplate:
     def with_tokens(self, *, bos_token: str | None = None, eos_token: str | None = None) -> ChatTemplate:
         """A copy whose missing bos/eos tokens are filled from these (e.g. a tokenizer folder's)."""
         return ChatTemplate(
-            self.source, self.origin, bos_token=self.bos_token or bos_token, eos_token=self.eos_token or eos_token
+            self.source,
+            self.origin,
+            bos_token=self.bos_token or bos_token,
+            eos_token=self.eos_token or eos_token,
+            variables=self.variables,
+        )
+
+    def with_variables(self, variables: dict, field: str) -> ChatTemplate:
+        """A copy that renders every conversation with `variables` (the keyword arguments transformers'
+        apply_chat_template passes on: a release's `reasoning_effort`, `enable_thinking`, ...), as the
+        `field` of a config or command line (named in errors). Refused: a name that is not a Jinja variable
+        name, one the renderer passes itself (RENDER_ARGUMENTS), and one this template never reads (a typo
+        would otherwise render the template's default silently), listing those it reads."""
+        from jinja2 import meta
+
+        if not isinstance(variables, dict):
+            raise ChatTemplateError(f"{field}: expected a mapping of template variables, got {variables!r}")
+        self._template(field)  # a syntax error is reported as such
+        env = jinja_environment()
+        reads = meta.find_undeclared_variables(env.parse(self.source)) - set(env.globals)
+        for name in variables:
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise ChatTemplateError(f"{field}: {name!r} is not a template variable name")
+            if name in RENDER_ARGUMENTS:
+                raise ChatTemplateError(
+                    f"{field}.{name}: set by step35 for every rendering (as by transformers), not a template option"
+                )
+            if name not in reads:
+                options = sorted(reads - set(RENDER_ARGUMENTS) - {"bos_token", "eos_token"})
+                raise ChatTemplateError(
+                    f"{field}.{name}: the chat template from {self.origin} does not read a variable of that name"
+                    f" (it reads: {', '.join(options) or 'none besides messages and tools'})"
+                )
+        return ChatTemplate(
+            self.source,
+            self.origin,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            variables={**self.variables, **variables},
         )
 
     def save(self, folder: str | Path) -> Path:
@@ -255,7 +314,7 @@ class ChatTemplate:
     def _render(self, messages: list, *, where: str, add_generation_prompt: bool, tools, extra: dict) -> str:
         # A special token the tokenizer lacks stays undefined, as transformers leaves it out of its arguments.
         tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        kwargs = {**{key: value for key, value in tokens.items() if value is not None}, **extra}
+        kwargs = {**{key: value for key, value in tokens.items() if value is not None}, **self.variables, **extra}
         try:
             compiled, prepared = self._template(where), prepare_messages(messages)
             # The limits of this rendering scale with its input (RENDER_TEXT_PER_INPUT).

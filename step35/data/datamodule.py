@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
@@ -96,6 +96,10 @@ class Step35DataModule(pl.LightningDataModule):
             the template drops (earlier turns, for some templates) is never in the tokens either way.
         chat_template: A .jinja file to render conversations with, instead of the tokenizer folder's template.
             (The built-in tokenizer's folder carries step35's default template.)
+        chat_template_kwargs: Variables every conversation is rendered with, as transformers'
+            apply_chat_template(**kwargs) passes them: e.g. `{reasoning_effort: high}` for a release whose
+            template has reasoning-effort levels, `{enable_thinking: false}`. A name the template does not read
+            is refused, listing those it reads.
         overlong: A conversation longer than seq_len + 1 tokens is cut to the window ("truncate") or dropped
             ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported. A
             preference pair whose two sequences do not fit one window together has its reply tails cut, the
@@ -129,6 +133,7 @@ class Step35DataModule(pl.LightningDataModule):
         train_on: str = "assistant",
         train_reasoning: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         overlong: str = "truncate",
     ) -> None:
         super().__init__()
@@ -194,6 +199,7 @@ class Step35DataModule(pl.LightningDataModule):
         self.train_on = train_on
         self.train_reasoning = train_reasoning
         self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.overlong = overlong
         self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
 
@@ -288,6 +294,11 @@ class Step35DataModule(pl.LightningDataModule):
             "overlong": self.overlong,
         }
         if all(source.format == "text" for source in sources):
+            if self.chat_template_kwargs:
+                rank_zero_warn(
+                    f"data.chat_template_kwargs {sorted(self.chat_template_kwargs)}: no source holds conversations,"
+                    " so no chat template is rendered and they change nothing"
+                )
             return options
         if self.train_on == "all" and any(source.format == "preference" for source in sources):
             raise ValueError(
@@ -300,6 +311,8 @@ class Step35DataModule(pl.LightningDataModule):
         chat = sorted({source.name for source in sources if source.format == "chat"})  # preference: per record
         if template is None and chat:
             raise ValueError(f"source(s) {chat} hold conversations, but {missing}")
+        if template is not None and self.chat_template_kwargs:
+            template = template.with_variables(self.chat_template_kwargs, "data.chat_template_kwargs")
         return {**options, "template": template, "template_missing": missing}
 
     def _announce_validation(self, val_fraction: float) -> None:

@@ -235,6 +235,21 @@ def test_a_config_that_does_not_say_how_to_scale_is_refused(folders, tmp_path, q
         load_pretrained(folder)
 
 
+def test_plan_counts_an_fp8_vision_side_with_its_scales(folders, step35_here):
+    """`step35 plan` on the Step-3.7 FP8 folder: the carried vision side's bytes are the stored ones, the FP8
+    tensor's scales included (counted here from the file), its values counted once."""
+    folder, _ = folders["Step-3.7"]
+    stored = {n: t for n, t in load_file(folder / "model.safetensors").items() if n.startswith(("vision_", "vit_"))}
+    code, out, err = step35_here("plan", "--config", "configs/tiny.yaml", f"--model.checkpoint={folder}",
+                                 f"--data.tokenizer={folder}", "--json")  # fmt: skip
+    assert code == 0, err[-3000:]
+    carried = json.loads(out)["carried"]
+    assert carried["bytes"] == sum(t.numel() * t.element_size() for t in stored.values())
+    assert carried["tensors"] == len(stored) == 3
+    assert carried["params"] == sum(t.numel() for n, t in stored.items() if not n.endswith("_scale_inv"))
+    assert carried["dtypes"] == ["bfloat16", "float8_e4m3fn"]
+
+
 def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
     stored = {}
     for file in sorted(folder.glob("*.safetensors")):

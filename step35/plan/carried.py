@@ -6,6 +6,7 @@ exist and that no device holds them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from step35.checkpoint.hf.release import wrapping_config
 
 @dataclass(frozen=True)
 class CarriedWeights:
-    """The carried tensors of `folder`: how many, their values and bytes as stored, and their dtypes."""
+    """The carried tensors of `folder`: how many, their values and bytes as stored (an FP8 tensor's block scales
+    counted with it: tensors and bytes, not values), and their dtypes."""
 
     folder: str
     tensors: int
@@ -47,14 +49,10 @@ def carried_weights(checkpoint: str | Path | None) -> tuple[CarriedWeights | Non
         ]
     if not carried:
         return None, []
-    params = sum(_numel(info.shape) for info in carried.values())
-    size = sum(_numel(info.shape) * info.dtype.itemsize for info in carried.values())
-    dtypes = tuple(sorted({str(info.dtype).removeprefix("torch.") for info in carried.values()}))
-    return CarriedWeights(str(checkpoint), len(carried), params, size, dtypes), []
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    infos = carried.values()
+    params = sum(math.prod(info.shape) for info in infos)
+    size = sum(math.prod(info.shape) * info.dtype.itemsize for info in infos)
+    size += sum(info.scales.nbytes(info.shape) for info in infos if info.scales)
+    tensors = len(carried) + sum(1 for info in infos if info.scales)
+    dtypes = tuple(sorted({str(info.dtype).removeprefix("torch.") for info in infos}))
+    return CarriedWeights(str(checkpoint), tensors, params, size, dtypes), []

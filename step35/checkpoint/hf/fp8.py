@@ -55,12 +55,17 @@ NOT_CONVERTED = ("embed_tokens", "lm_head", "moe.gate", "shared_head.output")
 
 @dataclass(frozen=True)
 class BlockScales:
-    """Where the inverse scales of one FP8-stored tensor are (`key` in `file`) and the block each covers
-    (rows, columns of the tensor's last two dimensions)."""
+    """Where the inverse scales of one FP8-stored tensor are (`key` in `file`), the block each covers
+    (rows, columns of the tensor's last two dimensions), and their stored dtype."""
 
     file: Path
     key: str
     block: tuple[int, int]
+    dtype: torch.dtype = torch.float32
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """The bytes of the scales of a tensor of `shape`, as stored."""
+        return math.prod(scale_shape(shape, self.block)) * self.dtype.itemsize
 
 
 def _quantization_entry(raw: dict) -> object:
@@ -148,7 +153,7 @@ def pair_scales(folder: str | Path, infos: dict) -> dict:
             raise CheckpointError(
                 f"{scale.file}: tensor {scale_name} is {scale.dtype}; inverse scales are read as float32 or bfloat16"
             )
-        out[name] = dataclasses.replace(info, scales=BlockScales(scale.file, scale.key, block))
+        out[name] = dataclasses.replace(info, scales=BlockScales(scale.file, scale.key, block, scale.dtype))
     for scale_name in sorted(scales):
         base = scale_name[: -len(SCALE_SUFFIX)]
         if base not in fp8:

@@ -267,11 +267,20 @@ def skipped(name: str, patterns: Iterable[str]) -> bool:
     return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
 
 
-def quantization_entry(block: tuple[int, int], not_converted: Iterable[str], like: dict | None = None) -> dict:
-    """config.json's quantization_config for weights written by `quantized_tensors`: `like` (the start folder's
-    own entry, its other fields kept) or the releases' fields, with this block and list."""
-    entry = dict(like) if like else {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
-    entry.update(quant_method="fp8", weight_block_size=list(block), modules_to_not_convert=list(not_converted))
+def export_entry(started: dict | None, carried: dict) -> dict:
+    """config.json's quantization_config for weights written by `quantized_tensors`: the start folder's own entry
+    (`started`, its other fields, block and list kept) or the releases' fields with DEFAULT_BLOCK and NOT_CONVERTED.
+    The `carried` tensors stay as stored: the top module of a matrix among them stored unquantised (no scales) and
+    not yet named is added to the list, so that loaders expect no scales for it."""
+    entry = dict(started) if started else {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+    not_converted = list(entry.get("modules_to_not_convert") or NOT_CONVERTED)
+    plain = {n.split(".", 1)[0] for n, info in carried.items() if not info.scales and len(info.shape) > 1}
+    not_converted += sorted(p for p in plain if not skipped(p, not_converted))
+    entry.update(
+        quant_method="fp8",
+        weight_block_size=list(entry.get("weight_block_size") or DEFAULT_BLOCK),
+        modules_to_not_convert=not_converted,
+    )
     return entry
 
 

@@ -46,15 +46,12 @@ import torch
 from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, write_hf_folder
 from step35.checkpoint.hf.fp8 import (
-    DEFAULT_BLOCK,
     FP8_DTYPES,
-    NOT_CONVERTED,
     QUANTIZATION_KEY,
     SCALE_SUFFIX,
-    quantization_entry,
+    export_entry,
     quantized_tensors,
     read_whole,
-    skipped,
     source_entry,
     without_quantization,
 )
@@ -565,13 +562,8 @@ def export_checkpoint(
         quantized = quantized or dropped
     entry = None
     if fp8:
-        block = tuple(started["weight_block_size"]) if started else DEFAULT_BLOCK
-        not_converted = list((started or {}).get("modules_to_not_convert") or NOT_CONVERTED)
-        # carried tensors stay as stored: a matrix of the vision side stored unquantised and not yet named is named
-        # by its top module, so that loaders expect no scales for it
-        plain = {n.split(".", 1)[0] for n, i in carried.items() if not i.scales and len(i.shape) > 1}
-        not_converted += sorted(p for p in plain if not skipped(p, not_converted))
-        entry = quantization_entry(block, not_converted, like=started)
+        entry = export_entry(started, carried)
+        block, not_converted = tuple(entry["weight_block_size"]), entry["modules_to_not_convert"]
         own = ", the start folder's own" if started else ""
         notes.append(
             f"weights written in float8_e4m3fn, block-quantised in blocks of {list(block)} with float32 inverse "

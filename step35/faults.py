@@ -107,25 +107,26 @@ def mark_failure(exiting_phase: str = "exit after an error") -> None:
 
 
 class _PhaseScope:
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, patient: bool | None = None):
+        self.name, self.patient = name, patient
         self.previous = ""
 
     def __enter__(self) -> None:
         self.previous = (_PHASE.name, _PHASE.patient)
-        set_phase(self.name, patient=self.previous[1])
+        set_phase(self.name, patient=self.previous[1] if self.patient is None else self.patient)
 
     def __exit__(self, *exc) -> None:
         set_phase(self.previous[0], patient=self.previous[1])
 
 
-def phase(name: str):
-    """`with phase("expert all-to-all"):` marks a region; the previous phase resumes after it.
+def phase(name: str, patient: bool | None = None):
+    """`with phase("expert all-to-all"):` marks a region; the previous phase resumes after it. `patient`
+    (default: the enclosing phase's): see set_phase.
     Nothing is recorded inside torch.compile'd code (no side effect to trace; the enclosing loop
     phase stands for it)."""
     if torch.compiler.is_compiling():
         return nullcontext()
-    return _PhaseScope(name)
+    return _PhaseScope(name, patient)
 
 
 # ----------------------------------------------------------------------------------- signals

@@ -6,6 +6,8 @@ Here (used by step35/callbacks/checkpointing.py, RunCheckpoint):
   has completed (write the manifest, switch `last.ckpt`, prune); Lightning has no public hook there.
 - `ModelCheckpoint._should_skip_saving_checkpoint`, `_save_topk_checkpoint`, `_monitor_candidates`:
   the save at the end of training at a step not yet saved (Lightning saves only on step/epoch/time).
+- `ModelCheckpoint._last_global_step_saved`, `_last_checkpoint_saved` (instance attributes): set as
+  Lightning's `_save_checkpoint` sets them, for a background save that RunCheckpoint makes itself.
 
 Used by the other callbacks (instance attributes of a Trainer: checked when first used, with the
 same kind of error):
@@ -56,6 +58,17 @@ def save_now(callback: ModelCheckpoint, trainer) -> bool:
         return False
     callback._save_topk_checkpoint(trainer, callback._monitor_candidates(trainer))
     return True
+
+
+def record_saved(callback: ModelCheckpoint, trainer, filepath: str) -> None:
+    """What ModelCheckpoint._save_checkpoint records after its trainer.save_checkpoint call, for a save that
+    RunCheckpoint makes itself (a background save, which passes its writer as storage_options): the step
+    and path saved, which Lightning's schedule reads (no second save of one step)."""
+    for name in ("_last_global_step_saved", "_last_checkpoint_saved"):
+        if not hasattr(callback, name):
+            raise _missing(f"ModelCheckpoint.{name}", "step35.callbacks.RunCheckpoint (async_save)")
+    callback._last_global_step_saved = trainer.global_step
+    callback._last_checkpoint_saved = filepath
 
 
 def _missing(what: str, user: str) -> RuntimeError:

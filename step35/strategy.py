@@ -48,6 +48,8 @@ def num_routed_experts(module) -> int | None:
 
 
 class Step35Strategy(ModelParallelStrategy):
+    writes_in_background = True  # its save_checkpoint takes RunCheckpoint's BackgroundWriter (async_save)
+
     def __init__(
         self,
         expert_parallel_size: int = 1,
@@ -197,50 +199,37 @@ class Step35Strategy(ModelParallelStrategy):
         """Write into a temporary sibling, hash (each rank its own shards), manifest last, then publish:
         a kill at any moment leaves the previous checkpoint or the new one, never a mix. A failed
         sharded save (a full disk: OSError ENOSPC naming the path) fails on every rank together, and
-        its partial folder is removed at once."""
-        from step35.checkpoint.integrity import hash_files, write_manifest
-        from step35.checkpoint.publish import partial_path, publish, remove_path
-        from step35.checkpoint.training.keys import manifest_extra
-        from step35.checkpoint.training.trainer_io import disk_full, no_space, rank_files, save_file
+        its partial folder is removed at once. `storage_options`: a BackgroundWriter (RunCheckpoint's
+        async_save) stages the state in host memory and writes it on its thread, the same files."""
+        from step35.checkpoint.publish import partial_path
+        from step35.checkpoint.training.background import writer_of
+        from step35.checkpoint.training.keys import GLOBAL_STEP, manifest_extra
+        from step35.checkpoint.training.trainer_io import save_file, save_file_in_background, save_sharded
 
+        writer = writer_of(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
         if not self._save_distributed_checkpoint:  # full state dicts, gathered on rank 0 by Lightning
             if self.global_rank == 0:
-                save_file(checkpoint, path)
+                if writer is None or not save_file_in_background(writer, checkpoint, path):
+                    save_file(checkpoint, path)
             self.barrier()
             return
         extra = manifest_extra(checkpoint, "dcp", self.world_size)
+        optimizers = checkpoint.pop("optimizer_states", [])
+        state = {"state_dict": checkpoint.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(optimizers)}}
         tmp = Path(self.broadcast(str(partial_path(path))))
         if self.global_rank == 0:
             tmp.mkdir(parents=True)
         self.barrier()
-        entries, failure, error = {}, None, None
-        try:
-            super().save_checkpoint(checkpoint, tmp, storage_options)  # DCP shards, .metadata, meta.pt
-            entries = hash_files(tmp, rank_files(tmp, self.global_rank))  # in parallel, while the pages are warm
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: B036 (DCP's CheckpointException); meta.pt fails on rank 0 alone
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-            detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0])  # DCP: the last error line
-            error = e
-            failure = (
-                disk_full(e, path.parent),
-                f"{path}: sharded save failed on rank {self.global_rank} ({detail[:300]})",
-            )
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (entries, failure))  # every rank learns of a failure on any rank
-        failures = [f for _, f in gathered if f is not None]
-        if failures:
-            if self.global_rank == 0:
-                remove_path(tmp)  # now, not at the next start
-            self.barrier()
-            if any(full for full, _ in failures):
-                raise no_space(path) from error
-            raise RuntimeError(failures[0][1]) from error
-        if self.global_rank == 0:
-            write_manifest(tmp, extra, {k: v for part, _ in gathered for k, v in part.items()})
-            publish(tmp, path)
+        rank, world = self.global_rank, self.world_size
+        if writer is not None:
+            staged = writer.stage({"state": state, "meta": checkpoint})
+            if self.reduce_boolean_decision(staged is not None, all=True):  # every rank staged, or none goes on
+                step = checkpoint.get(GLOBAL_STEP, 0)
+                state, meta, group = staged["state"], staged["meta"], writer.group
+                writer.start(path, step, lambda: save_sharded(state, meta, tmp, path, extra, rank, world, group))
+                return
+        save_sharded(state, checkpoint, tmp, path, extra, rank, world)
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -8,9 +8,11 @@ tests/runner.py's. Other reference math stays in the test that needs it, written
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import math
+import subprocess
 from pathlib import Path
 
 import torch
@@ -661,3 +663,36 @@ def step37_folder(
     save_file({**stored, **vision}, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder, language
+
+
+def assert_bitwise(a, b, where: str = "") -> None:
+    """`a` and `b` (tensors, or dicts / lists / tuples of them and of plain values) are equal to the bit, dtypes
+    too; the message names the first place (`where`/key[index]) that differs."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        assert same, f"{where}: differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, sorted(set(a) ^ set(b)))
+        for key in a:
+            assert_bitwise(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@contextlib.contextmanager
+def small_filesystem(folder: Path, size: str):
+    """A tmpfs of `size` (e.g. "6m") mounted at the existing `folder` for the block, then unmounted; the test is
+    skipped where mounting is not allowed."""
+    import pytest
+
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()[:200]}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

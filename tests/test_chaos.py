@@ -27,7 +27,7 @@ import torch
 from step35.checkpoint.publish import leftovers
 from step35.checkpoint.training import catalog
 from step35.checkpoint.training.keys import LORA_BASE
-from tests.helpers import CHAOS_CONFIG, lora_config
+from tests.helpers import CHAOS_CONFIG, assert_bitwise, lora_config
 from tests.runner import ROOT, command, environment, kill_job, signal_job
 
 # a chaos supervisor kills and restarts step35 processes, for minutes: started first in the parallel run
@@ -163,26 +163,11 @@ def final_state(run: Path, step: int) -> dict:
     return {"params": state["state_dict"], "optimizer": state["optimizer_states"], "step": state["global_step"]}
 
 
-def assert_same(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
     assert len(a["params"]) > 0
-    assert_same(a["params"], b["params"], "params")
-    assert_same(a["optimizer"], b["optimizer"], "optimizer")
+    assert_bitwise(a["params"], b["params"], "params")
+    assert_bitwise(a["optimizer"], b["optimizer"], "optimizer")
 
 
 def chaos(

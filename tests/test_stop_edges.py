@@ -182,7 +182,7 @@ def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind,
     with pytest.raises(CheckpointError) as refused:
         trainer.fit(module, datamodule=data)
     assert str(refused.value) == (
-        "asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO from trainer.plugins"
+        "Lightning's AsyncCheckpointIO is not supported: remove it from trainer.plugins and save in the background with RunCheckpoint(async_save=true)"
     )
     assert trainer.global_step == 0 and not (tmp_path / "ckpt").exists()
 

@@ -5,7 +5,6 @@ OSError ENOSPC naming the checkpoint, and leaves no partial files behind, sharde
 
 import errno
 import os
-import subprocess
 
 import lightning.pytorch as pl
 import pytest
@@ -15,6 +14,7 @@ from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
+from tests.helpers import small_filesystem
 
 pytestmark = pytest.mark.heavy  # step35 as a subprocess, saves killed midway
 
@@ -46,13 +46,13 @@ def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path, builtin_cach
     assert last.is_dir() and (last / "meta.pt").exists()
     before = {p.name: p.read_bytes() for p in last.iterdir()}
 
-    import lightning.pytorch.strategies.model_parallel as mp
+    import torch.distributed.checkpoint as dcp
 
-    def dies_half_way(state, path):
-        (path / "__0_0.distcp").write_bytes(b"half a shard")
+    def dies_half_way(state, checkpoint_id, process_group=None):  # the DCP write step35's writer calls
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"half a shard")
         raise RuntimeError("killed during the save")  # (Lightning turns KeyboardInterrupt into SystemExit)
 
-    monkeypatch.setattr(mp, "_distributed_checkpoint_save", dies_half_way)
+    monkeypatch.setattr(dcp, "save", dies_half_way)
     with pytest.raises(RuntimeError, match="killed during the save"):
         fit(tmp_path, builtin_cache, max_steps=4, ckpt_path=last)  # resumes, trains, then dies saving `last`
     monkeypatch.undo()
@@ -64,16 +64,10 @@ def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path, builtin_cach
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 6 MiB tmpfs (a tiny-model checkpoint takes ~24 MB); skipped where mounting is not allowed."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(folder)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()[:200]}")
-    try:
+    """A 6 MiB tmpfs (a tiny-model checkpoint takes ~24 MB)."""
+    (tmp_path / "small").mkdir()
+    with small_filesystem(tmp_path / "small", "6m") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 @pytest.mark.timeout(300)
@@ -93,14 +87,14 @@ def test_full_disk_names_enospc_and_leaves_nothing(sharded, small_disk, tmp_path
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "file"])
 def test_writer_raising_enospc_is_named_and_cleaned_up(sharded, tmp_path, builtin_cache, monkeypatch):
-    import lightning.pytorch.strategies.model_parallel as mp
+    import torch.distributed.checkpoint as dcp
 
-    def half_then_full(state, folder):  # DCP's writer, as it fails on a full disk
-        (folder / "__0_0.distcp").write_bytes(b"half")
+    def half_then_full(state, checkpoint_id, process_group=None):  # DCP's writer, as it fails on a full disk
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if sharded:
-        monkeypatch.setattr(mp, "_distributed_checkpoint_save", half_then_full)
+        monkeypatch.setattr(dcp, "save", half_then_full)
     else:
         save = torch.save
 
@@ -128,10 +122,7 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     checkpoints.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(checkpoints)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()[:200]}")
-    try:
+    with small_filesystem(checkpoints, "6m"):
         args = [
             "fit",
             "--config",
@@ -158,5 +149,3 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
                 for ln in result.stderr.splitlines()
             ), result.stderr[-3000:]
         assert leftovers(checkpoints) == [] and not [p for p in checkpoints.iterdir() if p.is_dir()]
-    finally:
-        subprocess.run(["umount", str(checkpoints)], check=True)

@@ -11,23 +11,26 @@ Lightning's ModelCheckpoint with three changes that make unattended restarts saf
   folder (and says so: under the lock every leftover is from a writer that is gone), points
   `last.ckpt` at the newest complete checkpoint (pre-emption saves are written without this
   callback), and lists checkpoints whose save did not finish. A refusal reaches every rank.
-- Lightning's AsyncCheckpointIO is refused at start (`plugin.refuse_asynchronous_io`): a save
-  is vouched for (manifest, `last.ckpt`, retention) as soon as it returns, before an asynchronous
-  write has made the file.
+- `async_save=True` writes in the background (`checkpoint.training.background`): the loop waits while
+  the state is staged in host memory; `last.ckpt` and retention follow when the write is complete.
+  Lightning's AsyncCheckpointIO is refused at start (`plugin.refuse_asynchronous_io`): it returns
+  before the file exists, while its caller vouches for the checkpoint at once.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from step35 import lightning_private
+from step35 import faults, lightning_private
 from step35.checkpoint.integrity import is_complete, recorded_damage, remove_manifest, write_manifest
 from step35.checkpoint.training import catalog, keys
+from step35.checkpoint.training.background import BackgroundWriter, SaveOutcome
 from step35.checkpoint.training.plugin import refuse_asynchronous_io
 from step35.run import RunFolder, RunFolderBusy, checkpoint_to_load, lock
 
@@ -48,6 +51,7 @@ class RunCheckpoint(ModelCheckpoint):
         save_on_train_end: bool = True,
         save_weights_only: bool = False,
         verbose: bool = False,
+        async_save: bool = False,
     ):
         """
         Args:
@@ -62,6 +66,11 @@ class RunCheckpoint(ModelCheckpoint):
                 saved by this callback or another writer (e.g. a pre-emption save).
             save_weights_only: save the model only (such a checkpoint cannot resume training).
             verbose: print each save.
+            async_save: write in the background: the training loop waits only while the state is copied
+                into host memory (about one rank's checkpoint share per rank, pinned on GPUs), a thread writes
+                the files. The checkpoint counts (manifest, `last.ckpt`, retention) once every rank's files
+                are written; the next save, the end of fit, a pre-emption and an error wait for it first.
+                Falls back to a synchronous save, saying so, when the state cannot be staged.
         """
         if keep_last < 1:
             raise ValueError(
@@ -85,6 +94,8 @@ class RunCheckpoint(ModelCheckpoint):
         )
         self.keep_last = keep_last
         self.save_on_train_end = save_on_train_end
+        self.async_save = async_save
+        self._writer: BackgroundWriter | None = None
         self._resumed_from: Path | None = None
         self._own_lock: RunFolder | None = None
         self._dirpath_lock: RunFolder | None = None  # the lock of a dirpath outside the run folder
@@ -113,14 +124,70 @@ class RunCheckpoint(ModelCheckpoint):
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:
             raise RunFolderBusy(refusal)
+        if self.async_save:
+            self._writer = background_writer(trainer)
+            self._writer.after_publish = self._after_save
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
+        self.wait_for_save(trainer)
+        self._close_writer()
         self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
+        if self._writer is not None and self._writer.pending is not None:
+            pending = self._writer.pending
+            try:  # bounded: after a peer's failure the write's collectives may never complete
+                outcome = self._writer.wait(timeout=ON_ERROR_WAIT_S)
+                say(f"the background save of step {outcome.step} completed before the run ended: {outcome.path}")
+            except TimeoutError:
+                say(f"{pending.path}: the background save did not complete within {ON_ERROR_WAIT_S:.0f} s of the error")
+            except Exception as e:  # the run's own error is the one raised; this one is reported
+                say(str(e))
+        self._close_writer()
         self._release()
+
+    # ------------------------------------------------------------------------------- background saves
+    def wait_for_save(self, trainer: pl.Trainer) -> SaveOutcome | None:
+        """Wait for the save in flight, if any; its failure is raised here (naming the checkpoint), its
+        times and bytes logged (rank 0). The next save, the end of fit and a pre-emption call it first."""
+        if self._writer is None or self._writer.pending is None:
+            return None
+        # a long write is no hang, and a stop signal meanwhile must not end the wait: patient, as a save is
+        with faults.phase(f"checkpoint: waiting for the background save of step {self._writer.pending.step}", True):
+            outcome = self._writer.wait()
+        self._report(trainer, outcome)
+        return outcome
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._writer is not None and self._writer.pending is not None and self._writer.pending.done():
+            self.wait_for_save(trainer)  # done: a failure is this run's error now, not at the next save
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _report(self, trainer: pl.Trainer, outcome: SaveOutcome) -> None:
+        if not trainer.is_global_zero:
+            return
+        metrics = {
+            "checkpoint/blocking_s": outcome.blocking_s,
+            "checkpoint/save_s": outcome.save_s,
+            "checkpoint/bytes": float(outcome.bytes),
+        }
+        step = lightning_private.batches_that_stepped(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            if outcome.background:  # (Lightning notifies them when a synchronous save returns)
+                logger.after_save_checkpoint(self)
+        if self.verbose:
+            kind = "in the background" if outcome.background else "synchronously"
+            say(
+                f"saved {outcome.path} {kind}: {outcome.bytes / 2**20:.1f} MiB, training held "
+                f"{outcome.blocking_s:.2f} s, complete after {outcome.save_s:.2f} s"
+            )
+
+    def _close_writer(self) -> None:
+        if self._writer is not None and self._writer.pending is None:
+            self._writer.close()
 
     def _lock_checkpoint_folder(self, run: RunFolder) -> None:
         """A `dirpath` outside the run folder gets its own lock: two runs given one checkpoint folder (one
@@ -173,27 +240,69 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if not self.save_on_train_end:
-            return
-        newest = catalog.newest_complete([self.dirpath])
-        if newest is not None and newest.global_step == trainer.global_step and recorded_damage(newest.path) is None:
-            return  # this step is saved already (e.g. by a pre-emption save), and no load found it damaged
-        lightning_private.save_now(self, trainer)
+        self.wait_for_save(trainer)
+        if self.save_on_train_end:
+            newest = catalog.newest_complete([self.dirpath])
+            done = newest is not None and newest.global_step == trainer.global_step
+            if not (done and recorded_damage(newest.path) is None):  # (saved already, e.g. by a pre-emption save)
+                lightning_private.save_now(self, trainer)
+        self.wait_for_save(trainer)  # fit returns with every checkpoint complete
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:  # Lightning-private: lightning_private.py
+        self.wait_for_save(trainer)  # at most one in flight: the staging buffers are the previous save's
         path = Path(filepath)
         if trainer.is_global_zero and path.is_file():
             remove_manifest(path)  # an earlier save of this name: its manifest must not vouch for the new bytes
-        super()._save_checkpoint(trainer, filepath)
-        if not trainer.is_global_zero:
-            return
-        if not is_complete(path):
-            # A strategy whose save writes no manifest (Lightning's own single-file save): the file
-            # is in place, so the manifest can be written now; until then the checkpoint is incomplete.
-            write_manifest(path, extra={keys.MANIFEST_GLOBAL_STEP: trainer.global_step})
+        started = time.monotonic()
+        if self._writer is None:
+            super()._save_checkpoint(trainer, filepath)
+        else:
+            self._writer.begin()
+            trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=self._writer)
+            lightning_private.record_saved(self, trainer, filepath)
+            if self._writer.pending is not None:  # in the background: _after_save runs on its thread
+                self._writer.pending.blocking_s = time.monotonic() - started
+                return
+        if trainer.is_global_zero:
+            if not is_complete(path):
+                # A strategy whose save writes no manifest (Lightning's own single-file save): the file
+                # is in place, so the manifest can be written now; until then the checkpoint is incomplete.
+                write_manifest(path, extra={keys.MANIFEST_GLOBAL_STEP: trainer.global_step})
+            self._after_save(path, trainer.global_step)
+        took = time.monotonic() - started
+        size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
+        self._report(trainer, SaveOutcome(path, trainer.global_step, took, took, size, False))
+
+    def _after_save(self, path: Path, step: int) -> None:
+        """Rank 0, once the checkpoint `path` is complete: `last.ckpt` to the newest, then retention."""
         newest = catalog.newest_complete([path.parent])  # this save, unless the folder holds later steps
         catalog.point_last(path.parent, newest.path)
         protect = [self._resumed_from] if self._resumed_from is not None else []
         for removed in catalog.prune(path.parent, self.keep_last, protect=protect):
             if self.verbose:
                 say(f"removed {removed} (keep_last={self.keep_last})")
+
+
+ON_ERROR_WAIT_S = 60.0  # how long a failing run waits for its background save before it ends
+
+
+def background_writer(trainer: pl.Trainer) -> BackgroundWriter:
+    """The BackgroundWriter of a run with `async_save`, on every rank at the same point (setup): its own gloo
+    group for the write's collectives. Refused (CheckpointError naming the option) where the save does not
+    go through step35's writers (Step35Strategy, or Step35CheckpointIO, which the CLI installs)."""
+    import torch.distributed as dist
+
+    from step35.checkpoint.errors import CheckpointError
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
+
+    strategy = trainer.strategy
+    if not (getattr(strategy, "writes_in_background", False) or isinstance(strategy.checkpoint_io, Step35CheckpointIO)):
+        raise CheckpointError(
+            f"RunCheckpoint(async_save=true) needs step35's checkpoint writers: Step35Strategy, or "
+            f"Step35CheckpointIO in trainer.plugins (step35 fit installs it); {type(strategy).__name__} with "
+            f"{type(strategy.checkpoint_io).__name__} saves synchronously only"
+        )
+    writer = BackgroundWriter(pin_memory=strategy.root_device.type == "cuda")
+    if dist.is_available() and dist.is_initialized():  # (one rank too: the loop uses the default group meanwhile)
+        writer.group = dist.new_group(backend="gloo")  # collective: every rank's setup calls it here
+    return writer

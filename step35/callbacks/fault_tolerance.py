@@ -52,6 +52,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from step35 import faults, lightning_private
+from step35.callbacks.checkpointing import RunCheckpoint
 from step35.callbacks.reporting import StepEnds, all_reduce_
 from step35.checkpoint.training import catalog
 from step35.checkpoint.training.plugin import refuse_asynchronous_io
@@ -331,6 +332,10 @@ class FaultTolerance(Checkpoint):
         else:  # the step's metrics are with the loggers already (Lightning logs them before validating)
             for logger in trainer.loggers:
                 logger.save()
+        faults.set_phase("pre-emption: waiting for the background save in flight", step=step, patient=True)
+        for callback in trainer.checkpoint_callbacks:  # a save in flight completes (or fails) first
+            if isinstance(callback, RunCheckpoint):
+                callback.wait_for_save(trainer)
         saved = self._saved_already(trainer, step)
         if saved is not None:
             message = (

@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="memory outside the allocator: context, collective buffers (default: the device's)",
     )
+    p.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        help="host memory per node: checked against what background checkpoint writes stage (RunCheckpoint async_save)",
+    )
     p.add_argument("--no-suggestions", action="store_true", help="skip the search for layouts that fit")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     return p
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParallelConfigError as err:
         print(f"step35 plan: {err}", file=sys.stderr)
         return INVALID
+    plan.host_memory_gib = args.host_memory_gib
     if not plan.verdict.fits and not args.no_suggestions:
         plan.suggestions = suggest(settings, evaluate)
         plan.other_ways = other_ways(settings, evaluate)

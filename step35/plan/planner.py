@@ -39,6 +39,17 @@ class Plan:
     suggestions: list[Plan] = field(default_factory=list)
     other_ways: list = field(default_factory=list)  # suggest.OtherWay: LoRA, context parallelism
     trained: list[Trained] = field(default_factory=list)  # LoRA: the adapted model's trained tensors
+    host_memory_gib: float | None = None  # the node's host memory (`--host-memory-gib`), for the staging check
+
+    @property
+    def staging_per_node(self) -> int:
+        """Host bytes a node holds for background checkpoint writes (RunCheckpoint async_save): each rank's
+        checkpoint share, staged (pinned on GPUs) beside the node's other host memory use."""
+        return self.state.checkpoint_bytes * self.settings.devices_per_node if self.settings.async_save else 0
+
+    @property
+    def staging_exceeds_host(self) -> bool:
+        return self.host_memory_gib is not None and self.staging_per_node > self.host_memory_gib * 1024**3
 
 
 @dataclass(frozen=True)

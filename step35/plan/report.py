@@ -69,6 +69,27 @@ def adapter_activation_line(p: Plan) -> str:
     )
 
 
+def host_lines(p: Plan) -> list[str]:
+    """The host memory background checkpoint writes stage (RunCheckpoint async_save), per rank and per node."""
+    if not p.settings.async_save:
+        return []
+    s, per_rank = p.settings, p.state.checkpoint_bytes
+    lines = [
+        "",
+        "Host memory (RunCheckpoint async_save: each rank's checkpoint share staged for the background write)",
+        f"  staging per rank    {_gib(per_rank)}   trained parameters + optimizer states + buffers, as saved",
+        f"  staging per node    {_gib(p.staging_per_node)}   x {s.devices_per_node} ranks"
+        + (f", of {p.host_memory_gib:g} GiB host memory" if p.host_memory_gib is not None else ""),
+    ]
+    if p.staging_exceeds_host:
+        lines.append(
+            f"WARNING: the staging ({p.staging_per_node / GiB:.2f} GiB per node) exceeds the node's "
+            f"{p.host_memory_gib:g} GiB of host memory (--host-memory-gib): saves fall back to synchronous (or the "
+            f"node swaps); save synchronously, or on more nodes"
+        )
+    return lines
+
+
 def text(p: Plan) -> str:
     s, st, t, v, sp = p.settings, p.state, p.transients, p.verdict, p.speed
     cfg = s.model_config
@@ -169,6 +190,7 @@ def text(p: Plan) -> str:
             else f"DOES NOT FIT: needs {v.required / GiB:.1f} GiB, {-v.free / GiB:.1f} GiB more than the device's "
             f"{v.device_memory / GiB:.1f} GiB"
         ),
+        *host_lines(p),
         "",
         "Speed (upper bounds: kernels at peak, balanced routing)",
         f"  training FLOPs/token    {sp.flops_per_token / 1e9:,.2f} GFLOP (model; "
@@ -281,6 +303,14 @@ def as_dict(p: Plan) -> dict:
             "base_dtype": _dtype(s.base_dtype),
         },
         "carried": None if s.carried is None else asdict(s.carried),  # on the host, in no per-device number
+        "host_staging": None
+        if not s.async_save
+        else {
+            "per_rank_bytes": p.state.checkpoint_bytes,
+            "per_node_bytes": p.staging_per_node,
+            "host_memory_gib": p.host_memory_gib,
+            "exceeds_host_memory": p.staging_exceeds_host,
+        },
         "notes": s.notes,
         "seconds": round(p.seconds, 3),
     }

@@ -69,6 +69,7 @@ class RunSettings:
     objective: str = "lm"  # model.objective
     dpo_reference_free: bool = False  # model.dpo.reference_free: no reference model
     carried: CarriedWeights | None = None  # a Step-3.7 folder's vision weights: on the host, never on a device
+    async_save: bool = False  # a RunCheckpoint(async_save=true) in trainer.callbacks: checkpoints staged on the host
 
     def slots_of(self, name: str, shape: tuple[int, ...]) -> float:
         """Optimizer states of the trained parameter `name` (its group's, training/optimizer.group_of)."""
@@ -261,6 +262,17 @@ def _get(options, key: str):
     return options.get(key) if hasattr(options, "get") else getattr(options, key, None)
 
 
+def _saves_in_background(callbacks) -> bool:
+    """Whether trainer.callbacks holds a RunCheckpoint with async_save true."""
+    if callbacks is None:
+        return False
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        name = str(_get(callback, "class_path") or "")
+        if name.rsplit(".", 1)[-1] == "RunCheckpoint" and _get(_get(callback, "init_args"), "async_save"):
+            return True
+    return False
+
+
 def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
@@ -303,6 +315,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         plan_device=cfg.get("plan_device"),
         objective=str(model.get("objective") or "lm"),
         dpo_reference_free=bool(_get(model.get("dpo"), "reference_free")),
+        async_save=_saves_in_background(trainer.get("callbacks")),
         **_optimizer(model, str(trainer.precision)),
     )
     if settings.sharded:

@@ -46,6 +46,12 @@ class RankState:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.buffers + self.reference
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """This rank's share of a training checkpoint: its trained parameters, optimizer states and buffers (a
+        LoRA base and the DPO reference are not saved); what a background save stages in host memory."""
+        return self.params - self.frozen + self.optimizer + self.buffers
+
 
 @dataclass
 class FsdpGroup:

@@ -115,3 +115,44 @@ class FullDiskLogger(Logger):
     def save(self) -> None:  # Lightning calls it after every step's metrics, and when it ends a failed run
         if self._step + 1 >= self.from_step:
             raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class SlowBackgroundWrites(pl.Callback):
+    """Makes every checkpoint write on a background thread (RunCheckpoint(async_save=True)) take longer: it sleeps
+    `before_s` before DCP writes the shards (the training loop goes on meanwhile, changing the parameters the save
+    was taken from) and `after_s` after them (shards on disk, no manifest yet). Prints 'background write of
+    <folder>: shards written' when the second sleep starts, so a test can kill or signal the job in the middle of
+    a write. Synchronous saves (the main thread) are untouched."""
+
+    def __init__(self, before_s: float = 1.0, after_s: float = 1.0):
+        self.before_s, self.after_s = before_s, after_s
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import threading
+
+        import torch.distributed.checkpoint as dcp
+
+        save = dcp.save
+        if getattr(save, "slowed", False):
+            return
+
+        def slow_save(state, *args, checkpoint_id=None, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                return save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
+            time.sleep(self.before_s)
+            result = save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
+            print(f"background write of {checkpoint_id}: shards written", flush=True)
+            time.sleep(self.after_s)
+            return result
+
+        slow_save.slowed = True
+        dcp.save, self._save = slow_save, save
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:  # (a test may run it in its own process)
+        import torch.distributed.checkpoint as dcp
+
+        if getattr(self, "_save", None) is not None:
+            dcp.save, self._save = self._save, None
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.teardown(trainer, pl_module, "fit")

@@ -10,9 +10,10 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.training.trainer_io import load_file, remove, save_file
+from step35.checkpoint.training.background import writer_of
+from step35.checkpoint.training.trainer_io import load_file, remove, save_file, save_file_in_background
 
-ASYNC_REFUSAL = "asynchronous checkpointing is not supported yet: remove AsyncCheckpointIO from trainer.plugins"
+ASYNC_REFUSAL = "Lightning's AsyncCheckpointIO is not supported: remove it from trainer.plugins and save in the background with RunCheckpoint(async_save=true)"
 
 
 def refuse_asynchronous_io(strategy) -> None:
@@ -35,9 +36,9 @@ class Step35CheckpointIO(TorchCheckpointIO):
     with weights_only=True and the step35 allowlist, verified and checked for NaN/Inf at load."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("Step35CheckpointIO.save_checkpoint takes no storage_options")
-        save_file(checkpoint, path)
+        writer = writer_of(storage_options, type(self).__name__)  # RunCheckpoint(async_save=True) passes one
+        if writer is None or not save_file_in_background(writer, checkpoint, path):
+            save_file(checkpoint, path)
 
     def load_checkpoint(
         self, path, map_location: Callable | Any = "cpu", weights_only: bool | None = None

@@ -78,6 +78,67 @@ def save_file(checkpoint: dict, path: str | Path) -> None:
         remove_leftovers(tmp)
 
 
+def save_file_in_background(writer, checkpoint: dict, path: Path) -> bool:
+    """`save_file` of a copy of `checkpoint` staged in host memory, on `writer`'s thread (a
+    background.BackgroundWriter); False when staging failed (the caller saves synchronously)."""
+    staged = writer.stage(checkpoint)
+    if staged is None:
+        return False
+    path = Path(path)
+
+    def write() -> int:
+        save_file(staged, path)
+        return path.stat().st_size
+
+    writer.start(path, checkpoint.get(keys.GLOBAL_STEP, 0), write, collective=False)
+    return True
+
+
+def save_sharded(
+    state: dict, meta: dict, tmp: Path, path: Path, extra: dict, rank: int, world_size: int, group=None
+) -> int:
+    """Write a sharded checkpoint: DCP shards of `state` (`state_dict`, `optimizer_<i>`) and rank 0's
+    `meta.pt` into the empty partial folder `tmp`, each rank hashing its own shards; then every rank learns
+    of a failure on any rank (one gather on `group`, None: the world), and rank 0 writes the manifest and
+    publishes `tmp` as `path`. A failure fails every rank together, after rank 0 removed `tmp` (a full disk:
+    OSError ENOSPC naming `path`). Returns the bytes of the checkpoint on rank 0 (every file), 0 elsewhere. The callers
+    (Step35Strategy, synchronous or in the background) end with a barrier of their own."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from step35.checkpoint.integrity import hash_files
+
+    entries, failure, error = {}, None, None
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
+        if rank == 0:
+            torch.save(meta, tmp / keys.META_FILE)
+        entries = hash_files(tmp, rank_files(tmp, rank))  # in parallel, while the pages are warm
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException); meta.pt fails on rank 0 alone
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0])  # DCP: the last error line
+        error = e
+        failure = (disk_full(e, path.parent), f"{path}: sharded save failed on rank {rank} ({detail[:300]})")
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (entries, failure), group=group)
+    failures = [f for _, f in gathered if f is not None]
+    if failures:
+        if rank == 0:
+            remove_path(tmp)  # now, not at the next start
+        dist.barrier(group=group)
+        if any(full for full, _ in failures):
+            raise no_space(path) from error
+        raise RuntimeError(failures[0][1]) from error
+    size = 0
+    if rank == 0:
+        write_manifest(tmp, extra, {k: v for part, _ in gathered for k, v in part.items()})
+        size = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+        publish(tmp, path)
+    return size
+
+
 def remove_leftovers(tmp: Path) -> None:
     """Delete a failed single-file save: the partial file and its manifest."""
     for leftover in (tmp, tmp.with_name(tmp.name + FILE_MANIFEST_SUFFIX)):

@@ -166,6 +166,28 @@ def test_background_saves_hold_the_state_of_their_step(sharded, tmp_path, builti
     assert len(sync_rows) == 4 and all(r["checkpoint/blocking_s"] == r["checkpoint/save_s"] for r in sync_rows)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_staging_that_cannot_be_allocated_falls_back_to_a_synchronous_save(
+    sharded, tmp_path, builtin_cache, monkeypatch, capfd
+):
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    def no_memory(self, state, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 52428800000 bytes")
+
+    monkeypatch.setattr(DefaultStager, "stage", no_memory)
+    trainer = fit_here(tmp_path / "run", builtin_cache, async_save=True, sharded=sharded)
+    assert trainer.global_step == STEPS
+    folder = tmp_path / "run" / "checkpoints"
+    assert [catalog.step_from_name(p) for p in sorted(folder.glob("step=*.ckpt"))] == [2, 4, 6, 8]
+    assert all(is_complete(p) for p in folder.glob("step=*.ckpt"))
+    rows = [r for r in metric_rows(tmp_path / "run" / "csv" / "version_0") if r.get("checkpoint/save_s")]
+    assert len(rows) == 4 and all(r["checkpoint/blocking_s"] == r["checkpoint/save_s"] for r in rows)  # synchronous
+    said = "step35: the checkpoint's state could not be staged in host memory (DefaultCPUAllocator: can't allocate"
+    assert capfd.readouterr().err.count(said) == 4
+
+
 class RaiseAtStep(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == 5:

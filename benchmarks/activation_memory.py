@@ -181,9 +181,27 @@ def count_saved(forward, tracker: _PartTracker, model: nn.Module):
             saved[key] = (*tracker.current, t.untyped_storage().nbytes())
         return t
 
+    # Hooks the model installs itself (model/moe.py `regathered`) take a tensor before this counter's: see what
+    # they keep as a tensor, and not what they replace by a note to rebuild it in backward.
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    original_init = hooks.__init__
+
+    def observed_init(self, pack_hook, unpack_hook):
+        def observed(t):
+            packed = pack_hook(t)
+            if isinstance(packed, torch.Tensor):
+                pack(packed)
+            return packed
+
+        original_init(self, observed, unpack_hook)
+
     mode = _CreatedStorages(tracker, params)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-        out = forward()
+    hooks.__init__ = observed_init
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            out = forward()
+    finally:
+        hooks.__init__ = original_init
     retained = {ref: v for ref, v in mode.created.items() if not ref.expired()}
     return saved, retained, out
 

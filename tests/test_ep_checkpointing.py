@@ -27,14 +27,15 @@ def test_selective_checkpointing_replays_no_all_to_all(tmp_path):
     none, selective, full = counts(tmp_path, "none", "selective", "full")
     layers = none["moe_layers"]
     assert layers == 4
-    # forward: count exchange + rows out + rows back per MoE layer; one split-size read each
+    # forward: count exchange + rows out + their routing weights out + rows back (weighted) per MoE layer; one
+    # split-size read each
     for c in (none, selective, full):
-        assert c["forward"] == 3 * layers and c["host_syncs_forward"] == layers
+        assert c["forward"] == 4 * layers and c["host_syncs_forward"] == layers
         assert c["live_split_entries"] == 0  # nothing left behind once the step's graph is gone
-    # backward without checkpointing: the two row all-to-alls' gradients
-    assert none["backward"] == 2 * layers and none["host_syncs"] == layers
+    # backward without checkpointing: the gradients of the rows, the weights and the rows back
+    assert none["backward"] == 3 * layers and none["host_syncs"] == layers
     # selective: the same; the replay reuses the kept all-to-all outputs and split sizes
-    assert selective["backward"] == 2 * layers and selective["host_syncs"] == layers
+    assert selective["backward"] == 3 * layers and selective["host_syncs"] == layers
     # full checkpointing replays the whole forward, communication included (the contrast)
-    assert full["backward"] == 5 * layers and full["host_syncs"] == 2 * layers
+    assert full["backward"] == 7 * layers and full["host_syncs"] == 2 * layers
     assert none["loss"] == selective["loss"] == full["loss"]

@@ -15,6 +15,7 @@ Shape legend: T tokens, H hidden, E experts, K top-k, N = T*K routed rows, I exp
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -78,38 +79,69 @@ def expert_lora_delta(
     return grouped_mm(h, B.transpose(-2, -1), counts) * scale  # [N, out]
 
 
-def expert_swiglu(moe: MoE, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Routed experts on rows sorted by expert. x: [N, H]; counts: [E_held] -> [N, H]."""
-    hidden = clamped_swiglu(moe.gate_proj(x, counts), moe.up_proj(x, counts), moe.limit)  # [N, I]
+def expert_swiglu(moe: MoE, x: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+    """Routed experts on rows sorted by expert, each output row scaled by its routing weight. x: [N, H];
+    counts: [E_held]; row_weight: [N] fp32 -> [N, H]. The weight scales the SwiGLU product (the down
+    projection is linear): its gradient comes from the gate and up outputs kept anyway, not from the
+    [N, H] expert outputs (model/mlp.py)."""
+    hidden = clamped_swiglu(moe.gate_proj(x, counts), moe.up_proj(x, counts), moe.limit, row_weight)  # [N, I]
     return moe.down_proj(hidden, counts)
 
 
-class _WeightedCombine(torch.autograd.Function):
-    """out[t] = sum of (y[r] * w[r]) over the rows r routed from token t, products in fp32.
-
-    Keeps y, w and the row-to-token map for backward; default autograd of the same ops would also
-    keep the weighted [N, H] copy (index_add_ saves its source)."""
+class _CombineRows(torch.autograd.Function):
+    """out[t] = sum of the (weighted) rows y[r] routed from token t. Keeps only the row-to-token map:
+    default autograd of index_add_ would keep the [N, H] rows too."""
 
     @staticmethod
-    def forward(ctx, y, w, token_of_row, num_tokens: int, dtype: torch.dtype):
-        ctx.save_for_backward(y, w, token_of_row)
-        weighted = (y.float() * w[:, None]).to(dtype)
-        return weighted.new_zeros((num_tokens, y.shape[-1])).index_add_(0, token_of_row, weighted)
+    def forward(ctx, y, token_of_row, num_tokens: int):
+        ctx.save_for_backward(token_of_row)
+        return y.new_zeros((num_tokens, y.shape[-1])).index_add_(0, token_of_row, y)
 
     @staticmethod
     def backward(ctx, grad):
-        y, w, token_of_row = ctx.saved_tensors
-        grad_rows = grad.index_select(0, token_of_row).float()  # [N, H]
-        grad_y = (grad_rows * w[:, None]).to(y.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (grad_rows * y.float()).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return grad_y, grad_w, None, None, None
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None
 
 
-def weighted_combine(
-    y: torch.Tensor, w: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """y [N, H] expert outputs, w [N] fp32 routing weights, token_of_row [N] -> [num_tokens, H] in `dtype`."""
-    return _WeightedCombine.apply(y, w, token_of_row, num_tokens, dtype)
+def combine_rows(y: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """y [N, H] weighted expert outputs, token_of_row [N] -> [num_tokens, H]."""
+    return _CombineRows.apply(y, token_of_row, num_tokens)
+
+
+class _Gather:
+    """`source[index]`, computed again when backward first asks for it and shared by what asks next."""
+
+    def __init__(self, source: torch.Tensor, index: torch.Tensor):
+        self.source, self.index, self._rows = source, index, None
+
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = self.source.detach()[self.index]
+        return self._rows
+
+
+@contextlib.contextmanager
+def regathered(rows: torch.Tensor, source: torch.Tensor, index: torch.Tensor):
+    """Inside the block, autograd does not keep `rows` (= source[index], contiguous) or views of it for
+    backward: it keeps a note, and backward gathers the rows again from `source` and `index`, which the layer
+    keeps anyway (the FFN input for the shared expert, the row-to-token map for the combine). Saves K x H
+    values per token per MoE layer for one gather per layer in backward."""
+    storage, dtype = rows.untyped_storage().data_ptr(), rows.dtype  # (not `rows`: autograd keeps these hooks)
+    gather = _Gather(source, index)
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage and t.dtype == dtype:
+            return gather, t.shape, t.stride(), t.storage_offset()
+        return t
+
+    def unpack(packed):
+        if isinstance(packed, tuple):
+            gather_, shape, stride, offset = packed
+            return gather_.rows().as_strided(shape, stride, offset)
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 class _Fp32Linear(torch.autograd.Function):
@@ -136,14 +168,23 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertDispatcher(Protocol):
-    """Runs the routed experts on rows sorted by global expert id and returns their outputs in the
-    same order. The default runs every expert locally; expert parallelism swaps in an all-to-all."""
+    """Runs the routed experts on the rows `x[token_of_row]` (sorted by global expert id) and returns their
+    outputs, each scaled by its routing weight `row_weight`, in the same order. The default runs every
+    expert locally; expert parallelism swaps in an all-to-all."""
 
-    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor, moe: MoE) -> torch.Tensor: ...
+    def __call__(
+        self, x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor, moe: MoE, row_weight: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
-def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, moe: MoE) -> torch.Tensor:
-    return expert_swiglu(moe, x_sorted, counts)
+def local_dispatch(
+    x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor, moe: MoE, row_weight: torch.Tensor
+) -> torch.Tensor:
+    rows = x[token_of_row]  # [N, H]
+    if not moe.regather_rows or torch.compiler.is_compiling():
+        return expert_swiglu(moe, rows, counts, row_weight)
+    with regathered(rows, x, token_of_row):
+        return expert_swiglu(moe, rows, counts, row_weight)
 
 
 def in_backward_recompute() -> bool:
@@ -224,6 +265,9 @@ class MoE(nn.Module):
         # (not in eval, not again when activation checkpointing recomputes). Readers reset it.
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.dispatcher: ExpertDispatcher = local_dispatch
+        # Rebuild the expert rows x[token_of_row] in backward instead of keeping them (`regathered`); off inside
+        # activation checkpointing, which keeps nothing of the layer anyway (parallelize.py turns it off there)
+        self.regather_rows = True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, H] -> scores [T, E] fp32, expert ids [T, K], weights [T, K] fp32."""
@@ -259,9 +303,8 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
         if self.training and not in_backward_recompute():
             self.tokens_per_expert += counts.detach()
-        y = self.dispatcher(x[token_of_row], counts, self)  # [N, H]
-        out = weighted_combine(y, weights.reshape(-1)[order], token_of_row, x.shape[0], x.dtype)
-        return out.view(shape)
+        y = self.dispatcher(x, token_of_row, counts, self, weights.reshape(-1)[order])  # [N, H], weighted
+        return combine_rows(y, token_of_row, x.shape[0]).view(shape)
 
     def take_tokens_per_expert(self) -> torch.Tensor:
         """The counts since the last take [E] (int64, on the buffer's device), and reset them. No host sync."""

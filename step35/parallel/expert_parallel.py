@@ -51,18 +51,25 @@ class ExpertParallelDispatcher:
         self._splits: dict[StorageWeakRef, tuple[list[int], list[int]]] = {}
         self.host_syncs = 0  # split-size reads so far (tests count them)
 
-    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor, moe: MoE) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor, moe: MoE, row_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The rows and their routing weights go to the experts' ranks and come back weighted. Kept for backward:
+        the rows each rank received (regrouped by expert; rebuilding them would take another all-to-all) and,
+        as without EP, the gate and up outputs and the weights; not the outputs (the weight scales the SwiGLU)."""
         ep, El = self.ep_size, self.local_experts
+        x_sorted = x[token_of_row]  # [N, H] by global expert (its gather keeps only the index)
         send_counts = counts.view(ep, El)  # rows for [destination rank, its local expert]
         # rows from [source rank, my local expert]
         recv_counts = all_to_all(send_counts.reshape(-1), None, None, self.group).view(ep, El)
         send_splits, recv_splits = self._split_sizes(send_counts, recv_counts)
         x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.group)  # [M, H] by (source, expert)
+        w_recv = all_to_all(row_weight[:, None], recv_splits, send_splits, self.group)[:, 0]  # [M] fp32
         expert_of_row = torch.repeat_interleave(
             torch.arange(El, device=counts.device).repeat(ep), recv_counts.reshape(-1), output_size=sum(recv_splits)
         )  # output_size given: no host sync for the length
         order = torch.argsort(expert_of_row, stable=True)  # regroup rows by local expert
-        y_local = expert_swiglu(moe, x_recv[order], recv_counts.sum(0))
+        y_local = expert_swiglu(moe, x_recv[order], recv_counts.sum(0), w_recv[order])
         y_recv = y_local[torch.argsort(order)]  # back to (source, expert) order
         return all_to_all(y_recv, send_splits, recv_splits, self.group)  # [N, H]
 

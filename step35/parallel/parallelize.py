@@ -14,6 +14,7 @@ from torch import nn
 
 from step35.model import Step35ForCausalLM
 from step35.model.lora import is_adapter
+from step35.model.moe import MoE
 from step35.parallel.context import ContextParallel
 from step35.parallel.expert_parallel import shard_experts
 from step35.parallel.mesh import Meshes
@@ -117,6 +118,9 @@ def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointi
         raise ValueError(f"activation_checkpointing must be 'none', 'selective' or 'full', got {mode!r}")
     if mode == "selective":
         _ignore_profiler_ops_in_selective_checkpointing()
+    for module in layer.modules():  # the checkpoint keeps none of the expert rows: no saved-tensor hooks inside it
+        if isinstance(module, MoE):
+            module.regather_rows = False
     forward = layer.forward
     context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if mode == "selective" else None
 

@@ -145,16 +145,19 @@ def moe(saved: Saved, config: Step35Config, spec: LayerSpec, s: Shape, aux_loss:
         saved.add("router", T * K * FP32 + T * FP32)
     if aux_loss:  # sequence_balance_loss: the score sums and the normalised probabilities
         saved.add("router", T * FP32 + T * E * FP32)
-    # dispatch: which token each row came from; under EP the regrouping order and its inverse.
+    # dispatch: which token each row came from (the rows' gather and the combine keep it; the combine keeps no
+    # rows: they arrive weighted); under EP the regrouping order and its inverse.
     saved.add("dispatch", N * INT64)
     if ep > 1:
         saved.add("dispatch", 2 * N * INT64)
-    # routed experts: the gathered rows, three offset vectors, the SwiGLU on N rows.
-    saved.add("experts", N * H * a + 3 * (E // ep) * INT32)
+    # routed experts: the rows they ran on only where they cannot be gathered again in backward (model/moe.py
+    # `regathered`): the rows received under EP, or autocast's cast copy; three offset vectors; the SwiGLU on N
+    # rows with each row's routing weight (fp32) and the `order` index that gathered those weights.
+    if ep > 1 or s.autocast:
+        saved.add("experts", N * H * a)
+    saved.add("experts", 3 * (E // ep) * INT32)
     swiglu(saved, "experts", N, I, spec.swiglu_limit, s)
-    # combine (_WeightedCombine): the expert outputs, each row's routing weight (fp32) and the `order`
-    # index that gathered those weights.
-    saved.add("dispatch", N * H * a + N * FP32 + N * INT64)
+    saved.add("experts", N * FP32 + N * INT64)
 
 
 def decoder_layer(config: Step35Config, spec: LayerSpec, s: Shape, aux_loss: bool = False) -> Saved:
@@ -189,8 +192,8 @@ def matmul_outputs(config: Step35Config, spec: LayerSpec, s: Shape) -> int:
         E, K, I = config.moe_num_experts, config.moe_top_k, config.moe_intermediate_size
         total += T * E * (FP32 if config.need_fp32_gate else a)  # router logits
         total += T * K * (2 * I + H) * a  # grouped gate, up, down
-        if s.expert_parallel_size > 1:  # the all-to-all results are kept too: rows received, rows returned, counts
-            total += 2 * T * K * H * a + E * INT64
+        if s.expert_parallel_size > 1:  # the all-to-all results are kept too: rows and weights received, rows
+            total += 2 * T * K * H * a + T * K * FP32 + E * INT64  # returned, counts
         total += T * (2 * config.share_expert_dim + H) * a
     else:
         total += T * (2 * config.intermediate_size + H) * a

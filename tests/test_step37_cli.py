@@ -1,6 +1,6 @@
 """Step-3.7-Flash end to end through the commands (issue 28): from a tiny Step-3.7 folder with the built-in
-tokenizer and its chat template, `step35 fit` of a chat fine-tune (from the release's names) and of LoRA (from the
-NVFP4 export's `model.language_model.*` names, no MTP layers), `step35 export` of both (the LoRA run with
+tokenizer and its chat template, `step35 fit` of a chat fine-tune and of DPO (from the release's names) and of LoRA
+(from the NVFP4 export's `model.language_model.*` names, no MTP layers), `step35 export` of each (the LoRA run with
 --merge) writing Step-3.7 folders that transformers' Step3p7ForConditionalGeneration loads, with every vision
 tensor byte for byte the start folder's and the text tensors under the names they came with, and `step35
 generate --chat` replying from the run and its export alike. Conversations with images stop a run, naming the
@@ -25,6 +25,7 @@ from tests.runner import ROOT, step35_in_process
 pytestmark = pytest.mark.heavy  # transformers builds a vision tower; two short fits in this process
 
 SFT = ROOT / "configs" / "tiny-sft.yaml"
+DPO = ROOT / "configs" / "tiny-dpo.yaml"
 SAVE_AT_2 = '[{"class_path": "step35.callbacks.RunCheckpoint", "init_args": {"every_n_train_steps": 2}}]'
 SHORT = [  # two optimizer steps of short windows, a checkpoint at the end, nothing else
     "--trainer.max_steps=2",
@@ -75,8 +76,9 @@ def folders(tmp_path_factory, builtin_cache) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def runs(folders, tmp_path_factory, builtin_cache) -> dict[str, Path]:
-    """The chat fine-tune of the flat folder and the LoRA run of the nested one (2 steps each, built-in
-    conversations), and their exports: {"sft", "lora": run folders, "full", "merged": HF folders}."""
+    """The chat fine-tune of the flat folder, the LoRA run of the nested one (2 steps each, built-in
+    conversations) and DPO from the flat folder (2 steps, built-in preference pairs), and their exports:
+    {"sft", "lora", "dpo": run folders, "full", "merged", "dpo-hf": HF folders}."""
     root = tmp_path_factory.mktemp("step37-runs")
 
     def step35(*args: str) -> None:
@@ -88,13 +90,16 @@ def runs(folders, tmp_path_factory, builtin_cache) -> dict[str, Path]:
     step35("fit", "--config", str(SFT), f"--run_dir={root / 'lora'}", f"--model.checkpoint={nested}",
            f"--data.tokenizer={nested}", "--model.num_mtp_layers=0", "--model.mtp_loss_weight=0",
            "--model.lora.rank=4", "--model.lr=1e-2", *SHORT)  # fmt: skip
+    step35("fit", "--config", str(DPO), f"--run_dir={root / 'dpo'}", f"--model.checkpoint={flat}",
+           f"--data.tokenizer={flat}", *SHORT[:-2], "--data.seq_len=320", "--data.micro_batch_size=1")  # fmt: skip
     step35("export", "--checkpoint", str(root / "sft"), "--out", str(root / "full"))
     step35("export", "--checkpoint", str(root / "lora"), "--out", str(root / "merged"), "--merge")
-    return {name: root / name for name in ("sft", "lora", "full", "merged")}
+    step35("export", "--checkpoint", str(root / "dpo"), "--out", str(root / "dpo-hf"))
+    return {name: root / name for name in ("sft", "lora", "dpo", "full", "merged", "dpo-hf")}
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("export, start", [("full", "flat"), ("merged", "nested")])
+@pytest.mark.parametrize("export, start", [("full", "flat"), ("merged", "nested"), ("dpo-hf", "flat")])
 def test_exports_are_step37_folders_transformers_loads(runs, folders, export, start):
     """config.json is the start folder's with the trained text config; the vision tensors are the start folder's,
     byte for byte; the text tensors are the trained ones under the start folder's names; transformers loads the

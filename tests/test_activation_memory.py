@@ -239,3 +239,57 @@ def test_issue10_shape_within_budget():
     # full checkpointing: each of the 6 layer inputs (256 fp32 = 1 KB per token), the final norm's
     # input, the final hidden states, the RoPE tables and the labels.
     assert 6 * 1024 <= full["retained_bytes_per_token"] <= 10 * 1024, full
+
+
+def _kept_rows_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE layer as computed before issue 30, in plain autograd: the gathered rows and the expert outputs
+    kept, the routing weight applied to the outputs in fp32, then summed per token."""
+    from step35.model.moe import expert_lora_delta
+
+    x = x.reshape(-1, x.shape[-1])
+    _, expert_ids, weights = moe.route(x)
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    token_of_row = order // moe.top_k
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=moe.num_experts)
+    rows = x[token_of_row]
+
+    def project(proj, h):
+        out = torch.cat([p @ proj.weight[e].T for e, p in enumerate(torch.split(h, counts.tolist()))])
+        if "lora_A" in proj._parameters:
+            out = out + expert_lora_delta(h, proj.lora_A, proj.lora_B, counts, proj.lora_scale, 0.0, False)
+        return out
+
+    act = F.silu(project(moe.gate_proj, rows)).clamp(max=moe.limit)
+    y = project(moe.down_proj, act * project(moe.up_proj, rows).clamp(-moe.limit, moe.limit))
+    weighted = y.float() * weights.reshape(-1)[order][:, None]
+    return torch.zeros_like(x).index_add_(0, token_of_row, weighted.to(x.dtype))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_moe_gradients_equal_the_kept_rows_implementation(lora):
+    """fp32: the layer's output and the gradients of its input and of every parameter (router, experts, expert
+    LoRA adapters) within 1e-6 of the largest value, against the layer as it was before issue 30 (the rows and
+    the outputs kept, the weight applied after the down projection)."""
+    torch.manual_seed(0)
+    moe = MoE(32, 8, 2, 24, limit=0.7).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if lora:
+        for proj in (moe.gate_proj, moe.up_proj, moe.down_proj):
+            E, out_features, in_features = proj.weight.shape
+            proj.lora_A = torch.nn.Parameter(torch.randn(E, in_features, 4) * 0.3)
+            proj.lora_B = torch.nn.Parameter(torch.randn(E, 4, out_features) * 0.3)
+            proj.lora_scale, proj.lora_dropout = 2.0, 0.0
+    x = torch.randn(2, 40, 32)
+    results = []
+    for forward in (lambda x_: moe(x_), lambda x_: _kept_rows_moe(moe, x_).view(x_.shape)):
+        x_in = x.clone().requires_grad_()
+        out = forward(x_in)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        results.append({"out": out.detach(), "x": x_in.grad, **{n: p.grad.clone() for n, p in moe.named_parameters()}})
+        moe.zero_grad()
+    new, old = results
+    assert new.keys() == old.keys() and (not lora or "down_proj.lora_A" in new)
+    for name in old:
+        error = (new[name] - old[name]).abs().max() / old[name].abs().max()
+        assert error <= 1e-6, (name, error.item())

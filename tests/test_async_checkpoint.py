@@ -278,9 +278,11 @@ def test_two_ranks_background_saves_equal_the_synchronous_ones(tmp_path, builtin
     held = [float(x) for x in re.findall(r"in the background: [\d.]+ MiB, training held ([\d.]+) s", out)]
     complete = [float(x) for x in re.findall(r"in the background: .*, complete after ([\d.]+) s", out)]
     assert len(held) == len(complete) == 4 and all(h < c and c >= 1.5 for h, c in zip(held, complete)), out[-3000:]
-    # the loop trained on while each write waited: step 2's save was complete only after a later step was logged
+    # the loop trained on while a write waited: some save's shards were written after a later optimizer step
+    began = [(int(a), int(b)) for a, b in re.findall(r"step=(\d+)\.ckpt\S*: begins at step (\d+)", out)]
+    assert len(began) == 8 and any(at > step for step, at in began), began  # (each rank prints its own)
     rows = [r for r in metric_rows(tmp_path / "async" / "csv" / "version_0") if r.get("checkpoint/save_s")]
-    assert len(rows) == 4 and int(rows[0]["step"]) >= 2, rows
+    assert len(rows) == 4, rows
     # `step35 plan` counts the host memory the staging takes: each rank's checkpoint share (within 0.1% of the
     # tensor bytes each rank wrote, read from DCP's metadata), per node x 2 ranks
     args = ["--config", str(tmp_path / "async.yaml"), *TWO_RANKS, "--no-suggestions", "--json"]

@@ -121,8 +121,8 @@ class SlowBackgroundWrites(pl.Callback):
     """Makes every checkpoint write on a background thread (RunCheckpoint(async_save=True)) take longer: it sleeps
     `before_s` before DCP writes the shards (the training loop goes on meanwhile, changing the parameters the save
     was taken from) and `after_s` after them (shards on disk, no manifest yet). Prints 'background write of
-    <folder>: shards written' when the second sleep starts, so a test can kill or signal the job in the middle of
-    a write. Synchronous saves (the main thread) are untouched."""
+    <folder>: begins at step N' (the loop's step then) and '...: shards written' when the second sleep starts, so a
+    test can kill or signal the job in the middle of a write. Synchronous saves (the main thread) are untouched."""
 
     def __init__(self, before_s: float = 1.0, after_s: float = 1.0):
         self.before_s, self.after_s = before_s, after_s
@@ -140,6 +140,7 @@ class SlowBackgroundWrites(pl.Callback):
             if threading.current_thread() is threading.main_thread():
                 return save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
             time.sleep(self.before_s)
+            print(f"background write of {checkpoint_id}: begins at step {trainer.global_step}", flush=True)
             result = save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
             print(f"background write of {checkpoint_id}: shards written", flush=True)
             time.sleep(self.after_s)

@@ -263,12 +263,13 @@ class RunCheckpoint(ModelCheckpoint):
             if self._writer.pending is not None:  # in the background: _after_save runs on its thread
                 self._writer.pending.blocking_s = time.monotonic() - started
                 return
-        if trainer.is_global_zero:
-            if not is_complete(path):
-                # A strategy whose save writes no manifest (Lightning's own single-file save): the file
-                # is in place, so the manifest can be written now; until then the checkpoint is incomplete.
-                write_manifest(path, extra={keys.MANIFEST_GLOBAL_STEP: trainer.global_step})
-            self._after_save(path, trainer.global_step)
+        if not trainer.is_global_zero:
+            return
+        if not is_complete(path):
+            # A strategy whose save writes no manifest (Lightning's own single-file save): the file
+            # is in place, so the manifest can be written now; until then the checkpoint is incomplete.
+            write_manifest(path, extra={keys.MANIFEST_GLOBAL_STEP: trainer.global_step})
+        self._after_save(path, trainer.global_step)
         took = time.monotonic() - started
         size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
         self._report(trainer, SaveOutcome(path, trainer.global_step, took, took, size, False))

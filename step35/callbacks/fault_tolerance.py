@@ -332,8 +332,7 @@ class FaultTolerance(Checkpoint):
         else:  # the step's metrics are with the loggers already (Lightning logs them before validating)
             for logger in trainer.loggers:
                 logger.save()
-        faults.set_phase("pre-emption: waiting for the background save in flight", step=step, patient=True)
-        for callback in trainer.checkpoint_callbacks:  # a save in flight completes (or fails) first
+        for callback in trainer.checkpoint_callbacks:  # a save in flight completes (or fails) first (a patient phase)
             if isinstance(callback, RunCheckpoint):
                 callback.wait_for_save(trainer)
         saved = self._saved_already(trainer, step)

@@ -148,10 +148,8 @@ class BackgroundWriter:
             return None
         try:
             return pending.outcome(timeout)
-        except TimeoutError:
-            raise
         finally:
-            if pending.done():
+            if pending.done():  # (not after a TimeoutError: still in flight)
                 self.pending = None
 
     def close(self) -> None:

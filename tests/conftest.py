@@ -168,15 +168,3 @@ def _no_launch_variables_leak():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-
-
-@pytest.fixture(scope="session")
-def cp_saved_bytes(tmp_path_factory):
-    """Saved-tensor bytes per rank at cp 1 and cp 2 (tests/dist/cp_activation_bytes.py on 2 gloo ranks,
-    the release's head ratio), measured once for the cp tests and the plan's cp test."""
-    from pathlib import Path
-
-    from tests.runner import run_dist_script
-
-    script = Path(__file__).parent / "dist" / "cp_activation_bytes.py"
-    return run_dist_script(script, tmp_path_factory.mktemp("cp-bytes") / "bytes.pt", 2, timeout=240)

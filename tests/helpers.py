@@ -665,6 +665,13 @@ def step37_folder(
     return folder, language
 
 
+def flip_byte(file: Path) -> None:
+    """One bit of `file`'s middle byte flipped: damage a checksum finds and a loader might not."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
 def assert_bitwise(a, b, where: str = "") -> None:
     """`a` and `b` (tensors, or dicts / lists / tuples of them and of plain values) are equal to the bit, dtypes
     too; the message names the first place (`where`/key[index]) that differs."""

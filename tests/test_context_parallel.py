@@ -1,7 +1,8 @@
 """Context parallelism (trainer.strategy.context_parallel_size): the load-balanced split, the
 attention of a share against gathered or halo keys, bad sizes refused with the valid ones listed,
 and on real gloo ranks (with FSDP2 and EP) the same loss and gradients as one process, in
-`step35 fit` too."""
+`step35 fit` too. (The bytes a cp-2 rank keeps for backward are measured in tests/test_plan_cp.py, beside the
+plan's prediction of them: one measurement for both.)"""
 
 from __future__ import annotations
 
@@ -247,19 +248,6 @@ def test_speed_monitor_counts_a_cp_ranks_share_of_the_tokens():
         monitor.on_train_batch_end(trainer, None, None, batch, 0)
         counted[cp] = monitor._tokens
     assert counted == {1: 64, 2: 32}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(cp_saved_bytes):
-    """Saved-tensor bytes per rank at cp 2 (2 gloo ranks, release head ratio) are half of cp 1's
-    plus what the exchange keeps (the other rank's K/V on full layers, the halos on sliding ones)."""
-    r = cp_saved_bytes
-    assert r["exchange"] > 0
-    for got in r["cp2_by_rank"]:
-        predicted = r["cp1"] / 2 + r["exchange"]
-        assert abs(got - predicted) <= 0.01 * predicted, (got, predicted, r)
-    print(f"saved bytes per rank: cp 1 {r['cp1']}, cp 2 {r['cp2_by_rank']}, exchange {r['exchange']}")
 
 
 @pytest.mark.parametrize("documents", [False, True])

@@ -38,9 +38,11 @@ def plain_muon() -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict:
-    """{f"ep{ep}_{ac}": result} of every EP_CASES case, one torchrun job on 4 ranks."""
+    """{f"ep{ep}_{ac}": result} of every EP_CASES case (and the Muon and bf16-base cases), one torchrun job on 4
+    ranks."""
     cases = {f"ep{ep}_{ac}": ["--ep", str(ep), "--ac", ac] for ep, ac in EP_CASES}
     cases |= {f"ep{ep}_muon": ["--ep", str(ep), "--optimizer", "muon"] for ep in MUON_CASES}
+    cases["bf16_base"] = ["--ep", "2", "--base-dtype", "bfloat16"]
     return run_dist_script(SCRIPT, tmp_path_factory.mktemp("four") / "results.pt", 4, *case_args(cases), timeout=900)
 
 
@@ -93,10 +95,10 @@ def test_lora_with_muon_matches_one_process(four_ranks, plain_muon, ep):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_bf16_base_with_fp32_adapters_shards_and_trains(tmp_path, plain):
-    """A bf16 frozen base and fp32 adapters in the same FSDP2 units (EP 2 on 2 ranks): the base stays
-    bf16 and bitwise unchanged, adapters and their gradients stay fp32, losses within 2 % of fp32."""
-    got = run_dist_script(SCRIPT, tmp_path / "bf16.pt", 2, "--ep", "2", "--base-dtype", "bfloat16", timeout=300)
+def test_bf16_base_with_fp32_adapters_shards_and_trains(four_ranks, plain):
+    """A bf16 frozen base and fp32 adapters in the same FSDP2 units (EP 2 x FSDP 2 on 4 ranks, in the 4-rank job):
+    the base stays bf16 and bitwise unchanged, adapters and their gradients stay fp32, losses within 2 % of fp32."""
+    got = four_ranks["bf16_base"]
     check_frozen(got)
     assert got["base_dtypes"] == ["torch.bfloat16"] and plain["base_dtypes"] == ["torch.float32"]
     assert all(p.dtype == torch.float32 for p in got["params"].values())

@@ -168,19 +168,30 @@ MUON_RUN_YAML = RUN_YAML.replace(
 assert "optimizer: muon" in MUON_RUN_YAML
 
 
+RUNS = {"full-muon": MUON_RUN_YAML, "lora-adamw": LORA_RUN_YAML}
+
+
+@pytest.fixture(scope="module")
+def four_rank_states(tmp_path_factory) -> Path:
+    """Both runs' per-rank bytes (<name>-rank<R>.json) and configs (<name>.yaml): one 4-rank job, a fit per config."""
+    folder = tmp_path_factory.mktemp("four_ranks")
+    configs = []
+    for name, text in RUNS.items():
+        (folder / f"{name}.yaml").write_text(text)
+        configs += ["--config", str(folder / f"{name}.yaml")]
+    run_script(ROOT / "tests" / "dist" / "plan_state_run.py", 4, *configs, "--out", str(folder), timeout=540)
+    return folder
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("run_yaml", [MUON_RUN_YAML, LORA_RUN_YAML], ids=["full-muon", "lora-adamw"])
-def test_predicted_state_matches_four_rank_run(tmp_path, run_yaml):
+@pytest.mark.parametrize("name", RUNS)
+def test_predicted_state_matches_four_rank_run(four_rank_states, name):
     """Per-rank parameter, gradient and optimizer-state bytes of a real 4-rank step equal the plan's, for a
     full fine-tune with Muon (its momentum for the matrices, AdamW's moments for the rest) and for LoRA with
     AdamW (a frozen bf16 base, fp32 adapters sharded like their layers)."""
-    config = tmp_path / "run.yaml"
-    config.write_text(run_yaml)
-    run_script(
-        ROOT / "tests" / "dist" / "plan_state_run.py", 4, "--config", str(config), "--out", str(tmp_path), timeout=540
-    )
-    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    config = four_rank_states / f"{name}.yaml"
+    real = [json.loads((four_rank_states / f"{name}-rank{r}.json").read_text()) for r in range(4)]
 
     from step35.plan.planner import sharded_state
     from step35.plan.settings import read_settings

@@ -1,6 +1,7 @@
 """`step35 plan` counts context parallelism (trainer.strategy.context_parallel_size):
-- the per-rank bytes a cp-2 forward keeps for backward, as predicted, equal the bytes measured with
-  saved-tensor hooks on 2 gloo ranks (tests/dist/cp_activation_bytes.py) within 5%;
+- the per-rank bytes a cp-2 forward keeps for backward, measured with saved-tensor hooks on 2 gloo ranks
+  (tests/dist/cp_activation_bytes.py), are half of cp 1's plus what the exchange keeps, and the plan predicts
+  them within 5%;
 - cp 1 plans are the figures from before cp was counted;
 - the K/V exchange's communication per step is counted into the speed estimate;
 - sizes cp makes invalid are refused with the valid ones;
@@ -20,7 +21,7 @@ from benchmarks.activation_memory import _config
 from step35.config import preset
 from step35.parallel import ParallelDims
 from step35.plan.activations import Shape, model_activations
-from tests.runner import run_plan
+from tests.runner import run_dist_script, run_plan
 
 ROOT = Path(__file__).parent.parent
 GiB = 1024**3
@@ -29,6 +30,27 @@ RELEASE_RATIO = (
     '{"num_attention_groups": 1, "attention_other_setting": {"attention_type": "sliding_attention", '
     '"num_attention_heads": 12, "num_attention_groups": 1, "head_dim": 32, "true_head_dim": 32}}'
 )
+
+
+@pytest.fixture(scope="module")
+def cp_saved_bytes(tmp_path_factory):
+    """Saved-tensor bytes per rank at cp 1 and cp 2 (tests/dist/cp_activation_bytes.py on 2 gloo ranks, the
+    release's head ratio), measured once for the two tests below."""
+    script = ROOT / "tests" / "dist" / "cp_activation_bytes.py"
+    return run_dist_script(script, tmp_path_factory.mktemp("cp-bytes") / "bytes.pt", 2, timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_cp2_keeps_half_the_activation_bytes_plus_the_exchange(cp_saved_bytes):
+    """Saved-tensor bytes per rank at cp 2 (2 gloo ranks, release head ratio) are half of cp 1's
+    plus what the exchange keeps (the other rank's K/V on full layers, the halos on sliding ones)."""
+    r = cp_saved_bytes
+    assert r["exchange"] > 0
+    for got in r["cp2_by_rank"]:
+        predicted = r["cp1"] / 2 + r["exchange"]
+        assert abs(got - predicted) <= 0.01 * predicted, (got, predicted, r)
+    print(f"saved bytes per rank: cp 1 {r['cp1']}, cp 2 {r['cp2_by_rank']}, exchange {r['exchange']}")
 
 
 @pytest.mark.multiprocess

@@ -1,8 +1,10 @@
 """One optimizer step of the tiny model under torchrun with Step35Strategy, configured from a
 `step35 fit` YAML (read with step35 plan's own copy of the fit parser); every rank then writes the
-bytes of what it really holds: local parameter shards, gradient shards and optimizer states.
+bytes of what it really holds: local parameter shards, gradient shards and optimizer states. Each
+`--config` is one fit, one after the other in the same job and process group (one job's start for all):
+its results go to DIR/<config's file stem>-rank<R>.json.
 
-  torchrun --standalone --nproc-per-node 4 tests/dist/plan_state_run.py --config run.yaml --out DIR
+  torchrun --standalone --nproc-per-node 4 tests/dist/plan_state_run.py --config a.yaml --config b.yaml --out DIR
 """
 
 import argparse
@@ -25,10 +27,16 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", action="append", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    cfg = parse_fit_args(["--config", args.config])
+    os.environ["STEP35_KEEP_PROCESS_GROUP"] = "1"  # the next fit of this job runs in the same process group
+    for config in args.config:
+        one_step(config, Path(args.out))
+
+
+def one_step(config: str, out: Path) -> None:
+    cfg = parse_fit_args(["--config", config])
     world = int(os.environ["WORLD_SIZE"])
     B, S = cfg.data.micro_batch_size, cfg.data.seq_len
     ids = torch.randint(0, 1024, (B * world, S + 1), generator=torch.Generator().manual_seed(0))
@@ -51,7 +59,7 @@ def main() -> None:
                          if isinstance(v, torch.Tensor) and v.dim() > 0),
         "frozen": sum(local_bytes(q) for q in params if not q.requires_grad),
     }
-    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    (out / f"{Path(config).stem}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

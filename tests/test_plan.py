@@ -206,6 +206,22 @@ def test_predicted_state_matches_four_rank_run(four_rank_states, name):
     assert max(r["params"] for r in real) == real[0]["params"]  # rank 0 holds the largest shards
 
 
+@pytest.mark.parametrize("written,meant", [(None, "32-true"), ("bf16", "bf16-mixed")])
+def test_precision_as_lightning_reads_it(tmp_path, capsys, written, meant):
+    """A config that leaves trainer.precision unset trains at Lightning's default (32-true), and "bf16" is
+    Lightning's bf16-mixed: the plan reads them so (it used to refuse the unset one, which `fit` accepts)."""
+    plans = {}
+    for name, value in (("written", written), ("meant", meant)):
+        text = RUN_YAML.replace("  precision: 32-true\n", "" if value is None else f"  precision: {value}\n")
+        assert text.count("precision") == (0 if value is None else 1)
+        (tmp_path / f"{name}.yaml").write_text(text)
+        code, out, err = run_plan(capsys, "--config", str(tmp_path / f"{name}.yaml"), "--no-suggestions", "--json")
+        assert code in (0, 1), err[-3000:]
+        plans[name] = json.loads(out)
+        plans[name].pop("seconds")
+    assert plans["written"] == plans["meant"]
+
+
 # ------------------------------------------------------------------------------ the CLI on real recipes
 
 

@@ -22,6 +22,14 @@ from step35.training.setup import model_config_of
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def lightning_precision(precision) -> str:
+    """trainer.precision as Lightning reads it: unset is its default "32-true", and its short spellings
+    (32, "32", "bf16", 16, "16") are the settings they stand for."""
+    if precision is None:
+        return "32-true"
+    return {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(str(precision), str(precision))
+
+
 def stored_dtype_of(precision: str) -> torch.dtype:
     """The dtype Lightning's `precision` keeps trained parameters, gradients and optimizer states in."""
     return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
@@ -303,7 +311,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         devices_per_node=devices,
         num_nodes=nodes,
         sharded=class_path == STEP35_STRATEGY,
-        precision=str(trainer.precision),
+        precision=lightning_precision(trainer.precision),
         seq_len=data.seq_len,
         micro_batch_size=data.micro_batch_size,
         loss_chunk_size=model.loss_chunk_size,
@@ -316,7 +324,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         objective=str(model.get("objective") or "lm"),
         dpo_reference_free=bool(_get(model.get("dpo"), "reference_free")),
         async_save=_saves_in_background(trainer.get("callbacks")),
-        **_optimizer(model, str(trainer.precision)),
+        **_optimizer(model, lightning_precision(trainer.precision)),
     )
     if settings.sharded:
         args = strategy.init_args
@@ -340,7 +348,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
             "model.lora.targets names mtp but no MTP loss is trained (model.mtp_loss_weight 0 "
             "or no MTP layers): their adapters are held but get no gradient"
         )
-    if settings.precision not in ("32-true", "32", "bf16-true", "bf16-mixed", "16-true"):
+    if settings.precision not in ("32-true", "bf16-true", "bf16-mixed", "16-true"):
         raise PlanInputError(
             f"trainer.precision={settings.precision!r}: plan knows 32-true, bf16-true, bf16-mixed, 16-true"
         )

@@ -291,6 +291,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         lora = parse_lora(lora, config)
     except LoraInputError as err:
         raise PlanInputError(str(err)) from None
+    precision = lightning_precision(trainer.precision)
     accelerator = str(trainer.accelerator)
     device = {"gpu": "cuda", "cuda": "cuda", "npu": "npu", "cpu": "cpu"}.get(accelerator)
     if device is None:
@@ -311,7 +312,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         devices_per_node=devices,
         num_nodes=nodes,
         sharded=class_path == STEP35_STRATEGY,
-        precision=lightning_precision(trainer.precision),
+        precision=precision,
         seq_len=data.seq_len,
         micro_batch_size=data.micro_batch_size,
         loss_chunk_size=model.loss_chunk_size,
@@ -324,7 +325,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         objective=str(model.get("objective") or "lm"),
         dpo_reference_free=bool(_get(model.get("dpo"), "reference_free")),
         async_save=_saves_in_background(trainer.get("callbacks")),
-        **_optimizer(model, lightning_precision(trainer.precision)),
+        **_optimizer(model, precision),
     )
     if settings.sharded:
         args = strategy.init_args

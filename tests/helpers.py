@@ -424,14 +424,26 @@ def take(loader, n: int) -> list[torch.Tensor]:
     return batches
 
 
+def worker_stack_on_hang(worker_id: int) -> None:
+    """A DataLoader `worker_init_fn`: a worker still alive 50 s after it started prints every thread's stack to
+    stderr (the test's captured output), once. With the loader's `timeout` of 70 s, a hung forked worker (seen
+    once in a full parallel run, never reproduced alone) fails its test showing where it hangs."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(50.0)
+
+
 def resume_matches(make_stream, num_batches: int, save_at: list[int], batch_size: int = 2) -> list[dict]:
     """Run once recording a state after `save_at` batches; every restored run must replay the rest exactly."""
-    import copy
-
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    def loader_of(stream):
+        return StatefulDataLoader(
+            stream, batch_size=batch_size, num_workers=2, worker_init_fn=worker_stack_on_hang, timeout=70
+        )
+
     reference, states = [], {}
-    loader = StatefulDataLoader(make_stream(), batch_size=batch_size, num_workers=2)
+    loader = loader_of(make_stream())
     for batch in loader:
         reference.append(batch["input_ids"])
         if len(reference) in save_at:
@@ -439,7 +451,7 @@ def resume_matches(make_stream, num_batches: int, save_at: list[int], batch_size
         if len(reference) == num_batches:
             break
     for k, state in states.items():
-        restored = StatefulDataLoader(make_stream(), batch_size=batch_size, num_workers=2)
+        restored = loader_of(make_stream())
         restored.load_state_dict(state)
         replay = take(restored, num_batches - k)
         assert len(replay) == num_batches - k

@@ -40,6 +40,10 @@ LAUNCH_VARIABLES = (
 )
 LAUNCH_PREFIXES = ("SLURM_", "LSB_", "JSM_")
 LAUNCHERS = ("lightning", "torchrun", "slurm")
+# OpenMP threads of a one-process job: two, as on a user's two cores, but one beside the other pytest-xdist worker
+# (a job of two threads beside a busy worker on CI's two cores oversubscribes them: small matmuls slow down many
+# times). A rank of a multi-rank job has one.
+ONE_PROCESS_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 def environment(cache: Path | None = None, threads: int = 1, **extra: str) -> dict[str, str]:
@@ -103,9 +107,9 @@ def step35(
     check: bool = True,
 ) -> subprocess.CompletedProcess:
     """`step35 <args>` as a job (see `command`) with the builtin cache at `cache`, in the repository root, with
-    `threads` OpenMP threads per process (default: 2 for one process, 1 per rank of a job on the 2 cores CI has).
+    `threads` OpenMP threads per process (default: ONE_PROCESS_THREADS for one process, 1 per rank of a job).
     With `check` it must succeed (the output's tails are the assertion's message); `env` adds variables."""
-    threads = threads if threads is not None else (2 if nproc == 1 else 1)
+    threads = threads if threads is not None else (ONE_PROCESS_THREADS if nproc == 1 else 1)
     proc = run_process_group(
         command(args, nproc, launcher), timeout=timeout, cwd=ROOT, env=environment(cache, threads, **(env or {}))
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import metric_rows, steps_of
-from tests.runner import environment, run_process_group
+from tests.runner import ONE_PROCESS_THREADS, environment, run_process_group
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -65,10 +65,9 @@ def readme_runs(tmp_path_factory, builtin_cache) -> Path:
     folder = tmp_path_factory.mktemp("readme")
     (folder / "configs").symlink_to(ROOT / "configs")
     bin_dir = Path(sys.executable).parent  # the venv's `step35` entry point
-    # Two OpenMP threads, as on a user's two cores; one beside the other pytest-xdist worker (two processes
-    # of two threads on two cores made small matmuls many times slower)
-    threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
-    env = environment(builtin_cache, threads=threads, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = environment(
+        builtin_cache, threads=ONE_PROCESS_THREADS, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
     for command in readme_job_commands():
         proc = run_process_group(["bash", "-c", command], timeout=1200, cwd=folder, env=env)
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])

@@ -247,11 +247,12 @@ def job(tmp: Path, name: str, cache: Path, async_save: bool, *extra: str) -> Job
     return Job(command([*args, *extra], nproc=2), tmp / f"{name}.log", cache)
 
 
-def slow_writes(before_s: float, after_s: float) -> list[str]:
+def slow_writes(before_s: float, after_s: float, from_step: int = 0) -> list[str]:
     return [
         "--trainer.callbacks+=tests.dist.hooks.SlowBackgroundWrites",
         f"--trainer.callbacks.before_s={before_s}",
         f"--trainer.callbacks.after_s={after_s}",
+        f"--trainer.callbacks.from_step={from_step}",
     ]
 
 
@@ -302,7 +303,7 @@ def test_sigkill_in_a_background_write_resumes_the_previous_checkpoint_bitwise(
     tmp_path, builtin_cache, synchronous_run
 ):
     folder = tmp_path / "run" / "checkpoints"
-    with job(tmp_path, "run", builtin_cache, True, *slow_writes(0.0, 30.0)) as run:
+    with job(tmp_path, "run", builtin_cache, True, *slow_writes(0.0, 30.0, from_step=4)) as run:
         wait_for(lambda: shards_written(run, 4), 300, run, "the step-4 shards on disk")
         kill_job(run.proc)
     # the half-written checkpoint (shards, no manifest) is no checkpoint: step 2 is the newest
@@ -320,7 +321,7 @@ def test_sigkill_in_a_background_write_resumes_the_previous_checkpoint_bitwise(
 @pytest.mark.timeout(900)
 def test_sigterm_in_a_background_write_exits_75_with_complete_checkpoints(tmp_path, builtin_cache):
     folder = tmp_path / "run" / "checkpoints"
-    with job(tmp_path, "run", builtin_cache, True, *slow_writes(0.0, 4.0)) as run:
+    with job(tmp_path, "run", builtin_cache, True, *slow_writes(0.0, 4.0, from_step=4)) as run:
         wait_for(lambda: shards_written(run, 4), 300, run, "the step-4 shards on disk")
         for rank in run.workers():  # as a scheduler signals every task (torchrun's own exit code on SIGTERM is 1)
             rank.send_signal(signal.SIGTERM)

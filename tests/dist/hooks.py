@@ -6,6 +6,7 @@ the run's output knows when to act."""
 
 import errno
 import os
+import re
 import time
 from pathlib import Path
 
@@ -122,10 +123,12 @@ class SlowBackgroundWrites(pl.Callback):
     `before_s` before DCP writes the shards (the training loop goes on meanwhile, changing the parameters the save
     was taken from) and `after_s` after them (shards on disk, no manifest yet). Prints 'background write of
     <folder>: begins at step N' (the loop's step then) and '...: shards written' when the second sleep starts, so a
-    test can kill or signal the job in the middle of a write. Synchronous saves (the main thread) are untouched."""
+    test can kill or signal the job in the middle of a write. Synchronous saves (the main thread) and the saves of
+    steps before `from_step` (read from the checkpoint's name) are untouched: a test that stops the job in the
+    write of step 4 does not wait for a slowed write of step 2 first (one write is in flight at a time)."""
 
-    def __init__(self, before_s: float = 1.0, after_s: float = 1.0):
-        self.before_s, self.after_s = before_s, after_s
+    def __init__(self, before_s: float = 1.0, after_s: float = 1.0, from_step: int = 0):
+        self.before_s, self.after_s, self.from_step = before_s, after_s, from_step
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         import threading
@@ -137,7 +140,8 @@ class SlowBackgroundWrites(pl.Callback):
             return
 
         def slow_save(state, *args, checkpoint_id=None, **kwargs):
-            if threading.current_thread() is threading.main_thread():
+            named = re.search(r"step=(\d+)", str(checkpoint_id))
+            if threading.current_thread() is threading.main_thread() or (named and int(named[1]) < self.from_step):
                 return save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
             time.sleep(self.before_s)
             print(f"background write of {checkpoint_id}: begins at step {trainer.global_step}", flush=True)

@@ -2,7 +2,6 @@
 resolved config and the code version."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from step35.loggers import wandb_key_configured
 from tests.helpers import wandb_records
+from tests.runner import ONE_PROCESS_THREADS, environment
 
 ROOT = Path(__file__).parent.parent
 
@@ -31,16 +31,9 @@ def test_key_detection(tmp_path, monkeypatch):
 @pytest.mark.heavy  # step35 as a subprocess, with wandb deciding offline by itself
 @pytest.mark.timeout(600)
 def test_cli_run_goes_offline_and_logs_config_and_code_version(tmp_path, builtin_cache):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # let step35 decide
-    env.update(
-        {
-            "STEP35_CACHE": str(builtin_cache),
-            "NETRC": str(tmp_path / "no-netrc"),
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "2",
-            "WANDB_SILENT": "true",
-        }
-    )
+    job_env = environment(builtin_cache, ONE_PROCESS_THREADS)  # as tests/runner starts every job
+    env = {k: v for k, v in job_env.items() if not k.startswith("WANDB_")}  # let step35 decide
+    env.update(NETRC=str(tmp_path / "no-netrc"), WANDB_SILENT="true")
     args = [
         "fit",
         "--config",

@@ -32,7 +32,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 
 def pytest_report_header(config):
-    """The machine in the run's header: suite times differ 2.5x between the CPUs CI has been given."""
+    """The machine in the run's header: the suite's time has differed 2.5x between the machines CI ran on."""
     import platform
 
     try:

@@ -28,8 +28,9 @@ _MARKS: ContextVar[tuple[str, str] | None] = ContextVar("step35_generation_marks
 # Resource limits of one rendering. Templates come with downloaded tokenizers, so a template must not be able
 # to hang a run or fill its memory (`lipsum(10**7)`, `'x' * 10**10`, `indent(10**10)`, ...). Text, lists and
 # the total output are bounded by RENDER_TEXT_FLOOR + RENDER_TEXT_PER_INPUT x the size of the input (the
-# template's source, the messages, tools and variables, as text); integers by RENDER_INT_BITS bits; a
-# rendering by RENDER_SECONDS of wall-clock time. A template over a limit raises RenderLimitHit.
+# messages, tools and variables, as text: not the template's source, whose size chat_template.py caps, so that
+# a huge comment buys no budget); integers by RENDER_INT_BITS bits; a rendering by RENDER_SECONDS of
+# wall-clock time. A template over a limit raises RenderLimitHit.
 RENDER_SECONDS = 10.0
 RENDER_TEXT_FLOOR = 1 << 20
 RENDER_TEXT_PER_INPUT = 100

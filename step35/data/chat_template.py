@@ -36,6 +36,10 @@ from step35.data.chat_sandbox import (
 from step35.data.chat_spans import Conversation, subtract_spans, token_mask
 
 TEMPLATE_FILE = "chat_template.jinja"
+# The largest template accepted, in characters. Real templates are under 100 KB; the cap keeps a template's own
+# text (a huge comment, a literal) from being what bounds a rendering's memory (chat_sandbox.py's limits scale
+# with the messages and tools rendered, not with the template).
+TEMPLATE_MAX_CHARS = 1 << 20
 # The tokenizer files a template and its special tokens are read from.
 TEMPLATE_SOURCES = (TEMPLATE_FILE, "tokenizer_config.json", "special_tokens_map.json")
 
@@ -86,6 +90,15 @@ def _special_token(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _check_template_size(source: str, named: str) -> None:
+    """Refuse a template over TEMPLATE_MAX_CHARS; `named` says where it comes from (a file, a config field)."""
+    if len(source) > TEMPLATE_MAX_CHARS:
+        raise ChatTemplateError(
+            f"chat template from {named}: {len(source)} characters, over step35's cap of {TEMPLATE_MAX_CHARS} for"
+            " a chat template (real templates are under 100 KB); use the model's own template"
+        )
+
+
 def _read_json(data: bytes | None, file: Path) -> dict:
     """The JSON object in `data` (the contents of `file`, which errors name), {} when absent or not an object."""
     if data is None:
@@ -119,6 +132,7 @@ class ChatTemplate:
     ):
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError(f"chat template from {origin}: empty or not text")
+        _check_template_size(source, origin)
         self.source = source
         self.origin = origin
         self.bos_token = bos_token
@@ -212,7 +226,9 @@ class ChatTemplate:
             for name in ("bos_token", "eos_token")
         }
         if TEMPLATE_FILE in files:
-            return cls(files[TEMPLATE_FILE].decode("utf-8"), TEMPLATE_FILE, **tokens)
+            source = files[TEMPLATE_FILE].decode("utf-8")
+            _check_template_size(source, str(folder / TEMPLATE_FILE))
+            return cls(source, TEMPLATE_FILE, **tokens)
         template = config.get("chat_template")
         if template is None:
             return None
@@ -227,6 +243,7 @@ class ChatTemplate:
         if not isinstance(template, str):
             kind = type(template).__name__
             raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template is a {kind}, not text")
+        _check_template_size(template, f"{folder / 'tokenizer_config.json'} (its chat_template field)")
         return cls(template, "tokenizer_config.json", **tokens)
 
     @classmethod
@@ -317,8 +334,9 @@ class ChatTemplate:
         kwargs = {**{key: value for key, value in tokens.items() if value is not None}, **self.variables, **extra}
         try:
             compiled, prepared = self._template(where), prepare_messages(messages)
-            # The limits of this rendering scale with its input (RENDER_TEXT_PER_INPUT).
-            with render_limits(len(self.source) + input_size([prepared, tools, kwargs])):
+            # The limits of this rendering scale with what it renders (RENDER_TEXT_PER_INPUT), not with the
+            # template's own size, which would let a huge comment buy a huge budget (TEMPLATE_MAX_CHARS).
+            with render_limits(input_size([prepared, tools, kwargs])):
                 return compiled.render(
                     messages=prepared,
                     tools=tools,

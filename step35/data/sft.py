@@ -227,7 +227,10 @@ def resolve_template(tokenizer_folder: Path, chat_template: str | None) -> tuple
         path = Path(chat_template).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"data.chat_template {chat_template!r}: no such file (expected a .jinja file)")
-        return ChatTemplate.from_file(path), ""
+        try:
+            return ChatTemplate.from_file(path), ""
+        except ChatTemplateError as error:  # e.g. over the size cap: named by the field that chose the file
+            raise ChatTemplateError(f"data.chat_template: {error}") from None
     template = ChatTemplate.from_folder(tokenizer_folder)
     missing = (
         f"the tokenizer folder {str(tokenizer_folder)!r} has no chat template (no chat_template.jinja, no"

@@ -457,3 +457,84 @@ def test_quantize_matches_an_independent_block_quantisation():
                 assert torch.equal(values[e, rows, cols].view(torch.uint8), expected.view(torch.uint8))
     back = fp8.dequantize(values, scales, (0, 0), BLOCK, torch.float32)
     assert torch.allclose(back, weight.float(), rtol=0.07, atol=1e-6)
+
+
+# ------------------------------------------------------------------ issue 42: hostile block sizes and scales
+def with_block(folders, tmp_path, block) -> Path:
+    """A copy of the Step-3.5 FP8 folder whose config.json declares `block` and whose scales are the grids of
+    that block (one scale per expert and matrix when the block is wider than every tensor): only the block is
+    wrong, every shape agrees with it."""
+    folder = broken_copy(folders, tmp_path, lambda scales, weight_map: None)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = block
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / WEIGHTS)
+    scales = load_file(folder / SCALES)
+    for name in scales:
+        shape = weights[name.removesuffix("_scale_inv")].shape
+        scales[name] = torch.ones(*shape[:-2], 1, 1)
+    save_file(scales, folder / SCALES)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "block",
+    [[2**24, 2**24], [2**40, 128], [128, 0], [-128, 128], [128.0, 128], [True, 128], [128]],
+    ids=["2^24", "2^40", "zero", "negative", "a_float", "a_bool", "one_side"],
+)
+def test_an_absurd_block_size_is_refused_by_the_header_check(folders, tmp_path, block):
+    """Before: a block of 2^24 or 2^40 (the scales one per matrix, so every shape agreed) passed the header check,
+    and reading expanded each scale over rows x block elements (8 GiB a matrix at 2^24, 4 TiB at 2^40) until the
+    allocator failed with a traceback. The header check, which reads no weight, now names config.json's field."""
+    folder = with_block(folders, tmp_path, block)
+    with pytest.raises(
+        CheckpointError, match=r"config.json: quantization_config.weight_block_size is .*from 1 to 65536"
+    ):
+        model_tensor_infos(folder)
+
+
+def largest_allocation(work) -> int:
+    """The most CPU memory any one torch operation of `work()` allocated (torch's profiler, no timing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    return max(event.cpu_memory_usage for event in prof.events())
+
+
+def test_scales_are_expanded_over_the_slice_only_whatever_the_block():
+    """A block of 2^16 (the largest accepted) on a [64, 128] slice 30 rows into its tensor: the result is the
+    slice times its one scale, and no operation allocates more than a few times the slice's float32 bytes.
+    Before: each scale was repeated block-many times (64 x 65536 floats, 16 MiB for a 32 KiB slice); the same
+    for the FP8 export's quantize, which padded the matrix to the block (64 MiB at 4096 x 4096)."""
+    from step35.checkpoint.hf import fp8
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128)
+    values, scales = fp8.quantize(weight, (64, 128))
+    block = (2**16, 2**16)
+    slice_bytes_f32 = weight.numel() * 4
+    out = {}
+    used = largest_allocation(lambda: out.update(read=fp8.dequantize(values, scales, (30, 0), block, torch.float32)))
+    assert torch.equal(out["read"], values.float() * scales[0, 0])
+    assert used <= 4 * slice_bytes_f32, used
+    used = largest_allocation(lambda: out.update(wide=fp8.quantize(weight, (4096, 4096))))
+    assert used <= 4 * slice_bytes_f32, used
+    assert torch.equal(out["wide"][1], scales)
+    assert torch.equal(out["wide"][0].view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("inf"), float("nan")], ids=["zero", "negative", "inf", "nan"])
+def test_a_scale_that_is_not_finite_and_positive_is_refused_naming_it(folders, tmp_path, bad):
+    """Before: a zero scale read its block as zeros and a negative one flipped its signs, silently (inf and nan
+    were caught later as non-finite weights, without naming the scale)."""
+
+    def spoil(scales, weight_map):
+        scales[EXPERT + "_scale_inv"][3, 1, 0] = bad
+
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{SCALES}: tensor {EXPERT}_scale_inv holds 1 inverse scale\(s\) that are not finite and > 0 "
+        rf"\(e.g. {bad}\) for {EXPERT}; the folder is damaged",
+    ):
+        load_pretrained(broken_copy(folders, tmp_path, spoil))

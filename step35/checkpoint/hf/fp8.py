@@ -17,7 +17,9 @@ tensor without its scales, scales of another shape or dtype, and scales of a ten
 Reading (`read_dequantized`) takes the slice of the FP8 tensor a rank owns and the rows and columns of the
 scale grid covering it, and multiplies one matrix at a time in float32 before casting to the model's dtype:
 a rank never reads more than its slice and the blocks it cuts into, and no full-precision copy of a file
-(or of a whole stacked tensor) is made.
+(or of a whole stacked tensor) is made; the per-element scales are gathered for the slice only, so a block far
+wider than the tensor costs nothing more (a side above MAX_BLOCK is refused as a damaged config.json). Scales
+that are zero, negative or not finite are refused, naming the scale tensor and its file.
 
 Writing (`quantized_tensors`, for `step35 export --dtype float8_e4m3fn`): the releases' layout again. Each
 matrix and stacked expert tensor is block-quantised (`quantize`) but those whose module the
@@ -51,6 +53,9 @@ DEFAULT_BLOCK = (128, 128)  # the releases' scale block, for an FP8 export of a 
 # (the model's and each MTP layer's) and the router, whose small errors move every token or every routing choice.
 # Norms and the router bias are vectors, never quantised.
 NOT_CONVERTED = ("embed_tokens", "lm_head", "moe.gate", "shared_head.output")
+# The largest weight_block_size side read: the releases use 128, and a block wider than a tensor's dimension is one
+# block along it (ceil division). Far larger values are a damaged or hostile config.json, refused by name.
+MAX_BLOCK = 2**16
 
 
 @dataclass(frozen=True)
@@ -97,12 +102,18 @@ def block_size(folder: str | Path) -> tuple[int, int] | None:
             "(quant_method fp8, weight_block_size [rows, cols]) and unquantised ones only"
         )
     block = entry.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b <= MAX_BLOCK for b in block)):
         raise CheckpointError(
-            f"{config}: {QUANTIZATION_KEY}.weight_block_size is {block!r}, expected [rows, cols] of one scale block "
-            "(the releases: [128, 128]); FP8 with one scale per tensor is not read"
+            f"{config}: {QUANTIZATION_KEY}.weight_block_size is {_shown(block)}, expected [rows, cols] of one scale "
+            f"block, integers from 1 to {MAX_BLOCK} (the releases: [128, 128]); FP8 with one scale per tensor is not read"
         )
     return block[0], block[1]
+
+
+def _shown(value) -> str:
+    """repr of a value read from config.json, cut to one short line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -179,8 +190,21 @@ def read_dequantized(handle, info, index: tuple[slice, ...], dtype: torch.dtype)
     else:  # a release may put the scales in another shard than the weight
         with safe_open(info.scales.file, framework="pt") as other:
             scales = other.get_slice(info.scales.key)[grid]
+    check_scales(scales, info)
     nbytes = weights.numel() * weights.element_size() + scales.numel() * scales.element_size()
     return dequantize(weights, scales, (rows.start % block[0], cols.start % block[1]), block, dtype), nbytes
+
+
+def check_scales(scales: torch.Tensor, info) -> None:
+    """Refuse inverse scales of `info` (those a slice read) that are not finite and > 0: a zero scale reads its
+    block as zeros and a negative one flips its signs, silently, where a release's scales are all positive."""
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bool(bad.any()):
+        value = scales[bad].flatten()[0].item()
+        raise CheckpointError(
+            f"{info.scales.file}: tensor {info.scales.key} holds {int(bad.sum())} inverse scale(s) that are not "
+            f"finite and > 0 (e.g. {value}) for {info.key}; the folder is damaged: download or quantise it again"
+        )
 
 
 def _blocks(span: slice, size: int) -> slice:
@@ -204,10 +228,18 @@ def dequantize(
     flat_scales = scales.reshape(-1, *scales.shape[-2:])
     flat_out = out.view(-1, num_rows, num_cols)
     for i in range(flat_weights.shape[0]):
-        per_element = flat_scales[i].to(torch.float32).repeat_interleave(block[0], dim=0)
-        per_element = per_element[offset[0] : offset[0] + num_rows].repeat_interleave(block[1], dim=1)
-        flat_out[i] = flat_weights[i].to(torch.float32) * per_element[:, offset[1] : offset[1] + num_cols]
+        per_element = _per_element(flat_scales[i].to(torch.float32), offset, (num_rows, num_cols), block)
+        flat_out[i] = flat_weights[i].to(torch.float32) * per_element
     return out
+
+
+def _per_element(scales: torch.Tensor, offset: tuple[int, int], shape: tuple[int, int], block: tuple[int, int]):
+    """The scale of each element of a [rows, cols] slice starting `offset` elements into the first block of
+    `scales` [r, c]: gathered by block index, so it is as big as the slice whatever the block (repeating each
+    scale block-many times would be rows x block, gigabytes for a block far larger than the tensor)."""
+    rows = torch.div(torch.arange(offset[0], offset[0] + shape[0]), block[0], rounding_mode="floor")
+    cols = torch.div(torch.arange(offset[1], offset[1] + shape[1]), block[1], rounding_mode="floor")
+    return scales[rows][:, cols]
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +249,8 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     *leading, num_rows, num_cols = weight.shape
     grid = scale_shape(tuple(weight.shape), block)
+    # a block wider than the matrix is one block along that side: the same grid and scales, without padding to it
+    block = (min(block[0], num_rows), min(block[1], num_cols))
     values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
     scales = torch.empty(grid, dtype=torch.float32)
     flat_w = weight.reshape(-1, num_rows, num_cols)
@@ -230,7 +264,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
         scale = amax / fp8_max
         scale = torch.where(amax > 0, scale, torch.ones_like(scale))
         flat_s[i] = scale
-        per_element = scale.repeat_interleave(block[0], 0)[:num_rows].repeat_interleave(block[1], 1)[:, :num_cols]
+        per_element = _per_element(scale, (0, 0), (num_rows, num_cols), block)
         flat_v[i] = (w / per_element).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
     return values, scales
 

@@ -166,6 +166,9 @@ class Step35LightningModule(pl.LightningModule):
             )
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if getattr(tokenizer, "path", None) is not None:  # refused here (a link out), not at the first save
+            run_tokenizer.folder_files(tokenizer.path)
 
     def _check_resume(self, saved: SavedRun) -> None:
         # A different model shape is refused with the fields listed; options this run changes are said

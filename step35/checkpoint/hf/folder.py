@@ -95,6 +95,25 @@ def _hub_blobs(folder: Path) -> tuple[Path, ...]:
     return (blobs.resolve(),) if root.parent.name == "snapshots" and blobs.is_dir() else ()
 
 
+def own_files(folder: Path, names: Iterable[str]) -> tuple[dict[str, Path], dict[str, str]]:
+    """The files named `names` at the top of `folder`, split by `leaves_folder`'s rule (a hub cache snapshot's
+    `blobs/` counts as inside): ({name: file} of those that are the folder's own, {name: where it leads} of
+    those that resolve outside it). A link out is never followed: what a start folder holds is copied into
+    checkpoints and exports meant for upload, and a `LICENSE -> /proc/self/environ` would publish secrets."""
+    blobs = _hub_blobs(folder)
+    inside: dict[str, Path] = {}
+    outside: dict[str, str] = {}
+    for name in names:
+        file = folder / name
+        if not file.is_file():
+            continue
+        if leaves_folder(folder, name, blobs):
+            outside[name] = os.path.realpath(file)
+        else:
+            inside[name] = file
+    return inside, outside
+
+
 def check_index_entries(weight_map: dict[str, str], folder: Path, index: Path) -> None:
     """Every file the index names lies inside `folder` (safe_load's rule for DCP `.metadata`: no
     absolute path, no `..`, no symlink out; a hub cache snapshot may point into its `blobs/`), checked

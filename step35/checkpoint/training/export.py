@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, write_hf_folder
+from step35.checkpoint.hf.folder import TensorInfo, model_tensor_infos, own_files, write_hf_folder
 from step35.checkpoint.hf.fp8 import (
     FP8_DTYPES,
     QUANTIZATION_KEY,
@@ -113,7 +113,7 @@ def _auto_map(tokenizer_config: Path | bytes | None) -> object:
 
 def _remote_code(folder: Path, modules: list[str]) -> tuple[dict[str, Path], list[str]]:
     """{name.py: file} of `modules` and what they import relatively, at the top of `folder`; the
-    modules that are not there."""
+    modules that are not there (or only as a link out of it: `own_files`)."""
     found: dict[str, Path] = {}
     missing = []
     todo = list(modules)
@@ -122,8 +122,9 @@ def _remote_code(folder: Path, modules: list[str]) -> tuple[dict[str, Path], lis
         name = f"{module}.py"
         if name in found or module in missing:
             continue
-        file = folder / name
-        if not module.isidentifier() or not file.is_file():  # an identifier: no path separator, no ".."
+        # an identifier: no path separator, no ".."
+        file = own_files(folder, [name])[0].get(name) if module.isidentifier() else None
+        if file is None:
             missing.append(module)
             continue
         found[name] = file
@@ -175,7 +176,8 @@ def carried_tensors(
 
 
 def companion_files(folder: Path) -> dict[str, Path]:
-    """{name: file} of the COMPANION_FILES at the top of `folder` (an HF folder: it holds a config.json)."""
+    """{name: file} of the COMPANION_FILES at the top of `folder` (an HF folder: it holds a config.json);
+    never a link out of it (`own_files`, said by `_links_out`)."""
     if not folder.is_dir():
         raise CheckpointError(
             f"{folder}: the run started from this HF folder (model.checkpoint), which is gone; "
@@ -186,17 +188,27 @@ def companion_files(folder: Path) -> dict[str, Path]:
             f"{folder}: named as the HF folder the run started from, but it holds no config.json; "
             "pass --source <the HF folder> (its remote code, tokenizer and readme are copied)"
         )
-    return {name: folder / name for name in COMPANION_FILES if (folder / name).is_file()}
+    return own_files(folder, COMPANION_FILES)[0]
 
 
-def _left_out(folder: Path, taken: Iterable[str]) -> str | None:
-    """One line naming what of `folder` stays behind, besides what the export writes anew."""
+def _left_out(folder: Path, taken: Iterable[str]) -> list[str]:
+    """The lines naming what of `folder` stays behind, besides what the export writes anew: its files that
+    link outside it (never copied, `own_files`), then the files of kinds an export does not copy."""
     skip = set(taken) | {"config.json"}
-    rest = sorted(p.name for p in folder.iterdir() if p.name not in skip and not p.name.endswith(_REWRITTEN))
-    if not rest:
-        return None
-    shown = ", ".join(rest[:8]) + (f" and {len(rest) - 8} more" if len(rest) > 8 else "")
-    return f"left out of {folder}: {shown} (only known HF file kinds are copied)"
+    names = sorted(p.name for p in folder.iterdir() if p.name not in skip and not p.name.endswith(_REWRITTEN))
+    links = own_files(folder, names)[1]
+    lines = []
+    if links:
+        shown = ", ".join(f"{name} -> {target}" for name, target in links.items())
+        lines.append(
+            f"left out of {folder}: {shown}, a link out of the folder, which an export never follows (what it "
+            "copies is published); put a copy there instead of the link to export it"
+        )
+    rest = [name for name in names if name not in links]
+    if rest:
+        shown = ", ".join(rest[:8]) + (f" and {len(rest) - 8} more" if len(rest) > 8 else "")
+        lines.append(f"left out of {folder}: {shown} (only known HF file kinds are copied)")
+    return lines
 
 
 def align_special_ids(config: Step35Config, ids: run_tokenizer.SpecialIds, run_eos: int | None) -> list[str]:
@@ -545,9 +557,7 @@ def export_checkpoint(
                 f"auto_map or imported by its code) is not in {source}: loading the tokenizer with "
                 "trust_remote_code will fail"
             )
-        left = _left_out(source, files)
-        if left:
-            notes.append(left)
+        notes += _left_out(source, files)
 
     layout, carried = None, {}
     if wrapper is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.folder import own_files
 from step35.checkpoint.training import keys
 
 # What a Hugging Face tokenizer folder may hold (fast and slow tokenizers, chat templates) plus the
@@ -40,11 +41,20 @@ TOKENIZER_FILES = (
 
 def folder_files(folder: str | Path) -> dict[str, bytes]:
     """The TOKENIZER_FILES at the top of `folder`, looked up by name (the folder may be named by a
-    checkpoint from elsewhere: nothing else of it is read); a folder without tokenizer.json is refused."""
+    checkpoint from elsewhere: nothing else of it is read); a folder without tokenizer.json is refused,
+    and so is one whose tokenizer file links outside it (`own_files`): these bytes are recorded in every
+    checkpoint and published by every export, and leaving one file out would change the tokenizer."""
     folder = Path(folder).expanduser()
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{folder}: no tokenizer.json there (expected a Hugging Face tokenizer folder)")
-    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+    files, outside = own_files(folder, TOKENIZER_FILES)
+    if outside:
+        name, target = next(iter(outside.items()))
+        raise CheckpointError(
+            f"{folder / name}: a link to {target}, outside the tokenizer folder {folder}: refused (the tokenizer "
+            "files are copied into checkpoints and exports); put a copy of the file there instead of the link"
+        )
+    return {name: file.read_bytes() for name, file in files.items()}
 
 
 def record(folder: str | Path, eos_token_id: int) -> dict[str, Any]:

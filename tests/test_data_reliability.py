@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
+from step35.data import Step35DataModule
+from step35.data.bad_records import BadRecordError, BadRecords, BadRecordWarning
 from step35.data.chat_messages import ChatTemplateError
 from step35.data.chat_template import TEMPLATE_MAX_CHARS, ChatTemplate
 from step35.data.sft import resolve_template
+from step35.data.sources import Cursor, FileSource
+from step35.data.stream import TokenWindows
+from tests.helpers import write_jsonl
 
 CONVERSATION = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
 # Outputs 2,000,000 characters: over the budget of a two-message rendering (1 MiB + 100 x its input), well
@@ -63,3 +71,117 @@ def test_a_template_at_the_cap_is_accepted():
     source += "{# " + "c" * (TEMPLATE_MAX_CHARS - len(source) - 6) + " #}"
     assert len(source) == TEMPLATE_MAX_CHARS
     assert ChatTemplate(source, "big.jinja").render(CONVERSATION) == "Hi"
+
+
+# ---------------------------------------------------------------------------- item 2: deeply nested JSON
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raised RecursionError: the run ended naming no record
+GOOD = {
+    "text": {"text": " ".join(f"w{k}" for k in range(20))},
+    "chat": {"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 w3"}]},
+    "prompt_completion": {"prompt": "w1", "completion": "w2 w3"},
+    "preference": {"prompt": "w1", "chosen": "w2", "rejected": "w3"},
+}
+DEEP_FIELD = {"text": "text", "chat": "messages", "prompt_completion": "completion", "preference": "chosen"}
+
+
+def source_of(path: Path, format: str) -> FileSource:
+    source = FileSource("s", [path], shuffle=False, whole_records=format != "text")
+    source.format = format
+    return source
+
+
+def stream(path: Path, format: str, tok, template, strict: bool) -> TokenWindows:
+    return TokenWindows([source_of(path, format)], tok, seq_len=30, endless=False, template=template, strict=strict)
+
+
+def skipped_reports(windows: TokenWindows) -> tuple[list[str], int, int]:
+    """(the bad-record reports, the windows made, the skipped count) of reading `windows` to its end."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = len(list(windows))
+    reports = [str(w.message) for w in caught if issubclass(w.category, BadRecordWarning)]
+    return reports, made, windows.state_dict()["sources"][0]["skipped"]
+
+
+@pytest.mark.parametrize("format", list(GOOD))
+@pytest.mark.parametrize("line", ["top", "field"])
+def test_a_deeply_nested_json_line_is_a_bad_record_in_every_format(tmp_path, tok, template, format, line):
+    deep = DEEP if line == "top" else '{"' + DEEP_FIELD[format] + '": ' + DEEP + "}"
+    good = json.dumps(GOOD[format]) + "\n"
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(good * 2)
+    path = tmp_path / "deep.jsonl"
+    path.write_text(good + deep + "\n" + good)
+
+    reports, made, skipped = skipped_reports(stream(path, format, tok, template, strict=False))
+    assert (made, skipped) == (len(list(stream(clean, format, tok, template, strict=True))), 1)
+    limit = sys.getrecursionlimit()
+    assert reports == [f"skipping bad record at {path}:2: JSON nested too deeply (past Python's recursion limit of"
+                       f" {limit} levels)"]  # fmt: skip
+    with pytest.raises(BadRecordError, match=rf"^bad record at {re.escape(str(path))}:2: JSON nested too deeply"):
+        list(stream(path, format, tok, template, strict=True))
+
+
+def test_a_deeply_nested_whole_json_file_is_a_bad_record_named_by_the_file(tmp_path, tok):
+    deep = tmp_path / "deep.json"
+    deep.write_text(DEEP)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([GOOD["text"]] * 3))
+    source = FileSource("s", [deep, good], shuffle=False)
+    bad = BadRecords("s", strict=False)
+    with pytest.warns(BadRecordWarning, match=rf"^skipping bad record at {re.escape(str(deep))}: JSON nested too"):
+        texts = [text for _, _, text in source.documents(Cursor(), 0, 1, bad, False)]
+    assert (texts, bad.count) == ([GOOD["text"]["text"]] * 3, 1)
+    with pytest.raises(BadRecordError, match=rf"^bad record at {re.escape(str(deep))}: JSON nested too deeply"):
+        list(source.documents(Cursor(), 0, 1, BadRecords("s", strict=True), False))
+
+
+def test_deep_json_in_a_parquet_string_column_is_a_bad_record(tmp_path, tok, template):
+    """Tool-call arguments given as a JSON string are parsed (chat_messages._parsed_arguments)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    call = {"type": "function", "function": {"name": "f", "arguments": DEEP}}
+    deep = {"messages": [{"role": "user", "content": "w1"},
+                         {"role": "assistant", "content": "w2", "tool_calls": [call]}]}  # fmt: skip
+    good = {"messages": [*GOOD["chat"]["messages"][:1], {**GOOD["chat"]["messages"][1], "tool_calls": None}]}
+    path = tmp_path / "deep.parquet"
+    pq.write_table(pa.Table.from_pylist([good, deep, good]), path)
+
+    reports, made, skipped = skipped_reports(stream(path, "chat", tok, template, strict=False))
+    assert (made, skipped) == (1, 1)
+    assert len(reports) == 1 and reports[0].startswith(f"skipping bad record at {path}: row 1: ")
+    assert "nested too deeply" in reports[0]
+    with pytest.raises(BadRecordError, match=rf"^bad record at {re.escape(str(path))}: row 1: .*nested too deeply"):
+        list(stream(path, "chat", tok, template, strict=True))
+
+
+def test_a_walk_too_deep_over_a_parsed_record_is_a_bad_record(tmp_path):
+    """A value that parses may still be too deep for what walks it next (comparing replies, rendering): the
+    RecursionError of reading a record is that record's, named by file:line."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"text": "b"}])
+
+    def walk(record):
+        if record.index == 1:
+            raise RecursionError("maximum recursion depth exceeded in comparison")
+        return record.text()
+
+    source = FileSource("s", [path], shuffle=False)
+    bad = BadRecords("s", strict=False)
+    with pytest.warns(BadRecordWarning, match=rf"at {re.escape(str(path))}:2: the record nested too deeply"):
+        texts = [text for _, _, text in source.documents(Cursor(), 0, 1, bad, False, read=walk)]
+    assert (texts, bad.count) == (["a"], 1)
+
+
+def test_the_checks_before_training_pass_over_a_deep_first_record(tmp_path, tok_dir):
+    """Format detection and the text-field check read the first records before training: a deep one among them
+    is passed over as any bad record, instead of a RecursionError at setup."""
+    path = tmp_path / "c.jsonl"
+    path.write_text(DEEP + "\n" + "".join(json.dumps(GOOD["chat"]) + "\n" for _ in range(20)))
+    dm = Step35DataModule(files=str(path), tokenizer=str(tok_dir), seq_len=12, val_batches=0)
+    dm.setup("fit")
+    assert [s.format for s in dm._train_sources] == ["chat"]
+    with pytest.warns(BadRecordWarning, match=rf"at {re.escape(str(path))}:1: JSON nested too deeply"):
+        assert next(iter(dm.train_dataloader()))["labels"].shape[1] == 12
+    dm.teardown("fit")

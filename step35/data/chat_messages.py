@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from step35.data.readers import too_deep
+
 TRAIN_ON = ("assistant", "last_assistant", "all")
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -160,4 +162,6 @@ def _json_object(text: str) -> dict | None:
         value = json.loads(text)
     except ValueError:
         return None
+    except RecursionError:  # no call's arguments nest this deep: a bad record, said as such
+        raise ChatTemplateError(str(too_deep("a tool call's 'arguments' JSON text"))) from None
     return value if isinstance(value, dict) else None

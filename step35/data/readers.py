@@ -14,6 +14,7 @@ its byte offset (a resume seeks there) and its own fate (a bad line is skipped, 
 """
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,14 @@ BATCH_ROWS = 1024  # rows per record batch read from a columnar file
 
 class BadRecord(Exception):
     """A record that cannot be trained on; the message says why (the reader's `where` says where)."""
+
+
+def too_deep(what: str = "JSON") -> BadRecord:
+    """The bad record of a value nested past Python's recursion limit: parsing it, or a walk over it (rendering,
+    comparing), raised RecursionError. A bad record like any other (named by file:line, skipped or refused),
+    instead of a RecursionError that ends the run without naming the record."""
+    limit = sys.getrecursionlimit()
+    return BadRecord(f"{what} nested too deeply (past Python's recursion limit of {limit} levels)")
 
 
 class MissingField(BadRecord):
@@ -142,6 +151,8 @@ class JsonlReader(_LineReader):
             return json.loads(line)
         except json.JSONDecodeError as error:
             raise BadRecord(f"invalid JSON ({error.msg} at column {error.colno})") from None
+        except RecursionError:
+            raise too_deep() from None
 
 
 class TextLineReader(_LineReader):
@@ -208,6 +219,8 @@ class JsonArrayReader(Reader):
             problem = f"not valid UTF-8 ({error.reason} at byte {error.start})"
         except json.JSONDecodeError as error:
             problem = f"invalid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+        except RecursionError:
+            problem = str(too_deep())
         else:
             if isinstance(elements, list):
                 for index in range(start, len(elements)):
@@ -228,6 +241,8 @@ class JsonArrayReader(Reader):
         return _object(record.raw)
 
     def where(self, record: Record) -> str:
+        if isinstance(record.raw, BadRecord):  # the file as a whole could not be read: no element to name
+            return self.path
         return f"{self.path}: element {record.index}"
 
 

@@ -31,6 +31,7 @@ from step35.data.readers import (
     TxtMode,
     missing_field_message,
     reader_for,
+    too_deep,
 )
 from step35.data.resume import Cursor
 
@@ -190,6 +191,9 @@ class Source:
                     continue
                 except BadRecord as error:
                     bad(record.where(), str(error))
+                    continue
+                except RecursionError:  # a walk over a deeply nested record (rendering, comparing replies)
+                    bad(record.where(), str(too_deep("the record")))
                     continue
                 if text is None:
                     continue

@@ -538,3 +538,40 @@ def test_a_scale_that_is_not_finite_and_positive_is_refused_naming_it(folders, t
         rf"\(e.g. {bad}\) for {EXPERT}; the folder is damaged",
     ):
         load_pretrained(broken_copy(folders, tmp_path, spoil))
+
+
+# ------------------------------------------------------------------ issue 42: modules_to_not_convert is data, not code
+@pytest.mark.timeout(60)
+def test_modules_to_not_convert_entries_are_matched_literally():
+    """Before: each entry ran as a regular expression, so "(a+)+$" against a long name backtracked for ages (2^60
+    steps here) and "(" raised a raw re.error in the FP8 export. Now both match as the literal text they are, and
+    the names the releases use keep transformers' rule (a dotted prefix, or a suffix)."""
+    from step35.checkpoint.hf.fp8 import NOT_CONVERTED, quantized_tensors, skipped
+
+    long_name = "a" * 60 + "!.weight"
+    assert not skipped(long_name, ["(a+)+$"])
+    assert skipped("(a+)+$.weight", ["(a+)+$"])  # the literal text itself
+    weight = torch.randn(8, 8)
+    written = dict(
+        quantized_tensors([("model.layers.0.self_attn.q_proj.weight", weight)], (4, 4), ["("], torch.bfloat16)
+    )
+    assert written["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert skipped("model.layers.0.moe.gate.weight", NOT_CONVERTED)
+    assert not skipped("model.layers.0.moe.gate_proj.weight", NOT_CONVERTED)
+    assert skipped("vision_model.blocks.0.fc1.weight", ["vision_model"])
+    assert not skipped("model.layers.0.moe.gate.weight", ["moe.gat."])  # "." is a dot, not any character
+
+
+@pytest.mark.parametrize("names", ["lm_head", [None], [""], {"lm_head": 1}], ids=["a_string", "null", "empty", "a_map"])
+def test_a_modules_to_not_convert_that_is_no_list_of_names_is_refused(folders, tmp_path, names):
+    """Before: a string was iterated character by character (every module ending in "d" left unquantised) and a
+    null entry raised a raw TypeError in the FP8 export."""
+    from step35.checkpoint.hf.fp8 import source_entry
+
+    folder = tmp_path / "names"
+    shutil.copytree(folders["Step-3.5"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = names
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config.json: quantization_config.modules_to_not_convert is .* list"):
+        source_entry(folder)

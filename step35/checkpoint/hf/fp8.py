@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,11 +293,13 @@ def without_quantization(config: dict) -> tuple[dict, bool]:
 def skipped(name: str, patterns: Iterable[str]) -> bool:
     """Whether the tensor `name` belongs to a module `patterns` (modules_to_not_convert) names, matched as
     transformers' FP8 loader matches them, so that what step35 quantises is what a loader expects quantised: a
-    pattern (a regular expression) from the start of the module's name up to a boundary of its dotted parts
-    ("vision_model" takes "vision_model.blocks.0.fc1", "moe.gate" not "moe.gate_proj"), or a suffix of it."""
+    pattern from the start of the module's name up to a boundary of its dotted parts ("vision_model" takes
+    "vision_model.blocks.0.fc1", "moe.gate" not "moe.gate_proj"), or a suffix of it. Matched literally, as the
+    PEFT reader matches its keys (peft.py): transformers runs them as regular expressions, but the list comes
+    from a start folder's config.json, and a pattern such as "(a+)+$" would take forever on a long name
+    ("." matches only "."; no module name needs more)."""
     module = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
-    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
+    return any(module == p or module.startswith(p + ".") or module.endswith(p) for p in patterns)
 
 
 def export_entry(started: dict | None, carried: dict) -> dict:
@@ -319,10 +320,19 @@ def export_entry(started: dict | None, carried: dict) -> dict:
 
 
 def source_entry(folder: str | Path | None) -> dict | None:
-    """The quantization_config of `folder`'s config.json (block_size checks it), None for an unquantised one."""
+    """The quantization_config of `folder`'s config.json (block_size checks it, and modules_to_not_convert is
+    refused unless a list of names), None for an unquantised one."""
     if folder is None or block_size(folder) is None:
         return None
-    return dict(_quantization_entry(json.loads((Path(folder) / "config.json").read_text())))
+    config = Path(folder) / "config.json"
+    entry = dict(_quantization_entry(json.loads(config.read_text())))
+    names = entry.get("modules_to_not_convert")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) and n for n in names)):
+        raise CheckpointError(
+            f"{config}: {QUANTIZATION_KEY}.modules_to_not_convert is {_shown(names)}, expected a list of module "
+            'names (e.g. ["lm_head", "model.embed_tokens"]) or null'
+        )
+    return entry
 
 
 def quantized_tensors(

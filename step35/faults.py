@@ -90,6 +90,7 @@ def begin_run() -> None:
     the phase where the old one failed. Called as a fit starts (Step35Strategy.setup_environment,
     FaultTolerance.setup)."""
     _PHASE.failed_in = None
+    _PHASE.step = None
     set_phase("start-up")
 
 
@@ -479,10 +480,26 @@ class Preempted(SystemExit):
         return self.message
 
 
+def _is_refusal(exception: BaseException) -> bool:
+    """One of step35's refusals of its input (a config, a checkpoint, a run folder): the message names what is
+    wrong and what to do, and the code that raised it is no news to the user."""
+    from step35.checkpoint.errors import CheckpointError
+    from step35.config import ConfigError
+    from step35.run.lock import RunFolderBusy
+
+    return isinstance(exception, (ConfigError, CheckpointError, RunFolderBusy))
+
+
 def report_failure(exception: BaseException, rank: int) -> None:
     """Prints the exception with its rank, the phase and the traceback, every line prefixed by the rank
-    (ranks share one terminal), at once (a peer may end this process soon). `was_reported` then
-    tells the entry point not to print it a second time."""
+    (ranks share one terminal), at once (a peer may end this process soon). A refusal raised before the
+    first step (while the module is built, the run folder locked, the checkpoint loaded) is its one line,
+    as the CLI prints the refusals that come before the Trainer. `was_reported` then tells the entry
+    point not to print it a second time."""
+    if _PHASE.step is None and _is_refusal(exception):
+        write_stderr(f"{'' if rank == 0 else f'[rank {rank}] '}step35: {exception}\n")
+        _mark_reported(exception, rank)
+        return
     prefix = f"[rank {rank}] "
     where = _PHASE.failed_in or current_phase()
     lines = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
@@ -497,6 +514,10 @@ def report_failure(exception: BaseException, rank: int) -> None:
         except (OSError, ValueError):
             pass
     write_stderr(head + body + head)
+    _mark_reported(exception, rank)
+
+
+def _mark_reported(exception: BaseException, rank: int) -> None:
     try:
         exception.step35_reported = True
         exception.step35_rank = rank

@@ -6,7 +6,9 @@ progress, retention prunes the other's checkpoints and `last.ckpt` flips between
 - the job's global rank 0 (step35.job: however the job was started) takes the lock before the Trainer
   exists (before any tidy-up, log or config is written); the lock file then names the holder: host, pid,
   start time, the launcher and the variables that identify its job;
-- a second job is refused at start, naming the live holder and `--run_dir`;
+- a second job is refused at start, naming the live holder and `--run_dir`; so is a folder inside a folder
+  another live job holds, or holding one (a checkpoint dirpath inside another run's folder, or a run
+  folder around another run's checkpoint dirpath): one run's tidy and retention would delete the other's saves;
 - the kernel drops a flock when its holder dies (any death, SIGKILL included), so a lock whose
   holder is gone is simply free; the file still names that holder (a clean exit empties it), and
   taking it over says so;
@@ -31,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from step35 import job
-from step35.run.layout import RunFolder
+from step35.run.layout import LOCK, RunFolder
 
 _HELD: dict[Path, RunLock] = {}  # this process's locks (a second flock from the same process would fail)
 
@@ -77,6 +79,30 @@ def read_holder(path: str | Path) -> dict | None:
         return None
 
 
+def _who(lock_file: Path) -> str:
+    holder = read_holder(lock_file)
+    return describe(holder) if holder else "a job that has not written its name yet"
+
+
+def _held_elsewhere(lock_file: Path) -> bool:
+    """Whether another process holds the lock `lock_file` now (tried with a shared lock, dropped at once;
+    nothing is created or written). A folder this process holds is not."""
+    if lock_file.parent in _HELD:
+        return False
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file: nobody ever held it
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 class RunLock:
     """The lock of one run folder, held by this process from `acquire` until `release` or its death."""
 
@@ -87,8 +113,9 @@ class RunLock:
         self.record: dict = {}
 
     def acquire(self) -> str | None:
-        """Take the lock; raise RunFolderBusy naming the live holder. Returns a line to print when a
-        lock left by a job that died was taken over (else None)."""
+        """Take the lock; raise RunFolderBusy naming the live holder (of this folder, or of a folder above
+        or below it). Returns a line to print when a lock left by a job that died was taken over (else None)."""
+        self._refuse_nested(below=False)  # before anything is created inside another run's folder
         self.folder.root.mkdir(parents=True, exist_ok=True)
         path = self.folder.lock_file
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -96,13 +123,12 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            holder = read_holder(path)
-            who = describe(holder) if holder else "a job that has not written its name yet"
-            raise RunFolderBusy(
-                f"{self.what}{self.folder.root} is in use by a live run ({who}; lock {path}): a second run in the same "
-                f"folder would delete its saves in progress and its checkpoints. Wait for it to end or stop it, or "
-                f"{self.remedy}"
-            ) from None
+            raise RunFolderBusy(self._refusal(f"is in use by a live run ({_who(path)}; lock {path})")) from None
+        try:  # again now that this lock is held: of two jobs starting together, the later one sees the other
+            self._refuse_nested(below=True)
+        except RunFolderBusy:
+            os.close(fd)
+            raise
         previous = read_holder(path)
         self.record = {
             "host": socket.gethostname(),
@@ -120,6 +146,33 @@ class RunLock:
                 f"({describe(previous)}; it did not end cleanly)"
             )
         return None
+
+    def _refusal(self, problem: str) -> str:
+        return (
+            f"{self.what}{self.folder.root} {problem}: a second run there would delete its saves in progress and its "
+            f"checkpoints. Wait for it to end or stop it, or {self.remedy}"
+        )
+
+    def _refuse_nested(self, below: bool) -> None:
+        """RunFolderBusy when a folder above this one (and with `below`, one inside it) is held by another live
+        job: a checkpoint dirpath set to another run's checkpoints/ would otherwise tidy and prune that run's
+        saves, and a run folder around another run's dirpath the same."""
+        root = self.folder.root.resolve()
+        for above in root.parents:
+            if _held_elsewhere(above / LOCK):
+                raise RunFolderBusy(
+                    self._refusal(
+                        f"is inside {above}, a folder a live run owns ({_who(above / LOCK)}; lock {above / LOCK})"
+                    )
+                )
+        if not below:
+            return
+        for inside, _, files in os.walk(root):  # (symbolic links are not followed)
+            if inside != str(root) and LOCK in files and _held_elsewhere(Path(inside) / LOCK):
+                lock_file = Path(inside) / LOCK
+                raise RunFolderBusy(
+                    self._refusal(f"holds {inside}, a folder a live run owns ({_who(lock_file)}; lock {lock_file})")
+                )
 
     def _write(self) -> None:
         os.ftruncate(self.fd, 0)

@@ -185,3 +185,59 @@ def test_the_checks_before_training_pass_over_a_deep_first_record(tmp_path, tok_
     with pytest.warns(BadRecordWarning, match=rf"at {re.escape(str(path))}:1: JSON nested too deeply"):
         assert next(iter(dm.train_dataloader()))["labels"].shape[1] == 12
     dm.teardown("fit")
+
+
+# ---------------------------------------------------------------------------- item 3: long identical DPO pairs
+
+LONG = " ".join(f"w{k % 40}" for k in range(60))  # 60 tokens: longer than the window of 31 on its own
+
+
+def conversational(record: dict) -> dict:
+    return {"prompt": [{"role": "user", "content": record["prompt"]}],
+            **{side: [{"role": "assistant", "content": record[side]}] for side in ("chosen", "rejected")}}  # fmt: skip
+
+
+PAIRS = {
+    "identical and short": (
+        {"prompt": "w1", "chosen": "w2 w3", "rejected": "w2 w3"},
+        "'chosen' and 'rejected' are the same",
+    ),
+    "identical": ({"prompt": "w1", "chosen": LONG, "rejected": LONG}, "'chosen' and 'rejected' are the same"),
+    "beyond the window": (
+        {"prompt": "w1", "chosen": LONG + " w41", "rejected": LONG + " w42"},
+        "'chosen' and 'rejected' differ only past the window: cut to fit the window of 31 tokens, they are the same"
+        " tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+@pytest.mark.parametrize("shape", ["standard", "conversational"])
+def test_a_long_pair_the_same_within_the_window_is_a_bad_record(tmp_path, tok, template, kind, shape):
+    """Identical replies longer than the window, or replies that differ only past it, trained as zero-margin
+    pairs even under data.strict: the identity was only checked on pairs that fit."""
+    record, why = PAIRS[kind]
+    record = record if shape == "standard" else conversational(record)
+    good = {"prompt": "w1", "chosen": "w2 w3", "rejected": "w4"}
+    path = write_jsonl(tmp_path / "p.jsonl", [good, record, good])
+
+    windows = stream(path, "preference", tok, template, strict=False)
+    reports, made, skipped = skipped_reports(windows)
+    assert (made, skipped, windows.state_dict()["sources"][0]["truncated"]) == (1, 1, 0)
+    assert len(reports) == 1 and reports[0].startswith(f"skipping bad record at {path}:2: {why}"), reports
+    with pytest.raises(BadRecordError, match=rf"^bad record at {re.escape(str(path))}:2: {re.escape(why)}"):
+        list(stream(path, "preference", tok, template, strict=True))
+
+
+@pytest.mark.parametrize("shape", ["standard", "conversational"])
+def test_a_long_pair_that_differs_within_the_window_still_trains(tmp_path, tok, template, shape):
+    record = {"prompt": "w1", "chosen": "w41 " + LONG, "rejected": "w42 " + LONG}
+    path = write_jsonl(tmp_path / "p.jsonl", [record if shape == "standard" else conversational(record)])
+    windows = stream(path, "preference", tok, template, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = list(windows)
+    assert len(got) == 1 and windows.state_dict()["sources"][0]["truncated"] == 1
+    tokens, labels = got[0]["input_ids"].tolist(), got[0]["labels"].tolist()
+    assert tok.encode("w41")[0] in labels and tok.encode("w42")[0] in labels  # each reply's first token trained
+    assert len(tokens) == 31

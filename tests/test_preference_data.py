@@ -276,7 +276,7 @@ BAD = [
         "'chosen' has no assistant message",
     ),  # fmt: skip
     ({"prompt": [{"role": "robot", "content": "w1"}], "chosen": "w2", "rejected": "w3"}, "unknown role 'robot'"),
-    ({"prompt": "w1", "chosen": "w2 w3", "rejected": "w2 w3"}, "'chosen' and 'rejected' are the same tokens"),
+    ({"prompt": "w1", "chosen": "w2 w3", "rejected": "w2  w3"}, "'chosen' and 'rejected' are the same tokens"),
     ({"prompt": [{"role": "user", "content": "w1"}], "chosen": "w2", "rejected": "w2"}, "are the same messages"),
 ]
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from step35.data.bad_records import BadRecords, OverlongRecords
+from step35.data.readers import BadRecord
 from step35.data.resume import DataChangedError, DataChangedWarning
 from step35.data.sft import Example
 from step35.data.sources import Cursor
@@ -197,18 +198,18 @@ class PackedConversations(PackedSource):
         for start, after, item in documents:
             length = self._length(item)
             if length > self.window:
-                cut = None if self.overlong_mode == "drop" else self._cut(item)
+                try:
+                    cut = None if self.overlong_mode == "drop" else self._cut(item)
+                except BadRecord as error:  # a cut pair with nothing to prefer: skipped, or refused when strict
+                    self.bad(item.where, str(error))
+                    self._check_progress(start.epoch, placed)
+                    continue
                 if cut is None:
                     why = f"{item.size} tokens, a window holds {self.window}" + (
                         "" if self.overlong_mode == "drop" else f"; {self.cut_fails}"
                     )
                     self.overlong.drop(item.where, why)
-                    if start.epoch > placed + 1:  # a whole epoch dropped: an endless stream would spin
-                        raise RuntimeError(
-                            f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
-                            f" {self.kind} of a whole epoch as longer than a window of {self.window} tokens; raise"
-                            " seq_len, or set data.overlong: truncate"
-                        )
+                    self._check_progress(start.epoch, placed)
                     continue
                 if current:  # the cut item fills a window of its own
                     yield self._emit(current, start)
@@ -228,6 +229,16 @@ class PackedConversations(PackedSource):
             yield self._emit(current, None)
         self._count()
         state["done"] = True
+
+    def _check_progress(self, epoch: int, placed: int) -> None:
+        """Raise when a whole epoch went by without an item placed (`placed`: the epoch of the last one): every
+        one was too long, or cut to nothing to learn, and an endless stream would spin."""
+        if epoch > placed + 1:
+            raise RuntimeError(
+                f"source {self.source.name!r}: shard {self.shard} of {self.num_shards} dropped every"
+                f" {self.kind} of a whole epoch as longer than a window of {self.window} tokens; raise"
+                " seq_len, or set data.overlong: truncate"
+            )
 
     def _emit(self, items: list[Any], next_start: Cursor | None) -> tuple[list[int], ...]:
         """The window of `items`, with the state moved to `next_start` (the next window's first item)."""
@@ -260,9 +271,17 @@ class PackedPairs(PackedConversations):
         return pair.length
 
     def _cut(self, pair: Any) -> Any:
-        from step35.data.preference import fit_pair
+        """`pair` cut to the window (`fit_pair`); a BadRecord when the cut leaves the same tokens on both sides."""
+        from step35.data.preference import fit_pair, same_in_window
 
-        return fit_pair(pair, self.window)
+        cut = fit_pair(pair, self.window)
+        if cut is not None and same_in_window(pair, cut):
+            raise BadRecord(
+                f"'chosen' and 'rejected' differ only past the window: cut to fit the window of {self.window} tokens,"
+                f" they are the same tokens ({pair.size} before the cut), so the pair has nothing to prefer; raise"
+                " data.seq_len so that the window holds where they differ, or shorten the replies"
+            )
+        return cut
 
     def _window_of(self, pairs: list[Any]) -> tuple[list[int], ...]:
         sides = [(e.ids, e.trained) for pair in pairs for e in (pair.chosen, pair.rejected)]

@@ -24,7 +24,9 @@ margin of exactly 0 under every model, so it adds a constant ln 2 to the DPO los
 almost always a data error.
 
 Overlong pairs (both sequences must fit one window): `fit_pair` cuts the reply tails, the longer reply first,
-keeping at least one trained reply token each, or gives None (dropped).
+keeping at least one trained reply token each, or gives None (dropped). A cut pair whose replies differ only
+past the window (the same tokens within it, `same_in_window`) would train as a zero-margin pair: a bad record
+too, said to raise `data.seq_len`.
 """
 
 from dataclasses import dataclass
@@ -103,6 +105,8 @@ class PreferenceEncoder:
         if prompt is not None and not isinstance(prompt, (str, list)):
             raise BadRecord(f"'prompt' is {type(prompt).__name__}; a prompt is a string or a list of messages")
         conversational = isinstance(prompt, list) or isinstance(chosen, list) or isinstance(rejected, list)
+        if not conversational and chosen == rejected:  # compared as given: a cut could hide it (`same_in_window`)
+            raise BadRecord("'chosen' and 'rejected' are the same text: the pair has nothing to prefer")
         if conversational:
             if isinstance(prompt, str):
                 raise BadRecord("'prompt' is a string but a reply is a list of messages; give the prompt as messages")
@@ -178,6 +182,16 @@ def fit_pair(pair: Pair, window: int) -> Pair | None:
     sides = (pair.chosen, pair.rejected)
     cut = [Example(e.ids[: s + k], e.trained[: s + k], e.where) for e, s, k in zip(sides, starts, keep)]
     return Pair(cut[0], cut[1], pair.where)
+
+
+def same_in_window(pair: Pair, cut: Pair) -> bool:
+    """Whether `cut` (`fit_pair`'s cut of `pair`) leaves nothing to prefer: its sequences are the same tokens as
+    far as the shorter goes, and the shorter was cut, so that what the longer has beyond is the cut's doing, not
+    the data's (a reply that ends there on its own ends with its end-of-turn token, which tells them apart)."""
+    sides = [(cut.chosen, pair.chosen), (cut.rejected, pair.rejected)]
+    (shorter, whole), (longer, _) = sorted(sides, key=lambda side: len(side[0].ids))
+    cut_short = len(shorter.ids) < len(whole.ids) or not whole.complete
+    return cut_short and longer.ids[: len(shorter.ids)] == shorter.ids
 
 
 def check_not_mixed(sources: list[Any]) -> None:

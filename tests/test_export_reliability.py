@@ -8,14 +8,20 @@ checkpoint."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.checkpoint.training import run_tokenizer
+from step35.checkpoint.training.trainer_io import remove
 from step35.cli import main
+from step35.commands import generate
+from step35.commands.generate import load_generator
 from step35.data import builtin_tokenizer_dir
+from step35.run import resolution
 from tests.helpers import saved_steps, write_run_config
 from tests.runner import cli_fit
 from tests.test_export import copied_lines, home_like_folder
@@ -114,3 +120,75 @@ def test_a_fit_with_such_a_tokenizer_folder_is_refused_before_its_first_step(tmp
     assert f"{tokenizer / 'added_tokens.json'}: a link to /proc/" in done.stderr, done.stderr[-3000:]
     assert MARKER not in done.stdout + done.stderr
     assert not list(run.rglob("*.ckpt")) and saved_steps(run / "checkpoints") == []
+
+
+# ------------------------------------------------------------------------------ 2. a live run pruning (keep_last 1)
+@pytest.fixture
+def run_copy(tiny_run, tmp_path) -> Path:
+    """A copy of the tiny run folder: checkpoints/step=000003.ckpt with its manifest, last.ckpt."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run, symlinks=True)
+    return run
+
+
+def save_and_prune(checkpoint: Path, step: int) -> Path:
+    """What a live run saving every step with keep_last 1 does next: a newer save (`checkpoint`'s bytes under the
+    name of `step`), then `checkpoint` pruned (manifest first, trainer_io.remove). Returns the new checkpoint."""
+    newer = checkpoint.with_name(f"step={step:06d}.ckpt")
+    manifest = json.loads(checkpoint.with_name(checkpoint.name + ".manifest.json").read_text())
+    manifest["extra"]["global_step"] = step
+    shutil.copyfile(checkpoint, newer)
+    newer.with_name(newer.name + ".manifest.json").write_text(json.dumps(manifest))
+    remove(checkpoint)
+    return newer
+
+
+@pytest.fixture
+def pruned_after_listing(monkeypatch) -> list[Path]:
+    """The first checkpoint checked after the run folder was listed is pruned just before its check (a newer one
+    saved), as a live run keeping one does between the list and the read. Returns the checkpoints saved."""
+    real, saved = resolution._intact, []
+
+    def intact(path: Path):
+        if not saved:
+            saved.append(save_and_prune(path, 6))
+        return real(path)
+
+    monkeypatch.setattr(resolution, "_intact", intact)
+    return saved
+
+
+def test_a_checkpoint_pruned_between_the_list_and_its_check_is_not_damaged(run_copy, tmp_path, pruned_after_listing):
+    out = tmp_path / "hf"
+    main(["export", "--checkpoint", str(run_copy), "--out", str(out)])  # before: "every one is damaged", a traceback
+    assert pruned_after_listing == [run_copy / "checkpoints" / "step=000006.ckpt"]
+    assert load_pretrained(out) is not None
+    generator = load_generator(run_copy)  # generate reads it the same way
+    assert generator.model is not None
+
+
+def test_generate_reads_the_newest_checkpoint_when_the_one_chosen_is_pruned_while_read(run_copy, monkeypatch):
+    real, pruned = generate.open_checkpoint, []
+
+    def open_checkpoint(path, config=None):
+        if not pruned:
+            pruned.append(save_and_prune(run_copy / "checkpoints" / "step=000003.ckpt", 6))
+        return real(path, config)
+
+    monkeypatch.setattr(generate, "open_checkpoint", open_checkpoint)
+    said = []
+    generator = load_generator(run_copy, say=said.append)  # before: "step=000003.ckpt: no such checkpoint"
+    assert f"model: {pruned[0]}; tokenizer:" in "\n".join(said), said
+    assert any("was removed or replaced while it was being read" in line for line in said), said
+    assert generator.model is not None
+
+
+def test_a_run_folder_whose_checkpoints_are_all_damaged_is_one_line(run_copy, tmp_path):
+    checkpoint = run_copy / "checkpoints" / "step=000003.ckpt"
+    with open(checkpoint, "ab") as grown:  # a size the manifest does not record: damaged, still there
+        grown.write(b"\0")
+    with pytest.raises(SystemExit) as refusal:  # before: NoCheckpoint, a traceback
+        main(["export", "--checkpoint", str(run_copy), "--out", str(tmp_path / "hf")])
+    message = str(refusal.value)
+    assert "\n" not in message and message.startswith(f"step35 export: {run_copy}: every checkpoint in "), message
+    assert f"{run_copy / 'checkpoints'} is damaged (" in message and "the manifest says" in message, message

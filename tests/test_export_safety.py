@@ -199,7 +199,7 @@ def test_a_checkpoint_pruned_while_read_gives_way_to_the_newest_intact_one(run_c
     said = capsys.readouterr()
     assert (
         f"{newest} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
-        f"exporting {older}, the newest intact checkpoint now, instead"
+        f"reading {older}, the newest intact checkpoint now, instead"
     ) in said.err
     assert f"wrote {tmp_path / 'hf'} from {older}" in said.out
     assert load_pretrained(tmp_path / "hf") is not None
@@ -211,7 +211,7 @@ def test_a_named_checkpoint_pruned_while_read_is_said_not_replaced(run_copy, tmp
     refused(
         ["--checkpoint", str(newest), "--out", str(tmp_path / "hf")],
         r"step=000003.ckpt: removed or replaced while it was being read \(a live run pruning its checkpoints, "
-        r"keep_last\?\); export the run folder",
+        r"keep_last\?\); name the run folder",
     )
     assert not (tmp_path / "hf").exists()
 

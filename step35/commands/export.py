@@ -27,16 +27,14 @@ from typing import Literal
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.integrity import manifest_path
+from step35.checkpoint.hf.peft import check_not_adapter_folder
 from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.training.trainer_io import disk_full
 from step35.commands.function_cli import run_function
 from step35.config import load_config
-from step35.run import RunFolder, checkpoint_of
+from step35.run import RunFolder
 from step35.run.layout import CHECKPOINTS
-
-# How often a checkpoint that a live run removed while it was read is replaced by the newest one then.
-_ROTATION_RETRIES = 3
+from step35.run.resolution import read_checkpoint
 
 
 def _is_run_folder(folder: Path) -> bool:
@@ -54,17 +52,6 @@ def run_folder_of(given: Path, chosen: Path) -> Path | None:
     if folder.name == CHECKPOINTS and _is_run_folder(folder.parent):
         return folder.parent
     return folder if RunFolder(folder).config.is_file() or RunFolder(folder).lock_file.exists() else None
-
-
-def _stamp(checkpoint: Path) -> tuple | None:
-    """Which save is at `checkpoint` (what it points at, its manifest's inode and time): another
-    value after an error means a live run removed or replaced it meanwhile."""
-    try:
-        real = Path(os.path.realpath(checkpoint))
-        manifest = manifest_path(real).stat()
-        return real, real.stat().st_ino, manifest.st_ino, manifest.st_mtime_ns
-    except OSError:
-        return None
 
 
 def _write_failure(error: BaseException, out: Path) -> str:
@@ -120,50 +107,34 @@ def export(
         overwrite: replace an existing --out that is not a step35 export (a file, another folder).
     """
     say = lambda line: print(f"step35 export: {line}", file=sys.stderr)  # noqa: E731
-    given = Path(checkpoint)
-    chosen = checkpoint_of(given, say)
-    run_folder = run_folder_of(given, chosen)
-    # A run folder (or last.ckpt) names "the newest checkpoint", which a live run may rotate away.
-    may_choose_again = given != chosen or given.is_symlink()
-    for attempt in range(_ROTATION_RETRIES + 1):
-        stamp = _stamp(chosen)
-        try:
-            done = export_checkpoint(
-                chosen,
-                out,
-                getattr(torch, dtype) if dtype else None,
-                max_shard_size,
-                load_config(model_config) if model_config else None,
-                tokenizer,
-                source,
-                merge,
-                overwrite=overwrite,
-                run_folder=run_folder,
-                model_config=model_config,
-                say=say,
-            )
-            break
-        except (CheckpointError, OSError) as error:
-            if stamp is None or _stamp(chosen) == stamp:  # the checkpoint is as it was: a real failure
-                if isinstance(error, CheckpointError):
-                    raise
-                raise SystemExit(_write_failure(error, Path(out))) from None
-            if not may_choose_again or attempt == _ROTATION_RETRIES:
-                raise CheckpointError(
-                    f"{chosen}: removed or replaced while it was being read (a live run pruning its "
-                    "checkpoints, keep_last?); export the run folder to take its newest intact "
-                    "checkpoint, or copy this one aside first"
-                ) from None
-            again = checkpoint_of(given, say)
-            say(
-                f"{chosen} was removed or replaced while it was being read (a live run pruning its checkpoints?): "
-                f"exporting {again}, the newest intact checkpoint now, instead"
-            )
-            chosen = again
-        except Exception as error:  # e.g. safetensors' own error type for a failed write
-            if not disk_full(error, Path(out).expanduser().absolute().parent):
-                raise
-            raise SystemExit(_write_failure(error, Path(out))) from None
+
+    def export_from(chosen: Path):
+        return export_checkpoint(
+            chosen,
+            out,
+            getattr(torch, dtype) if dtype else None,
+            max_shard_size,
+            load_config(model_config) if model_config else None,
+            tokenizer,
+            source,
+            merge,
+            overwrite=overwrite,
+            run_folder=run_folder_of(Path(checkpoint), chosen),
+            model_config=model_config,
+            say=say,
+        )
+
+    check_not_adapter_folder(checkpoint, "--checkpoint")
+    try:
+        done = read_checkpoint(checkpoint, export_from, say)
+    except CheckpointError:
+        raise
+    except OSError as error:  # a write that failed (reads failing on a checkpoint as it was are CheckpointErrors)
+        raise SystemExit(_write_failure(error, Path(out))) from None
+    except Exception as error:  # e.g. safetensors' own error type for a failed write
+        if not disk_full(error, Path(out).expanduser().absolute().parent):
+            raise
+        raise SystemExit(_write_failure(error, Path(out))) from None
     for name, origin in done.copied.items():
         print(f"step35 export: copied {name} from {origin}")
     for note in done.notes:

@@ -55,7 +55,7 @@ from step35.data.chat_messages import ChatTemplateError
 from step35.data.chat_template import ChatTemplate
 from step35.data.tokenizer import TextTokenizer
 from step35.model import KVCache, Step35ForCausalLM, build_model
-from step35.run import checkpoint_of
+from step35.run.resolution import read_checkpoint
 
 
 @dataclass
@@ -175,12 +175,16 @@ def load_generator(
         config, run_eos = model.config, None
         say(f"model: {path}; tokenizer: {tokenizer or path}")
     else:
-        trained = open_checkpoint(checkpoint_of(path, say))
+
+        def read(chosen: Path) -> tuple[TrainedCheckpoint, Step35ForCausalLM]:
+            trained = open_checkpoint(chosen)
+            return trained, _model_from(trained, dtype, device)
+
+        trained, model = read_checkpoint(path, read, say)  # again from the newest, if a live run pruned it
         for note in trained.notes:
             say(note)
         if trained.lora is not None:
             say(f"LoRA run: its adapters merged into the weights (alpha={trained.lora.scale_alpha:g})")
-        model = _model_from(trained, dtype, device)
         if tokenizer:
             files, run_eos, origin = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
         else:

@@ -41,6 +41,18 @@ _JOB_VARIABLES = {
     "lightning": ("MASTER_ADDR", "MASTER_PORT"),
 }
 
+# Per launcher: the variables that give a process its place (what a shell may have left over from another job).
+_RANK_VARIABLES = {
+    "torchrun": ("TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+    "slurm": ("SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"),
+    "lsf": ("JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_SIZE"),
+    "mpi": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+    "lightning": ("NODE_RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE"),
+}
+# The variables Lightning's rank_zero_only takes its rank from at import, the first one set
+# (lightning.fabric.utilities.rank_zero._get_rank): what decides whether its messages, logs and progress show.
+_LIGHTNING_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
 
 @dataclass(frozen=True)
 class JobPlace:
@@ -52,6 +64,7 @@ class JobPlace:
     global_rank: int | None  # None: not known yet (Lightning's launcher on a node > 0, devices per node unknown)
     world_size: int | None  # None: not known yet (a Lightning-launched rank 0 before it starts the others)
     job: dict[str, str] = field(default_factory=dict)  # the job's identifying variables present in this process
+    set_by: dict[str, str] = field(default_factory=dict)  # the launcher's variables that gave this place
 
     @property
     def is_rank_zero(self) -> bool:
@@ -76,6 +89,13 @@ class JobPlace:
         if self.global_rank is not None:
             return f"rank {self.global_rank}"
         return f"node {self.node_rank}, local rank {self.local_rank}"
+
+    def origin(self) -> str:
+        """'a torchrun job (RANK=1, LOCAL_RANK=1, WORLD_SIZE=2 in the environment)': why this process has its place."""
+        if not self.set_by:
+            return f"a job started from a shell (no {self.launcher} launcher variables in the environment)"
+        variables = ", ".join(f"{k}={v}" for k, v in self.set_by.items())
+        return f"a {self.launcher} job ({variables} in the environment)"
 
     def same_job(self, recorded: dict) -> bool:
         """Whether `recorded` (rank 0's `job` variables, from the lock file) is this process's own job."""
@@ -115,8 +135,11 @@ def place_of_environment(devices_per_node: int | None = None) -> JobPlace:
     environ = os.environ
     launcher, env = _environment()
     job = {k: environ[k] for k in _JOB_VARIABLES[launcher] if environ.get(k)}
+    set_by = {k: environ[k] for k in _RANK_VARIABLES[launcher] if environ.get(k)}
     if env is not None:
-        return JobPlace(launcher, env.node_rank(), env.local_rank(), env.global_rank(), env.world_size(), job=job)
+        return JobPlace(
+            launcher, env.node_rank(), env.local_rank(), env.global_rank(), env.world_size(), job=job, set_by=set_by
+        )
     node = int(environ.get("NODE_RANK", environ.get("GROUP_RANK", 0)))
     local = int(environ.get("LOCAL_RANK", 0))
     world = int(environ["WORLD_SIZE"]) if environ.get("WORLD_SIZE") else None
@@ -126,7 +149,22 @@ def place_of_environment(devices_per_node: int | None = None) -> JobPlace:
         rank = node * devices_per_node + local if devices_per_node else None
     if environ.get(JOB_VARIABLE) and node == 0 and local > 0:
         job[JOB_VARIABLE] = environ[JOB_VARIABLE]
-    return JobPlace("lightning", node, local, rank, world, job=job)
+    return JobPlace("lightning", node, local, rank, world, job=job, set_by=set_by)
+
+
+def lightning_rank_mismatch(place: JobPlace) -> str | None:
+    """A line when the rank Lightning's rank_zero_only reads from the environment is not this process's rank
+    (`RANK=1` left in a shell: a one-process run that trains and saves but shows nothing); else None."""
+    name = next((k for k in _LIGHTNING_RANK_VARIABLES if os.environ.get(k) is not None), None)
+    if name is None or place.global_rank is None or not os.environ[name].strip().isdigit():
+        return None
+    if int(os.environ[name]) == place.global_rank:
+        return None
+    return (
+        f"{name}={os.environ[name]} is set, but this process is {place.describe()} of {place.origin()}: Lightning "
+        f"takes {name} for its rank and shows nothing (no progress, metrics or messages) when it is not 0. "
+        f"Unset {name} (left over from another job?), or start the job with its launcher"
+    )
 
 
 _THIS_PROCESS: JobPlace | None = None

@@ -5,13 +5,16 @@ and a torchrun job given one device end in one step35 line, not a traceback."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from step35 import job
 from step35.run import RunFolder, RunFolderBusy, lock
 from tests.helpers import write_run_config
-from tests.runner import cli_fit
+from tests.runner import LAUNCH_PREFIXES, LAUNCH_VARIABLES, cli_fit
 from tests.test_run import hold, kill9
 
 
@@ -93,3 +96,105 @@ def test_a_folder_this_process_holds_is_no_obstacle(outer_first, tmp_path):
     finally:
         lock.release(inner)
         lock.release(outer)
+
+
+# ------------------------------------------------------------------------------ 2. launcher variables left in a shell
+@pytest.fixture
+def shell_with(monkeypatch):
+    """shell_with(variables): this process as a command started from a shell where only `variables` of every
+    launcher's are set; step35.job reads it afresh (its earlier reading comes back after the test)."""
+    for name in [*LAUNCH_VARIABLES, *(k for k in os.environ if k.startswith(LAUNCH_PREFIXES))]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(job, "_THIS_PROCESS", None)
+    monkeypatch.setattr(job, "_STARTED_ID", None)
+
+    def shell(variables: dict[str, str], devices_per_node: int | None = None) -> job.JobPlace:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        return job.this_process(devices_per_node, fresh=True)
+
+    return shell
+
+
+TORCHRUN_RANK1 = {
+    "TORCHELASTIC_RUN_ID": "none",
+    "RANK": "1",
+    "LOCAL_RANK": "1",
+    "GROUP_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.mark.parametrize(
+    "variables, named",
+    [
+        ({"LOCAL_RANK": "1"}, "rank 1 of a lightning job (LOCAL_RANK=1 in the environment)"),
+        ({"NODE_RANK": "1"}, "rank 1 of a lightning job (NODE_RANK=1 in the environment)"),
+        (TORCHRUN_RANK1, "rank 1 of a torchrun job (TORCHELASTIC_RUN_ID=none, RANK=1, GROUP_RANK=0, LOCAL_RANK=1"),
+    ],
+    ids=["LOCAL_RANK", "NODE_RANK", "torchrun"],
+)
+def test_a_non_zero_rank_says_at_once_which_variables_made_it_one(variables, named, shell_with, tmp_path, monkeypatch):
+    place = shell_with(variables, devices_per_node=1)
+    assert not place.is_rank_zero
+    monkeypatch.setattr(lock, "RANK0_WAIT_S", 0.5)
+    monkeypatch.setattr(lock, "RANK0_WAIT_SAID_AFTER_S", 0.0)
+    said = []
+    monkeypatch.setattr(sys, "stderr", type("Stream", (), {"write": said.append, "flush": lambda self: None})())
+    with pytest.raises(SystemExit) as ended:
+        lock.wait_for_rank0(RunFolder(tmp_path / "run"), until="resume")
+    assert len(said) == 1 and said[0].startswith("[rank 1] step35: waiting up to 0 s for the job's rank 0"), said
+    assert named in said[0] and "the launcher is expected to start rank 0" in said[0], said
+    assert named in str(ended.value) and "unset them" in str(ended.value), ended.value
+
+
+@pytest.mark.heavy  # a fit in this process
+def test_a_stray_local_rank_ends_naming_it(shell_with, tmp_path, builtin_cache, capfd, monkeypatch):
+    """`step35 fit` from a shell with LOCAL_RANK=1 left over: rank 1 of a job without rank 0 says so and ends."""
+    shell_with({"LOCAL_RANK": "1"})
+    monkeypatch.setattr(lock, "RANK0_WAIT_S", 1.0)
+    monkeypatch.setattr(lock, "RANK0_WAIT_SAID_AFTER_S", 0.0)
+    ended = cli_fit(capfd, write_run_config(tmp_path), tmp_path / "run", builtin_cache, check=False)
+    lines = [line for line in ended.stderr.splitlines() if "step35:" in line]
+    assert ended.returncode == 1 and "Traceback" not in ended.stderr, ended.stderr[-3000:]
+    assert len(lines) == 2 and all(line.startswith("[rank 1] step35: ") for line in lines), lines
+    assert all("LOCAL_RANK=1" in line for line in lines), lines
+    assert "waited 1 s" in lines[1] and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("variable", ["RANK", "SLURM_PROCID"])
+def test_a_rank_variable_lightning_reads_but_the_job_does_not_is_warned_about(variable, shell_with):
+    place = shell_with({variable: "1"})
+    assert place.is_rank_zero  # step35 (and the Trainer) run it as the one process it is
+    note = job.lightning_rank_mismatch(place)
+    assert note is not None and note.startswith(f"{variable}=1 is set, but this process is rank 0 of a job started "), (
+        note
+    )
+    assert f"Unset {variable}" in note, note
+    assert job.lightning_rank_mismatch(shell_with({variable: "0"})) is None
+    assert job.lightning_rank_mismatch(shell_with(TORCHRUN_RANK1)) is None  # a real rank 1
+
+
+@pytest.mark.heavy  # a fit in this process
+def test_a_one_process_fit_with_rank_1_left_over_says_so(shell_with, tmp_path, builtin_cache, capfd):
+    shell_with({"RANK": "1"})
+    done = cli_fit(
+        capfd, write_run_config(tmp_path), tmp_path / "run", builtin_cache, "--trainer.max_steps=1", check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step35: RANK=1 is set, but this process is rank 0 of a job started from a shell" in done.stderr
+
+
+# ------------------------------------------------------------------------------ 3. one line, not a traceback
+def test_torchrun_with_more_processes_than_trainer_devices_is_refused(shell_with, tmp_path, capfd):
+    shell_with({**TORCHRUN_RANK1, "RANK": "0", "LOCAL_RANK": "0"})
+    refused = cli_fit(capfd, write_run_config(tmp_path), tmp_path / "run", None, "--trainer.devices=1", check=False)
+    lines = [line for line in refused.stderr.splitlines() if "step35:" in line]
+    assert refused.returncode == 1 and len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert lines[0].startswith("step35: a torchrun job (") and "WORLD_SIZE=2, LOCAL_WORLD_SIZE=2" in lines[0], lines
+    assert "has 2 processes, but trainer.devices=1 x trainer.num_nodes=1 make 1" in lines[0], lines
+    assert lines[0].endswith("Set --trainer.devices 2 (the processes the launcher starts per node)"), lines
+    assert not (tmp_path / "run").exists()

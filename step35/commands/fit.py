@@ -99,6 +99,23 @@ def devices_per_node(devices) -> int | None:
     return devices if isinstance(devices, int) and devices > 0 else None
 
 
+def launcher_mismatch(place: job.JobPlace, devices, num_nodes: int) -> str | None:
+    """A line when the launcher started another number of processes than trainer.devices x trainer.num_nodes
+    (torchrun --nproc-per-node 2 with trainer.devices 1: each process would train alone, and rank 1 would
+    find rank 0's lock as another run's); else None."""
+    per_node = devices_per_node(devices)
+    if place.world_size is None or per_node is None or place.world_size == per_node * num_nodes:
+        return None
+    started = place.set_by.get("LOCAL_WORLD_SIZE") or place.set_by.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    local = int(started) if started.isdigit() else max(place.world_size // num_nodes, 1)
+    nodes = "" if local * num_nodes == place.world_size else f" --trainer.num_nodes {place.world_size // local}"
+    return (
+        f"{place.origin()} has {place.world_size} processes, but trainer.devices={devices} x trainer.num_nodes="
+        f"{num_nodes} make {per_node * num_nodes}: each process would train on its own and find the others' run "
+        f"folder lock held. Set --trainer.devices {local}{nodes} (the processes the launcher starts per node)"
+    )
+
+
 class Step35ArgumentParser(LightningArgumentParser):
     """LightningCLI's parser with a did-you-mean for an unknown option (abbreviations are off)."""
 
@@ -258,6 +275,12 @@ class Step35CLI(LightningCLI):
         config = self._subcommand_config()
         folder = runs.RunFolder(config.run_dir)
         place = job.this_process(devices_per_node(config.trainer.get("devices")))
+        refusal = launcher_mismatch(place, config.trainer.get("devices"), config.trainer.get("num_nodes") or 1)
+        if refusal:
+            raise SystemExit(f"{rank_prefix()}step35: {refusal}")
+        note = job.lightning_rank_mismatch(place)
+        if note:
+            say(note)
         try:
             if self.subcommand != "fit":
                 return self._resume_of(self._ckpt_arg, folder, callbacks)

@@ -223,15 +223,25 @@ def release(folder: RunFolder) -> None:
         lock.release()
 
 
-def wait_for_rank0(folder: RunFolder, until: str, timeout_s: float = 300.0, poll_s: float = 0.2) -> dict:
+# How long a rank other than 0 waits for rank 0's lock, and after how long it says what it waits for (a rank of a
+# healthy job finds rank 0's answer within a second or two; a process made a non-zero rank by variables left in
+# a shell waits for a rank 0 that does not exist).
+RANK0_WAIT_S = 300.0
+RANK0_WAIT_SAID_AFTER_S = 5.0
+
+
+def wait_for_rank0(folder: RunFolder, until: str, poll_s: float = 0.2) -> dict:
     """On a rank other than the job's rank 0: wait until the lock file names this process's own job (rank 0
     holds the folder) and holds the item `until` that rank 0 publishes (`publish`), and return the record.
     When rank 0 was refused (or died) it never does: the launcher's SIGTERM (torchrun ends the other ranks
-    when one fails) or the timeout then ends this rank with a line saying why."""
+    when one fails) or the timeout (RANK0_WAIT_S) then ends this rank with a line saying why. A wait longer
+    than RANK0_WAIT_SAID_AFTER_S is said, with the variables that made this process a non-zero rank."""
     place = job.this_process()
+    why = f"this process is {place.describe()} of {place.origin()}, and the launcher is expected to start rank 0"
     message = (
         f"[{place.describe()}] step35: stopped before training: the job's rank 0 did not take the lock of "
-        f"the run folder {folder.root} (its own message says why, e.g. another live run owns the folder)"
+        f"the run folder {folder.root} (its own message says why, e.g. another live run owns the folder; {why}: "
+        f"a one-process run with these variables left in its shell has no rank 0, unset them)"
     )
 
     def stop(signum, frame):
@@ -241,13 +251,23 @@ def wait_for_rank0(folder: RunFolder, until: str, timeout_s: float = 300.0, poll
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        said = False
         while True:
             holder = read_holder(folder.lock_file)
             if holder is not None and until in holder and place.same_job(holder.get("job") or {}):
                 return holder
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{message}; waited {timeout_s:.0f} s")
+            waited = time.monotonic() - started
+            if waited > RANK0_WAIT_S:
+                raise SystemExit(f"{message}; waited {RANK0_WAIT_S:.0f} s")
+            if not said and waited >= RANK0_WAIT_SAID_AFTER_S:
+                said = True
+                sys.stderr.write(
+                    f"[{place.describe()}] step35: waiting up to {RANK0_WAIT_S:.0f} s for the job's rank 0 to take the "
+                    f"lock of the run folder {folder.root}: {why} (started by hand as one process? unset these "
+                    f"variables)\n"
+                )
+                sys.stderr.flush()
             time.sleep(poll_s)
     finally:
         signal.signal(signal.SIGTERM, previous)

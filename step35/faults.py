@@ -490,6 +490,11 @@ def _is_refusal(exception: BaseException) -> bool:
     return isinstance(exception, (ConfigError, CheckpointError, RunFolderBusy))
 
 
+class RunStopped(RuntimeError):
+    """A stop that step35 decided and explained in its message (e.g. the divergence guard's): reported as its
+    one line, with the rank and phase, without the traceback of the loop that raised it."""
+
+
 def report_failure(exception: BaseException, rank: int) -> None:
     """Prints the exception with its rank, the phase and the traceback, every line prefixed by the rank
     (ranks share one terminal), at once (a peer may end this process soon). A refusal raised before the
@@ -502,6 +507,10 @@ def report_failure(exception: BaseException, rank: int) -> None:
         return
     prefix = f"[rank {rank}] "
     where = _PHASE.failed_in or current_phase()
+    if isinstance(exception, RunStopped):
+        write_stderr(f"{prefix}step35: run stopped during '{where}': {exception}\n")
+        _mark_reported(exception, rank)
+        return
     lines = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
     body = "".join(prefix + line + "\n" for line in lines.rstrip("\n").split("\n"))
     head = (

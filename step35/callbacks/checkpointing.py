@@ -222,9 +222,7 @@ class RunCheckpoint(ModelCheckpoint):
         for path in catalog.incomplete_checkpoints(folder):
             if path.resolve() != resumed:  # loaded on purpose (--allow_unverified_checkpoint)
                 say(f"ignoring {path}: its save did not finish (no manifest)")
-        newest = catalog.newest_complete([folder])
-        if newest is not None:
-            catalog.point_last(folder, newest.path)
+        catalog.point_last_to_newest(folder)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -275,9 +273,15 @@ class RunCheckpoint(ModelCheckpoint):
         self._report(trainer, SaveOutcome(path, trainer.global_step, took, took, size, False))
 
     def _after_save(self, path: Path, step: int) -> None:
-        """Rank 0, once the checkpoint `path` is complete: `last.ckpt` to the newest, then retention."""
-        newest = catalog.newest_complete([path.parent])  # this save, unless the folder holds later steps
-        catalog.point_last(path.parent, newest.path)
+        """Rank 0, once the checkpoint `path` is complete: `last.ckpt` to the newest finite one (this save,
+        unless the folder holds later steps or this one is not finite), then retention."""
+        last = catalog.point_last_to_newest(path.parent)
+        if catalog.recorded_non_finite(path):
+            say(
+                f"{path}: saved with NaN/Inf in its weights or optimizer state; it is kept only while newer than "
+                f"the newest finite checkpoint, which `last.ckpt` ({last.resolve().name if last else 'none'}) names "
+                f"and retention keeps"
+            )
         protect = [self._resumed_from] if self._resumed_from is not None else []
         for removed in catalog.prune(path.parent, self.keep_last, protect=protect):
             if self.verbose:

@@ -20,6 +20,11 @@ them. The LR schedule and trainer.global_step still advance: a skipped step is a
 Agreement across ranks: one all_reduce (max) of a flag vector [loss non-finite, one flag per
 parameter], so every rank takes the same decision and names the same parameter. Cost per step:
 one pass over the local gradients (per-tensor norms), that all_reduce, and one host sync.
+
+Weights that turn non-finite in the optimizer step itself (finite gradients, e.g. an overflowing update)
+show as a non-finite loss at the next step; at the end of training, where no next step comes, the
+weights and optimizer state are checked once: a run never ends successfully carrying NaN weights (and
+its final checkpoint is not written). `step35 fit` adds the guard to every run unless one is configured.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from step35 import faults
 from step35.callbacks.reporting import all_reduce_, log_metrics
 
 
-class DivergenceError(RuntimeError):
-    """Training stopped on non-finite losses or gradients."""
+class DivergenceError(faults.RunStopped):
+    """Training stopped on non-finite losses, gradients or weights."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -99,6 +105,20 @@ class DivergenceGuard(pl.Callback):
         rank_zero_warn(
             f"{message}; step skipped, weights and optimizer state unchanged "
             f"({self.consecutive_skips} in a row, stopping at {self.max_consecutive_skips})"
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from step35.checkpoint.training.trainer_io import state_is_finite
+
+        optimizer_states = [optimizer.state for optimizer in trainer.optimizers]
+        finite = state_is_finite([pl_module.state_dict(), optimizer_states])
+        if trainer.strategy.reduce_boolean_decision(finite, all=True):  # collective on every rank
+            return
+        first = next((n for n, p in pl_module.named_parameters() if not bool(torch.isfinite(_local(p)).all())), None)
+        where = f"first in {_hf_name(first)}" if first else "in the optimizer state or on another rank"
+        raise DivergenceError(
+            f"step {trainer.global_step}: training ended with NaN/Inf in the weights or optimizer state ({where}); "
+            f"the final checkpoint is not written. Resume the newest finite checkpoint with --ckpt_path last"
         )
 
     @staticmethod

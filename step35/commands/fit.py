@@ -25,6 +25,7 @@ from step35 import faults, job
 from step35 import run as runs
 from step35.checkpoint.errors import CheckpointError
 from step35.commands.console import rank_prefix, step35_console
+from step35.config import ConfigError
 from step35.module import Step35LightningModule
 from step35.run import lock
 
@@ -139,7 +140,7 @@ def _did_you_mean(words: list[str], parser) -> str:
 class Step35CLI(LightningCLI):
     """LightningCLI for fit and validate: whole option names only, `--run_dir`, and the run resolved
     (lock, checkpoint, resume rule) between building the module and building the Trainer. It adds the
-    step progress bar, the model summary and FaultTolerance unless configured, counts an integer
+    step progress bar, the model summary, FaultTolerance and DivergenceGuard unless configured, counts an integer
     `trainer.val_check_interval` in optimizer steps, and says why an EarlyStopping ended a fit."""
 
     def __init__(self, *args, parser_class=Step35ArgumentParser, **kwargs):
@@ -236,7 +237,7 @@ class Step35CLI(LightningCLI):
         from lightning.fabric.plugins import CheckpointIO
         from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 
-        from step35.callbacks import FaultTolerance
+        from step35.callbacks import DivergenceGuard, FaultTolerance
         from step35.callbacks.progress import Step35ProgressBar
         from step35.callbacks.summary import Step35ModelSummary
         from step35.checkpoint.training.plugin import Step35CheckpointIO
@@ -260,6 +261,10 @@ class Step35CLI(LightningCLI):
         # listing FaultTolerance under trainer.callbacks sets its options.
         if not any(isinstance(c, FaultTolerance) for c in callbacks):
             added.append(FaultTolerance())
+        # So does the divergence guard: one NaN gradient must not turn every later weight and checkpoint NaN
+        # (the default skips such a step and stops after 5 in a row); listing DivergenceGuard sets its options.
+        if not any(isinstance(c, DivergenceGuard) for c in callbacks):
+            added.append(DivergenceGuard())
         if added:
             kwargs.setdefault("callbacks", [*callbacks, *added])
         interval = optimizer_step_interval(trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches"))
@@ -463,6 +468,8 @@ def run(args: list[str] | None = None) -> None:
         # (then said in one line): no second traceback.
         if faults.was_reported(error) or faults.report_aftermath(error):
             raise SystemExit(faults.EXIT_FAILED) from None
+        if isinstance(error, (ConfigError, CheckpointError)):  # refused while the module is built: its one line
+            raise SystemExit(f"{rank_prefix()}step35: {error}") from None
         raise
     finally:
         lock.release_all()

@@ -78,6 +78,10 @@ def is_lightning_value(value) -> bool:
 
 def _intact(path: Path) -> SavedRun:
     verify(path, sizes_only=True)
+    if catalog.recorded_non_finite(path):
+        raise CheckpointError(
+            "its weights or optimizer state held NaN/Inf when it was saved (recorded in its manifest)"
+        )
     return read_saved_run(path)
 
 

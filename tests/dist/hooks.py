@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import Logger
 
 
@@ -161,3 +162,29 @@ class SlowBackgroundWrites(pl.Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.teardown(trainer, pl_module, "fit")
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+
+
+class PlantNonFinite(pl.Callback):
+    """Plants NaN on rank `rank` (0: also a one-process run): after backward of optimizer step `grad_at` (counted
+    from 1) into one element of parameter `name`'s gradient; after optimizer step `weight_at` into one element of
+    that parameter itself (as an overflowing update would). 0: never. Says what it planted."""
+
+    def __init__(
+        self, grad_at: int = 0, weight_at: int = 0, rank: int = 0, name: str = "model.layers.3.moe.gate.weight"
+    ):
+        self.grad_at, self.weight_at, self.rank, self.name = grad_at, weight_at, rank, name
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step + 1 == self.grad_at and trainer.global_rank == self.rank:
+            _local(pl_module.model.get_parameter(self.name).grad).view(-1)[0] = float("nan")
+            print(f"planted NaN in the gradient of {self.name} at step {self.grad_at}", flush=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.weight_at and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                _local(pl_module.model.get_parameter(self.name)).view(-1)[0] = float("nan")
+            print(f"planted NaN in {self.name} after step {self.weight_at}", flush=True)

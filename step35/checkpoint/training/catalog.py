@@ -46,6 +46,7 @@ class Checkpoint:
     path: Path
     global_step: int
     saved_ns: int  # modification time of its manifest: orders checkpoints of the same step
+    finite: bool | None = None  # weights and optimizer state finite when saved (None: not recorded)
 
 
 def _is_candidate(path: Path) -> bool:
@@ -61,9 +62,16 @@ def step_from_name(path: str | Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _global_step(path: Path) -> int:
-    step = manifest_info(path).get("extra", {}).get(keys.MANIFEST_GLOBAL_STEP)
-    return step if isinstance(step, int) else step_from_name(path)
+def _read(path: Path) -> Checkpoint:
+    extra = manifest_info(path).get("extra", {})
+    step = extra.get(keys.MANIFEST_GLOBAL_STEP)
+    finite = extra.get(keys.MANIFEST_FINITE)
+    return Checkpoint(
+        path,
+        step if isinstance(step, int) else step_from_name(path),
+        manifest_path(path).stat().st_mtime_ns,
+        finite if isinstance(finite, bool) else None,
+    )
 
 
 def complete_checkpoints(folder: str | Path) -> list[Checkpoint]:
@@ -76,7 +84,7 @@ def complete_checkpoints(folder: str | Path) -> list[Checkpoint]:
         if not _is_candidate(path):
             continue
         try:  # a checkpoint deleted meanwhile (retention in a running job) is simply not there
-            found.append(Checkpoint(path, _global_step(path), manifest_path(path).stat().st_mtime_ns))
+            found.append(_read(path))
         except (CheckpointError, OSError):
             continue
     return sorted(found, key=lambda c: (c.global_step, c.saved_ns, c.path.name))
@@ -94,6 +102,23 @@ def newest_complete(folders: list[str | Path]) -> Checkpoint | None:
     """The complete checkpoint with the highest global step over `folders` (None when there is none)."""
     found = [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
     return max(found, key=lambda c: (c.global_step, c.saved_ns), default=None)
+
+
+def recorded_non_finite(path: str | Path) -> bool:
+    """Whether the manifest of checkpoint `path` records NaN/Inf in its weights or optimizer state."""
+    return manifest_info(Path(path)).get("extra", {}).get(keys.MANIFEST_FINITE) is False
+
+
+def newest_finite(folders: list[str | Path]) -> Checkpoint | None:
+    """The newest complete checkpoint not recorded as non-finite: what `last.ckpt` names and retention keeps."""
+    found = [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
+    return max((c for c in found if c.finite is not False), key=lambda c: (c.global_step, c.saved_ns), default=None)
+
+
+def point_last_to_newest(folder: str | Path) -> Path | None:
+    """`last.ckpt` to the newest finite checkpoint of `folder` (else the newest one), if there is any."""
+    chosen = newest_finite([folder]) or newest_complete([folder])
+    return point_last(folder, chosen.path) if chosen is not None else None
 
 
 def point_last(folder: str | Path, target: str | Path) -> Path | None:
@@ -130,12 +155,14 @@ def clean_leftovers(folder: str | Path) -> list[str]:
 
 
 def prune(folder: str | Path, keep: int, protect: list[str | Path] = ()) -> list[Path]:
-    """Delete all but the `keep` newest complete checkpoints of `folder`; never the newest one nor
+    """Delete all but the `keep` newest complete checkpoints of `folder`; never the newest one, nor the
+    newest finite one (a run whose weights turned NaN keeps the last checkpoint it can resume from), nor
     any path in `protect` (e.g. the checkpoint this run resumed from). Returns what was deleted."""
     if keep < 1:
         raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept")
     found = complete_checkpoints(folder)
-    protected = {Path(p).resolve() for p in protect if p}
+    finite = newest_finite([folder])
+    protected = {Path(p).resolve() for p in [*protect, finite.path if finite else None] if p}
     removed = []
     for checkpoint in found[:-keep]:
         if checkpoint.path.resolve() in protected:

@@ -73,9 +73,13 @@ def optimizer_key(index: int) -> str:
 # ----------------------------------------------------------------------------------------- its manifest
 MANIFEST_KIND = "lightning"  # extra["kind"] of a training checkpoint's manifest (HF folders say "hf" / "peft")
 MANIFEST_GLOBAL_STEP = "global_step"
+# Whether every floating-point tensor of the weights and optimizer state was finite when saved (over all
+# ranks); absent in manifests written before it was recorded. Retention keeps the newest finite checkpoint
+# and `--ckpt_path last|auto` passes over non-finite ones (catalog.py, run/resolution.py).
+MANIFEST_FINITE = "finite"
 
 
-def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
+def manifest_extra(checkpoint: dict, layout: str, finite: bool, world_size: int = 1) -> dict:
     """What a training checkpoint's manifest records about it (`layout`: "file" or "dcp")."""
     return {
         "kind": MANIFEST_KIND,
@@ -83,4 +87,5 @@ def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
         MANIFEST_GLOBAL_STEP: checkpoint.get(GLOBAL_STEP),
         "epoch": checkpoint.get(EPOCH),
         "world_size": world_size,
+        MANIFEST_FINITE: finite,
     }

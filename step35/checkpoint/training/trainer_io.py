@@ -68,7 +68,7 @@ def save_file(checkpoint: dict, path: str | Path) -> None:
     try:
         with open(tmp, "wb") as f:  # a file object: a full disk raises ENOSPC, not "unexpected pos"
             torch.save(checkpoint, f)
-        write_manifest(tmp, keys.manifest_extra(checkpoint, "file"))
+        write_manifest(tmp, keys.manifest_extra(checkpoint, "file", state_is_finite(_saved_tensors(checkpoint))))
         publish(tmp, path)
     except (OSError, RuntimeError) as e:
         if not disk_full(e, path.parent):
@@ -163,6 +163,33 @@ def check_loadable(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
     return path
+
+
+def state_is_finite(state) -> bool:
+    """Whether every floating-point tensor in `state` (nested dicts, lists and tuples; a DTensor's local
+    shard) is finite. One pass over the tensors, flags kept on their devices, one host sync per device."""
+    flags: dict[torch.device, torch.Tensor] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if local.numel():
+                ok = torch.isfinite(local).all()
+                flags[ok.device] = ok if ok.device not in flags else flags[ok.device] & ok
+
+    visit(state)
+    return all(bool(ok) for ok in flags.values())  # host sync
+
+
+def _saved_tensors(checkpoint: dict) -> list:
+    """The weights and optimizer states of a Lightning checkpoint dict (what `state_is_finite` records)."""
+    return [checkpoint.get(keys.STATE_DICT, {}), checkpoint.get(keys.OPTIMIZER_STATES, [])]
 
 
 def finite_state(checkpoint: dict, path: Path) -> None:

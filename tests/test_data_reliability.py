@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from step35.config import ConfigError
 from step35.data import Step35DataModule
 from step35.data.bad_records import BadRecordError, BadRecords, BadRecordWarning
 from step35.data.chat_messages import ChatTemplateError
@@ -62,7 +63,7 @@ def test_a_template_over_the_cap_is_refused_naming_its_source(tmp_path):
 
     override = tmp_path / "override.jinja"
     override.write_text(source)
-    with pytest.raises(ChatTemplateError, match=re.escape(f"data.chat_template: chat template from {override}: {cap}")):
+    with pytest.raises(ConfigError, match=re.escape(f"data.chat_template: chat template from {override}: {cap}")):
         resolve_template(tmp_path, str(override))
 
 
@@ -241,3 +242,16 @@ def test_a_long_pair_that_differs_within_the_window_still_trains(tmp_path, tok, 
     tokens, labels = got[0]["input_ids"].tolist(), got[0]["labels"].tolist()
     assert tok.encode("w41")[0] in labels and tok.encode("w42")[0] in labels  # each reply's first token trained
     assert len(tokens) == 31
+
+
+@pytest.mark.timeout(300)
+def test_fit_refuses_an_over_cap_template_in_one_line(tmp_path, step35_here):
+    template = tmp_path / "huge.jinja"
+    template.write_text(over_cap_template())
+    code, out, err = step35_here(
+        "fit", "--config", "configs/tiny.yaml", f"--run_dir={tmp_path / 'run'}", "--trainer.max_steps=1",
+        f"--data.chat_template={template}", "--data.format=chat",
+    )  # fmt: skip
+    assert code != 0
+    refusal = f"step35: data.chat_template: chat template from {template}: {len(template.read_text())} characters"
+    assert refusal in err.splitlines()[-1] and "Traceback" not in err, err[-3000:]

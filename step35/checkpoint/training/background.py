@@ -82,14 +82,10 @@ class BackgroundWriter:
         self.after_publish: Callable[[Path, int], None] | None = None
         self.pending: PendingSave | None = None
         self._stager = None
+        self._preparing: threading.Thread | None = None
         self._started = time.monotonic()
 
-    def stage(self, state: dict) -> dict | None:
-        """A copy of `state` in host memory (pinned when `pin_memory`), tensors and all: what the next
-        optimizer step changes cannot reach it. None (with a message) when it cannot be allocated: the
-        caller saves synchronously instead."""
-        if self.pending is not None:
-            raise RuntimeError("a background save is in flight: wait() for it before staging the next one")
+    def _get_stager(self):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._stager is None:
@@ -100,8 +96,40 @@ class BackgroundWriter:
                 use_non_blocking_copy=False,
             )
             self._stager = DefaultStager(options)
+        return self._stager
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the staging buffers were allocated (or are being allocated) ahead of the first save."""
+        return self._stager is not None
+
+    def prepare(self, state: dict) -> None:
+        """Allocate the staging buffers of `state`'s tensors now, on a thread, so that the first save holds the
+        loop only for its copy, as every later save does: the stager keeps one host buffer per source storage
+        and reuses it. `state`: what the saves will stage (the same parameters' and optimizer states' tensors).
+        A failure here is left to the first save, which says so and saves synchronously."""
+        stager = self._get_stager()
+
+        def run() -> None:
+            try:
+                stager.stage(state)  # the values copied are discarded: only the buffers matter
+            except (MemoryError, RuntimeError):
+                pass
+
+        self._preparing = threading.Thread(target=run, name="step35-staging-buffers", daemon=True)
+        self._preparing.start()
+
+    def stage(self, state: dict) -> dict | None:
+        """A copy of `state` in host memory (pinned when `pin_memory`), tensors and all: what the next
+        optimizer step changes cannot reach it. None (with a message) when it cannot be allocated: the
+        caller saves synchronously instead."""
+        if self.pending is not None:
+            raise RuntimeError("a background save is in flight: wait() for it before staging the next one")
+        if self._preparing is not None:  # buffers being allocated ahead (prepare): this save copies into them
+            self._preparing.join()
+            self._preparing = None
         try:
-            return self._stager.stage(state)
+            return self._get_stager().stage(state)
         except (MemoryError, RuntimeError) as e:  # host memory (or pinned memory) exhausted
             self.close()
             print(
@@ -154,6 +182,9 @@ class BackgroundWriter:
 
     def close(self) -> None:
         """Free the staging buffers (after the last wait)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
         if self._stager is not None:
             self._stager.close()
             self._stager = None

@@ -23,7 +23,7 @@ from step35.commands.generate import load_generator
 from step35.data import builtin_tokenizer_dir
 from step35.run import resolution
 from tests.helpers import saved_steps, write_run_config
-from tests.runner import cli_fit
+from tests.runner import Job, cli_fit, command, wait_for
 from tests.test_export import copied_lines, home_like_folder
 
 MARKER = "step35-leak-marker-5e1f0c"  # in the environment and in a file outside the folder: never exported
@@ -192,3 +192,30 @@ def test_a_run_folder_whose_checkpoints_are_all_damaged_is_one_line(run_copy, tm
     message = str(refusal.value)
     assert "\n" not in message and message.startswith(f"step35 export: {run_copy}: every checkpoint in "), message
     assert f"{run_copy / 'checkpoints'} is damaged (" in message and "the manifest says" in message, message
+
+
+LIVE_RUNS = {  # a run saving at every step and keeping one: the case the probe found failing
+    "one_process": ([], 1),
+    "one_process_async_saves": (["--trainer.callbacks.async_save=true"], 1),
+}
+
+
+@pytest.mark.heavy  # a training job beside the exports
+@pytest.mark.parametrize("live", list(LIVE_RUNS))
+def test_ten_exports_in_a_row_of_a_live_run_pruning_to_one_checkpoint_all_succeed(live, tmp_path, builtin_cache):
+    extra, nproc = LIVE_RUNS[live]
+    run, out = tmp_path / "run", tmp_path / "hf"
+    args = ["fit", "--config", str(write_run_config(tmp_path)), f"--run_dir={run}", "--trainer.max_steps=100000"]
+    every_step = ["--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.keep_last=1"]
+    with Job(command([*args, *every_step, *extra], nproc=nproc), tmp_path / "fit.log", builtin_cache) as job:
+        wait_for(lambda: saved_steps(run / "checkpoints"), 300, job, "a first checkpoint")
+        failures, exported = [], []
+        for _ in range(10):
+            try:
+                main(["export", "--checkpoint", str(run), "--out", str(out)])
+                exported.append(json.loads((out / "step35.manifest.json").read_text()))
+            except (SystemExit, Exception) as error:  # every failure counted, with its message
+                failures.append(f"{type(error).__name__}: {error}")
+        assert job.proc.poll() is None, f"the run ended before the exports did:\n{job.output()[-3000:]}"
+    assert failures == [], f"{len(failures)} of 10 exports failed: {failures}"
+    assert len(exported) == 10 and load_pretrained(out) is not None

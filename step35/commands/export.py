@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 
 from step35.checkpoint.errors import CheckpointError
-from step35.checkpoint.hf.peft import check_not_adapter_folder
 from step35.checkpoint.training.export import export_checkpoint
 from step35.checkpoint.training.trainer_io import disk_full
 from step35.commands.function_cli import run_function
@@ -124,7 +123,6 @@ def export(
             say=say,
         )
 
-    check_not_adapter_folder(checkpoint, "--checkpoint")
     try:
         done = read_checkpoint(checkpoint, export_from, say)
     except CheckpointError:

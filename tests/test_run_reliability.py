@@ -5,6 +5,7 @@ and a torchrun job given one device end in one step35 line, not a traceback."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 
 from step35 import job
 from step35.run import RunFolder, RunFolderBusy, lock
-from tests.helpers import write_run_config
-from tests.runner import LAUNCH_PREFIXES, LAUNCH_VARIABLES, cli_fit
+from tests.helpers import flip_byte, hf_base, small_filesystem, write_run_config
+from tests.runner import LAUNCH_PREFIXES, LAUNCH_VARIABLES, cli_fit, python
 from tests.test_run import hold, kill9
 
 
@@ -198,3 +199,94 @@ def test_torchrun_with_more_processes_than_trainer_devices_is_refused(shell_with
     assert "has 2 processes, but trainer.devices=1 x trainer.num_nodes=1 make 1" in lines[0], lines
     assert lines[0].endswith("Set --trainer.devices 2 (the processes the launcher starts per node)"), lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.heavy  # a fit in this process
+def test_a_fit_on_a_full_disk_ends_in_one_line_naming_the_run_folder(tmp_path, builtin_cache, capfd):
+    (tmp_path / "small").mkdir()
+    with small_filesystem(tmp_path / "small", "64k") as disk:
+        with pytest.raises(OSError) as full:
+            (disk / "filler").write_bytes(b"x" * (1 << 20))
+        assert full.value.errno == errno.ENOSPC
+        refused = cli_fit(capfd, write_run_config(tmp_path), disk / "run", builtin_cache, check=False)
+        lines = [line for line in refused.stderr.splitlines() if "step35:" in line]
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert lines == [
+            f"step35: {disk / 'run'}: cannot write its lock file {disk / 'run' / '.step35.lock'}: no space left on "
+            "device (ENOSPC), the disk is full; free space there, or give this run its own folder with --run_dir on "
+            "another filesystem"
+        ], lines
+        assert not lock.held(RunFolder(disk / "run"))  # nothing left open: the tmpfs unmounts
+
+
+def limited_python(code: str, *args: str):
+    """`code` run by `python -c` with `args` as sys.argv[1:] in a process whose files may not grow past 1 MiB."""
+    return python(FILE_SIZE_LIMITED + f"sys.argv[1:] = {list(args)!r}\n" + code)
+
+
+# A process whose files may not grow past 1 MiB (`ulimit -f 1024`), SIGXFSZ ignored so that a write gets EFBIG.
+FILE_SIZE_LIMITED = (
+    "import resource, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
+)
+
+
+@pytest.mark.heavy  # a process of its own
+def test_a_save_over_the_file_size_limit_names_the_checkpoint_and_the_limit(tmp_path):
+    path = tmp_path / "step=000001.ckpt"
+    saved = limited_python(
+        "import torch\n"
+        "from step35.checkpoint.training.trainer_io import save_file\n"
+        "try:\n"
+        "    save_file({'state_dict': {'w': torch.zeros(1 << 20)}, 'global_step': 1}, sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print(e.errno, e.strerror)\n",
+        str(path),
+    )
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    code, line = saved.stdout.strip().split(" ", 1)
+    assert int(code) == errno.EFBIG and "\n" not in line, saved.stdout
+    assert line.startswith(f"{path}: a file of this checkpoint would be larger than this process's file-size limit, ")
+    assert "1.0 MiB (ulimit -f 1024) (EFBIG)" in line and "the partial save was removed" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.heavy  # a process of its own
+def test_an_export_over_the_file_size_limit_is_one_line(tiny_run, tmp_path):
+    out = tmp_path / "hf"
+    exported = limited_python(
+        "from step35.cli import main\nmain(sys.argv[1:])\n",
+        *["export", "--checkpoint", str(tiny_run[0]), "--out", str(out), "--max_shard_size", "1GB"],
+    )
+    lines = [line for line in exported.stderr.splitlines() if "step35" in line]
+    assert exported.returncode == 1 and "Traceback" not in exported.stderr, exported.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("step35: export failed: "), lines
+    assert "would be larger than this process's file-size limit, 1.0 MiB (ulimit -f 1024) (EFBIG)" in lines[0], lines
+    # (safetensors' error names no file: the export folder is named, as for a full disk)
+    assert lines[0].startswith(f"step35: export failed: {out} would be larger than "), lines
+    assert lines[0].endswith(f"the partial export was removed; {out} is as it was before"), lines
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.heavy  # a fit in this process
+def test_a_damaged_model_checkpoint_found_while_the_module_is_built_is_one_line(tmp_path, builtin_cache, capfd):
+    """configure_model reads model.checkpoint's weights: their CheckpointError used to follow a traceback."""
+    from step35.data.builtin import builtin_tokenizer_dir
+
+    base = hf_base(tmp_path / "base", seed=1)
+    shard = next(base.glob("*.safetensors"))
+    flip_byte(shard)
+    refused = cli_fit(
+        capfd,
+        write_run_config(tmp_path),
+        tmp_path / "run",
+        builtin_cache,
+        f"--model.checkpoint={base}",
+        f"--data.tokenizer={builtin_tokenizer_dir(1024, builtin_cache)}",
+        check=False,
+    )
+    lines = [line for line in refused.stderr.splitlines() if "step35:" in line]
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert lines == [f"step35: {shard}: checksum mismatch" + lines[0].split("checksum mismatch", 1)[1]], lines
+    assert "restore the folder" in lines[0], lines

@@ -27,8 +27,9 @@ from typing import Literal
 import torch
 
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.hf.peft import check_not_adapter_folder
 from step35.checkpoint.training.export import export_checkpoint
-from step35.checkpoint.training.trainer_io import disk_full
+from step35.checkpoint.training.trainer_io import disk_full, file_size_limit
 from step35.commands.function_cli import run_function
 from step35.config import load_config
 from step35.run import RunFolder
@@ -67,6 +68,9 @@ def _write_failure(error: BaseException, out: Path) -> str:
             f"step35: export failed: no space left on device writing {where} ({free}the export needs room for "
             f"a full copy of the weights); {after}"
         )
+    limit = file_size_limit(error)
+    if limit is not None:
+        return f"step35: export failed: {where} would be larger than {limit} (EFBIG); {after}"
     reason = os.strerror(error.errno) if isinstance(error, OSError) and error.errno else str(error)
     return f"step35: export failed: {reason} ({where}); {after}"
 
@@ -123,6 +127,7 @@ def export(
             say=say,
         )
 
+    check_not_adapter_folder(checkpoint, "--checkpoint")
     try:
         done = read_checkpoint(checkpoint, export_from, say)
     except CheckpointError:
@@ -130,7 +135,7 @@ def export(
     except OSError as error:  # a write that failed (reads failing on a checkpoint as it was are CheckpointErrors)
         raise SystemExit(_write_failure(error, Path(out))) from None
     except Exception as error:  # e.g. safetensors' own error type for a failed write
-        if not disk_full(error, Path(out).expanduser().absolute().parent):
+        if not disk_full(error, Path(out).expanduser().absolute().parent) and file_size_limit(error) is None:
             raise
         raise SystemExit(_write_failure(error, Path(out))) from None
     for name, origin in done.copied.items():

@@ -22,6 +22,7 @@ filesystem without working locks (some FUSE mounts) two jobs are not kept apart.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -57,6 +58,11 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 class RunFolderBusy(RuntimeError):
     """Another live job owns the run folder."""
+
+
+class RunFolderFull(RunFolderBusy):
+    """The run folder's filesystem has no room for its lock file: refused as a busy folder is (one line, on every
+    rank), before anything else is written there."""
 
 
 def describe(holder: dict) -> str:
@@ -103,6 +109,17 @@ def _held_elsewhere(lock_file: Path) -> bool:
         os.close(fd)
 
 
+def live_holder(folder: str | Path) -> str | None:
+    """Who holds, as a live job, the lock of `folder` or of a folder inside it ("pid 123 on host n1, started
+    ...; lock <file>"), else None. What would replace or delete `folder` asks first; nothing is written."""
+    root = Path(os.path.realpath(folder))
+    for inside, _, files in os.walk(root):  # (symbolic links are not followed)
+        lock_file = Path(inside) / LOCK
+        if LOCK in files and _held_elsewhere(lock_file):
+            return f"{_who(lock_file)}; lock {lock_file}"
+    return None
+
+
 class RunLock:
     """The lock of one run folder, held by this process from `acquire` until `release` or its death."""
 
@@ -116,9 +133,13 @@ class RunLock:
         """Take the lock; raise RunFolderBusy naming the live holder (of this folder, or of a folder above
         or below it). Returns a line to print when a lock left by a job that died was taken over (else None)."""
         self._refuse_nested(below=False)  # before anything is created inside another run's folder
-        self.folder.root.mkdir(parents=True, exist_ok=True)
         path = self.folder.lock_file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.folder.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            self._refuse_if_full(error)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -139,7 +160,11 @@ class RunLock:
             "command": " ".join(sys.argv)[:500],
         }
         self.fd = fd
-        self._write()
+        try:
+            self._write()
+        except BaseException:
+            self.release()  # not held by this process after all
+            raise
         if previous:
             return (
                 f"took over the lock of {self.folder.root} from a run that is no longer running "
@@ -175,9 +200,22 @@ class RunLock:
                 )
 
     def _write(self) -> None:
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps(self.record).encode(), 0)
-        os.fsync(self.fd)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, json.dumps(self.record).encode(), 0)
+            os.fsync(self.fd)
+        except OSError as error:
+            self._refuse_if_full(error)
+            raise
+
+    def _refuse_if_full(self, error: OSError) -> None:
+        """RunFolderFull for a lock file that cannot be written because its filesystem is full (or over quota)."""
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RunFolderFull(
+                f"{self.what}{self.folder.root}: cannot write its lock file {self.folder.lock_file}: "
+                f"{os.strerror(error.errno).lower()} ({errno.errorcode[error.errno]}), the disk is full; free space "
+                f"there, or {self.remedy} on another filesystem"
+            ) from None
 
     def publish(self, **items) -> None:
         """Add items to the record for the job's other ranks (`wait_for_rank0` returns the record)."""

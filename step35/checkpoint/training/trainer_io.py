@@ -50,6 +50,28 @@ def disk_full(error: BaseException, folder: Path) -> bool:
     return False
 
 
+def file_size_limit(error: BaseException) -> str | None:
+    """When a failed write hit the largest file this process may write: an OSError EFBIG (also in safetensors'
+    or DCP's text), or torch.save's "unexpected pos" (its C++ writer drops the errno) under a file-size limit.
+    Returns that limit in words ("this process's file-size limit, 1.0 MiB (ulimit -f 1024)", or the
+    filesystem's largest file when no limit is set); None for another failure."""
+    import resource
+
+    seen: BaseException | None = error
+    hit = False
+    while seen is not None and not hit:
+        hit = isinstance(seen, OSError) and seen.errno == errno.EFBIG
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limited = limit != resource.RLIM_INFINITY
+    if not (hit or "File too large" in text or ("unexpected pos" in text and limited)):
+        return None
+    if limited:
+        return f"this process's file-size limit, {limit / 2**20:.1f} MiB (ulimit -f {limit // 1024})"
+    return "the largest file its filesystem allows"
+
+
 def no_space(path: Path) -> OSError:
     """The one-line error for a save that filled its filesystem (its partial files already removed)."""
     return OSError(
@@ -57,6 +79,25 @@ def no_space(path: Path) -> OSError:
         f"{path}: no space left on device (ENOSPC) while saving this checkpoint; "
         f"the partial save was removed, the previous checkpoint (if any) is intact",
     )
+
+
+def too_large(path: Path, limit: str) -> OSError:
+    """The one-line error for a save with a file over the file-size limit (its partial files already removed)."""
+    return OSError(
+        errno.EFBIG,
+        f"{path}: a file of this checkpoint would be larger than {limit} (EFBIG); raise the limit or save onto "
+        f"a filesystem that allows larger files; the partial save was removed, the previous checkpoint (if any) "
+        f"is intact",
+    )
+
+
+def write_failure(error: BaseException, path: Path) -> OSError | None:
+    """The one-line error for the save of `path` that failed with `error` for want of room or over the
+    file-size limit (see `disk_full`, `file_size_limit`); None for another failure."""
+    if disk_full(error, path.parent):
+        return no_space(path)
+    limit = file_size_limit(error)
+    return too_large(path, limit) if limit is not None else None
 
 
 def save_file(checkpoint: dict, path: str | Path) -> None:
@@ -71,9 +112,10 @@ def save_file(checkpoint: dict, path: str | Path) -> None:
         write_manifest(tmp, keys.manifest_extra(checkpoint, "file", state_is_finite(_saved_tensors(checkpoint))))
         publish(tmp, path)
     except (OSError, RuntimeError) as e:
-        if not disk_full(e, path.parent):
+        mapped = write_failure(e, path)
+        if mapped is None:
             raise
-        raise no_space(path) from None  # (after `finally` has removed the partial file)
+        raise mapped from None  # (after `finally` has removed the partial file)
     finally:  # only left when the save failed: remove what it wrote
         remove_leftovers(tmp)
 
@@ -120,7 +162,11 @@ def save_sharded(
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0])  # DCP: the last error line
         error = e
-        failure = (disk_full(e, path.parent), f"{path}: sharded save failed on rank {rank} ({detail[:300]})")
+        known = write_failure(e, path)  # a full disk, the file-size limit: its errno and line, sent to every rank
+        failure = (
+            known and (known.errno, known.strerror),
+            f"{path}: sharded save failed on rank {rank} ({detail[:300]})",
+        )
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (entries, failure), group=group)
     failures = [f for _, f in gathered if f is not None]
@@ -128,8 +174,9 @@ def save_sharded(
         if rank == 0:
             remove_path(tmp)  # now, not at the next start
         dist.barrier(group=group)
-        if any(full for full, _ in failures):
-            raise no_space(path) from error
+        known = next((one_line for one_line, _ in failures if one_line), None)
+        if known:
+            raise OSError(*known) from error
         raise RuntimeError(failures[0][1]) from error
     size = 0
     if rank == 0:

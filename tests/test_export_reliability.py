@@ -25,6 +25,7 @@ from step35.run import resolution
 from tests.helpers import saved_steps, write_run_config
 from tests.runner import Job, cli_fit, command, wait_for
 from tests.test_export import copied_lines, home_like_folder
+from tests.test_run import hold, kill9
 
 MARKER = "step35-leak-marker-5e1f0c"  # in the environment and in a file outside the folder: never exported
 
@@ -219,3 +220,33 @@ def test_ten_exports_in_a_row_of_a_live_run_pruning_to_one_checkpoint_all_succee
         assert job.proc.poll() is None, f"the run ended before the exports did:\n{job.output()[-3000:]}"
     assert failures == [], f"{len(failures)} of 10 exports failed: {failures}"
     assert len(exported) == 10 and load_pretrained(out) is not None
+
+
+# ------------------------------------------------------------------------------ 3. --overwrite and a live run's folder
+def listing(folder: Path) -> dict[str, bytes]:
+    """Every file below `folder` with its bytes (what must be untouched)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.heavy  # a process holds the lock
+def test_overwrite_never_replaces_a_live_runs_folder_nor_one_holding_it(tiny_run, tmp_path):
+    other = tmp_path / "runs" / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "step=000005.ckpt").write_bytes(b"another job's save")
+    (other / "config.yaml").write_text("model:\n  config: tiny\n")
+    holder, _ = hold(other)
+    try:
+        before = listing(tmp_path / "runs")
+        for out in (other, tmp_path / "runs"):
+            with pytest.raises(SystemExit) as refusal:  # before: replaced, rc 0
+                main(["export", "--checkpoint", str(tiny_run[0]), "--out", str(out), "--overwrite", "true"])
+            message = str(refusal.value)
+            assert "\n" not in message and f"--out {out} is, or holds, the folder of a live run (pid {holder.pid} " in (
+                message
+            ), message
+            assert f"lock {other / '.step35.lock'}): refused, even with --overwrite" in message, message
+            assert listing(tmp_path / "runs") == before
+    finally:
+        kill9(holder)
+    main(["export", "--checkpoint", str(tiny_run[0]), "--out", str(other), "--overwrite", "true"])  # its run ended
+    assert load_pretrained(other) is not None

@@ -208,6 +208,11 @@ class Step35Config:
             raise ConfigError(f"{path}: no config.json there") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:  # json nests one Python call per level: a damaged or hostile file
+            raise ConfigError(
+                f"{path}: nested deeper than the JSON reader follows; a config.json is one object of "
+                "fields: restore the folder's own"
+            ) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: holds a JSON {type(raw).__name__}, not an object of config fields")
         try:

@@ -177,16 +177,19 @@ def verify(path: str | Path, rank: int = 0, world_size: int = 1, sizes_only: boo
                     f"{file}: checksum mismatch (CRC-32 {crc32_file(file)}, the manifest says "
                     f"{files[name]['crc32']}): the file is damaged"
                 )
-                record = record_damage(path, reason)
-                raise CheckpointError(
-                    reason
-                    + (
-                        f" (recorded in {record.name}: --ckpt_path last|auto now skip this checkpoint)"
-                        if record
-                        else ""
-                    )
-                )
+                raise CheckpointError(reason + _after_damage(path, manifest, reason))
     return manifest
+
+
+def _after_damage(path: Path, manifest: dict, reason: str) -> str:
+    """What follows a checksum mismatch in its error: for a training checkpoint, the damage record that makes
+    `--ckpt_path last|auto` skip it from then on; an HF folder (an export, a model.checkpoint) is never chosen
+    that way, so it gets no record, only what to do."""
+    extra = manifest.get("extra")
+    if isinstance(extra, dict) and extra.get("kind") in ("hf", "peft"):  # hf/folder.py's and hf/peft.py's folders
+        return "; restore the folder (copy, download or export it again)"
+    record = record_damage(path, reason)
+    return f" (recorded in {record.name}: --ckpt_path last|auto now skip this checkpoint)" if record else ""
 
 
 def damage_record(path: str | Path) -> Path:

@@ -63,17 +63,20 @@ def checkpoint_types() -> list:
     ]
 
 
-_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|[Uu]nsupported (?:class|operand|global)\W+([\w.]+)")
+# torch's refusal names the global after "GLOBAL" ("Unsupported global: GLOBAL argparse.Namespace was not an allowed
+# global"; "unsupported GLOBAL posix.system whose module posix is blocked"); older torch said "Unsupported class X"
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|[Uu]nsupported class\W+([\w.]+)")
 
 
 def refusal(path: Path, error: BaseException) -> CheckpointError:
-    """The one-line error for a weights_only refusal by torch.load, naming the file and the global."""
-    text = str(error)
-    found = _REFUSED_GLOBAL.search(text)
-    what = f"it asks for {found.group(1) or found.group(2)}" if found else "it holds a type outside the allowlist"
+    """The one-line error for a weights_only refusal by torch.load: the file, the Python object it asked for (a
+    class or function outside the allowlist), that nothing ran, and what to do."""
+    found = _REFUSED_GLOBAL.search(str(error))
+    what = f"the Python object {found.group(1) or found.group(2)}" if found else "a Python object"
     return CheckpointError(
-        f"{path}: refused to unpickle ({what}); a checkpoint holds data only, so nothing "
-        f"from it was run. If a legitimate checkpoint needs a new type, allow it in {_HERE}"
+        f"{path}: refused to unpickle: it asks for {what}, which is not on step35's allowlist of the types a "
+        "checkpoint holds (torch.load with weights_only=True), so nothing from the file was run. step35's own "
+        f"checkpoints never hold it; if you trust this file, add it to checkpoint_types() in {_HERE}"
     )
 
 

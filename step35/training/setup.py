@@ -18,6 +18,7 @@ from torch import nn
 
 from step35.checkpoint.hf.folder import check_config_fits
 from step35.checkpoint.hf.materialize import materialize
+from step35.checkpoint.hf.peft import check_not_adapter_folder
 from step35.config import ConfigError, Step35Config, load_config
 from step35.model import Step35ForCausalLM, build_model
 from step35.model.lora import LoraConfig, apply_lora, check_sizes
@@ -30,6 +31,8 @@ def model_config_of(
     `config` (a preset or a config.json / folder), with `overrides` applied (every key must be a field).
     Errors name the option they come from (model.checkpoint, model.config, model.config_overrides)."""
     source = ("model.checkpoint", checkpoint) if checkpoint else ("model.config", config)
+    if checkpoint:
+        check_not_adapter_folder(checkpoint, "model.checkpoint")
     try:
         model_config = load_config(source[1])
     except ConfigError as e:

@@ -12,6 +12,7 @@ sibling, index, config.json, a manifest of the weight files, then an atomic publ
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -57,6 +58,33 @@ class TensorInfo:
     scales: BlockScales | None = None  # an FP8-stored tensor's per-block inverse scales (fp8.py), read dequantised
 
 
+def open_safetensors(file: Path):
+    """`safe_open(file)` for torch (use it in a `with`), a file that cannot be opened refused in one line
+    naming it and what to do. safetensors maps the whole file at open: a map refused by the process's limits is
+    told apart from a damaged header (bad length, truncated JSON), which says nothing about the file's bytes."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors' SafetensorError, MemoryError, OSError
+        raise CheckpointError(unopenable(file, e)) from None
+
+
+def unopenable(file: Path, error: Exception) -> str:
+    """The one line for a safetensors file that could not be opened (`open_safetensors`)."""
+    cause = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "mmap" in str(error) or getattr(error, "errno", None) == errno.ENOMEM:
+        size = f"{file.stat().st_size / 2**30:.1f} GiB" if file.is_file() else "its size"
+        return (
+            f"{file}: cannot be mapped into memory ({cause}): mapping {size} exceeds this process's limit "
+            "(ulimit -v, a container's memory limit or vm.overcommit_memory=2); raise the limit for it"
+        )
+    return (
+        f"{file}: unreadable safetensors file ({cause}); its header is damaged or the file is cut short: "
+        "download or copy it again"
+    )
+
+
 def tensor_locations(path: str | Path) -> dict[str, Path]:
     """Which file holds each tensor, from the index (or the single file). Checks the files exist."""
     path = Path(path)
@@ -79,9 +107,7 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
         return files
     single = path / SINGLE_FILE
     if single.exists():
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     check_not_interrupted(path)
     raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
@@ -131,8 +157,6 @@ def check_index_entries(weight_map: dict[str, str], folder: Path, index: Path) -
 
 def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
     """Name -> (file, shape, dtype) for every tensor, read from the safetensors headers only."""
-    from safetensors import safe_open
-
     locations = tensor_locations(path)
     infos: dict[str, TensorInfo] = {}
     by_file: dict[Path, list[str]] = {}
@@ -140,7 +164,7 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         try:
-            with safe_open(file, framework="pt") as f:
+            with open_safetensors(file) as f:
                 present = set(f.keys())
                 for name in names:
                     if name not in present:
@@ -159,7 +183,7 @@ def read_tensor_infos(path: str | Path) -> dict[str, TensorInfo]:
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+            raise CheckpointError(unopenable(file, e)) from None
     return infos
 
 
@@ -227,13 +251,13 @@ def _layer_summary(layer_ids: set[int], mtp_ids: set[int]) -> str:
 
 
 def _header_shape(file: Path, name: str) -> tuple[int, ...]:  # `name` as stored in `file`
-    from safetensors import safe_open
-
     try:
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             return tuple(f.get_slice(name).get_shape())
+    except CheckpointError:
+        raise
     except Exception as e:  # a bad file: the full header check names it the same way
-        raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+        raise CheckpointError(unopenable(file, e)) from None
 
 
 def check_config_fits(config: Step35Config, path: str | Path, num_mtp_layers: int | None = None) -> None:

@@ -89,7 +89,7 @@ def block_size(folder: str | Path) -> tuple[int, int] | None:
     config = Path(folder) / "config.json"
     try:
         raw = json.loads(config.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # unreadable: from_json says so
         return None
     entry = _quantization_entry(raw) if isinstance(raw, dict) else None
     if entry is None:
@@ -178,7 +178,7 @@ def pair_scales(folder: str | Path, infos: dict) -> dict:
 def read_dequantized(handle, info, index: tuple[slice, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """The slice `index` of the FP8 tensor `info` (open in `handle`, a safetensors file), dequantised into
     `dtype`, and the bytes read: the FP8 slice and the rows and columns of the scale grid covering it."""
-    from safetensors import safe_open
+    from step35.checkpoint.hf.folder import open_safetensors  # folder.py imports this module
 
     block = info.scales.block
     *leading, rows, cols = index
@@ -187,7 +187,7 @@ def read_dequantized(handle, info, index: tuple[slice, ...], dtype: torch.dtype)
     if info.scales.file == info.file:
         scales = handle.get_slice(info.scales.key)[grid]
     else:  # a release may put the scales in another shard than the weight
-        with safe_open(info.scales.file, framework="pt") as other:
+        with open_safetensors(info.scales.file) as other:
             scales = other.get_slice(info.scales.key)[grid]
     check_scales(scales, info)
     nbytes = weights.numel() * weights.element_size() + scales.numel() * scales.element_size()
@@ -270,9 +270,9 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 
 def read_whole(info, dtype: torch.dtype) -> torch.Tensor:
     """The whole FP8 tensor `info`, dequantised into `dtype` (an export's carried tensors, a LoRA run's base)."""
-    from safetensors import safe_open
+    from step35.checkpoint.hf.folder import open_safetensors  # folder.py imports this module
 
-    with safe_open(info.file, framework="pt") as handle:
+    with open_safetensors(info.file) as handle:
         value, _ = read_dequantized(handle, info, tuple(slice(0, n) for n in info.shape), dtype)
     return value
 

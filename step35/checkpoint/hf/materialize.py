@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from step35.checkpoint.errors import raise_together
-from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos
+from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos, open_safetensors
 from step35.checkpoint.hf.fp8 import read_dequantized
 from step35.checkpoint.integrity import verify_on_all_ranks
 from step35.checkpoint.safe_load import check_finite
@@ -87,15 +87,13 @@ def fill_from_init(model: nn.Module, seed: int, only=None) -> None:
 def fill_from_checkpoint(model: nn.Module, infos: dict[str, TensorInfo]) -> int:
     """Copy each local piece from its slice of the checkpoint; never reads a whole tensor it does not own (an FP8
     tensor: its slice and the rows and columns of its scale grid that cover it, fp8.py)."""
-    from safetensors import safe_open
-
     pieces = local_pieces(model)
     by_file: dict[Path, list[str]] = {}
     for name in checkpoint_state(model):
         by_file.setdefault(infos[name].file, []).append(name)
     nbytes = 0
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in names:
                 local, _, index = pieces[name]
                 if local.numel() == 0:

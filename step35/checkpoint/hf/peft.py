@@ -151,6 +151,26 @@ def is_peft_folder(path: str | Path) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
 
 
+def check_not_adapter_folder(path: str | Path, option: str) -> None:
+    """Refuse a PEFT adapter folder given as a model (`option`: model.checkpoint, --checkpoint), in one line that
+    says what it is and what step35 does with one; any other path is left to its reader. An adapter folder
+    holds no config.json nor base weights: read as a model it would fail on a missing file, naming neither."""
+    path = Path(path).expanduser()
+    if not (path / CONFIG_FILE).is_file() or (path / "config.json").is_file():
+        return
+    try:
+        base = peft_base(path)
+    except CheckpointError:
+        base = None
+    on = f"on its base {base}" if base else "on the base it names (base_model_name_or_path, unset here)"
+    raise CheckpointError(
+        f"{option} {path}: a PEFT adapter folder (LoRA adapters, {CONFIG_FILE}), not a model. `step35 generate "
+        f"--checkpoint {path}` runs it merged {on}; to train or export, give the LoRA run it came from "
+        "(`step35 export --checkpoint <run> --merge true` writes the merged HF folder) or train from the base "
+        "(--model.checkpoint <base> with model.lora) (docs/lora.md)"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ reading
 # A PEFT folder comes from anywhere (a hub download): nothing in it is trusted. adapter_config.json is
 # checked field by field; rank_pattern / alpha_pattern keys, which PEFT runs as regexes

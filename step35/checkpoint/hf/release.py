@@ -63,7 +63,7 @@ def wrapping_config(folder: Path) -> dict | None:
     step35.config.WRAPPING_FAMILIES: Step-3.7's), else None (Step-3.5's own, or no readable config.json)."""
     try:
         raw = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # unreadable: from_json says so
         return None
     return raw if isinstance(raw, dict) and raw.get("model_type") in WRAPPING_FAMILIES else None
 

@@ -198,6 +198,14 @@ def test_a_run_folder_whose_checkpoints_are_all_damaged_is_one_line(run_copy, tm
 LIVE_RUNS = {  # a run saving at every step and keeping one: the case the probe found failing
     "one_process": ([], 1),
     "one_process_async_saves": (["--trainer.callbacks.async_save=true"], 1),
+    "two_ranks": (  # sharded (DCP) checkpoints: a read outlasts several steps, so only the reader's hold helps
+        [
+            "--trainer.strategy=step35.strategy.Step35Strategy",
+            "--trainer.strategy.expert_parallel_size=2",
+            "--trainer.devices=2",
+        ],
+        2,
+    ),
 }
 
 

@@ -269,3 +269,14 @@ def test_optimizer_settings_after_restore_are_the_runs_and_unchanged_ones_are_bi
     assert [g["weight_decay"] for g in new.param_groups] == [0.05, 0.0]
     new_sched.step()
     assert new.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 ** (7 // 4))
+
+
+def test_prune_passes_over_a_checkpoint_a_reader_holds_and_clears_dead_readers_markers(tmp_path):
+    paths = [fake_checkpoint(tmp_path, f"step={s:06d}.ckpt", s) for s in (5, 10, 15)]
+    stale = tmp_path / f".{paths[1].name}{catalog.READING}99999-dead"  # a reader killed while reading
+    stale.touch()
+    with catalog.reading(paths[0]):  # export / generate reading a live run's checkpoint
+        assert catalog.held_for_reading(tmp_path) == {paths[0].name} and not stale.exists()
+        assert catalog.prune(tmp_path, keep=1) == [paths[1]]
+    assert saved_steps(tmp_path) == [5, 15] and list(tmp_path.glob(f".*{catalog.READING}*")) == []
+    assert catalog.prune(tmp_path, keep=1) == [paths[0]]  # the next save's prune, once it was read

@@ -209,8 +209,9 @@ def _stamp(checkpoint: Path) -> tuple | None:
 def read_checkpoint(given: str | Path, read: Callable[[Path], T], say: Callable[[str], None] = print) -> T:
     """`read(checkpoint_of(given))`, for `step35 export|generate --checkpoint given`. A run folder (or
     `last.ckpt`) names "the newest checkpoint", which a live run pruning with keep_last may remove or
-    replace while it is read: then the run's newest intact checkpoint is read instead, said (at most
-    ROTATION_RETRIES times). A checkpoint named by its path and removed meanwhile ends in one line; the
+    replace: the checkpoint is held against retention while it is read (catalog.reading), and one removed
+    before the hold took is replaced by the run's newest intact checkpoint, said (at most ROTATION_RETRIES
+    times). A checkpoint named by its path and removed meanwhile ends in one line; the
     error of a checkpoint still as it was is raised as it is."""
     given = Path(given)
     chosen = checkpoint_of(given, say)
@@ -218,7 +219,8 @@ def read_checkpoint(given: str | Path, read: Callable[[Path], T], say: Callable[
     for attempt in range(ROTATION_RETRIES + 1):
         stamp = _stamp(chosen)
         try:
-            return read(chosen)
+            with catalog.reading(chosen):  # a live run's retention passes over it until it is read
+                return read(chosen)
         except (CheckpointError, OSError):
             # without a stamp it was gone before it was read (when listed), or never carried a manifest
             as_it_was = _stamp(chosen) == stamp if stamp is not None else not listed

@@ -11,12 +11,20 @@ the periodic `RunCheckpoint` callback or a pre-emption save.
 freshly made link (`publish`), so there is no moment without it and never one where it names a partial
 save. It is a convenience for people and tools (`step35 export --checkpoint .../last.ckpt`);
 `--ckpt_path last|auto` does not trust it and scans the folder.
+
+A reader of a live run's checkpoint (`step35 export|generate`) holds it against retention while it reads
+(`reading`): a marker `.<name>.reading-<pid>-<id>` beside it, flock'ed by the reader. `prune` passes over a
+held checkpoint (the next save's prune deletes it) and deletes the markers of readers that died.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +44,7 @@ from step35.checkpoint.training.trainer_io import remove
 
 LAST = "last.ckpt"
 SUFFIX = ".ckpt"
+READING = ".reading-"  # `.<name>.reading-<pid>-<id>`: a reader's hold on checkpoint <name>
 _STEP = re.compile(r"step=(\d+)")
 
 
@@ -154,18 +163,60 @@ def clean_leftovers(folder: str | Path) -> list[str]:
     return done
 
 
+@contextlib.contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Hold checkpoint `path` against `prune` while it is read: a marker beside it, flock'ed by this process
+    (the kernel drops the flock when the reader dies, however it dies). Best effort: where the marker cannot be
+    made (a folder this process may not write), the checkpoint is read without a hold."""
+    real = Path(os.path.realpath(path))
+    marker = real.parent / f".{real.name}{READING}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            marker.unlink(missing_ok=True)
+            os.close(fd)  # drops the flock
+
+
+def held_for_reading(folder: str | Path) -> set[str]:
+    """The names of `folder`'s checkpoints that a live reader holds (`reading`); the markers of readers that
+    are gone are deleted."""
+    held = set()
+    for marker in Path(folder).glob(f".*{READING}*"):
+        try:
+            fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # deleted meanwhile: its reader is done
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            marker.unlink(missing_ok=True)  # nobody holds it: its reader died
+        except BlockingIOError:
+            held.add(marker.name[1 : marker.name.rindex(READING)])
+        finally:
+            os.close(fd)
+    return held
+
+
 def prune(folder: str | Path, keep: int, protect: list[str | Path] = ()) -> list[Path]:
     """Delete all but the `keep` newest complete checkpoints of `folder`; never the newest one, nor the
     newest finite one (a run whose weights turned NaN keeps the last checkpoint it can resume from), nor
-    any path in `protect` (e.g. the checkpoint this run resumed from). Returns what was deleted."""
+    any path in `protect` (e.g. the checkpoint this run resumed from), nor one a reader holds (`reading`).
+    Returns what was deleted."""
     if keep < 1:
         raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept")
     found = complete_checkpoints(folder)
     finite = newest_finite([folder])
     protected = {Path(p).resolve() for p in [*protect, finite.path if finite else None] if p}
+    held = held_for_reading(folder)
     removed = []
     for checkpoint in found[:-keep]:
-        if checkpoint.path.resolve() in protected:
+        if checkpoint.path.resolve() in protected or checkpoint.path.name in held:
             continue
         remove(checkpoint.path)
         removed.append(checkpoint.path)

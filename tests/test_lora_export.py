@@ -136,6 +136,21 @@ def test_an_fp8_export_of_a_lora_run_is_merged_first(lora_run, merged, tmp_path)
         assert ((value - plain[name]).abs() <= plain[name].abs() * slack + 1e-6).all(), name
 
 
+def test_a_merge_into_non_finite_weights_is_refused_writing_nothing(lora_run, tmp_path, monkeypatch):
+    """A run with an alpha that overflows float32 when merged (the probe's lora_alpha 1e38 wrote Inf weights with
+    exit code 0): refused in one line naming the weight and the option, no folder written."""
+    from step35.model.lora import LoraConfig
+
+    monkeypatch.setattr(LoraConfig, "scale_alpha", property(lambda self: 1e300))
+    out = tmp_path / "hf"
+    with pytest.raises(SystemExit) as refusal:
+        main(["export", "--checkpoint", str(lora_run[0]), "--out", str(out), "--merge", "true"])
+    message = str(refusal.value)
+    assert "merging its LoRA adapter into model." in message and "gives NaN/Inf" in message, message
+    assert "model.lora.alpha=1e+300" in message and "\n" not in message
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_merge_needs_a_lora_run(tiny_run, tmp_path):
     with pytest.raises(SystemExit, match=r"--merge: .*step=000003.ckpt is not a LoRA run's checkpoint"):
         main(["export", "--checkpoint", str(tiny_run[0]), "--out", str(tmp_path / "b"), "--merge", "true"])

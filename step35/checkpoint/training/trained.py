@@ -193,6 +193,12 @@ class TrainedCheckpoint:
                 tensor = merged_weight(
                     name, tensor, adapters[f"{prefix}.lora_A"], adapters[f"{prefix}.lora_B"], lora.scale_alpha
                 )
+                if not bool(torch.isfinite(tensor).all()):  # an adapter scaled past float32's range
+                    raise CheckpointError(
+                        f"{self.path}: merging its LoRA adapter into {name} gives NaN/Inf (W + alpha/r x BA with "
+                        f"model.lora.alpha={lora.scale_alpha:g}): refusing to write non-finite weights; export "
+                        f"without --merge (a PEFT adapter folder) or from a run with a smaller alpha"
+                    )
                 pending.discard(name)
             yield name, tensor
         if pending:

@@ -43,6 +43,23 @@ def test_checkpoint_and_exported_folder_generate_the_same_tokens(folders, tiny_r
     assert sampled == from_hf.generate_ids(prompt, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
 
 
+def test_non_finite_logits_end_generation_in_one_line(folders, monkeypatch, capfd):
+    """A model whose logits overflow (the probe: an adapter merged with lora_alpha 1e38 printed an empty reply with
+    exit code 0): refused, naming the cause, instead of printing the argmax of NaN."""
+    from step35.commands import generate
+
+    _, hf = folders
+    generator = load_generator(hf)
+    with torch.no_grad():
+        generator.model.lm_head.weight.fill_(3e38)  # finite weights, logits past float32's range
+    with pytest.raises(generate.NonFiniteLogits, match="logits hold NaN/Inf after 0 new tokens"):
+        generator.generate_ids(generator.encode(PROMPT), max_new_tokens=4)
+    monkeypatch.setattr(generate, "load_generator", lambda *args, **kwargs: generator)
+    code, out, err = cli(capfd, "generate", "--checkpoint", str(hf), "--prompt", PROMPT)
+    assert code == 1 and out == "" and "step35 generate: the model's next-token logits hold NaN/Inf" in err, err
+    assert "Traceback" not in err
+
+
 def test_top_p_samples_the_nucleus_with_renormalised_probabilities():
     probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
     logits = probs.log()

@@ -98,6 +98,12 @@ class Generator:
                 logits = self.model.step(ids[:, cache.length :], cache, last_only=True)[0, -1].float()  # [V]
             else:
                 logits = self.model(ids[:, -limit:])[0, -1].float()
+            if not bool(torch.isfinite(logits).all()):  # (a host sync, as the token's own)
+                raise NonFiniteLogits(
+                    f"the model's next-token logits hold NaN/Inf after {len(new)} new tokens: weights that "
+                    f"overflow {next(self.model.parameters()).dtype} (try --dtype float32) or that are not "
+                    f"finite; nothing more is generated"
+                )
             token = next_token(logits, temperature, top_p, rng)
             new.append(token)
             if token in self.stop_ids:
@@ -132,6 +138,10 @@ class Generator:
         except ChatTemplateError:
             pass  # no special token ends a reply: the EOS ids alone stop it
         return ids if ids[:1] == [self.start_id] else [self.start_id] + ids
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits are not finite: any token drawn from them would be noise (argmax of NaN)."""
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> int:
@@ -285,17 +295,17 @@ def generate(
     generator = load_generator(checkpoint, getattr(torch, dtype), device, tokenizer, say=say)
     generator.use_cache = cache
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
-    if not chat:
-        print(prompt + generator(prompt, **sampling), flush=True)
-        return
     try:
+        if not chat:
+            print(prompt + generator(prompt, **sampling), flush=True)
+            return
         template = generator.chat_template(say)
         if chat_template_kwargs:
             template = template.with_variables(chat_template_kwargs, "--chat_template_kwargs")
         ids = generator.chat_ids(template, prompt, system)
-    except ChatTemplateError as e:
+        print(generator.decode(generator.generate_ids(ids, **sampling)), flush=True)
+    except (ChatTemplateError, NonFiniteLogits) as e:
         raise SystemExit(f"step35 generate: {e}") from None
-    print(generator.decode(generator.generate_ids(ids, **sampling)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -76,7 +76,7 @@ def builtin_cache(tmp_path_factory):
     return path
 
 
-# The word-level chat tokenizer with its template (tests/helpers.py make_chat_tokenizer), for the conversation
+# The word-level chat tokenizer with its template (tests/helpers/chat.py make_chat_tokenizer), for the conversation
 # and preference data tests; a module that defines its own `tok` uses that one.
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
@@ -128,29 +128,12 @@ def step35_here(capfd, monkeypatch, builtin_cache):
 def tiny_run(tmp_path_factory, builtin_cache):
     """A from-scratch tiny run of 3 steps on the built-in corpus, saved as a run folder would be
     (<run>/checkpoints/step=000003.ckpt with its manifest, last.ckpt). Returns (run folder, model)."""
-    import lightning.pytorch as pl
-
-    from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.plugin import Step35CheckpointIO
-    from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
+    from tests.helpers import checkpointed_fit
 
     run = tmp_path_factory.mktemp("tiny-run")
     module = Step35LightningModule(config="tiny", lr=1e-2, warmup_steps=1)
-    data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=run,
-        plugins=[Step35CheckpointIO()],
-        callbacks=[RunCheckpoint(every_n_train_steps=3)],
-    )
-    trainer.fit(module, datamodule=data)
+    checkpointed_fit(module, run, builtin_cache, steps=3, every=3)
     return run, module.model
 
 

@@ -335,7 +335,7 @@ def hf_grads_to_ours(model: Step3p7TextModel, lm_head_weight: torch.Tensor | Non
 
 
 def tiny_config_dict() -> dict:
-    """The tests' tiny config (tests/helpers.py: 5 main layers, full, sliding, sliding, sliding, full;
+    """The tests' tiny config (tests/helpers/models.py: 5 main layers, full, sliding, sliding, sliding, full;
     layer 0 dense, 1-4 MoE; 1 MTP layer; per-layer lists indexed by global layer id), narrowed so that
     every feature bites at S ~ 24 with random weights: an 8-key window; head_dim 16, so the full
     layers rotate 4 pairs, which llama3 scaling (L_orig 1024, low 1, high 8) puts in all three

@@ -2,7 +2,7 @@
 side by side with the DPO batch contract's `preference` ids, overlong pairs, bad records, exact resume, sharding,
 detection and the refusals, the built-in pairs.
 
-The word-level tokenizer and chat template of tests/helpers.py make every token traceable: a conversation
+The word-level tokenizer and chat template of tests/helpers/chat.py make every token traceable: a conversation
 renders as `<role> <words>` per turn, an assistant turn as `assistant <words> <eos>` with the words and the
 EOS trained; so the expected tokens of a pair are written down here with CHAT_IDS, without the template.
 """

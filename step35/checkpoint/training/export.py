@@ -57,7 +57,7 @@ from step35.checkpoint.hf.fp8 import (
     without_quantization,
 )
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
-from step35.checkpoint.hf.release import wrapping_config
+from step35.checkpoint.hf.release import Layout, wrapping_config
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.publish import dead_partials, partial_writer, remove_path
 from step35.checkpoint.training import keys, run_tokenizer
@@ -438,6 +438,230 @@ class ExportReport:
     notes: list[str]
 
 
+def _check_dtype(dtype: torch.dtype | None) -> bool:
+    """Whether the export is in FP8 (float8_e4m3fn, the releases' way); refuses the other FP8 dtypes."""
+    if dtype in FP8_DTYPES and dtype != torch.float8_e4m3fn:
+        raise CheckpointError(
+            f"--dtype {str(dtype).removeprefix('torch.')}: step35 writes FP8 folders the releases' way, float8_e4m3fn "
+            "with block scales (--dtype float8_e4m3fn); or export in bfloat16 or float32"
+        )
+    return dtype == torch.float8_e4m3fn
+
+
+def _check_lora_options(trained: TrainedCheckpoint, merge: bool, fp8: bool) -> None:
+    """Refuse --merge for a run without adapters, and FP8 for a PEFT adapter folder."""
+    if merge and trained.lora is None:
+        raise CheckpointError(
+            f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
+            "export it without --merge"
+        )
+    if fp8 and trained.lora is not None and not merge:
+        raise CheckpointError(
+            f"--dtype float8_e4m3fn: {trained.path} is a LoRA run's checkpoint, exported as a PEFT adapter folder, "
+            "whose adapters are not quantised; add --merge to write the full model in FP8"
+        )
+
+
+def _export_peft(
+    trained: TrainedCheckpoint, out: str | Path, dtype: torch.dtype | None, notes: list[str]
+) -> ExportReport:
+    """A LoRA run without --merge: its adapters alone, as a PEFT folder over the run's base."""
+    dtype = dtype or getattr(torch, trained.config.torch_dtype)
+    notes = notes + list(trained.notes) + _write_peft(trained, out, dtype)
+    notes.append(
+        f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
+        f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead"
+    )
+    return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)
+
+
+def _source_folder(trained: TrainedCheckpoint, source: str | Path | None) -> tuple[Path | None, list[str]]:
+    """(the HF folder the files besides the weights come from: --source, else the one the run started from,
+    the note saying which when it was not given)."""
+    notes = []
+    if source is None and trained.start_folder():
+        source = trained.start_folder()
+        notes.append(
+            f"files besides the weights taken from {source}, the HF folder the run started from "
+            f"(named in {trained.path}; --source overrides)"
+        )
+    return (Path(source).expanduser() if source else None), notes
+
+
+def _take_tokenizer(
+    trained: TrainedCheckpoint,
+    tokenizer: str | Path | None,
+    source: Path | None,
+    exported: Step35Config,
+    files: dict[str, Path | bytes],
+    copied: dict[str, str],
+) -> tuple[str, list[str]]:
+    """Put the tokenizer the run trained with (or `tokenizer`) into `files` and `copied`, over the source's, and
+    make `exported`'s special ids agree with it. Returns (where the tokenizer came from, the notes)."""
+    if tokenizer:
+        tok_files, run_eos, tok_from = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
+    else:
+        tok_files, run_eos, tok_from = trained.tokenizer_files()
+    replaced = sorted(
+        n
+        for n, content in tok_files.items()
+        if n in files and (files[n] if isinstance(files[n], bytes) else files[n].read_bytes()) != content
+    )
+    notes = []
+    if replaced:
+        notes.append(
+            f"{', '.join(replaced)} of {source} replaced by {tok_from}: the run trained with another tokenizer"
+        )
+    files.update(tok_files)
+    copied.update({name: tok_from for name in tok_files if name not in copied or name in replaced})
+    notes += align_special_ids(exported, run_tokenizer.special_ids(tok_files, tok_from), run_eos)
+    return tok_from, notes
+
+
+def _take_code(
+    source: Path | None,
+    wrapper: dict | None,
+    exported: Step35Config,
+    files: dict[str, Path | bytes],
+    copied: dict[str, str],
+) -> list[str]:
+    """Put the modeling code into `files` and `copied` (the release's, else ours with `exported`'s auto_map
+    pointing at it), then the remote code the tokenizer names. Returns the notes, with what `source` keeps."""
+    notes = []
+    if wrapper is not None:  # transformers, vLLM and SGLang load Step-3.7 natively: never our modeling file
+        model_code = _release_model_code(source, wrapper.get("auto_map")) or {}
+        notes.append(
+            f"a Step-3.7 folder as {source} is: config.json wraps the trained language model's config as "
+            "text_config; its vision encoder and projector tensors are copied from there as they are"
+        )
+    else:
+        model_code = _release_model_code(source, exported.extra.get("auto_map"))
+    if model_code is None:  # the source brings no modeling code: ours, which computes what step35.model does
+        files[MODELING_FILE.name] = MODELING_FILE.read_bytes()
+        copied[MODELING_FILE.name] = "step35 (its transformers modeling file)"
+        notes.append(_our_modeling_note(source, exported.extra.get("auto_map")))
+        exported.extra["auto_map"] = dict(AUTO_MAP)
+    if source is None:
+        return notes
+    # remote code for the config.json and tokenizer_config.json written
+    code, missing = _remote_code(source, remote_code_modules([_auto_map(files.get("tokenizer_config.json"))]))
+    code.update(model_code or {})
+    files.update(code)
+    copied.update({name: str(file) for name, file in code.items()})
+    if missing:
+        notes.append(
+            f"remote code {', '.join(m + '.py' for m in missing)} (named by tokenizer_config.json's "
+            f"auto_map or imported by its code) is not in {source}: loading the tokenizer with "
+            "trust_remote_code will fail"
+        )
+    return notes + _left_out(source, files)
+
+
+def _quantization(
+    source: Path | None,
+    wrapper: dict | None,
+    exported: Step35Config,
+    carried: Mapping[str, TensorInfo],
+    fp8: bool,
+    dtype: torch.dtype,
+) -> tuple[dict | None, dict | None, list[str]]:
+    """(config.json's quantization entry of an FP8 export, else None; the wrapper without its quantization
+    entry; the note). An FP8 start folder (fp8.py) was read dequantised: its quantization_config describes
+    weights not written, unless this export is in FP8 too, which keeps the start folder's block and list of
+    modules not converted. Removes `exported`'s quantization entry."""
+    started = source_entry(source) if source is not None and source.is_dir() else None
+    quantized = exported.extra.pop(QUANTIZATION_KEY, None) is not None
+    if wrapper is not None:
+        wrapper, dropped = without_quantization(wrapper)
+        quantized = quantized or dropped
+    if fp8:
+        entry = export_entry(started, carried)
+        block, not_converted = list(entry["weight_block_size"]), entry["modules_to_not_convert"]
+        own = ", the start folder's own" if started else ""
+        return (
+            entry,
+            wrapper,
+            [
+                f"weights written in float8_e4m3fn, block-quantised in blocks of {block} with float32 inverse "
+                f"scales <name>{SCALE_SUFFIX} (config.json's {QUANTIZATION_KEY}{own}); left in bfloat16: "
+                f"{', '.join(not_converted)} and the norms; the router bias in float32"
+            ],
+        )
+    if not quantized:
+        return None, wrapper, []
+    block = tuple(started["weight_block_size"]) if started else None
+    stored = f"FP8 (float8_e4m3fn, scale blocks {list(block)})" if block else "FP8"
+    return (
+        None,
+        wrapper,
+        [
+            f"the run started from a folder stored in {stored}, read dequantised: the weights are written in "
+            f"{str(dtype).removeprefix('torch.')}, and config.json has no {QUANTIZATION_KEY} (--dtype "
+            "float8_e4m3fn writes the release's FP8 layout)"
+        ],
+    )
+
+
+def _export_tensors(
+    trained: TrainedCheckpoint,
+    layout: Layout | None,
+    carried: Mapping[str, TensorInfo],
+    entry: dict | None,
+    dtype: torch.dtype,
+    high: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trained tensors (adapters merged) in the release's names (`layout`), router_bias in float32 and the
+    rest in `dtype`, or quantised as `entry` says from the checkpoint's own precision; then what the start
+    folder carries."""
+    renamed = ((layout.stored_name(n) if layout else n, t) for n, t in trained.merged_tensors())
+    if entry is None:
+        yield from ((n, t.to(torch.float32 if n.endswith("router_bias") else dtype)) for n, t in renamed)
+    else:
+        block = tuple(entry["weight_block_size"])
+        yield from quantized_tensors(renamed, block, entry["modules_to_not_convert"], high)
+    yield from carried_tensors(carried, dtype, keep_fp8=entry is not None)
+
+
+def _export_full(
+    trained: TrainedCheckpoint,
+    out: str | Path,
+    dtype: torch.dtype | None,
+    fp8: bool,
+    max_shard_size: int | str,
+    tokenizer: str | Path | None,
+    source: str | Path | None,
+    notes: list[str],
+) -> ExportReport:
+    """The whole model (a LoRA run's adapters merged) as an HF folder, with the files besides the weights."""
+    exported = Step35Config.from_dict(trained.config.to_dict())
+    dtype = dtype or getattr(torch, exported.torch_dtype)
+    high = torch.bfloat16 if fp8 else dtype  # what an FP8 export keeps unquantised is bf16, as in the releases
+    exported.torch_dtype = str(high).removeprefix("torch.")
+    notes = notes + list(trained.notes)
+    if trained.lora is not None:
+        notes.append(
+            f"LoRA adapters merged into their weights: W + (alpha/r)·BA with alpha={trained.lora.scale_alpha:g}, "
+            f"r each adapter's rank, computed in float32"
+        )
+    source, more = _source_folder(trained, source)
+    notes += more
+    files: dict[str, Path | bytes] = dict(companion_files(source)) if source else {}
+    copied = {name: str(file) for name, file in files.items()}
+    tok_from, more = _take_tokenizer(trained, tokenizer, source, exported, files, copied)
+    notes += more
+    wrapper = None if source is None else wrapping_config(source)
+    notes += _take_code(source, wrapper, exported, files, copied)
+    layout, carried = None, {}
+    if wrapper is not None:
+        _, carried, layout = model_tensor_infos(source)
+    entry, wrapper, more = _quantization(source, wrapper, exported, carried, fp8, dtype)
+    notes += more
+    tensors = _export_tensors(trained, layout, carried, entry, dtype, high)
+    config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}
+    write_hf_folder(out, tensors, config, max_shard_size, copy_files=files, quantization=entry)
+    return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out: str | Path,
@@ -462,24 +686,9 @@ def export_checkpoint(
     `model_config`, the file `config` came from, are never replaced). `say` hears, as they happen,
     which dead exports' partial copies are removed (default: into the notes).
     Returns what was written and every change made to config.json."""
-    if dtype in FP8_DTYPES and dtype != torch.float8_e4m3fn:
-        raise CheckpointError(
-            f"--dtype {str(dtype).removeprefix('torch.')}: step35 writes FP8 folders the releases' way, float8_e4m3fn "
-            "with block scales (--dtype float8_e4m3fn); or export in bfloat16 or float32"
-        )
-    fp8 = dtype == torch.float8_e4m3fn
+    fp8 = _check_dtype(dtype)
     trained = open_checkpoint(checkpoint, config)
-    lora = trained.lora
-    if merge and lora is None:
-        raise CheckpointError(
-            f"--merge: {trained.path} is not a LoRA run's checkpoint (it records no model.lora); "
-            "export it without --merge"
-        )
-    if fp8 and lora is not None and not merge:
-        raise CheckpointError(
-            f"--dtype float8_e4m3fn: {trained.path} is a LoRA run's checkpoint, exported as a PEFT adapter folder, "
-            "whose adapters are not quantised; add --merge to write the full model in FP8"
-        )
+    _check_lora_options(trained, merge, fp8)
     early: list[str] = []
     replaced = prepare_out(
         trained,
@@ -494,118 +703,6 @@ def export_checkpoint(
     )
     if replaced:
         early.append(replaced)
-    if lora is not None and not merge:  # the adapters alone, as a PEFT folder over the run's base
-        dtype = dtype or getattr(torch, trained.config.torch_dtype)
-        notes = early + list(trained.notes) + _write_peft(trained, out, dtype)
-        notes.append(
-            f"a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base "
-            f"{trained.start_folder() or 'drawn from the init'}; --merge writes the full model instead"
-        )
-        return ExportReport(Path(out), trained.path, "none (an adapter folder)", {}, notes)
-    exported = Step35Config.from_dict(trained.config.to_dict())
-    dtype = dtype or getattr(torch, exported.torch_dtype)
-    high = torch.bfloat16 if fp8 else dtype  # what an FP8 export keeps unquantised is bf16, as in the releases
-    exported.torch_dtype = str(high).removeprefix("torch.")
-    notes = early + list(trained.notes)
-    if lora is not None:
-        notes.append(
-            f"LoRA adapters merged into their weights: W + (alpha/r)·BA with alpha={lora.scale_alpha:g}, "
-            f"r each adapter's rank, computed in float32"
-        )
-
-    if source is None and trained.start_folder():
-        source = trained.start_folder()
-        notes.append(
-            f"files besides the weights taken from {source}, the HF folder the run started from "
-            f"(named in {trained.path}; --source overrides)"
-        )
-    source = Path(source).expanduser() if source else None
-    files: dict[str, Path | bytes] = dict(companion_files(source)) if source else {}
-    copied = {name: str(file) for name, file in files.items()}
-
-    if tokenizer:
-        tok_files, run_eos, tok_from = run_tokenizer.folder_files(tokenizer), None, str(tokenizer)
-    else:
-        tok_files, run_eos, tok_from = trained.tokenizer_files()
-    replaced = sorted(
-        n
-        for n, content in tok_files.items()
-        if n in files and (files[n] if isinstance(files[n], bytes) else files[n].read_bytes()) != content
-    )
-    if replaced:
-        notes.append(
-            f"{', '.join(replaced)} of {source} replaced by {tok_from}: the run trained with another tokenizer"
-        )
-    files.update(tok_files)
-    copied.update({name: tok_from for name in tok_files if name not in copied or name in replaced})
-    notes += align_special_ids(exported, run_tokenizer.special_ids(tok_files, tok_from), run_eos)
-
-    wrapper = None if source is None else wrapping_config(source)
-    if wrapper is not None:  # transformers, vLLM and SGLang load Step-3.7 natively: never our modeling file
-        model_code = _release_model_code(source, wrapper.get("auto_map")) or {}
-        notes.append(
-            f"a Step-3.7 folder as {source} is: config.json wraps the trained language model's config as "
-            "text_config; its vision encoder and projector tensors are copied from there as they are"
-        )
-    else:
-        model_code = _release_model_code(source, exported.extra.get("auto_map"))
-    if model_code is None:  # the source brings no modeling code: ours, which computes what step35.model does
-        files[MODELING_FILE.name] = MODELING_FILE.read_bytes()
-        copied[MODELING_FILE.name] = "step35 (its transformers modeling file)"
-        notes.append(_our_modeling_note(source, exported.extra.get("auto_map")))
-        exported.extra["auto_map"] = dict(AUTO_MAP)
-    if source is not None:  # remote code for the config.json and tokenizer_config.json written
-        code, missing = _remote_code(source, remote_code_modules([_auto_map(files.get("tokenizer_config.json"))]))
-        code.update(model_code or {})
-        files.update(code)
-        copied.update({name: str(file) for name, file in code.items()})
-        if missing:
-            notes.append(
-                f"remote code {', '.join(m + '.py' for m in missing)} (named by tokenizer_config.json's "
-                f"auto_map or imported by its code) is not in {source}: loading the tokenizer with "
-                "trust_remote_code will fail"
-            )
-        notes += _left_out(source, files)
-
-    layout, carried = None, {}
-    if wrapper is not None:
-        _, carried, layout = model_tensor_infos(source)
-
-    # An FP8 start folder (fp8.py) was read dequantised: its quantization_config describes weights not written,
-    # unless this export is in FP8 too, which keeps the start folder's block and list of modules not converted.
-    started = source_entry(source) if source is not None and source.is_dir() else None
-    quantized = exported.extra.pop(QUANTIZATION_KEY, None) is not None
-    if wrapper is not None:
-        wrapper, dropped = without_quantization(wrapper)
-        quantized = quantized or dropped
-    entry = None
-    if fp8:
-        entry = export_entry(started, carried)
-        block, not_converted = tuple(entry["weight_block_size"]), entry["modules_to_not_convert"]
-        own = ", the start folder's own" if started else ""
-        notes.append(
-            f"weights written in float8_e4m3fn, block-quantised in blocks of {list(block)} with float32 inverse "
-            f"scales <name>{SCALE_SUFFIX} (config.json's {QUANTIZATION_KEY}{own}); left in bfloat16: "
-            f"{', '.join(not_converted)} and the norms; the router bias in float32"
-        )
-    elif quantized:
-        block = tuple(started["weight_block_size"]) if started else None
-        stored = f"FP8 (float8_e4m3fn, scale blocks {list(block)})" if block else "FP8"
-        notes.append(
-            f"the run started from a folder stored in {stored}, read dequantised: the weights are written in "
-            f"{str(dtype).removeprefix('torch.')}, and config.json has no {QUANTIZATION_KEY} (--dtype "
-            "float8_e4m3fn writes the release's FP8 layout)"
-        )
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        # the trained tensors (adapters merged) in the release's names, then what the start folder carries
-        renamed = ((layout.stored_name(n) if layout else n, t) for n, t in trained.merged_tensors())
-        if entry is None:
-            yield from ((n, t.to(torch.float32 if n.endswith("router_bias") else dtype)) for n, t in renamed)
-        else:  # quantised from the checkpoint's own precision
-            yield from quantized_tensors(renamed, block, entry["modules_to_not_convert"], high)
-        yield from carried_tensors(carried, dtype, keep_fp8=fp8)
-
-    config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}
-    write_hf_folder(out, tensors(), config, max_shard_size, copy_files=files, quantization=entry)
-    return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)
+    if trained.lora is not None and not merge:  # the adapters alone, as a PEFT folder over the run's base
+        return _export_peft(trained, out, dtype, early)
+    return _export_full(trained, out, dtype, fp8, max_shard_size, tokenizer, source, early)

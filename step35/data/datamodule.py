@@ -139,70 +139,32 @@ class Step35DataModule(pl.LightningDataModule):
         super().__init__()
         files = [files] if isinstance(files, str) else files
         val_files = [val_files] if isinstance(val_files, str) else val_files
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
-        if num_workers < 0 or val_batches < 0:
-            raise ValueError(f"num_workers and val_batches must be >= 0, got {num_workers} and {val_batches}")
-        if files and hub_dataset:
-            raise ValueError("give either files or hub_dataset, not both")
-        if sources is not None and (files or hub_dataset or weights is not None):
-            raise ValueError("give either sources or the short form (files, weights, hub_dataset), not both")
-        if sources is not None and not sources:
-            raise ValueError("sources is an empty list; give at least one source, or leave it unset")
-        if weights is not None:
-            if not files or len(weights) != len(files):
-                raise ValueError(
-                    f"{len(weights)} weights for {len(files or [])} files entries; give one weight per entry"
-                )
-            if any(w < 0 for w in weights) or sum(weights) <= 0:
-                raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
-        if txt_mode not in TXT_MODES:
-            raise ValueError(f"txt_mode must be 'file', 'line' or 'paragraph', got {txt_mode!r}")
-        if val_fraction is not None and not 0 <= val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if val_files and val_fraction:
-            raise ValueError("give either val_files or val_fraction, not both")
-        for option, value, allowed in (("format", format, FORMATS), ("overlong", overlong, OVERLONG)):
-            if value not in allowed:
-                raise ValueError(f"data.{option} must be one of {allowed}, got {value!r}")
+        _check_sizes(seq_len, micro_batch_size, num_workers, val_batches)
+        _check_source_forms(files, weights, hub_dataset, sources)
+        _check_choices(txt_mode, val_fraction, val_files, format, overlong)
         check_train_choice(train_on, train_reasoning, "data")
-        specs = [SourceSpec.parse(entry, i) for i, entry in enumerate(sources)] if sources is not None else None
-        if specs is not None and sum(s.weight for s in specs) <= 0:
-            raise ValueError(f"the sources' weights must have a positive sum, got {[s.weight for s in specs]}")
+        specs = _parsed_sources(sources)
         self.save_hyperparameters(ignore=["sources"])
         # Plain dicts in the checkpoint's hyperparameters: loadable without trusting any class.
         self.hparams["sources"] = [dataclasses.asdict(s) for s in specs] if specs is not None else None
-        self.files = files
-        self.weights = weights
-        self.text_field = text_field
-        self.txt_mode = txt_mode
-        self.hub_dataset = hub_dataset
-        self.hub_name = hub_name
-        self.hub_split = hub_split
-        self.sources = specs
-        self.tokenizer_path = tokenizer
-        self.eos_token_id = eos_token_id  # the resolved id after setup()
-        self.seq_len = seq_len
-        self.micro_batch_size = micro_batch_size
-        self.num_workers = num_workers
-        self.val_files = val_files
-        self.val_fraction = val_fraction
-        self.val_batches = val_batches
-        self.strict = strict
-        self.seed = seed
-        self.cache_dir = cache_dir
-        self.builtin_vocab_size = builtin_vocab_size
-        self.document_masking = document_masking
-        self.format = format
-        self.train_on = train_on
-        self.train_reasoning = train_reasoning
-        self.chat_template = chat_template
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.overlong = overlong
-        self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
+        # where the documents come from and what a document is
+        self.files, self.weights, self.sources, self.seed = files, weights, specs, seed
+        self.hub_dataset, self.hub_name, self.hub_split = hub_dataset, hub_name, hub_split
+        self.text_field, self.txt_mode, self.format, self.strict = text_field, txt_mode, format, strict
+        # tokens and windows; eos_token_id is the resolved id after setup()
+        self.tokenizer_path, self.eos_token_id, self.cache_dir = tokenizer, eos_token_id, cache_dir
+        self.builtin_vocab_size, self.document_masking = builtin_vocab_size, document_masking
+        self.seq_len, self.micro_batch_size, self.num_workers = seq_len, micro_batch_size, num_workers
+        # validation
+        self.val_files, self.val_fraction, self.val_batches = val_files, val_fraction, val_batches
+        # conversations: what is trained, and how they are rendered
+        self.train_on, self.train_reasoning, self.overlong = train_on, train_reasoning, overlong
+        self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
+        self._init_state()
 
+    def _init_state(self) -> None:
+        """What setup(), the loaders and resume fill in later."""
+        self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
         self.tokenizer: TextTokenizer | None = None
         self._train_sources: list[Source] = []
         self._train_weights: list[float] = []
@@ -210,7 +172,7 @@ class Step35DataModule(pl.LightningDataModule):
         self._val_fraction_is_default = False
         self._val_cache: tuple[int, int, list[dict[str, torch.Tensor]]] | None = None
         self._val_skipped: dict[str, int] = {}
-        self._resume = TrainStreamResume(num_workers)
+        self._resume = TrainStreamResume(self.num_workers)
         self._skipped_log = SkippedRecordsLog()
         self._skipped_logged: tuple[int, dict[str, int]] | None = None  # (step, totals) last sent to the loggers
 
@@ -513,3 +475,53 @@ def _unique_names(names: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
     return unique
+
+
+def _check_sizes(seq_len: int, micro_batch_size: int, num_workers: int, val_batches: int) -> None:
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+    if num_workers < 0 or val_batches < 0:
+        raise ValueError(f"num_workers and val_batches must be >= 0, got {num_workers} and {val_batches}")
+
+
+def _check_source_forms(
+    files: list[str] | None, weights: list[float] | None, hub_dataset: str | None, sources: list | None
+) -> None:
+    """Refuse the training data given two ways at once, and weights that do not fit `files`."""
+    if files and hub_dataset:
+        raise ValueError("give either files or hub_dataset, not both")
+    if sources is not None and (files or hub_dataset or weights is not None):
+        raise ValueError("give either sources or the short form (files, weights, hub_dataset), not both")
+    if sources is not None and not sources:
+        raise ValueError("sources is an empty list; give at least one source, or leave it unset")
+    if weights is not None:
+        if not files or len(weights) != len(files):
+            raise ValueError(f"{len(weights)} weights for {len(files or [])} files entries; give one weight per entry")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+
+
+def _check_choices(
+    txt_mode: str, val_fraction: float | None, val_files: list[str] | None, format: str, overlong: str
+) -> None:
+    if txt_mode not in TXT_MODES:
+        raise ValueError(f"txt_mode must be 'file', 'line' or 'paragraph', got {txt_mode!r}")
+    if val_fraction is not None and not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if val_files and val_fraction:
+        raise ValueError("give either val_files or val_fraction, not both")
+    for option, value, allowed in (("format", format, FORMATS), ("overlong", overlong, OVERLONG)):
+        if value not in allowed:
+            raise ValueError(f"data.{option} must be one of {allowed}, got {value!r}")
+
+
+def _parsed_sources(sources: list | None) -> list[SourceSpec] | None:
+    """`sources` as SourceSpecs (None stays None: the short form is used); their weights must sum above 0."""
+    if sources is None:
+        return None
+    specs = [SourceSpec.parse(entry, i) for i, entry in enumerate(sources)]
+    if sum(s.weight for s in specs) <= 0:
+        raise ValueError(f"the sources' weights must have a positive sum, got {[s.weight for s in specs]}")
+    return specs

@@ -332,10 +332,22 @@ class Step35Config:
 
     # ----------------------------------------------------------------------------- validation
     def validate(self) -> None:
+        """Raise a ConfigError naming the first field that is wrong: of the wrong type, out of range, a
+        per-layer list of the wrong length, a feature step35 does not implement, or a layer whose shapes
+        do not fit."""
         for f in fields(self):
             if f.name not in ("extra", "key_order"):
                 _check_type(f.name, getattr(self, f.name), f.type)
-        n = self.num_total_layers
+        self._check_sizes()
+        self._check_layer_lists()
+        self._check_implemented()
+        if self.rope_scaling is not None:
+            self._check_rope_scaling(self.rope_scaling)
+        if self.use_moe:
+            self._check_moe()
+        self._check_each_layer()
+
+    def _check_sizes(self) -> None:
         _require(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
         _require(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
         for name in (
@@ -348,24 +360,17 @@ class Step35Config:
             "max_position_embeddings",
         ):
             _require(int(getattr(self, name)) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        _require(
-            len(self.layer_types) == n,
-            "layer_types",
-            f"has {len(self.layer_types)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}",
-        )
+
+    def _check_layer_lists(self) -> None:
+        """One entry per global layer in every per-layer list, and known attention types."""
+        n = self.num_total_layers
+        expected = f"expected num_hidden_layers + num_nextn_predict_layers = {n}"
+        _require(len(self.layer_types) == n, "layer_types", f"has {len(self.layer_types)} entries; {expected}")
         for name in ("partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared", "use_rope_layers"):
             values = getattr(self, name)
-            _require(
-                not values or len(values) == n,
-                name,
-                f"has {len(values)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}",
-            )
+            _require(not values or len(values) == n, name, f"has {len(values)} entries; {expected}")
         if isinstance(self.rope_theta, list):
-            _require(
-                len(self.rope_theta) == n,
-                "rope_theta",
-                f"has {len(self.rope_theta)} entries; expected num_hidden_layers + num_nextn_predict_layers = {n}",
-            )
+            _require(len(self.rope_theta) == n, "rope_theta", f"has {len(self.rope_theta)} entries; {expected}")
         for i, t in enumerate(self.layer_types):
             _require(t in ATTENTION_TYPES, f"layer_types[{i}]", f"unknown layer type {t!r}; known: {ATTENTION_TYPES}")
         for t in self.yarn_only_types:
@@ -377,6 +382,9 @@ class Step35Config:
                 "attention_other_setting.attention_type",
                 f"unknown layer type {other.get('attention_type')!r}",
             )
+
+    def _check_implemented(self) -> None:
+        """The dtype and the variants of the release that step35 computes."""
         _require(
             self.torch_dtype in FLOAT_DTYPE_NAMES,
             "torch_dtype",
@@ -390,37 +398,44 @@ class Step35Config:
         )
         _require(not self.sink, "sink", "attention sinks are not implemented (the release has sink=false)")
         _require(self.sliding_window >= 1, "sliding_window", f"must be >= 1, got {self.sliding_window}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            _require(kind == "llama3", "rope_scaling.rope_type", f"only 'llama3' is implemented, got {kind!r}")
-            for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"):
-                _require(key in self.rope_scaling, f"rope_scaling.{key}", "missing")
+
+    @staticmethod
+    def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        _require(kind == "llama3", "rope_scaling.rope_type", f"only 'llama3' is implemented, got {kind!r}")
+        for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"):
+            _require(key in scaling, f"rope_scaling.{key}", "missing")
+        _require(
+            scaling["high_freq_factor"] > scaling["low_freq_factor"],
+            "rope_scaling.high_freq_factor",
+            "must be larger than low_freq_factor",
+        )
+
+    def _check_moe(self) -> None:
+        _require(self.moe_num_experts >= 1, "moe_num_experts", f"must be >= 1, got {self.moe_num_experts}")
+        _require(
+            1 <= self.moe_top_k <= self.moe_num_experts,
+            "moe_top_k",
+            f"must be between 1 and moe_num_experts={self.moe_num_experts}, got {self.moe_top_k}",
+        )
+        try:
+            ids = self.moe_layer_ids
+        except ValueError:
+            raise ConfigError(
+                f"moe_layers_enum: not a comma-separated list of layer ids: {self.moe_layers_enum!r}"
+            ) from None
+        for i in ids:
             _require(
-                self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
-                "rope_scaling.high_freq_factor",
-                "must be larger than low_freq_factor",
+                0 <= i < self.num_hidden_layers,
+                "moe_layers_enum",
+                f"layer id {i} outside the main layers 0..{self.num_hidden_layers - 1}",
             )
-        if self.use_moe:
-            _require(self.moe_num_experts >= 1, "moe_num_experts", f"must be >= 1, got {self.moe_num_experts}")
-            _require(
-                1 <= self.moe_top_k <= self.moe_num_experts,
-                "moe_top_k",
-                f"must be between 1 and moe_num_experts={self.moe_num_experts}, got {self.moe_top_k}",
-            )
-            try:
-                ids = self.moe_layer_ids
-            except ValueError:
-                raise ConfigError(
-                    f"moe_layers_enum: not a comma-separated list of layer ids: {self.moe_layers_enum!r}"
-                ) from None
-            for i in ids:
-                _require(
-                    0 <= i < self.num_hidden_layers,
-                    "moe_layers_enum",
-                    f"layer id {i} outside the main layers 0..{self.num_hidden_layers - 1}",
-                )
-            _require(len(set(ids)) == len(ids), "moe_layers_enum", "repeats a layer id")
-        for i in range(n):
+        _require(len(set(ids)) == len(ids), "moe_layers_enum", "repeats a layer id")
+
+    def _check_each_layer(self) -> None:
+        """Each layer's heads, rotary dims and SwiGLU limits, as `layer` resolves them."""
+        other = self.attention_other_setting
+        for i in range(self.num_total_layers):
             spec = self.layer(i)
             where = "attention_other_setting" if other and other.get("attention_type") == spec.attention_type else ""
             _require(

@@ -204,12 +204,7 @@ class Step35Strategy(ModelParallelStrategy):
         from step35.checkpoint.publish import partial_path
         from step35.checkpoint.training.background import writer_of
         from step35.checkpoint.training.keys import GLOBAL_STEP, manifest_extra
-        from step35.checkpoint.training.trainer_io import (
-            save_file,
-            save_file_in_background,
-            save_sharded,
-            state_is_finite,
-        )
+        from step35.checkpoint.training.trainer_io import save_file, save_file_in_background, save_sharded
 
         writer = writer_of(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
@@ -219,11 +214,9 @@ class Step35Strategy(ModelParallelStrategy):
                     save_file(checkpoint, path)
             self.barrier()
             return
+        extra = manifest_extra(checkpoint, "dcp", self.world_size)
         optimizers = checkpoint.pop("optimizer_states", [])
         state = {"state_dict": checkpoint.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(optimizers)}}
-        # Recorded in the manifest (retention keeps the newest finite checkpoint): one reduce, every rank.
-        finite = self.reduce_boolean_decision(state_is_finite(state), all=True)
-        extra = manifest_extra(checkpoint, "dcp", finite, self.world_size)
         tmp = Path(self.broadcast(str(partial_path(path))))
         if self.global_rank == 0:
             tmp.mkdir(parents=True)

@@ -79,13 +79,13 @@ MANIFEST_GLOBAL_STEP = "global_step"
 MANIFEST_FINITE = "finite"
 
 
-def manifest_extra(checkpoint: dict, layout: str, finite: bool, world_size: int = 1) -> dict:
-    """What a training checkpoint's manifest records about it (`layout`: "file" or "dcp")."""
+def manifest_extra(checkpoint: dict, layout: str, world_size: int = 1) -> dict:
+    """What a training checkpoint's manifest records about it (`layout`: "file" or "dcp"); the writer adds
+    MANIFEST_FINITE, found while it writes (on a background save's thread: off the training loop)."""
     return {
         "kind": MANIFEST_KIND,
         "layout": layout,
         MANIFEST_GLOBAL_STEP: checkpoint.get(GLOBAL_STEP),
         "epoch": checkpoint.get(EPOCH),
         "world_size": world_size,
-        MANIFEST_FINITE: finite,
     }

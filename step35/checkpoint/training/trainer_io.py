@@ -109,7 +109,8 @@ def save_file(checkpoint: dict, path: str | Path) -> None:
     try:
         with open(tmp, "wb") as f:  # a file object: a full disk raises ENOSPC, not "unexpected pos"
             torch.save(checkpoint, f)
-        write_manifest(tmp, keys.manifest_extra(checkpoint, "file", state_is_finite(_saved_tensors(checkpoint))))
+        finite = state_is_finite([checkpoint.get(keys.STATE_DICT, {}), checkpoint.get(keys.OPTIMIZER_STATES, [])])
+        write_manifest(tmp, {**keys.manifest_extra(checkpoint, "file"), keys.MANIFEST_FINITE: finite})
         publish(tmp, path)
     except (OSError, RuntimeError) as e:
         mapped = write_failure(e, path)
@@ -141,7 +142,8 @@ def save_sharded(
 ) -> int:
     """Write a sharded checkpoint: DCP shards of `state` (`state_dict`, `optimizer_<i>`) and rank 0's
     `meta.pt` into the empty partial folder `tmp`, each rank hashing its own shards; then every rank learns
-    of a failure on any rank (one gather on `group`, None: the world), and rank 0 writes the manifest and
+    of a failure on any rank and whether every rank's state was finite (one gather on `group`, None: the
+    world), and rank 0 writes the manifest and
     publishes `tmp` as `path`. A failure fails every rank together, after rank 0 removed `tmp` (a full disk:
     OSError ENOSPC naming `path`). Returns the bytes of the checkpoint on rank 0 (every file), 0 elsewhere. The callers
     (Step35Strategy, synchronous or in the background) end with a barrier of their own."""
@@ -151,6 +153,7 @@ def save_sharded(
     from step35.checkpoint.integrity import hash_files
 
     entries, failure, error = {}, None, None
+    finite = state_is_finite(state)  # this rank's shards; agreed through the gather below, no collective of its own
     try:
         dcp.save(state, checkpoint_id=tmp, process_group=group)
         if rank == 0:
@@ -168,8 +171,8 @@ def save_sharded(
             f"{path}: sharded save failed on rank {rank} ({detail[:300]})",
         )
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (entries, failure), group=group)
-    failures = [f for _, f in gathered if f is not None]
+    dist.all_gather_object(gathered, (entries, failure, finite), group=group)
+    failures = [f for _, f, _ in gathered if f is not None]
     if failures:
         if rank == 0:
             remove_path(tmp)  # now, not at the next start
@@ -180,7 +183,8 @@ def save_sharded(
         raise RuntimeError(failures[0][1]) from error
     size = 0
     if rank == 0:
-        write_manifest(tmp, extra, {k: v for part, _ in gathered for k, v in part.items()})
+        extra = {**extra, keys.MANIFEST_FINITE: all(ok for _, _, ok in gathered)}
+        write_manifest(tmp, extra, {k: v for part, _, _ in gathered for k, v in part.items()})
         size = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
         publish(tmp, path)
     return size
@@ -232,11 +236,6 @@ def state_is_finite(state) -> bool:
 
     visit(state)
     return all(bool(ok) for ok in flags.values())  # host sync
-
-
-def _saved_tensors(checkpoint: dict) -> list:
-    """The weights and optimizer states of a Lightning checkpoint dict (what `state_is_finite` records)."""
-    return [checkpoint.get(keys.STATE_DICT, {}), checkpoint.get(keys.OPTIMIZER_STATES, [])]
 
 
 def finite_state(checkpoint: dict, path: Path) -> None:

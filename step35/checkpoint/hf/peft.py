@@ -343,64 +343,94 @@ def _matched(keys, names) -> list[str]:
     return [n for n in names if any(_names_match(k, n) for k in keys or [])]
 
 
-def plan_merge(
-    model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor], adapter: Path
-) -> tuple[list[_Merge], dict[str, torch.Tensor]]:
-    """(the weights to merge, model parameter name -> tensor to copy in for modules_to_save), every name
-    and shape checked against `model` first: a CheckpointError names adapter_config.json or the
-    safetensors file and the key or tensor that is unmatched, missing, extra, mis-shaped or not finite."""
-    config_file, weights_file = adapter / CONFIG_FILE, adapter / WEIGHTS_FILE
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules(remove_duplicate=False))
+@dataclass(frozen=True)
+class _Targets:
+    """What adapter_config.json targets in a model, by the model's names."""
+
+    dense: list[str]  # Linear modules adapted (target_modules)
+    experts: list[str]  # routed experts' stacked [E, out, in] weights adapted (target_parameters)
+    saved_roots: list[str]  # modules copied in whole (modules_to_save)
+
+
+def _bare_tensors(tensors: dict[str, torch.Tensor], weights_file: Path) -> dict[str, torch.Tensor]:
+    """The tensors by their names without PEFT's prefix, which every one must have."""
     outside = sorted(k for k in tensors if not k.startswith(PREFIX))
     if outside:
         raise CheckpointError(f"{weights_file}: holds {outside[0]}, not under PEFT's prefix {PREFIX!r}")
-    bare = {k[len(PREFIX) :]: t for k, t in tensors.items()}
-    unbuilt = ignored_mtp_tensors(model.config, model.num_mtp_layers, bare)  # of MTP layers not built: skipped
-    unbuilt_names = _unbuilt_names(unbuilt)
+    return {k[len(PREFIX) :]: t for k, t in tensors.items()}
 
-    dense = _matched(
-        config.get("target_modules"), [m for m, mod in modules.items() if isinstance(mod, torch.nn.Linear)]
+
+def _targets(
+    config: dict,
+    params: dict[str, torch.nn.Parameter],
+    modules: dict[str, torch.nn.Module],
+    unbuilt: set[str],
+    config_file: Path,
+) -> _Targets:
+    """The config's keys matched in the model: every key must match a name of the model (or of its MTP layers not
+    built: `unbuilt`), target_parameters only routed experts' weights, no module both adapted and saved, and every
+    rank_pattern / alpha_pattern key an adapted one. A CheckpointError names `config_file` and the key."""
+    linears = [m for m, mod in modules.items() if isinstance(mod, torch.nn.Linear)]
+    targets = _Targets(
+        _matched(config.get("target_modules"), linears),
+        _matched(config.get("target_parameters"), params),
+        _matched(config.get("modules_to_save"), modules),
     )
-    experts = _matched(config.get("target_parameters"), params)
-    saved_roots = _matched(config.get("modules_to_save"), modules)
-    for field, found in (("target_modules", dense), ("target_parameters", experts), ("modules_to_save", saved_roots)):
+    for field, found in (
+        ("target_modules", targets.dense),
+        ("target_parameters", targets.experts),
+        ("modules_to_save", targets.saved_roots),
+    ):
         for key in config.get(field) or []:
-            if not _matched([key], found) and not _matched([key], unbuilt_names):
+            if not _matched([key], found) and not _matched([key], unbuilt):
                 raise CheckpointError(f"{config_file}: {field} names {key!r}, which matches nothing in the model")
-    for name in experts:
+    for name in targets.experts:
         if params[name].dim() != 3 or not name.endswith(".weight"):
             raise CheckpointError(
                 f"{config_file}: target_parameters matches {name} {list(params[name].shape)}, "
                 f"not a routed experts' [E, out, in] weight"
             )
-    overlap = [m for m in dense if any(m == r or m.startswith(r + ".") for r in saved_roots)]
+    overlap = [m for m in targets.dense if any(m == r or m.startswith(r + ".") for r in targets.saved_roots)]
     if overlap:
         raise CheckpointError(
             f"{config_file}: {overlap[0]} is both adapted (target_modules) and saved (modules_to_save)"
         )
     for field in ("rank_pattern", "alpha_pattern"):
         for key in config.get(field) or {}:
-            if not _matched([key], dense + experts) and not _matched([key], unbuilt_names):
+            if not _matched([key], targets.dense + targets.experts) and not _matched([key], unbuilt):
                 raise CheckpointError(f"{config_file}: {field} key {key!r} applies to no adapted module")
+    return targets
 
-    expected: dict[str, tuple] = {}  # bare tensor name -> the shape it must have
-    settings = []  # (weight name, alpha, rank) per adapted weight
-    for weight_name in [f"{m}.weight" for m in dense] + experts:
-        pattern_name = weight_name if weight_name in experts else weight_name[: -len(".weight")]  # as PEFT matches
+
+def _expected_tensors(
+    config: dict, params: dict[str, torch.nn.Parameter], modules: dict[str, torch.nn.Module], targets: _Targets
+) -> tuple[dict[str, tuple], list[tuple[str, float, int]]]:
+    """({bare tensor name: the shape it must have}, [(weight name, alpha, rank)] per adapted weight)."""
+    expected: dict[str, tuple] = {}
+    settings = []
+    for weight_name in [f"{m}.weight" for m in targets.dense] + targets.experts:
+        is_experts = weight_name in targets.experts
+        pattern_name = weight_name if is_experts else weight_name[: -len(".weight")]  # as PEFT matches
         rank = _pattern_value(config, "rank_pattern", pattern_name, config["r"])
         alpha = float(_pattern_value(config, "alpha_pattern", pattern_name, config["lora_alpha"]))
         weight = params[weight_name]
-        num_experts = weight.shape[0] if weight_name in experts else 1
+        num_experts = weight.shape[0] if is_experts else 1
         out_features, in_features = weight.shape[-2:]
         module = weight_name[: -len(".weight")]
         expected[f"{module}.lora_A.weight"] = (num_experts * rank, in_features)
         expected[f"{module}.lora_B.weight"] = (out_features, rank * num_experts)
         settings.append((weight_name, alpha, rank))
-    for root in saved_roots:
+    for root in targets.saved_roots:
         for pname, param in modules[root].named_parameters(remove_duplicate=False):
             expected[f"{root}.{pname}"] = tuple(param.shape)
+    return expected, settings
 
+
+def _check_tensors(
+    bare: dict[str, torch.Tensor], expected: dict[str, tuple], unbuilt: set[str], weights_file: Path
+) -> None:
+    """The tensors are exactly those `expected` (besides those of MTP layers not built: `unbuilt`), floating-point,
+    of the expected shapes, and finite; else a CheckpointError names `weights_file` and the first tensor wrong."""
     missing = sorted(set(expected) - set(bare))
     if missing:
         raise CheckpointError(
@@ -423,13 +453,27 @@ def plan_merge(
             )
     check_finite(((PREFIX + n, bare[n]) for n in expected), weights_file)
 
+
+def plan_merge(
+    model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor], adapter: Path
+) -> tuple[list[_Merge], dict[str, torch.Tensor]]:
+    """(the weights to merge, model parameter name -> tensor to copy in for modules_to_save), every name
+    and shape checked against `model` first: a CheckpointError names adapter_config.json or the
+    safetensors file and the key or tensor that is unmatched, missing, extra, mis-shaped or not finite."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    bare = _bare_tensors(tensors, adapter / WEIGHTS_FILE)
+    unbuilt = ignored_mtp_tensors(model.config, model.num_mtp_layers, bare)  # of MTP layers not built: skipped
+    targets = _targets(config, params, modules, _unbuilt_names(unbuilt), adapter / CONFIG_FILE)
+    expected, settings = _expected_tensors(config, params, modules, targets)
+    _check_tensors(bare, expected, unbuilt, adapter / WEIGHTS_FILE)
     merges = []
     for weight_name, alpha, rank in settings:
         module = weight_name[: -len(".weight")]
         A, B = from_peft(
             bare[f"{module}.lora_A.weight"],
             bare[f"{module}.lora_B.weight"],
-            params[weight_name].shape[0] if weight_name in experts else None,
+            params[weight_name].shape[0] if weight_name in targets.experts else None,
         )
         merges.append(_Merge(weight_name, A, B, alpha, rank))
     copies = {name: bare[name] for name in expected if not name.endswith((".lora_A.weight", ".lora_B.weight"))}

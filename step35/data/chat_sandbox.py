@@ -354,15 +354,11 @@ def bounded_tree(tree):
     return tree
 
 
-def jinja_environment():
-    """A Jinja environment configured as transformers configures its own for chat templates, with the rendering
-    limits (RENDER_SECONDS, ...) enforced in its operators, calls, filters, outputs and loops, and no constant
-    folding at compile time (which would compute `9 ** (9 ** 9)` while compiling, before any limit applies)."""
-    import jinja2
-    from jinja2 import nodes, pass_context
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import generate_lorem_ipsum
+def _generation_extension():
+    """The `{% generation %}...{% endgeneration %}` tag: its body output unchanged, wrapped in markers while
+    `generation_marks` is in force."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
 
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}`: output unchanged, wrapped in markers while we track spans."""
@@ -378,6 +374,14 @@ def jinja_environment():
             text = caller()
             marks = _MARKS.get()
             return text if marks is None else marks[0] + text + marks[1]
+
+    return Generation
+
+
+def _sandbox_class():
+    """transformers' ImmutableSandboxedEnvironment, with every arithmetic operator and call checked against the
+    rendering's limits."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Sandbox(ImmutableSandboxedEnvironment):
         """Every arithmetic operator and call checked against the rendering's limits (an intercepted operator is
@@ -413,20 +417,42 @@ def jinja_environment():
                 budget.check_result(result, f"the result of {getattr(function, '__name__', 'a call')}")
             return result
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    return Sandbox
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes <, >, & and ' for HTML, which a chat template must not do.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def lipsum(n=5, html=True, min=20, max=100):
-        budget = _BUDGET.get()
-        if budget is not None and isinstance(n, int) and isinstance(max, int):
-            budget.check_size(abs(n) * abs(max) * 12, f"lipsum({n})")  # at most `max` words of about 12 characters
-        return generate_lorem_ipsum(n, html, min, max)
+# The globals and filter a chat template finds, as transformers gives them; named as templates call them (a
+# limit hit in one names it).
+def raise_exception(message):
+    import jinja2
 
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols], optimized=False)
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes <, >, & and ' for HTML, which a chat template must not do.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def lipsum(n=5, html=True, min=20, max=100):
+    from jinja2.utils import generate_lorem_ipsum
+
+    budget = _BUDGET.get()
+    if budget is not None and isinstance(n, int) and isinstance(max, int):
+        budget.check_size(abs(n) * abs(max) * 12, f"lipsum({n})")  # at most `max` words of about 12 characters
+    return generate_lorem_ipsum(n, html, min, max)
+
+
+def jinja_environment():
+    """A Jinja environment configured as transformers configures its own for chat templates, with the rendering
+    limits (RENDER_SECONDS, ...) enforced in its operators, calls, filters, outputs and loops, and no constant
+    folding at compile time (which would compute `9 ** (9 ** 9)` while compiling, before any limit applies)."""
+    from jinja2 import pass_context
+    from jinja2.ext import loopcontrols
+
+    Sandbox = _sandbox_class()
+    env = Sandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols], optimized=False
+    )
     env.filters["tojson"] = tojson
     env.filters = {name: _bounded_filter(name, function) for name, function in env.filters.items()}
     env.globals["raise_exception"] = raise_exception

@@ -95,6 +95,28 @@ def run_process_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.Co
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def start_at_gate(cmd: list[str], cache: Path | None, gate: Path) -> subprocess.Popen:
+    """The job `cmd` started in its own session, its output captured, and waited on until it is held at its
+    tests.dist.hooks.Gate (which waits for the file `gate`, and marks its arrival with gate.reached beside it). A job
+    that ends first, or is not there within 600 s, fails the test with the tail of its stderr."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=environment(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    while not (gate.parent / "gate.reached").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            gate.touch()  # a job still waiting goes on to its end, so that its stderr can be read
+            raise AssertionError(proc.communicate()[1][-5000:])
+        time.sleep(0.2)
+    return proc
+
+
 def step35(
     args: list[str],
     cache: Path | None,

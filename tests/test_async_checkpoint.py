@@ -29,11 +29,9 @@ from step35.checkpoint.integrity import is_complete, verify
 from step35.checkpoint.publish import leftovers
 from step35.checkpoint.training import catalog, trainer_io
 from step35.checkpoint.training.background import BackgroundSaveFailed
-from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
-from step35.strategy import Step35Strategy
-from tests.helpers import CHAOS_CONFIG, assert_bitwise, metric_rows, small_filesystem
+from tests.helpers import CHAOS_CONFIG, assert_bitwise, checkpoint_io, make_trainer, metric_rows, small_filesystem
 from tests.runner import Job, command, kill_job, run_plan, wait_for
 
 pytestmark = pytest.mark.heavy  # training runs in this process and jobs of two ranks
@@ -100,18 +98,13 @@ def fit_here(run: Path, cache: Path, async_save: bool, sharded: bool, dirpath=No
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache))
     module = Step35LightningModule(config="tiny", warmup_steps=2, mtp_loss_weight=0.3)
     checkpoints = RunCheckpoint(dirpath=dirpath, every_n_train_steps=2, keep_last=10, async_save=async_save)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
         max_steps=STEPS,
         logger=pl.loggers.CSVLogger(run, name="csv"),
         log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         default_root_dir=run,
         callbacks=[checkpoints, *[c for c in (clock, fail) if c is not None]],
-        **({"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}),
+        **checkpoint_io(sharded),
     )
     pl.seed_everything(0)
     trainer.fit(module, datamodule=data)

@@ -17,6 +17,7 @@ from step35.model import Step35ForCausalLM
 from step35.model.moe import MoE, RouterAuxLosses, moe_layers, sequence_balance_loss
 from step35.module import Step35LightningModule
 from step35.parallel.parallelize import apply_activation_checkpointing
+from tests.helpers import make_trainer
 
 
 def token_loader(batch: int, seq_len: int, n: int, seed: int = 0) -> torch.utils.data.DataLoader:
@@ -25,17 +26,7 @@ def token_loader(batch: int, seq_len: int, n: int, seed: int = 0) -> torch.utils
 
 
 def fit(module, callbacks, max_steps: int, train) -> pl.Trainer:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
+    trainer = make_trainer(max_steps=max_steps, enable_checkpointing=False, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=train)
     return trainer
 

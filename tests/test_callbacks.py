@@ -22,7 +22,7 @@ from step35.flops import training_flops_per_token
 from step35.model.moe import moe_layers
 from step35.module import Step35LightningModule
 from step35.parallel.parallelize import apply_activation_checkpointing
-from tests.helpers import wandb_records
+from tests.helpers import make_trainer, tensorboard_events, wandb_records
 
 TOP_K = preset("tiny").moe_top_k  # 2
 NUM_EXPERTS = preset("tiny").moe_num_experts  # 8
@@ -47,19 +47,13 @@ def loader(batch: int, seq_len: int, n: int = 64, seed: int = 0) -> torch.utils.
 
 def fit(module: pl.LightningModule, callbacks: list, max_steps: int, val=None, train=None, **kw) -> pl.Trainer:
     args = dict(
-        accelerator="cpu",
-        devices=1,
         max_steps=max_steps,
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0 if val is None else 2,
         log_every_n_steps=1,
     )
-    args.update(kw)
-    trainer = pl.Trainer(callbacks=callbacks, **args)
+    trainer = make_trainer(callbacks=callbacks, **(args | kw))
     trainer.fit(module, train_dataloaders=train or loader(2, 16), val_dataloaders=val)
     return trainer
 
@@ -367,25 +361,6 @@ def test_run_ending_between_heatmaps_gets_one_of_its_last_steps(tmp_path):
     folder = tmp_path / "b" / "csv" / "version_0" / "expert_load"
     assert sorted(p.name for p in folder.glob("heatmap_step*.png")) == ["heatmap_step0000004.png"]
     assert heatmap_totals(folder / "counts_step0000004.csv") == [2 * 2 * 16 * TOP_K] * 4
-
-
-def tensorboard_events(folder: Path) -> list:
-    """Every Event of the tfevents files under `folder` (TFRecord framing: length, crc, data, crc)."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    events = []
-    for path in sorted(folder.rglob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = event_pb2.Event()
-            event.ParseFromString(data[at + 12 : at + 12 + length])
-            events.append(event)
-            at += 12 + length + 4
-    return events
 
 
 def test_tensorboard_logger_gets_metrics_heatmap_and_histogram(tmp_path):

@@ -40,6 +40,7 @@ from tests.helpers import (
     SOURCES,
     SPECIAL,
     TOOLS,
+    RecordAt,
     chat_source,
     make_chat_tokenizer,
     marked,
@@ -140,21 +141,15 @@ def test_prompt_completion_strings_cost_a_window(tok):
     """A 20 MB prompt string is tokenized only as far as the window needs (in pieces, as text documents)."""
     encoder = SftEncoder("prompt_completion", tok, window=100)
 
-    class Record:
-        def __init__(self, value):
-            self._value = value
-
-        def value(self):
-            return self._value
-
-        def where(self):
-            return "pairs.jsonl:1"
-
-    example, grown, seconds = measured(lambda: encoder(Record({"prompt": BIG, "completion": "Done."})))
+    example, grown, seconds = measured(
+        lambda: encoder(RecordAt({"prompt": BIG, "completion": "Done."}, "pairs.jsonl:1"))
+    )
     assert (len(example.ids), example.complete, example.size) == (101, False, "more than 100")
     assert example.ids == tok.encode(SENTENCE * 100)[:101] and not any(example.trained)
     assert grown < 1 << 30 and seconds < 60, (grown, seconds)
-    small = encoder(Record({"prompt": SENTENCE * 20, "completion": "Done."}))  # over the window, counted exactly
+    small = encoder(
+        RecordAt({"prompt": SENTENCE * 20, "completion": "Done."}, "pairs.jsonl:1")
+    )  # over the window, counted exactly
     whole = tok.encode(SENTENCE * 20) + tok.encode("Done.") + [tok.eos_token_id]
     assert (small.ids, small.size) == (whole[:101], str(len(whole)))
 

@@ -23,6 +23,7 @@ from step35.data import chat_sandbox
 from step35.data.chat_messages import ChatTemplateError, check_messages
 from step35.data.chat_template import ChatTemplate, DroppedToolsWarning
 from step35.data.tokenizer import TextTokenizer
+from tests.helpers import RecordAt
 
 CONVERSATION = [
     {"role": "system", "content": "You are a careful helper."},
@@ -301,19 +302,6 @@ def test_content_parts_that_are_not_text_are_refused(builtin_cache, content, mes
         ChatTemplate.default().encode(tok, messages, where="data.jsonl:3")
 
 
-class _Record:
-    """A record of `value` at `data.jsonl:3`, as a reader gives it to the encoders."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def value(self):
-        return self._value
-
-    def where(self):
-        return "data.jsonl:3"
-
-
 @pytest.mark.parametrize(
     "part",
     [
@@ -343,12 +331,12 @@ def test_image_parts_stop_the_run_naming_the_record(builtin_cache, part):
     tok = TextTokenizer.from_folder(builtin_tokenizer_dir(cache_dir=builtin_cache))
     template = ChatTemplate.default().with_tokens(eos_token="<|endoftext|>")
     with pytest.raises(ImagesNotSupported, match=said):
-        SftEncoder("chat", tok, template)(_Record({"messages": [user, {"role": "assistant", "content": "A cat."}]}))
+        SftEncoder("chat", tok, template)(RecordAt({"messages": [user, {"role": "assistant", "content": "A cat."}]}))
     with pytest.raises(ImagesNotSupported, match=said):
-        PreferenceEncoder(tok, template)(_Record({"prompt": [user], "chosen": "A cat.", "rejected": "A dog."}))
+        PreferenceEncoder(tok, template)(RecordAt({"prompt": [user], "chosen": "A cat.", "rejected": "A dog."}))
     text = {"role": "user", "content": [{"type": "text", "text": "What is this?"}]}  # text parts: trained as before
     example = SftEncoder("chat", tok, template)(
-        _Record({"messages": [text, {"role": "assistant", "content": "A cat."}]})
+        RecordAt({"messages": [text, {"role": "assistant", "content": "A cat."}]})
     )
     assert any(example.trained)
 

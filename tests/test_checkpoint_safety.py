@@ -30,23 +30,13 @@ from step35.checkpoint.hf.pretrained import load_pretrained, save_pretrained
 from step35.checkpoint.integrity import is_complete, manifest_info, manifest_path, verify, write_manifest
 from step35.checkpoint.safe_load import load_torch, read_dcp_metadata
 from step35.checkpoint.training.export import export_checkpoint
-from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.checkpoint.training.trainer_io import load_file
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
-from tests.helpers import flip_byte, tiny_model
+from tests.helpers import checkpoint_io, flip_byte, make_trainer, tiny_model, tiny_run_args
 
 ROOT = Path(__file__).parent.parent
-COMMON = [
-    "--config",
-    "configs/tiny.yaml",
-    "--trainer.val_check_interval=1000",
-    "--trainer.limit_val_batches=1",
-    "--data.seq_len=32",
-    "--data.micro_batch_size=2",
-    "--trainer.enable_progress_bar=false",
-]
 SHARDED = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=1"]
 
 
@@ -58,14 +48,7 @@ def error_line(stderr: str, text: str) -> str:
 
 
 def run_args(command: str, run: Path, sharded: bool, *extra: str) -> list[str]:
-    return [
-        command,
-        *COMMON,
-        *(SHARDED if sharded else []),
-        f"--trainer.default_root_dir={run}",
-        f"--trainer.logger.init_args.save_dir={run}",
-        *extra,
-    ]
+    return tiny_run_args(command, run, *(SHARDED if sharded else []), *extra)
 
 
 @pytest.fixture(scope="module")
@@ -256,18 +239,8 @@ def resume_in_process(path: Path, sharded: bool, cache: Path) -> pl.Trainer:
     folder, the CheckpointIO the CLI installs for a file."""
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache))
     module = Step35LightningModule(config="tiny", warmup_steps=1)
-    kwargs = {"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        default_root_dir=path.parent,
-        **kwargs,
+    trainer = make_trainer(
+        max_steps=3, enable_checkpointing=False, default_root_dir=path.parent, **checkpoint_io(sharded)
     )
     trainer.fit(module, datamodule=data, ckpt_path=path)
     return trainer
@@ -408,15 +381,9 @@ def test_step35strategy_full_file_checkpoint_round_trip(tmp_path, builtin_cache)
     def fit(max_steps: int, ckpt_path=None) -> pl.Trainer:
         data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
         module = Step35LightningModule(config="tiny", warmup_steps=1)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
+        trainer = make_trainer(
             strategy=Step35Strategy(save_distributed_checkpoint=False),
             max_steps=max_steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
             default_root_dir=tmp_path,
             callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
         )

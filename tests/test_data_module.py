@@ -15,6 +15,7 @@ from step35.data import Step35DataModule, builtin_corpus_path, builtin_tokenizer
 from step35.data.bad_records import BadRecords, BadRecordWarning
 from step35.data.sources import Cursor, Holdout
 from step35.data.tokenizer import TextTokenizer
+from tests.helpers import make_trainer
 
 WORDS = [f"d{i}" for i in range(500)] + [f"w{i}" for i in range(50)]
 
@@ -339,9 +340,9 @@ def test_lightning_resume_continues_with_the_same_batches(tmp_path, corpus, word
         module = Recorder()
         dm = Step35DataModule(**data, tokenizer=str(word_tokenizer), seq_len=8, micro_batch_size=2,
                               num_workers=2, val_fraction=0.1, val_batches=2)  # fmt: skip
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_steps=8, val_check_interval=4, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        trainer = make_trainer(
+            max_steps=8, val_check_interval=4, limit_val_batches=None, num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],
         )  # fmt: skip
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)

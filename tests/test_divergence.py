@@ -9,6 +9,7 @@ import torch
 from step35.callbacks import DivergenceError, DivergenceGuard
 from step35.model.moe import moe_layers
 from step35.module import Step35LightningModule
+from tests.helpers import make_trainer
 
 NAN_PARAM = "model.layers.3.moe.gate.weight"  # HF name of a router weight
 
@@ -19,18 +20,8 @@ def token_loader(batch: int = 2, seq_len: int = 16, n: int = 32) -> torch.utils.
 
 
 def fit(module, callbacks, max_steps: int, **kw) -> pl.Trainer:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        callbacks=callbacks,
-        **kw,
+    trainer = make_trainer(
+        max_steps=max_steps, enable_checkpointing=False, gradient_clip_val=1.0, callbacks=callbacks, **kw
     )
     trainer.fit(module, train_dataloaders=token_loader())
     return trainer

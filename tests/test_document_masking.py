@@ -15,7 +15,7 @@ from step35.data import Step35DataModule
 from step35.data.packing import document_positions
 from step35.kernels.masks import DocumentMask
 from step35.module import Step35LightningModule
-from tests.helpers import tiny_model
+from tests.helpers import make_trainer, tiny_model
 
 EOS = 1  # the tiny config's EOS id
 # The tiny model: full layers 0 and 4, sliding (64 keys) layers 1-3 and the MTP layer; the 90-token
@@ -121,17 +121,9 @@ def test_datamodule_delivers_positions_and_module_uses_them(tmp_path, builtin_ca
 
     module = Step35LightningModule(config="tiny", mtp_loss_weight=0.0, lr=0.0, warmup_steps=1)
     record = FirstLoss()
-    pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[record],
-    ).fit(module, datamodule=Step35DataModule(document_masking=True, **kw))
+    make_trainer(max_steps=1, enable_checkpointing=False, callbacks=[record]).fit(
+        module, datamodule=Step35DataModule(document_masking=True, **kw)
+    )
 
     data = Step35DataModule(document_masking=True, **kw)
     data.setup("fit")

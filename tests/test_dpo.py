@@ -23,6 +23,7 @@ from step35.model.lora import LoraConfig, adapters_off, apply_lora
 from step35.training.dpo import LOSS_TYPES, DpoObjective, DpoOptions, build_objective, pair_losses
 from step35.training.objective import LanguageModelObjective
 from tests.dist.dpo_steps import pack, sample_rows
+from tests.helpers import make_trainer
 
 _BUILT: dict = {}
 
@@ -437,16 +438,8 @@ def test_full_dpo_reference_is_the_start_model_after_a_resume(tmp_path):
             config="tiny", objective="dpo", dpo={"beta": 0.5}, lr=1e-2, warmup_steps=1, num_mtp_layers=0
         )
         loader = torch.utils.data.DataLoader(_Pairs(), batch_size=2)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=tmp_path,
-            callbacks=[pl.Callback()] if record is None else [record],
+        trainer = make_trainer(
+            max_steps=steps, default_root_dir=tmp_path, callbacks=[pl.Callback()] if record is None else [record]
         )
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
         return module, trainer

@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from tests.helpers import make_trainer
+
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 WORDS = "apple river stone blue seven lamp under green table window orange music paper".split()
 
@@ -75,18 +77,7 @@ def dpo_fit(tmp_path, builtin_cache, swapped: bool):
         def on_train_batch_end(self, trainer, *args):
             rows.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=30,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        callbacks=[Record()],
-    )
+    trainer = make_trainer(max_steps=30, enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[Record()])
     trainer.fit(module, datamodule=data)
     return module, data, rows
 

@@ -30,7 +30,7 @@ from step35.checkpoint.hf.materialize import checkpoint_state
 from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.config import Step35Config, preset
 from step35.model import Step35ForCausalLM
-from tests.helpers import one_step_from
+from tests.helpers import one_step_from, safetensors_in
 from tests.runner import ROOT, run_script
 
 BLOCK = (24, 40)  # rows, cols of one scale block (the releases: 128 x 128)
@@ -250,13 +250,6 @@ def test_plan_counts_an_fp8_vision_side_with_its_scales(folders, step35_here):
     assert carried["dtypes"] == ["bfloat16", "float8_e4m3fn"]
 
 
-def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    stored = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        stored |= load_file(file)
-    return stored
-
-
 @pytest.fixture(scope="module")
 def one_step(folders, tmp_path_factory, builtin_cache):
     """One training step (in this process, Lightning) from the Step-3.5 FP8 folder: (the trained float32
@@ -280,7 +273,7 @@ def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(fo
     assert len(notes) == 1 and "written in bfloat16" in notes[0] and "[24, 40]" in notes[0], report.notes
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
-    stored = stored_tensors(tmp_path / "hf")
+    stored = safetensors_in(tmp_path / "hf")
     assert stored.keys() == trained.keys()
     for name, value in trained.items():
         dtype = torch.float32 if name.endswith("router_bias") else torch.bfloat16
@@ -297,7 +290,7 @@ def test_one_step_from_an_fp8_folder_exports_bf16_without_quantization_config(fo
     assert config["model_type"] == "step3p7" and "quantization_config" not in config
     assert "quantization_config" not in config["text_config"]
     assert any("FP8" in n for n in report.notes), report.notes
-    stored = stored_tensors(tmp_path / "hf37")
+    stored = safetensors_in(tmp_path / "hf37")
     assert not any(n.endswith("_scale_inv") for n in stored)
     released = load_file(wrapped / "model.safetensors")
     vision = "vision_model.patch_embed.weight"
@@ -344,7 +337,7 @@ def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_p
     assert any("float8_e4m3fn, block-quantised in blocks of [24, 40]" in n for n in report.notes), report.notes
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"] == quantization_config() and config["torch_dtype"] == "bfloat16"
-    stored = stored_tensors(tmp_path / "fp8")
+    stored = safetensors_in(tmp_path / "fp8")
     scales = {n + "_scale_inv" for n, t in trained.items() if quantised(n, t)}
     assert scales and stored.keys() == trained.keys() | scales
     check_fp8_export(stored, trained)
@@ -358,7 +351,7 @@ def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_p
     entry = quantization_config()  # the release's projector is bf16 but not in its list: the export names it
     entry["modules_to_not_convert"].append("vit_large_projector")
     assert config["quantization_config"] == entry and "quantization_config" not in config["text_config"]
-    stored, released = stored_tensors(tmp_path / "fp8-37"), load_file(wrapped / "model.safetensors")
+    stored, released = safetensors_in(tmp_path / "fp8-37"), load_file(wrapped / "model.safetensors")
     carried = [n for n in released if n.startswith(("vision_model.", "vit_large_projector."))]
     assert len(carried) == 3 and all(same_bytes(stored[n], released[n]) for n in carried)
     check_fp8_export(stored, trained)  # the release's names are step35's for this layout
@@ -380,7 +373,7 @@ def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_p
     assert config["quantization_config"]["modules_to_not_convert"] == [
         "embed_tokens", "lm_head", "moe.gate", "shared_head.output", "vision_model", "vit_large_projector",
     ]  # fmt: skip
-    stored = stored_tensors(tmp_path / "fp8-from-bf16")
+    stored = safetensors_in(tmp_path / "fp8-from-bf16")
     assert all(same_bytes(stored[n], unquantised[n]) for n in unquantised if n.startswith(("vision_", "vit_")))
     assert not any(n.startswith(("vision_", "vit_")) and n.endswith("_scale_inv") for n in stored)
     assert stored["model.layers.1.moe.gate_proj.weight"].dtype == torch.float8_e4m3fn

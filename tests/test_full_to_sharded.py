@@ -12,23 +12,8 @@ import torch
 
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.safe_load import load_torch
-from tests.runner import ROOT, step35, step35_in_process
-
-
-def fit_args(run, *extra: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--trainer.val_check_interval=1000",
-        "--trainer.limit_val_batches=1",
-        "--data.seq_len=32",
-        "--data.micro_batch_size=2",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={run}",
-        f"--trainer.logger.init_args.save_dir={run}",
-        *extra,
-    ]
+from tests.helpers import tiny_run_args
+from tests.runner import step35, step35_in_process
 
 
 def settings(group: dict) -> dict:
@@ -40,7 +25,9 @@ def settings(group: dict) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_one_process_file_checkpoint_resumes_on_two_ranks_exactly(tmp_path, builtin_cache, capfd):
-    step35_in_process(capfd, fit_args(tmp_path / "one", "--trainer.max_steps=2"), builtin_cache)  # this process
+    step35_in_process(
+        capfd, tiny_run_args("fit", tmp_path / "one", "--trainer.max_steps=2"), builtin_cache
+    )  # this process
     ckpt_path = tmp_path / "one" / "checkpoints" / "last.ckpt"
     assert ckpt_path.is_file()
     out = tmp_path / "restored.pt"
@@ -53,7 +40,7 @@ def test_one_process_file_checkpoint_resumes_on_two_ranks_exactly(tmp_path, buil
         "--trainer.max_steps=3",
         f"--ckpt_path={ckpt_path}",
     ]
-    step35(fit_args(tmp_path / "two", *args), builtin_cache, nproc=2)
+    step35(tiny_run_args("fit", tmp_path / "two", *args), builtin_cache, nproc=2)
 
     saved, restored = load_torch(ckpt_path), torch.load(out, weights_only=True)
     assert (restored["global_step"], restored["world_size"]) == (2, 2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from step35.model import IGNORE_INDEX
 from step35.module import Step35LightningModule
 from step35.training.objective import micro_batch_loss
-from tests.helpers import tiny_model
+from tests.helpers import make_trainer, tiny_model
 from tests.runner import run_dist_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,17 +146,7 @@ class GradsAfterStep(Step35LightningModule):
 
 
 def one_step(module, batches, accumulate):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = make_trainer(max_steps=1, accumulate_grad_batches=accumulate, enable_checkpointing=False)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return trainer
 
@@ -235,9 +224,7 @@ def test_validation_loss_is_the_mean_over_trained_tokens():
     first["labels"][:, :-1] = IGNORE_INDEX
     second["labels"] = second["input_ids"][:, 1:]
     module = Step35LightningModule(config="tiny")
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
-    )
+    trainer = make_trainer(limit_val_batches=None)  # every validation batch
     trainer.validate(module, torch.utils.data.DataLoader([first, second], batch_size=None))
     outs = [
         module.model.loss(b["input_ids"][:, :-1], b["labels"], position_ids=b["position_ids"]) for b in (first, second)

@@ -21,7 +21,16 @@ import pytest
 from step35 import job
 from step35.run import lock
 from tests.helpers import metric_rows, steps_of, write_run_config
-from tests.runner import LAUNCH_PREFIXES, LAUNCH_VARIABLES, LAUNCHERS, ROOT, cli_fit, command, environment, step35
+from tests.runner import (
+    LAUNCH_PREFIXES,
+    LAUNCH_VARIABLES,
+    LAUNCHERS,
+    cli_fit,
+    command,
+    environment,
+    start_at_gate,
+    step35,
+)
 
 pytestmark = pytest.mark.early(minutes=2.5)  # minutes of processes: started first in the parallel run (conftest.py)
 
@@ -227,20 +236,8 @@ def test_ep2_cp2_gives_one_process_losses_and_a_second_job_is_refused(
         f"--trainer.callbacks.file={go}",
         "--trainer.callbacks.at_step=2",
     ]
-    first = subprocess.Popen(
-        on_ranks(launcher, 2, args),
-        cwd=ROOT,
-        env=environment(builtin_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    first = start_at_gate(on_ranks(launcher, 2, args), builtin_cache, go)
     try:
-        deadline = time.monotonic() + 600
-        while not (tmp_path / "gate.reached").exists():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-5000:]
-            time.sleep(0.2)
         holder = lock.read_holder(run / ".step35.lock")
         assert holder["launcher"] == launcher, holder
         second = step35(

@@ -16,6 +16,7 @@ from step35.checkpoint.hf.materialize import materialize
 from step35.config import preset
 from step35.model import build_model
 from step35.model.lora import LoraConfig, LoraError, adapter_parameters, apply_lora, is_adapter
+from tests.helpers import checkpointed_fit, make_trainer
 
 ALL_TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router", "lm_head", "embed"]
 
@@ -249,18 +250,7 @@ def test_training_changes_only_adapters_and_full_targets(base_dtype, builtin_cac
     module = Step35LightningModule(config="tiny", lora=lora, mtp_loss_weight=0.3, lr=1e-2, warmup_steps=1, init_seed=3)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
     losses = _Losses()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[losses],
-        gradient_clip_val=1.0,
-    )
+    trainer = make_trainer(max_steps=4, enable_checkpointing=False, callbacks=[losses], gradient_clip_val=1.0)
     trainer.fit(module, datamodule=data)
     assert len(losses.losses) == 4 and all(math.isfinite(x) for x in losses.losses)
     model = module.model
@@ -378,16 +368,7 @@ def test_lora_refuses_a_precision_that_casts_the_adapters(builtin_cache):
     from step35.module import Step35LightningModule
 
     module = Step35LightningModule(config="tiny", lora={"rank": 4})
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        precision="bf16-true",
-    )
+    trainer = make_trainer(max_steps=1, enable_checkpointing=False, precision="bf16-true")
     with pytest.raises(ValueError, match=r"model.lora with trainer.precision=bf16-true"):
         trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)))
 
@@ -395,33 +376,13 @@ def test_lora_refuses_a_precision_that_casts_the_adapters(builtin_cache):
 def test_lora_run_saves_and_resumes(tmp_path, builtin_cache):
     """The LoRA options travel in the checkpoint's hyper-parameters (a plain dict: checkpoints load
     with weights_only) and a resumed run continues with the saved adapters."""
-    from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.plugin import Step35CheckpointIO
-    from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 
     def fit(steps, ckpt_path=None):
         module = Step35LightningModule(
             config="tiny", lora=LoraConfig(rank=4), lr=1e-2, warmup_steps=1
         )  # as the CLI gives it
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=tmp_path,
-            plugins=[Step35CheckpointIO()],
-            callbacks=[RunCheckpoint(every_n_train_steps=2)],
-        )
-        trainer.fit(
-            module,
-            datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)),
-            ckpt_path=ckpt_path,
-        )
-        return module, trainer
+        return module, checkpointed_fit(module, tmp_path, builtin_cache, steps, every=2, ckpt_path=ckpt_path)
 
     first, _ = fit(2)
     saved = torch.load(next(tmp_path.rglob("step=000002.ckpt")), weights_only=False)

@@ -253,16 +253,20 @@ def test_attention_module_with_head_gate(layer_id, window):
     # 32 dims rotate, llama3 inv freqs; layer 1: sliding, 6/2 heads, all 32 dims).
     cfg = tiny_config()
     spec = cfg.layer(layer_id)
+
+    def attention_module(use_gate: bool) -> Attention:
+        return Attention(
+            cfg.hidden_size,
+            spec,
+            sliding_window=window or cfg.sliding_window,
+            use_qk_norm=True,
+            use_gate=use_gate,
+            eps=1e-5,
+            zero_centered=True,
+        )
+
     torch.manual_seed(3)
-    attn = Attention(
-        cfg.hidden_size,
-        spec,
-        sliding_window=window or cfg.sliding_window,
-        use_qk_norm=True,
-        use_gate=True,
-        eps=1e-5,
-        zero_centered=True,
-    )
+    attn = attention_module(use_gate=True)
     with torch.no_grad():
         for name, p in attn.named_parameters():
             p.copy_(torch.rand(p.shape) - 0.5 if "norm" in name else torch.randn(p.shape) * 0.1)
@@ -274,15 +278,7 @@ def test_attention_module_with_head_gate(layer_id, window):
     want = hand_attention_module(attn, x, inv)
     torch.testing.assert_close(out.double(), want, **TOL)
     # The gate matters: without it the result is different.
-    ungated = Attention(
-        cfg.hidden_size,
-        spec,
-        sliding_window=window or cfg.sliding_window,
-        use_qk_norm=True,
-        use_gate=False,
-        eps=1e-5,
-        zero_centered=True,
-    )
+    ungated = attention_module(use_gate=False)
     ungated.load_state_dict({k: v for k, v in attn.state_dict().items() if "g_proj" not in k})
     assert not torch.allclose(ungated(x, cos, sin), out, atol=1e-3)
 

@@ -13,6 +13,7 @@ from step35.data import Step35DataModule
 from step35.model import Step35ForCausalLM
 from step35.module import Step35LightningModule
 from step35.schedule import warmup_cosine
+from tests.helpers import make_trainer
 
 
 class FirstLoss(pl.Callback):
@@ -24,18 +25,7 @@ class FirstLoss(pl.Callback):
 
 
 def trainer(**kw) -> pl.Trainer:
-    args = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    args.update(kw)
-    return pl.Trainer(**args)
+    return make_trainer(**({"max_steps": 1, "enable_checkpointing": False} | kw))
 
 
 @pytest.fixture(scope="module")

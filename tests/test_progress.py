@@ -1,14 +1,13 @@
 """The step progress bar after a resume: step/max_steps from the resumed step on, the next-token loss
 (lm_loss, not the MTP-weighted total), tokens/s and memory; no epoch counter, no logger version."""
 
-import lightning.pytorch as pl
-
 from step35.callbacks import Step35ProgressBar
 from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.loggers import CSVLogger
 from step35.module import Step35LightningModule
 from step35.run import checkpoint_of
+from tests.helpers import make_trainer
 
 
 def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, builtin_cache, tmp_path, capsys):
@@ -16,14 +15,11 @@ def test_bar_after_a_resume_counts_steps_and_shows_loss_rate_memory(tiny_run, bu
     bar = Step35ProgressBar()
     module = Step35LightningModule(config="tiny", lr=1e-2, warmup_steps=1)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
         max_steps=5,
         logger=CSVLogger(tmp_path),
         callbacks=[bar],
-        enable_model_summary=False,
-        limit_val_batches=0,
+        enable_progress_bar=True,
         enable_checkpointing=False,
         default_root_dir=tmp_path,
         plugins=[Step35CheckpointIO()],

@@ -18,8 +18,8 @@ import pytest
 
 from step35.checkpoint.integrity import manifest_path, write_manifest
 from step35.run import RunFolder, RunFolderBusy, lock
-from tests.helpers import saved_steps, write_run_config
-from tests.runner import ROOT, cli_fit, command, environment, fit
+from tests.helpers import make_trainer, saved_steps, write_run_config
+from tests.runner import ROOT, cli_fit, command, environment, fit, start_at_gate
 
 HOLD = (
     "import os, sys, time\n"
@@ -50,6 +50,17 @@ def hold(run: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
 def kill9(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait(timeout=30)
+
+
+def two_steps_in_process(root: Path, checkpoints: pl.Callback, cache: Path) -> None:
+    """Two steps of the tiny model (seq_len 16, micro-batch 1) in this process, under `root`, saved by the
+    RunCheckpoint `checkpoints`: a Trainer built without the CLI."""
+    from step35.data import Step35DataModule
+    from step35.module import Step35LightningModule
+
+    trainer = make_trainer(max_steps=2, default_root_dir=root, callbacks=[checkpoints])
+    data = Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(cache))
+    trainer.fit(Step35LightningModule(config="tiny", warmup_steps=1), datamodule=data)
 
 
 # ------------------------------------------------------------------------------ the lock, in process
@@ -106,30 +117,17 @@ def test_a_second_run_is_refused_and_the_first_finishes_unharmed(tmp_path, built
     config, run = write_run_config(tmp_path), tmp_path / "run"
     ckpts = run / "checkpoints"
     go = tmp_path / "go"
-    first = subprocess.Popen(
-        command(
-            [
-                "fit",
-                "--config",
-                str(config),
-                f"--run_dir={run}",
-                "--trainer.callbacks+=tests.dist.hooks.Gate",
-                f"--trainer.callbacks.file={go}",
-                "--trainer.callbacks.at_step=6",
-            ]
-        ),
-        cwd=ROOT,
-        env=environment(builtin_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    gated = [
+        "fit",
+        "--config",
+        str(config),
+        f"--run_dir={run}",
+        "--trainer.callbacks+=tests.dist.hooks.Gate",
+        f"--trainer.callbacks.file={go}",
+        "--trainer.callbacks.at_step=6",
+    ]
+    first = start_at_gate(command(gated), builtin_cache, go)
     try:
-        deadline = time.monotonic() + 600
-        while not (tmp_path / "gate.reached").exists():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
-            time.sleep(0.2)
         # The first run's save in progress, as the tidy-up of a second run used to delete it.
         in_progress = ckpts / f".step=000010.ckpt.partial-{first.pid}-0123abcd"
         in_progress.write_bytes(b"being written")
@@ -294,25 +292,9 @@ def test_an_absurd_lr_is_warned_about_a_sane_one_is_not():
 @pytest.mark.heavy  # step35 as a subprocess, or 10 s or more
 def test_a_trainer_built_without_the_cli_takes_the_lock_in_runcheckpoint(tmp_path, builtin_cache):
     from step35.callbacks import RunCheckpoint
-    from step35.data import Step35DataModule
-    from step35.module import Step35LightningModule
 
     def fit(folder: Path) -> None:
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=folder,
-            callbacks=[RunCheckpoint(every_n_train_steps=2)],
-        )
-        trainer.fit(
-            Step35LightningModule(config="tiny", warmup_steps=1),
-            datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)),
-        )
+        two_steps_in_process(folder, RunCheckpoint(every_n_train_steps=2), builtin_cache)
 
     busy = RunFolder(tmp_path / "busy")
     holder, _ = hold(busy.root)
@@ -358,8 +340,6 @@ def test_two_runs_given_one_checkpoint_folder_are_kept_apart(tmp_path, builtin_c
     the checkpoint folder a live run saves into is refused naming it and the option, and touches nothing
     there (it used to prune and tidy the other's saves); a run given a free shared folder locks and releases it."""
     from step35.callbacks import RunCheckpoint
-    from step35.data import Step35DataModule
-    from step35.module import Step35LightningModule
 
     shared = tmp_path / "scratch-ckpts"
     shared.mkdir()
@@ -368,21 +348,8 @@ def test_two_runs_given_one_checkpoint_folder_are_kept_apart(tmp_path, builtin_c
     write_manifest(theirs, extra={"global_step": 33})
 
     def fit(run: Path) -> None:
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=run,
-            callbacks=[RunCheckpoint(dirpath=str(shared), every_n_train_steps=2, keep_last=1)],
-        )
-        trainer.fit(
-            Step35LightningModule(config="tiny", warmup_steps=1),
-            datamodule=Step35DataModule(seq_len=16, micro_batch_size=1, cache_dir=str(builtin_cache)),
-        )
+        checkpoints = RunCheckpoint(dirpath=str(shared), every_n_train_steps=2, keep_last=1)
+        two_steps_in_process(run, checkpoints, builtin_cache)
 
     holder, _ = hold(shared)  # the live run that saves into the shared folder
     try:

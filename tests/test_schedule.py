@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
 from step35.schedule import WarmupCosineLR
+from tests.helpers import make_trainer
 
 LR, WARMUP, FLOOR = 1e-3, 2, 0.1
 
@@ -39,13 +40,9 @@ def run(tmp_path, cache, max_steps: int, ckpt_path=None, decay_steps=None) -> di
         config="tiny", lr=LR, warmup_steps=WARMUP, min_lr_ratio=FLOOR, decay_steps=decay_steps
     )
     data = Step35DataModule(seq_len=16, micro_batch_size=1, val_batches=0, cache_dir=str(cache))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        limit_val_batches=None,
         num_sanity_val_steps=0,
         default_root_dir=tmp_path,
         callbacks=[record, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],

@@ -11,6 +11,7 @@ import pytest
 
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
+from tests.helpers import make_trainer
 
 REPLY = "The answer is always the same sentence."
 
@@ -43,18 +44,7 @@ def fit(data_file, cache, train_on: str, steps: int) -> list[float]:
         files=str(data_file), train_on=train_on, seq_len=64, micro_batch_size=4, cache_dir=str(cache), val_batches=0
     )
     log = LossLog()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        callbacks=[log],
-        gradient_clip_val=1.0,
-    )
+    trainer = make_trainer(max_steps=steps, enable_checkpointing=False, callbacks=[log], gradient_clip_val=1.0)
     trainer.fit(module, datamodule=data)
     assert data.train_on == train_on and data._train_sources[0].format == "chat"  # detected from `messages`
     return log.losses

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from step35.data import Step35DataModule
 from step35.data.bad_records import METRIC_PREFIX, REPORTS_PER_SOURCE
+from tests.helpers import make_trainer
 from tests.runner import step35
 
 pytestmark = pytest.mark.heavy  # DataLoader worker processes, or several ranks
@@ -50,6 +51,19 @@ class Mean(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+def logging_trainer(tmp_path: Path, max_steps: int, log_every_n_steps: int) -> pl.Trainer:
+    """A trainer that logs to a CSVLogger under `tmp_path`/logs (read back with metric_rows)."""
+    logger = CSVLogger(tmp_path / "logs", name="csv")
+    return make_trainer(
+        max_steps=max_steps,
+        log_every_n_steps=log_every_n_steps,
+        limit_val_batches=None,
+        enable_checkpointing=False,
+        logger=logger,
+        default_root_dir=tmp_path,
+    )
+
+
 def metric_rows(folder: Path) -> list[dict]:
     files = list(folder.rglob("metrics.csv"))
     assert len(files) == 1, files
@@ -70,17 +84,7 @@ def test_counts_of_both_workers_are_logged_per_source_and_summed_up(tmp_path, bu
         num_workers=2,
         cache_dir=str(builtin_cache),
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=8,
-        log_every_n_steps=3,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=CSVLogger(tmp_path / "logs", name="csv"),
-        default_root_dir=tmp_path,
-    )
+    trainer = logging_trainer(tmp_path, max_steps=8, log_every_n_steps=3)
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -107,17 +111,7 @@ def test_counts_of_both_workers_are_logged_per_source_and_summed_up(tmp_path, bu
 def test_clean_data_logs_no_metric_and_says_none(tmp_path, builtin_cache):
     clean = write_corpus(tmp_path / "clean.jsonl", bad=0, good=200)
     dm = Step35DataModule(files=str(clean), seq_len=16, micro_batch_size=2, cache_dir=str(builtin_cache))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=CSVLogger(tmp_path / "logs", name="csv"),
-        default_root_dir=tmp_path,
-    )
+    trainer = logging_trainer(tmp_path, max_steps=3, log_every_n_steps=1)
     trainer.fit(Mean(), datamodule=dm)
     assert not any(k.startswith(METRIC_PREFIX) for k in metric_rows(tmp_path / "logs")[0])
     assert dm._skipped_log.summary() == f"bad records skipped, all ranks and workers: none ({str(clean)!r}: 0)"

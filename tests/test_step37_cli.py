@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.helpers import STEP37_VISION, step37_folder, write_jsonl
+from tests.helpers import STEP37_VISION, safetensors_in, step37_folder, write_jsonl
 from tests.runner import ROOT, step35_in_process
 
 pytestmark = pytest.mark.heavy  # transformers builds a vision tower; two short fits in this process
@@ -38,13 +37,6 @@ SHORT = [  # two optimizer steps of short windows, a checkpoint at the end, noth
 ]
 TOLERANCE = 1e-5  # fp32 logits, step35 against transformers (tests/test_step37.py)
 PROMPT = "What is the fnmatch module for?"
-
-
-def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        out |= load_file(file)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +105,7 @@ def test_exports_are_step37_folders_transformers_loads(runs, folders, export, st
     assert written["model_type"] == "step3p7" and written["architectures"] == released["architectures"]
     assert written["vision_config"] == released["vision_config"]
     assert written["text_config"]["moe_num_experts"] == released["text_config"]["moe_num_experts"]
-    stored, before = tensors_of(out), tensors_of(source)
+    stored, before = safetensors_in(out), safetensors_in(source)
     vision = {n for n in before if n.startswith(STEP37_VISION)}
     assert vision and vision <= set(stored)
     for name in vision:

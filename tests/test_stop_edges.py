@@ -21,13 +21,12 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 
 from step35.checkpoint.integrity import is_complete
 from step35.checkpoint.training import catalog
 from step35.faults import EXIT_FAILED, EXIT_PREEMPTED
-from tests.helpers import metric_rows, steps_of, write_run_config
+from tests.helpers import make_trainer, metric_rows, steps_of, write_run_config
 from tests.runner import Job, command, stop_job, wait_for
 
 
@@ -165,18 +164,7 @@ def test_async_checkpoint_io_is_refused_at_start_without_the_cli(callback, kind,
         if callback == "RunCheckpoint"
         else [FaultTolerance(watchdog=False)]
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        plugins=async_plugins(kind),
-        callbacks=callbacks,
-    )
+    trainer = make_trainer(max_steps=2, default_root_dir=tmp_path, plugins=async_plugins(kind), callbacks=callbacks)
     module = Step35LightningModule(config="tiny", warmup_steps=1)
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
     with pytest.raises(CheckpointError) as refused:

@@ -13,6 +13,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from step35.module import Step35LightningModule
 from step35.parallel import ParallelConfigError, ParallelDims, valid_ep_sizes
 from step35.strategy import Step35Strategy, num_routed_experts
+from tests.helpers import make_trainer
 
 
 def test_parallel_dims_errors_name_both_values():
@@ -37,12 +38,11 @@ def test_parallel_dims_errors_name_both_values():
 
 
 def test_npu_without_torch_npu_is_a_clear_error():
-    import lightning.pytorch as pl
 
     from step35.accelerators import NPUUnavailableError
 
     with pytest.raises(NPUUnavailableError, match="torch_npu"):
-        pl.Trainer(accelerator="npu", devices=1, logger=False)
+        make_trainer(accelerator="npu")
 
 
 class ThreeExperts(pl.LightningModule):

@@ -10,11 +10,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from step35.checkpoint.training.plugin import Step35CheckpointIO
 from step35.data import Step35DataModule
 from step35.module import Step35LightningModule
-from step35.strategy import Step35Strategy
-from tests.helpers import small_filesystem
+from tests.helpers import checkpoint_io, make_trainer, small_filesystem, tiny_run_args
 
 pytestmark = pytest.mark.heavy  # step35 as a subprocess, saves killed midway
 
@@ -22,17 +20,10 @@ pytestmark = pytest.mark.heavy  # step35 as a subprocess, saves killed midway
 def fit(tmp_path, builtin_cache, max_steps: int, ckpt_path=None, dirpath=None, sharded: bool = True) -> pl.Trainer:
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache))
     module = Step35LightningModule(config="tiny", warmup_steps=1)
-    kwargs = {"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         default_root_dir=tmp_path,
-        **kwargs,
+        **checkpoint_io(sharded),
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=dirpath or tmp_path / "ckpt", save_last=True)],
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -123,22 +114,14 @@ def test_two_ranks_full_disk_fail_together_and_leave_nothing(tmp_path, builtin_c
     checkpoints = run / "checkpoints"
     checkpoints.mkdir(parents=True)
     with small_filesystem(checkpoints, "6m"):
-        args = [
+        args = tiny_run_args(
             "fit",
-            "--config",
-            "configs/tiny.yaml",
-            "--trainer.val_check_interval=1000",
-            "--trainer.limit_val_batches=1",
-            "--data.seq_len=32",
-            "--data.micro_batch_size=2",
-            "--trainer.enable_progress_bar=false",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.save_dir={run}",
+            run,
             "--trainer.strategy=step35.strategy.Step35Strategy",
             "--trainer.strategy.expert_parallel_size=2",
             "--trainer.devices=2",
             "--trainer.max_steps=1",
-        ]
+        )
         result = step35(args, builtin_cache, timeout=400, nproc=2, check=False)
         assert result.returncode != 0
         for rank in (0, 1):  # each rank's failure report: one `step35:` line naming the checkpoint

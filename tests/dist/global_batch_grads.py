@@ -12,12 +12,12 @@ test calls one_step in its own process for the one-process splits.
 import argparse
 import os
 
-import lightning.pytorch as pl
 import torch
 
 from step35.model import IGNORE_INDEX
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
+from tests.helpers import make_trainer
 
 ROWS, SEQ = 8, 24
 # Trained label spans per row ([start, end) of labels); rows 3 and 6 hold packed documents.
@@ -60,9 +60,8 @@ def one_step(batch: int, accumulate: int) -> dict | None:
     data = batches()
     loader = torch.utils.data.DataLoader(data, batch_size=batch)  # sharded over ranks by Lightning
     module = CaptureGrads(config="tiny", warmup_steps=1, mtp_loss_weight=0.3, moe_aux_loss_coef=0.01, init_seed=3)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=Step35Strategy(expert_parallel_size=world),
-                         max_steps=1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = make_trainer(devices=world, strategy=Step35Strategy(expert_parallel_size=world), max_steps=1,
+                           accumulate_grad_batches=accumulate, enable_checkpointing=False)
     trainer.fit(module, train_dataloaders=loader)
     if trainer.global_rank != 0:
         return None

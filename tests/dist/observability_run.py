@@ -21,6 +21,7 @@ from step35.callbacks import DivergenceGuard, ExpertLoadMonitor, MemoryMonitor, 
 from step35.model.moe import moe_layers
 from step35.module import Step35LightningModule
 from step35.strategy import Step35Strategy
+from tests.helpers import make_trainer
 
 NAN_PARAM = "model.layers.2.moe.gate.weight"
 
@@ -82,12 +83,11 @@ def main() -> None:
                  ExpertLoadMonitor(every_n_steps=2, heatmap_every_n_steps=2), guard]
     if args.nan_step >= 0:
         callbacks.append(NaNGradient(args.nan_step, args.nan_rank))
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=Step35Strategy(
-                         expert_parallel_size=args.ep, activation_checkpointing=args.ac, param_dtype=args.param_dtype),
-                         max_steps=args.steps, accumulate_grad_batches=args.accum, gradient_clip_val=1.0,
-                         logger=CSVLogger(out, name="csv"), callbacks=callbacks, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         log_every_n_steps=1)
+    strategy = Step35Strategy(expert_parallel_size=args.ep, activation_checkpointing=args.ac,
+                              param_dtype=args.param_dtype)
+    trainer = make_trainer(devices=world, strategy=strategy, max_steps=args.steps, accumulate_grad_batches=args.accum,
+                           gradient_clip_val=1.0, logger=CSVLogger(out, name="csv"), callbacks=callbacks,
+                           enable_checkpointing=False, log_every_n_steps=1)
     trainer.fit(module, train_dataloaders=loader)
     result = {
         "recount": {str(k): v for k, v in recount.per_step.items()},

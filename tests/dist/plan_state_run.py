@@ -12,12 +12,12 @@ import json
 import os
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 
 from step35.module import Step35LightningModule
 from step35.plan.settings import parse_fit_args
 from step35.strategy import Step35Strategy
+from tests.helpers import make_trainer
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -45,9 +45,8 @@ def one_step(config: str, out: Path) -> None:
     model_args["betas"] = tuple(model_args["betas"])
     module = Step35LightningModule(**model_args)
     strategy = Step35Strategy(**vars(cfg.trainer.strategy.init_args))
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision=cfg.trainer.precision,
-                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)
+    trainer = make_trainer(devices=world, strategy=strategy, precision=cfg.trainer.precision, max_steps=1,
+                           enable_checkpointing=False)
     trainer.fit(module, train_dataloaders=loader)
     params = list(module.model.parameters())
     state = trainer.optimizers[0].state

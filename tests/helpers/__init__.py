@@ -28,6 +28,7 @@ from tests.helpers.chat_templates import (
 from tests.helpers.context_parallel import simulated_shard
 from tests.helpers.data import (
     DOC_WORDS,
+    RecordAt,
     doc_id,
     make_word_tokenizer,
     resume_matches,
@@ -49,12 +50,13 @@ from tests.helpers.readers import (
     assert_bitwise,
     metric_rows,
     run_losses,
+    safetensors_in,
     saved_steps,
     steps_of,
     tensorboard_events,
     wandb_records,
 )
-from tests.helpers.run_configs import CHAOS_CONFIG, RUN_CONFIG, lora_config, write_run_config
+from tests.helpers.run_configs import CHAOS_CONFIG, RUN_CONFIG, lora_config, tiny_run_args, write_run_config
 from tests.helpers.step37 import BOOKKEEPING, STEP37_VISION, step37_folder, vision_tensors_and_config
 from tests.helpers.tokenizers import WORD_EOS, train_byte_bpe, word_tokenizer_folder
-from tests.helpers.training import LORA, checkpointed_fit, hf_base, lora_fit, make_trainer, one_step_from
+from tests.helpers.training import LORA, checkpoint_io, checkpointed_fit, hf_base, lora_fit, make_trainer, one_step_from

@@ -1,6 +1,7 @@
 """Data files and token streams: JSON-lines files of records, documents that name themselves (DOC_WORDS: every
 token traces back to its document), the first batches of a loader, and the check that a StatefulDataLoader
-restored from a saved state replays the rest of the stream exactly."""
+restored from a saved state replays the rest of the stream exactly; and a record as a reader hands it to the
+encoders."""
 
 from __future__ import annotations
 
@@ -81,3 +82,17 @@ def resume_matches(make_stream, num_batches: int, save_at: list[int], batch_size
         for i, (a, b) in enumerate(zip(replay, reference[k:])):
             assert torch.equal(a, b), f"state after batch {k}: batch {k + i} differs"
     return list(states.values())
+
+
+class RecordAt:
+    """A record of `value` read at `where`, as a reader hands it to the encoders (step35.data.readers.Record's
+    value() and where(), without a file)."""
+
+    def __init__(self, value, where: str = "data.jsonl:3"):
+        self._value, self._where = value, where
+
+    def value(self):
+        return self._value
+
+    def where(self) -> str:
+        return self._where

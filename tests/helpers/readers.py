@@ -1,6 +1,6 @@
 """Readers of what runs leave: the records of an offline wandb run, the events of TensorBoard files, the rows of
 a CSVLogger's metrics.csv (and the losses of every attempt of a run folder), the steps of the complete
-checkpoints in a folder; and `assert_bitwise`, which compares two checkpoints' contents to the bit."""
+checkpoints in a folder, the tensors of an HF folder; and `assert_bitwise`, which compares two checkpoints' contents to the bit."""
 
 from __future__ import annotations
 
@@ -81,6 +81,16 @@ def run_losses(run: Path, column: str = "train/lm_loss") -> dict[int, float]:
     for file in sorted(Path(run).rglob("metrics.csv")):
         out.update(steps_of(metric_rows(file.parent), column))
     return out
+
+
+def safetensors_in(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files in `folder` (an HF folder, one or several shards), by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors |= load_file(file)
+    return tensors
 
 
 def saved_steps(folder: Path) -> list[int]:

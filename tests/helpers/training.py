@@ -26,19 +26,27 @@ def make_trainer(**overrides):
     return pl.Trainer(**(defaults | overrides))
 
 
+def checkpoint_io(sharded: bool) -> dict:
+    """The Trainer arguments that save as the CLI does: Step35Strategy for a sharded folder, Step35CheckpointIO for
+    one file (with its manifest)."""
+    from step35.checkpoint.training.plugin import Step35CheckpointIO
+    from step35.strategy import Step35Strategy
+
+    return {"strategy": Step35Strategy()} if sharded else {"plugins": [Step35CheckpointIO()]}
+
+
 def checkpointed_fit(module, root: Path, cache: Path, steps: int, every: int, ckpt_path: Path | None = None):
     """`module` trained `steps` steps on the built-in corpus in `cache` (seq_len 32, micro-batch 2), saved as a run
     folder under `root` would be (Step35CheckpointIO, RunCheckpoint every `every` steps), resumed from `ckpt_path`
     when given; the trainer."""
     from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.plugin import Step35CheckpointIO
     from step35.data import Step35DataModule
 
     trainer = make_trainer(
         max_steps=steps,
         default_root_dir=root,
-        plugins=[Step35CheckpointIO()],
         callbacks=[RunCheckpoint(every_n_train_steps=every)],
+        **checkpoint_io(sharded=False),
     )
     data = Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(cache))
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)

@@ -27,14 +27,66 @@ from step35.model.lora import LoraConfig
 from step35.parallel.collectives import distributed
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, check_resume, checkpoint_to_load
-from step35.training.dpo import build_objective
-from step35.training.objective import add_micro_batch
+from step35.training.objective import OPTION_FIELDS, ObjectiveInputs, add_micro_batch, objective_class
 from step35.training.optimizer import OptimizerOptions, apply_resumed_settings, build_optimizer, lr_schedule
 from step35.training.options import check_rules
+from step35.training.reference import FROZEN_COPY, build_reference_copy
 from step35.training.setup import TrainedModel, model_config_of, training_model
 
 
 class Step35LightningModule(pl.LightningModule):
+    """Step-3.5-Flash trained by Lightning (this module's docstring).
+
+    Args:
+        config: model shape: a preset (`tiny`, `flash-196b`) or a config.json / folder holding one.
+            Ignored when `checkpoint` is given (the checkpoint's own config.json is used).
+        checkpoint: an HF checkpoint folder (config.json + safetensors) to start from; each rank
+            reads only the slices it holds. None: the deterministic from-scratch init.
+        config_overrides: config.json fields to change for this run, validated like the file, e.g.
+            `{rope_scaling: null}` (no llama3 scaling, as StepFun's own trainer at 4K) or
+            `{sliding_window: 513}` (the 513-key window of Steptron/Megatron instead of HF's 512).
+            Shape fields that the checkpoint fixes make loading fail with the tensor named.
+        num_mtp_layers: MTP layers to build (default: all of the config's; 0 builds none).
+        mtp_loss_weight: weight of the mean MTP loss added to the main loss; 0 skips MTP compute.
+        init_seed: seed of the from-scratch init (same model on any world size).
+        lr: peak learning rate, reached after `warmup_steps` of linear warmup.
+        min_lr_ratio: cosine decay ends at lr * min_lr_ratio.
+        warmup_steps: linear warmup steps (optimizer steps).
+        decay_steps: steps until the end of the cosine decay (default: trainer.max_steps of the
+            run that started training: a resumed run keeps that length whatever its own max_steps,
+            and stays at lr * min_lr_ratio past it; set decay_steps to choose a new length).
+        optimizer: `adamw` (default), `muon` (Muon on the matrices, AdamW on the rest; training/muon.py) or the
+            class path of a torch.optim.Optimizer (e.g. torch.optim.SGD), built with lr, weight_decay and
+            `optimizer_options` (step35/training/optimizer.py).
+        optimizer_options: the optimizer's own keyword arguments, e.g. `{momentum: 0.9}` for SGD,
+            `{amsgrad: true}` for AdamW (lr, betas, eps and weight_decay are the options below) or
+            `{preset: stepfun}` / `{ns_steps: 6, coefficients: polar_express}` for muon (MuonOptions).
+        weight_decay: decoupled weight decay (AdamW); never applied to norms.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        loss_chunk_size: tokens per chunk of the cross-entropy (bounds the logits in memory).
+        moe_bias_update_rate: aux-loss-free load balancing: after each optimizer step every MoE
+            layer's router bias (used only to choose experts) moves by
+            rate * sign(mean load - load of the expert), from the step's token counts summed over
+            all ranks (one all_reduce per step for all layers). 0 (default, as released): the
+            biases never change and no collective runs. DeepSeek-V3 used 1e-3.
+        moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
+            sum_e f_e * P_e, mean over sequences and MoE layers, each sequence weighted by its share
+            of trained labels; see model.moe.sequence_balance_loss) added to the training loss and
+            logged as train/aux_loss. 0 (default): not computed.
+        lora: LoRA fine-tuning (docs/lora.md): adapters on the named targets, the base frozen in
+            its own dtype with no gradients or optimizer state; e.g. `--model.lora.rank 16`.
+            None (default): every parameter trains, as without this option.
+        objective: `lm` (default: next-token loss), `dpo` (preference pairs, training/dpo.py: the
+            reference is the start model: with LoRA the policy with its adapters off, else a frozen
+            sharded copy; mtp_loss_weight and moe_aux_loss_coef must be 0) or the class path of an
+            Objective (training/objective.py).
+        dpo: DPO options (training/dpo.py DpoOptions): beta, loss_type (sigmoid | ipo | hinge),
+            label_smoothing, sft_weight, reference_free, gamma; e.g. `--model.dpo.beta 0.2`.
+        objective_options: the options of an objective that reads them here (its `options_field`), as
+            model.dpo is DPO's.
+    """
+
     def __init__(
         self,
         config: str = "tiny",
@@ -58,54 +110,8 @@ class Step35LightningModule(pl.LightningModule):
         lora: LoraConfig | None = None,
         objective: str = "lm",
         dpo: dict[str, Any] | None = None,
+        objective_options: dict[str, Any] | None = None,
     ):
-        """
-        Args:
-            config: model shape: a preset (`tiny`, `flash-196b`) or a config.json / folder holding one.
-                Ignored when `checkpoint` is given (the checkpoint's own config.json is used).
-            checkpoint: an HF checkpoint folder (config.json + safetensors) to start from; each rank
-                reads only the slices it holds. None: the deterministic from-scratch init.
-            config_overrides: config.json fields to change for this run, validated like the file, e.g.
-                `{rope_scaling: null}` (no llama3 scaling, as StepFun's own trainer at 4K) or
-                `{sliding_window: 513}` (the 513-key window of Steptron/Megatron instead of HF's 512).
-                Shape fields that the checkpoint fixes make loading fail with the tensor named.
-            num_mtp_layers: MTP layers to build (default: all of the config's; 0 builds none).
-            mtp_loss_weight: weight of the mean MTP loss added to the main loss; 0 skips MTP compute.
-            init_seed: seed of the from-scratch init (same model on any world size).
-            lr: peak learning rate, reached after `warmup_steps` of linear warmup.
-            min_lr_ratio: cosine decay ends at lr * min_lr_ratio.
-            warmup_steps: linear warmup steps (optimizer steps).
-            decay_steps: steps until the end of the cosine decay (default: trainer.max_steps of the
-                run that started training: a resumed run keeps that length whatever its own max_steps,
-                and stays at lr * min_lr_ratio past it; set decay_steps to choose a new length).
-            optimizer: `adamw` (default), `muon` (Muon on the matrices, AdamW on the rest; training/muon.py) or the
-                class path of a torch.optim.Optimizer (e.g. torch.optim.SGD), built with lr, weight_decay and
-                `optimizer_options` (step35/training/optimizer.py).
-            optimizer_options: the optimizer's own keyword arguments, e.g. `{momentum: 0.9}` for SGD,
-                `{amsgrad: true}` for AdamW (lr, betas, eps and weight_decay are the options below) or
-                `{preset: stepfun}` / `{ns_steps: 6, coefficients: polar_express}` for muon (MuonOptions).
-            weight_decay: decoupled weight decay (AdamW); never applied to norms.
-            betas: AdamW betas.
-            eps: AdamW epsilon.
-            loss_chunk_size: tokens per chunk of the cross-entropy (bounds the logits in memory).
-            moe_bias_update_rate: aux-loss-free load balancing: after each optimizer step every MoE
-                layer's router bias (used only to choose experts) moves by
-                rate * sign(mean load - load of the expert), from the step's token counts summed over
-                all ranks (one all_reduce per step for all layers). 0 (default, as released): the
-                biases never change and no collective runs. DeepSeek-V3 used 1e-3.
-            moe_aux_loss_coef: coefficient of the sequence-level balance loss (per sequence
-                sum_e f_e * P_e, mean over sequences and MoE layers, each sequence weighted by its share
-                of trained labels; see model.moe.sequence_balance_loss) added to the training loss and
-                logged as train/aux_loss. 0 (default): not computed.
-            lora: LoRA fine-tuning (docs/lora.md): adapters on the named targets, the base frozen in
-                its own dtype with no gradients or optimizer state; e.g. `--model.lora.rank 16`.
-                None (default): every parameter trains, as without this option.
-            objective: `lm` (default: next-token loss) or `dpo` (preference pairs, training/dpo.py: the
-                reference is the start model: with LoRA the policy with its adapters off, else a frozen
-                sharded copy; mtp_loss_weight and moe_aux_loss_coef must be 0).
-            dpo: DPO options (training/dpo.py DpoOptions): beta, loss_type (sigmoid | ipo | hinge),
-                label_smoothing, sft_weight, reference_free, gamma; e.g. `--model.dpo.beta 0.2`.
-        """
         super().__init__()
         lora_config = LoraConfig.of(lora)
         # Saved as a plain dict: checkpoints are read with weights_only=True, which refuses dataclasses.
@@ -113,27 +119,18 @@ class Step35LightningModule(pl.LightningModule):
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         self.optimization = OptimizerOptions.of(dict(self.hparams))  # checked: model.lr=-1 is refused here
-        self.objective = build_objective(
-            objective,
-            dpo,
-            mtp_loss_weight=mtp_loss_weight,
-            moe_aux_loss_coef=moe_aux_loss_coef,
-            loss_chunk_size=loss_chunk_size,
-            lora=lora_config,
+        objective_inputs = ObjectiveInputs(
+            mtp_loss_weight,
+            moe_aux_loss_coef,
+            loss_chunk_size,
+            lora_config,
+            {key: self.hparams[key] for key in OPTION_FIELDS},
         )
+        kind = objective_class(objective)
+        self.objective = kind.build(objective_inputs)
+        self.objective_needs = kind.needs(objective_inputs)  # what the objective needs of the model (its reference)
         check_rules({"moe_bias_update_rate": (moe_bias_update_rate, lambda v: v >= 0, ">= 0")})
-        self.model_config: Step35Config = model_config_of(config, checkpoint, config_overrides)
-        if moe_bias_update_rate > 0 and not self.model_config.use_moe_router_bias:
-            raise ValueError(
-                f"model.moe_bias_update_rate={moe_bias_update_rate} needs a router bias, but the "
-                "model config has use_moe_router_bias=false"
-            )
-        self.trained = TrainedModel(self.model_config, num_mtp_layers, mtp_loss_weight, lora_config)
-        self.trained.check(checkpoint)  # the shape against the folder's tensors, a LoRA rank: now, not at setup
-        self.lora = lora_config
-        if self.lora is not None:
-            # Its checkpoints leave the frozen base out: loaded non-strictly, the keys checked in on_load_checkpoint.
-            self.strict_loading = False
+        self._describe_model(config, checkpoint, config_overrides, num_mtp_layers, mtp_loss_weight, lora_config)
         # True once the checkpoint to resume was checked against this module's options (the CLI does
         # it before the Trainer exists); otherwise on_load_checkpoint checks what it is given.
         self.resume_checked = False
@@ -141,6 +138,21 @@ class Step35LightningModule(pl.LightningModule):
         # Reads the MoE layers' token counts (shared with the ExpertLoadMonitor callback); set in configure_model.
         self.expert_counter: ExpertCounter | None = None
         self._step_sums: torch.Tensor | None = None  # the objective's sums over the current optimizer step
+
+    def _describe_model(self, config, checkpoint, config_overrides, num_mtp_layers, mtp_loss_weight, lora) -> None:
+        """The model config and what of the model trains, checked now rather than after minutes of building."""
+        self.model_config: Step35Config = model_config_of(config, checkpoint, config_overrides)
+        rate = self.hparams.moe_bias_update_rate
+        if rate > 0 and not self.model_config.use_moe_router_bias:
+            raise ValueError(
+                f"model.moe_bias_update_rate={rate} needs a router bias, but the model config has use_moe_router_bias=false"
+            )
+        self.trained = TrainedModel(self.model_config, num_mtp_layers, mtp_loss_weight, lora)
+        self.trained.check(checkpoint)  # the shape against the folder's tensors, a LoRA rank: now, not at setup
+        self.lora = lora
+        if self.lora is not None:
+            # Its checkpoints leave the frozen base out: loaded non-strictly, the keys checked in on_load_checkpoint.
+            self.strict_loading = False
 
     # ------------------------------------------------------------------------------- building
     def num_routed_experts(self) -> int | None:
@@ -197,18 +209,20 @@ class Step35LightningModule(pl.LightningModule):
             checkpoint=checkpoint,
             seed=self.hparams.init_seed,
         )
-        if self.objective.name == "dpo" and self.trained.built_mtp_layers and self.trainer.is_global_zero:
+        if not self.objective_needs.trains_mtp and self.trained.built_mtp_layers and self.trainer.is_global_zero:
             print(
-                f"step35: model.objective dpo trains the main model only; the MTP layer(s) ({self.trained.built_mtp_layers}) "
-                "are kept as loaded, frozen (model.num_mtp_layers 0 leaves them out)",
+                f"step35: model.objective {self.objective.name} trains the main model only; the MTP layer(s) "
+                f"({self.trained.built_mtp_layers}) are kept as loaded, frozen (model.num_mtp_layers 0 leaves them out)",
                 flush=True,
             )
-        if getattr(self.objective, "reference", None) == "model":  # DPO's frozen reference: the run's start,
-            self.objective.set_reference_model(  # also on a resume (model.checkpoint or the init of init_seed)
-                training_model(
-                    TrainedModel(self.model_config, num_mtp_layers=0),
+        if (
+            self.objective_needs.reference == FROZEN_COPY
+        ):  # the run's start, also on a resume (model.checkpoint or the init)
+            self.objective.set_reference_model(
+                build_reference_copy(
+                    self.model_config,
                     shard=getattr(strategy, "parallelize_model", None),
-                    dtype=getattr(strategy, "param_dtype", None),
+                    param_dtype=getattr(strategy, "param_dtype", None),
                     device=strategy.root_device,
                     checkpoint=self.hparams.checkpoint,
                     seed=self.hparams.init_seed,
@@ -311,9 +325,8 @@ class Step35LightningModule(pl.LightningModule):
             self.log(name, value, sync_dist=True, prog_bar=name == "val/loss", batch_size=weight)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.trainer.callback_metrics.get("val/loss")
-        if loss is not None and self.objective.name == "lm":  # a perplexity of the next-token loss only
-            self.log("val/ppl", torch.exp(loss.float()), sync_dist=False)
+        for name, value in self.objective.validation_end(self.trainer.callback_metrics).items():
+            self.log(name, value, sync_dist=False)  # from values already reduced over the set and the ranks
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # One global norm over dense and expert parameters, whatever meshes they live on.

@@ -8,7 +8,7 @@ The step is cut where the big transient buffers live (see docs/plan.md):
               activation gradients + the expert all-to-all receive buffers + under context parallelism
               the whole-sequence dK/dV of a gathering layer before its reduce-scatter (plan/context.py)
   end of bwd  state + gradients + root gathered + root gradients and reduce-scatter input
-  optimizer   state + gradients + the AdamW temporaries
+  optimizer   state + gradients + the optimizer's temporaries (asked of it: training/optimizer.py)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from step35.parallel.whole_matrices import BUCKET_BYTES as MUON_BUCKET_BYTES
 from step35.plan.activations import ActivationEstimate
 from step35.plan.context import gathered_gradient_bytes
 from step35.plan.settings import RunSettings
@@ -50,7 +49,7 @@ class Transients:
     all_to_all: int  # expert-parallel receive rows and their regrouped copy, one MoE layer
     loss_forward: int  # logits of one loss chunk
     loss_backward: int  # fp32 weight gradient accumulator + one chunk's addend + logits/softmax of a chunk
-    optimizer: int  # AdamW temporaries (foreach: a copy of all local states; per-parameter: the biggest)
+    optimizer: int  # the optimizer step's temporaries (OptimizerKind.temporaries)
 
 
 def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Transients:
@@ -75,14 +74,8 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     ep_rows = tokens * cfg.moe_top_k if cfg.use_moe and s.expert_parallel_size > 1 else 0
     loss_fwd = chunk * V * (a + 2 * 4)  # h @ W^T, its fp32 copy, the exp of logsumexp
     loss_bwd = (2 * V * H * 4 + V * H * a if lm_head_trained else 0) + chunk * V * (2 * a + 2 * 4)
-    trainable_local = state.grads
     foreach = s.expert_parallel_size == 1  # training/optimizer.foreach_ok: one mesh only
-    optimizer = trainable_local if foreach else 2 * state.largest_local_param
-    if s.optimizer == "muon":
-        # AdamW's part steps one tensor at a time; Muon's exchange holds about 8 buckets at once (the
-        # updates, what is sent and received, the whole matrices, Newton-Schulz's terms, the results),
-        # a bucket one parameter when that is larger (parallel/whole_matrices.py)
-        optimizer = 2 * state.largest_local_param + 8 * max(MUON_BUCKET_BYTES, state.largest_local_param)
+    optimizer = s.optimizer_kind.temporaries(state.grads, state.largest_local_param, foreach)
     if not s.sharded:
         return Transients(0, 0, 0, 0, 0, 0, 0, 0, loss_fwd, loss_bwd, optimizer)
     gathered = 2 if s.reshard_after_forward else max(1, len(blocks))
@@ -105,7 +98,7 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
 def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate) -> list[Phase]:
     persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
     if state.reference:
-        persistent["DPO reference"] = state.reference  # model.objective dpo, full fine-tuning
+        persistent["reference copy"] = state.reference  # the objective's frozen copy (full-fine-tuning DPO)
     grads_in_forward = state.grads if s.accumulate_grad_batches > 1 else 0
     acts = act.total
     block_work = act.recompute if act.mode != "none" else act.largest_layer

@@ -19,6 +19,7 @@ from step35.plan.settings import PlanInputError, RunSettings
 from step35.plan.speed import Speed, speed
 from step35.plan.state import FsdpGroup, RankState, fsdp_groups, rank_state
 from step35.plan.world import close_world, sharded_meta_model
+from step35.training.reference import reference_copy
 from step35.training.setup import TrainedModel, training_model
 
 GiB = 1024**3
@@ -88,16 +89,17 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
         s.train_mtp,
         rank,
         lora,
+        s.optimizer,
         s.optimizer_slots,
         s.reference_copy,
-        s.compute_dtype,
+        s.reference_dtype,
     )
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
     dims = parallel_dims(s)
     spec = trained_model_of(s)
     reference = 0
-    if s.reference_copy:  # DPO's frozen reference, made as Step35LightningModule.configure_model makes it
+    if s.reference_copy:  # the objective's frozen reference, made as Step35LightningModule.configure_model makes it
         reference = sum(_local_bytes(p) for p in reference_model(s, dims, rank).parameters())
     model = run_model(s, spec, dims, rank, s.stored_dtype)
     trained = trained_tensors(model) if s.lora is not None else []
@@ -106,7 +108,7 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
     groups = fsdp_groups(
         model, shard_size=dims.shard_size, efsdp=dims.efsdp, ep=dims.expert_parallel_size, train_mtp=s.train_mtp
     )
-    state = rank_state(model, s.slots_of, s.muon_of)
+    state = rank_state(model, s.slots_of, s.exchange_of)
     state.reference = reference
     result = ShardedState(state, groups, trained)
     _STATE_CACHE[key] = result
@@ -114,9 +116,10 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
 
 
 def reference_model(s: RunSettings, dims: ParallelDims, rank: int = 0):
-    """Full-fine-tuning DPO's frozen reference on `rank` (meta): the one training setup without MTP layers, in
-    the compute dtype, sharded as the policy."""
-    return run_model(s, TrainedModel(s.model_config, num_mtp_layers=0), dims, rank, s.compute_dtype)
+    """The objective's frozen reference on `rank` (meta): what training/reference.py's reference_copy says
+    (the start model without MTP layers, in its dtype), sharded as the policy."""
+    spec, dtype = reference_copy(s.model_config, s.param_dtype, s.stored_dtype)
+    return run_model(s, spec, dims, rank, dtype)
 
 
 def run_model(s: RunSettings, spec: TrainedModel, dims: ParallelDims, rank: int, dtype: torch.dtype):

@@ -91,7 +91,17 @@ def host_lines(p: Plan) -> list[str]:
 
 
 def text(p: Plan) -> str:
-    s, st, t, v, sp = p.settings, p.state, p.transients, p.verdict, p.speed
+    """The plan as people read it: the run, what a rank holds, the peak by phase and the verdict, the
+    speed bounds, and the layouts that would fit."""
+    lines = _run_lines(p) + ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
+    lines += _held_lines(p) + _transient_lines(p) + _activation_lines(p) + _peak_lines(p)
+    lines += host_lines(p) + ["", "Speed (upper bounds: kernels at peak, balanced routing)"] + _speed_lines(p)
+    return "\n".join(lines + _alternative_lines(p))
+
+
+def _run_lines(p: Plan) -> list[str]:
+    """The model, the layout, the dtypes and the device; LoRA, carried weights and notes when there are."""
+    s, st = p.settings, p.state
     cfg = s.model_config
     mtp = (
         f"{s.num_mtp_layers} MTP layer(s) held"
@@ -110,7 +120,7 @@ def text(p: Plan) -> str:
         f"layout     {layout_line(p)}",
         f"dtypes     stored {_dtype(s.stored_dtype)} (precision {s.precision}), compute {_dtype(s.compute_dtype)}, "
         f"gradient reduce {_dtype(s.reduce_dtype)}",
-        f"device     {p.device.name}: {v.device_memory / GiB:.1f} GiB",
+        f"device     {p.device.name}: {p.verdict.device_memory / GiB:.1f} GiB",
     ]
     if s.lora is not None:
         lines.append(
@@ -119,9 +129,14 @@ def text(p: Plan) -> str:
         )
     if s.carried is not None:
         lines.append(f"vision     {s.carried.describe()}")
-    lines += [f"note       {n}" for n in s.notes]
-    lines += ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
-    lines += [
+    return lines + [f"note       {n}" for n in s.notes]
+
+
+def _held_lines(p: Plan) -> list[str]:
+    """What a rank holds for the whole run: parameters (LoRA: base, adapters, full targets), gradients,
+    optimizer states, buffers, the objective's reference copy, the local expert shapes."""
+    s, st = p.settings, p.state
+    lines = [
         f"    parameters          {_gib(st.params)}   {st.params_local / 1e6:,.1f} M local values",
         f"    gradients           {_gib(st.grads)}   trainable shards",
         f"    optimizer states    {_gib(st.optimizer)}   {s.optimizer}: {s.describe_slots()}",
@@ -139,13 +154,19 @@ def text(p: Plan) -> str:
             )
     if st.reference:
         lines.append(
-            f"    DPO reference       {_gib(st.reference)}   {_dtype(s.compute_dtype)} frozen copy of the start model, "
-            "sharded as the policy (model.objective dpo)"
+            f"    reference copy      {_gib(st.reference)}   {_dtype(s.reference_dtype)} frozen copy of the start "
+            f"model, sharded as the policy (model.objective {s.objective})"
         )
     if st.expert_shapes:
         shapes = ", ".join(f"{k.removesuffix('.weight')} {v}" for k, v in st.expert_shapes.items())
         lines.append(f"    local experts of one MoE layer: {shapes}")
-    lines.append("  transient buffers (largest)")
+    return lines
+
+
+def _transient_lines(p: Plan) -> list[str]:
+    """The largest transient buffers: gathered blocks, reduce-scatter, all-to-all, the loss backward."""
+    s, t = p.settings, p.transients
+    lines = ["  transient buffers (largest)"]
     if s.sharded:
         lines += [
             f"    root gathered       {_gib(t.root_gathered)}   embedding + final norm + lm_head, whole step",
@@ -159,25 +180,31 @@ def text(p: Plan) -> str:
     if s.sharded and s.expert_parallel_size > 1:
         lines.append(f"    EP all-to-all       {_gib(t.all_to_all)}   receive + regrouped rows, one MoE layer")
     lm_head_grad = "fp32 [vocab, hidden] gradient + " if s.lora is None or s.lora.adapts("lm_head") else ""
-    lines += [
-        f"    loss backward       {_gib(t.loss_backward)}   {lm_head_grad}chunk of {s.loss_chunk_size} logits",
-        f"  activations         {_gib(p.activations.total)}   {s.activation_checkpointing} checkpointing, "
-        f"one micro-batch"
-        + (
-            f" (+{_gib(p.activations.recompute).strip()} rebuilt per block in backward)"
-            if p.activations.recompute
-            else ""
-        ),
+    lines.append(f"    loss backward       {_gib(t.loss_backward)}   {lm_head_grad}chunk of {s.loss_chunk_size} logits")
+    return lines
+
+
+def _activation_lines(p: Plan) -> list[str]:
+    s, act = p.settings, p.activations
+    lines = [
+        f"  activations         {_gib(act.total)}   {s.activation_checkpointing} checkpointing, one micro-batch"
+        + (f" (+{_gib(act.recompute).strip()} rebuilt per block in backward)" if act.recompute else "")
     ]
-    parts = sorted(p.activations.parts.items(), key=lambda kv: -kv[1])[:6]
+    parts = sorted(act.parts.items(), key=lambda kv: -kv[1])[:6]
     lines.append("    largest parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts) + " GiB")
     if s.lora is not None:
         lines.append("    LoRA adapters add: " + adapter_activation_line(p))
-    lines += ["", "  peak by phase"]
+    return lines
+
+
+def _peak_lines(p: Plan) -> list[str]:
+    """The peak by phase, what is required of the device, and whether it fits."""
+    v = p.verdict
+    lines = ["", "  peak by phase"]
     for ph in p.phases:
         mark = "  <- peak" if ph.name == v.peak_phase else ""
         lines.append(f"    {ph.name:18s}{_gib(ph.total)}{mark}")
-    lines += [
+    return lines + [
         "",
         f"  peak allocated      {_gib(v.peak)}   ({v.peak_phase})",
         f"  + allocator margin  {_gib(v.allocator_margin)}",
@@ -190,37 +217,43 @@ def text(p: Plan) -> str:
             else f"DOES NOT FIT: needs {v.required / GiB:.1f} GiB, {-v.free / GiB:.1f} GiB more than the device's "
             f"{v.device_memory / GiB:.1f} GiB"
         ),
-        *host_lines(p),
-        "",
-        "Speed (upper bounds: kernels at peak, balanced routing)",
+    ]
+
+
+def _speed_lines(p: Plan) -> list[str]:
+    """FLOPs, bytes moved per step (all-to-all, FSDP, cp, the optimizer's exchange), step time and MFU bounds."""
+    s, sp = p.settings, p.speed
+    lines = [
         f"  training FLOPs/token    {sp.flops_per_token / 1e9:,.2f} GFLOP (model; "
         f"{sp.hardware_flops_per_token / 1e9:,.2f} with recomputation)",
         f"  tokens per rank-step    {sp.tokens_per_rank_step:,}",
         f"  all-to-all per step     {sp.all_to_all_bytes / GiB:,.2f} GiB sent per rank",
         f"  FSDP per step           {sp.fsdp_gather_bytes / GiB:,.2f} GiB gathered + "
         f"{sp.fsdp_reduce_bytes / GiB:,.2f} GiB reduce-scattered per rank",
-        *(
-            [
-                f"  cp K/V per step         {sp.context_bytes / GiB:,.2f} GiB received per rank "
-                f"(all-gathers, reduce-scatters, halos)"
-            ]
-            if s.context_parallel_size > 1
-            else []
-        ),
-        *(
-            [
-                f"  Muon per step           {sp.muon_bytes / GiB:,.2f} GiB sent per rank "
-                f"(whole matrices to their owners and back, fp32)"
-            ]
-            if s.optimizer == "muon"
-            else []
-        ),
+    ]
+    if s.context_parallel_size > 1:
+        lines.append(
+            f"  cp K/V per step         {sp.context_bytes / GiB:,.2f} GiB received per rank "
+            f"(all-gathers, reduce-scatters, halos)"
+        )
+    label = s.optimizer_kind.exchange_label
+    if label:
+        lines.append(
+            f"  {label + ' per step':24s}{sp.muon_bytes / GiB:,.2f} GiB sent per rank "
+            f"(whole matrices to their owners and back, fp32)"
+        )
+    return lines + [
         f"  step time >=            {sp.step_seconds_overlapped:.3f} s (compute {sp.compute_seconds:.3f}, "
         f"intra-node {sp.intra_node_seconds:.3f}, inter-node {sp.inter_node_seconds:.3f}; "
         f"{p.device.peak_tflops:g} TFLOP/s, {p.device.intra_node_gbps:g}/{p.device.inter_node_gbps:g} GB/s)",
         f"  MFU <=                  {100 * sp.mfu_bound:.0f}% with full overlap, {100 * sp.mfu_serial:.0f}% "
         f"with none; <= {sp.tokens_per_second_per_device:,.0f} tokens/s per device",
     ]
+
+
+def _alternative_lines(p: Plan) -> list[str]:
+    """The nearest layouts that fit, and other ways on the same devices (LoRA, context parallelism)."""
+    lines = []
     if p.suggestions:
         lines += ["", "Nearest layouts that fit:"]
         for alt in p.suggestions:
@@ -228,12 +261,12 @@ def text(p: Plan) -> str:
                 f"  {layout_line(alt)}: {alt.verdict.margin_pct:.0f}% margin "
                 f"({alt.verdict.required / GiB:.1f} of {alt.verdict.device_memory / GiB:.1f} GiB)"
             )
-    elif not v.fits:
+    elif not p.verdict.fits:
         lines += ["", "No layout with up to 64x the nodes fits this device."]
     if p.other_ways:
         lines += ["", "Other ways on the same devices:"]
         lines += [f"  {w.what}: {_verdict(w.verdict)}" for w in p.other_ways]
-    return "\n".join(lines)
+    return lines
 
 
 def _verdict(v) -> str:

@@ -16,7 +16,15 @@ from step35.config import Step35Config
 from step35.kernels.sequence_split import rank_tokens
 from step35.plan.carried import CarriedWeights, carried_weights
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
-from step35.training.optimizer import OptimizerOptions, group_of, state_slots_per_group
+from step35.training.objective import DEFAULT_OBJECTIVE, OPTION_FIELDS, Needs, ObjectiveInputs, objective_class
+from step35.training.optimizer import (
+    DEFAULT_OPTIMIZER,
+    OPTIMIZERS,
+    OptimizerKind,
+    OptimizerOptions,
+    state_slots_per_group,
+)
+from step35.training.reference import FROZEN_COPY, reference_dtype
 from step35.training.setup import model_config_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -70,34 +78,40 @@ class RunSettings:
     finetune: bool = False  # model.checkpoint given: the run starts from trained weights
     notes: list[str] = field(default_factory=list)
     plan_device: str | None = None  # the device the config says it is sized for (top-level `plan_device`)
-    optimizer: str = "adamw"  # model.optimizer
+    optimizer: str = DEFAULT_OPTIMIZER  # model.optimizer
+    # what it keeps and moves, asked of it (training/optimizer.py OptimizerKind)
+    optimizer_kind: OptimizerKind = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
     # state bytes the optimizer keeps per byte of a trained parameter, per param group
     # (training/optimizer.state_slots_per_group: AdamW 2; Muon's fp32 momentum 1, or 2 beside bf16 params)
     optimizer_slots: tuple[float, ...] = (2, 2)
-    objective: str = "lm"  # model.objective
-    dpo_reference_free: bool = False  # model.dpo.reference_free: no reference model
+    objective: str = DEFAULT_OBJECTIVE  # model.objective
+    # what it needs of the model and adds to a step, asked of it (training/objective.py Objective.needs)
+    objective_needs: Needs = field(default_factory=Needs)
     carried: CarriedWeights | None = None  # a Step-3.7 folder's vision weights: on the host, never on a device
     async_save: bool = False  # a RunCheckpoint(async_save=true) in trainer.callbacks: checkpoints staged on the host
 
     def slots_of(self, name: str, shape: tuple[int, ...]) -> float:
-        """Optimizer states of the trained parameter `name` (its group's, training/optimizer.group_of)."""
-        return self.optimizer_slots[group_of(self.optimizer, name, shape)]
+        """Optimizer states of the trained parameter `name` (its group's, OptimizerKind.group_of)."""
+        return self.optimizer_slots[self.optimizer_kind.group_of(name, shape)]
 
-    def muon_of(self, name: str, shape: tuple[int, ...]) -> bool:
-        """Muon orthogonalises this trained parameter (model.optimizer muon, its `muon` group)."""
-        return self.optimizer == "muon" and group_of(self.optimizer, name, shape) == 0
+    def exchange_of(self, name: str, shape: tuple[int, ...]) -> int:
+        """Bytes per value the optimizer sends each way per step to see this trained parameter's matrices
+        whole (Muon's); 0: none."""
+        return self.optimizer_kind.exchange_bytes(self.optimizer_kind.group_of(name, shape))
 
     def describe_slots(self) -> str:
-        if self.optimizer == "muon":
-            muon, adamw = self.optimizer_slots[0], self.optimizer_slots[1]
-            return f"{muon:g}x the Muon matrices' bytes (momentum), {adamw:g}x the AdamW parameters'"
-        return f"{max(self.optimizer_slots):g}x the trained parameters' bytes"
+        return self.optimizer_kind.describe_state(self.optimizer_slots)
 
     @property
     def reference_copy(self) -> bool:
-        """DPO's reference is a frozen copy of the model (full fine-tuning); with LoRA it is the policy with
-        its adapters off, and reference_free has none: no extra bytes (training/dpo.py)."""
-        return self.objective == "dpo" and self.lora is None and not self.dpo_reference_free
+        """The objective holds a frozen copy of the start model (DPO's full fine-tuning; with LoRA its reference
+        is the policy with its adapters off, and reference_free has none: no extra bytes)."""
+        return self.objective_needs.reference == FROZEN_COPY
+
+    @property
+    def reference_dtype(self) -> torch.dtype:
+        """The frozen copy's dtype, by the rule the module builds it with (training/reference.py)."""
+        return reference_dtype(self.param_dtype, self.stored_dtype)
 
     @property
     def train_mtp(self) -> bool:
@@ -248,7 +262,20 @@ def _optimizer(model, precision: str) -> dict[str, Any]:
             }
         )
         slots = state_slots_per_group(options, stored_dtype_of(precision))
-        return {"optimizer": options.name, "optimizer_slots": tuple(slots)}
+        return {"optimizer": options.name, "optimizer_kind": options.kind(), "optimizer_slots": tuple(slots)}
+    except ValueError as err:
+        raise PlanInputError(str(err)) from None
+
+
+def _objective(model, lora: LoraSettings | None) -> dict[str, Any]:
+    """model.objective and what it needs of the model, asked of its class (no model, no objective built)."""
+    name = str(model.get("objective") or DEFAULT_OBJECTIVE)
+    inputs = ObjectiveInputs(
+        lora=lora.options if lora is not None else None,
+        options={key: model.get(key) for key in OPTION_FIELDS},
+    )
+    try:
+        return {"objective": name, "objective_needs": objective_class(name).needs(inputs)}
     except ValueError as err:
         raise PlanInputError(str(err)) from None
 
@@ -322,10 +349,9 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         finetune=bool(model.get("checkpoint")),
         notes=notes,
         plan_device=cfg.get("plan_device"),
-        objective=str(model.get("objective") or "lm"),
-        dpo_reference_free=bool(_get(model.get("dpo"), "reference_free")),
         async_save=_saves_in_background(trainer.get("callbacks")),
         **_optimizer(model, precision),
+        **_objective(model, lora),
     )
     if settings.sharded:
         args = strategy.init_args

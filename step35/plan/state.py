@@ -37,9 +37,9 @@ class RankState:
     frozen: int = 0  # LoRA: bytes of the frozen base (part of `params`)
     adapter_params: int = 0  # LoRA: bytes of the local adapter shards (part of `params`)
     adapters_total: int = 0  # LoRA: global adapter element count (not in params_total, the model's)
-    reference: int = 0  # full-fine-tuning DPO: the frozen reference copy's local shards (compute dtype)
-    # Muon: fp32 bytes this rank sends per optimizer step to bring whole matrices to their owners and the
-    # results back (parallel/whole_matrices.py): 2 x its slices x (k - 1) / k for a matrix split k ways
+    reference: int = 0  # the objective's frozen reference copy's local shards (training/reference.py's dtype)
+    # bytes this rank sends per optimizer step to bring whole matrices to their owners and the results back
+    # (Muon's, parallel/whole_matrices.py): 2 x its slices x (k - 1) / k for a matrix split k ways
     muon_exchange: float = 0.0
 
     @property
@@ -72,12 +72,13 @@ class FsdpGroup:
 def rank_state(
     model: Step35ForCausalLM,
     slots_of: Callable[[str, tuple[int, ...]], float],
-    muon_of: Callable[[str, tuple[int, ...]], bool] = lambda name, shape: False,
+    exchange_of: Callable[[str, tuple[int, ...]], int] = lambda name, shape: 0,
 ) -> RankState:
     """The local shards `model` holds on this rank, each in its own dtype (a LoRA base in its base dtype,
     the adapters and full targets in theirs); gradients like each trainable parameter, and
     `slots_of(name, shape)` optimizer states of its size (RunSettings.slots_of: its param group's);
-    `muon_of(name, shape)`: Muon orthogonalises it (its exchange counted)."""
+    `exchange_of(name, shape)`: bytes per value the optimizer sends each way to see its matrices whole
+    (RunSettings.exchange_of: Muon's fp32 exchange; 0 for none)."""
     muon_exchange = 0.0
     params = grads = optimizer = trainable = largest = total = local_numel = frozen = adapters = adapters_total = 0
     shapes: dict[str, list[int]] = {}
@@ -89,8 +90,8 @@ def rank_state(
         if p.requires_grad:
             grads += _nbytes(local)
             optimizer += slots_of(name, tuple(p.shape)) * _nbytes(local)
-            if muon_of(name, tuple(p.shape)) and (k := split_ranks(p, name)) > 1:
-                muon_exchange += 2 * local.numel() * 4 * (k - 1) / k
+            if (value_bytes := exchange_of(name, tuple(p.shape))) and (k := split_ranks(p, name)) > 1:
+                muon_exchange += 2 * local.numel() * value_bytes * (k - 1) / k
             trainable += local.numel()
             largest = max(largest, _nbytes(local))
         else:

@@ -20,12 +20,12 @@ The step's loss is the mean over every pair of the optimizer step (all micro-bat
 ranks): a micro-batch backpropagates the sum of its pairs' losses and StepResult's factor divides the
 step's summed gradient by the step's pairs.
 
-The reference model (docs in DpoObjective): with LoRA the policy with its adapters off; for full
+The reference model (training/reference.py): with LoRA the policy with its adapters off; for full
 fine-tuning a frozen copy made by the one training setup, sharded as the policy. Not
 `precompute_reference` (refused): a first pass over the data with its log-probabilities kept beside the
 stream position would need the data side to store per-pair values across resumes and re-epochs and a
-whole extra pass before step 1; a sharded frozen copy costs the parameter bytes in the compute dtype
-divided over the ranks (counted by `step35 plan`), no optimizer state and no gradients, which is about
+whole extra pass before step 1; a sharded frozen copy costs the parameter bytes in its dtype
+(training/reference.py: param_dtype, else the stored dtype) divided over the ranks (counted by `step35 plan`), no optimizer state and no gradients, which is about
 1/8 of what the policy already holds with AdamW (fp32 weights, gradients and two moments).
 """
 
@@ -38,8 +38,17 @@ import torch
 import torch.nn.functional as F
 
 from step35.model import Step35ForCausalLM
-from step35.model.lora import FULL_TARGETS, LoraConfig, adapters_off
-from step35.training.objective import MicroBatch, StepResult, labels_of
+from step35.model.lora import LoraConfig
+from step35.training.objective import (
+    MicroBatch,
+    Needs,
+    Objective,
+    ObjectiveInputs,
+    StepResult,
+    labels_of,
+)
+from step35.training.objective import build_objective as build_objective  # where it used to live
+from step35.training.reference import ComparesWithReference, reference_kind
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 # The logged values, in the order of a micro-batch's sums after the pair count; each a sum over pairs.
@@ -205,57 +214,52 @@ def sequence_logprobs(model: Step35ForCausalLM, batch: dict, loss_chunk_size: in
     return sums[0::2], sums[1::2], counts[0::2], counts[1::2]
 
 
-class DpoObjective:
+class DpoObjective(ComparesWithReference, Objective):
     """Preference optimisation (this module's docstring). `reference` is where the reference log-probabilities
-    come from: "lora" (the policy with model.lora's adapters off, model/lora.py adapters_off), "model"
-    (`reference_model`, a frozen copy set by the module after it built the policy; held here, so it is
-    no submodule of the LightningModule: not in its state_dict, checkpoints, optimizer or parameter
-    counts) or None (reference_free). Every reference forward runs without gradients and in eval mode
-    (no LoRA dropout, no expert-load counts)."""
+    come from (training/reference.py): "lora" (the policy with model.lora's adapters off), "model" (the frozen
+    copy `reference_model`, set by the module after it built the policy) or None (reference_free)."""
 
     name = "dpo"
+    record_kinds = {"preference": "preference pairs"}
+    sequences_per_record = 2  # the chosen and the rejected sequence, packed side by side
+    logged = (*PAIR_VALUES, "pairs")
+    options_field = "dpo"
 
     def __init__(self, options: DpoOptions, loss_chunk_size: int = 1024, lora: LoraConfig | None = None):
         options.check()
         self.options = options
         self.loss_chunk_size = loss_chunk_size
-        if options.reference_free:
-            self.reference = None
-        elif lora is not None:
-            full = sorted(set(lora.targets) & set(FULL_TARGETS))
-            if full:
-                raise ValueError(
-                    f"model.objective=dpo with model.lora.targets naming {full}: with LoRA the reference is the "
-                    "policy with its adapters off, but those targets train the weights themselves, so the "
-                    "reference would move with the policy; drop them from the targets (or use "
-                    "model.dpo.reference_free)"
-                )
-            self.reference = "lora"
-        else:
-            self.reference = "model"
+        self.reference = reference_kind(self.name, lora, options.reference_free, "model.dpo.reference_free")
         self.reference_model: Step35ForCausalLM | None = None
 
-    def set_reference_model(self, model: Step35ForCausalLM) -> None:
-        """The frozen full-fine-tuning reference: no gradients, eval mode, kept out of any module tree."""
-        model.requires_grad_(False)
-        model.eval()
-        self.reference_model = model
+    @classmethod
+    def needs(cls, inputs: ObjectiveInputs) -> Needs:
+        """The reference (one forward without gradients per micro-batch); the MTP layers never train."""
+        options = DpoOptions.of(inputs.options.get(cls.options_field))
+        reference = reference_kind(cls.name, inputs.lora, options.reference_free, "model.dpo.reference_free")
+        return Needs(reference=reference, extra_forwards=0 if reference is None else 1, trains_mtp=False)
 
-    @torch.no_grad()
+    @classmethod
+    def from_inputs(cls, inputs: ObjectiveInputs) -> DpoObjective:
+        """Refuses the language-model terms it does not compute (MTP, the sequence balance loss)."""
+        if inputs.mtp_loss_weight > 0:
+            raise ValueError(
+                f"model.mtp_loss_weight={inputs.mtp_loss_weight} with model.objective=dpo: the preference objective "
+                "does not train the MTP layers (they stay frozen); set model.mtp_loss_weight: 0"
+            )
+        if inputs.moe_aux_loss_coef > 0:
+            raise ValueError(
+                f"model.moe_aux_loss_coef={inputs.moe_aux_loss_coef} with model.objective=dpo: the sequence balance "
+                "loss is a language-model term that sequence_logprobs does not compute; set it to 0 (router-bias "
+                "balancing, model.moe_bias_update_rate, does not depend on the objective)"
+            )
+        if inputs.loss_chunk_size < 1:
+            raise ValueError(f"model.loss_chunk_size={inputs.loss_chunk_size}: must be >= 1")
+        return cls(DpoOptions.of(inputs.options.get(cls.options_field)), inputs.loss_chunk_size, inputs.lora)
+
     def reference_logprobs(self, model: Step35ForCausalLM, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) summed log-probabilities [B * K] of the reference on the batch's pairs."""
-        if self.reference == "model":
-            if self.reference_model is None:
-                raise RuntimeError("DpoObjective: the reference model was not set (set_reference_model)")
-            chosen, rejected, _, _ = sequence_logprobs(self.reference_model, batch, self.loss_chunk_size)
-            return chosen, rejected
-        training = model.training
-        model.eval()
-        try:
-            with adapters_off(model):
-                chosen, rejected, _, _ = sequence_logprobs(model, batch, self.loss_chunk_size)
-        finally:
-            model.train(training)
+        chosen, rejected, _, _ = self.on_reference(model, lambda m: sequence_logprobs(m, batch, self.loss_chunk_size))
         return chosen, rejected
 
     def pairs(self, model: Step35ForCausalLM, batch: dict) -> tuple[torch.Tensor, PairLosses, torch.Tensor]:
@@ -306,37 +310,3 @@ class DpoObjective:
         pairs = int(valid.sum())
         means = self._values(valid, losses, logps) / max(pairs, 1)
         return {f"val/{name}": (means[i].float(), pairs) for i, name in enumerate(PAIR_VALUES)}
-
-
-def build_objective(
-    objective: str,
-    dpo: DpoOptions | dict | None,
-    *,
-    mtp_loss_weight: float,
-    moe_aux_loss_coef: float,
-    loss_chunk_size: int,
-    lora: LoraConfig | None,
-):
-    """The objective `model.objective` names ("lm" | "dpo"), checked against the options it cannot use."""
-    from step35.training.objective import LanguageModelObjective
-
-    if objective == "lm":
-        if dpo is not None:
-            raise ValueError("model.dpo is set but model.objective=lm: set model.objective: dpo, or drop model.dpo")
-        return LanguageModelObjective(mtp_loss_weight, moe_aux_loss_coef, loss_chunk_size)
-    if objective != "dpo":
-        raise ValueError(f"model.objective={objective!r}: must be 'lm' or 'dpo'")
-    if mtp_loss_weight > 0:
-        raise ValueError(
-            f"model.mtp_loss_weight={mtp_loss_weight} with model.objective=dpo: the preference objective "
-            "does not train the MTP layers (they stay frozen); set model.mtp_loss_weight: 0"
-        )
-    if moe_aux_loss_coef > 0:
-        raise ValueError(
-            f"model.moe_aux_loss_coef={moe_aux_loss_coef} with model.objective=dpo: the sequence balance loss "
-            "is a language-model term that sequence_logprobs does not compute; set it to 0 (router-bias "
-            "balancing, model.moe_bias_update_rate, does not depend on the objective)"
-        )
-    if loss_chunk_size < 1:
-        raise ValueError(f"model.loss_chunk_size={loss_chunk_size}: must be >= 1")
-    return DpoObjective(DpoOptions.of(dpo), loss_chunk_size, lora)

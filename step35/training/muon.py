@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.adamw import adamw as adamw_step
 
-from step35.parallel.whole_matrices import buckets, split_of, transform_whole
+from step35.parallel.whole_matrices import BUCKET_BYTES, buckets, split_of, transform_whole
 
 CLASSIC = (3.4445, -4.7750, 2.0315)
 
@@ -311,6 +311,9 @@ def check_muon_group(group: dict[str, Any]) -> None:
 ADAMW_NAMES = ("embed_tokens", "lm_head", "shared_head.output", "moe.gate", "router_bias")
 
 
+MUON_ROLE, ADAMW_ROLE = "muon", "adamw"  # matrix_role's answers
+
+
 class MatrixRole(NamedTuple):
     """How the optimizer takes one parameter: `muon` or `adamw`; for Muon, the number of logical matrices
     (the product of the leading dims: E for stacked experts) and the shape [A, B] of each."""
@@ -328,8 +331,21 @@ def matrix_role(name: str, shape: tuple[int, ...]) -> MatrixRole:
     parameters in step35 (HF layout, nothing fused), so each is its own matrix; MTP layers go by the same names."""
     base = name.removesuffix(".weight").removesuffix(".lora_A").removesuffix(".lora_B").removesuffix(".bias")
     if len(shape) < 2 or base.endswith(ADAMW_NAMES) or name.endswith("norm.weight"):
-        return MatrixRole("adamw")
-    return MatrixRole("muon", math.prod(shape[:-2]), (shape[-2], shape[-1]))
+        return MatrixRole(ADAMW_ROLE)
+    return MatrixRole(MUON_ROLE, math.prod(shape[:-2]), (shape[-2], shape[-1]))
+
+
+# ------------------------------------------------------------------------------ what a step holds and moves
+# A matrix split over k ranks goes whole to its owner and comes back (parallel/whole_matrices.py): its values
+# cross the network twice, in fp32 (the momentum's dtype), each rank sending (k - 1) / k of its slices each way.
+EXCHANGE_BYTES = 4
+
+
+def step_temporaries(largest_param_bytes: int) -> int:
+    """Bytes a Muon step holds at once beside its state: AdamW's part steps one tensor at a time (twice the
+    biggest parameter); the exchange holds about 8 buckets (the updates, what is sent and received, the whole
+    matrices, Newton-Schulz's terms, the results), a bucket one parameter when that is larger."""
+    return 2 * largest_param_bytes + 8 * max(BUCKET_BYTES, largest_param_bytes)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -1,37 +1,61 @@
 """The objective room: what one micro-batch's loss is, how an optimizer step's losses are summed over its
 micro-batches and data-parallel ranks, and the gradient factor that makes the applied gradient the one of
-the step's mean (docs/architecture.md §2.11).
+the step's mean (docs/architecture.md §2.11); and the one interface through which the module, `step35 plan`
+and the resume rules ask an objective what it is, never by its name.
 
-An objective has three parts the LightningModule calls and nothing else:
+`model.objective` is a short name of OBJECTIVES (`lm`: LanguageModelObjective, next-token loss, MTP and the
+sequence balance loss; `dpo`: training/dpo.py's DpoObjective, preference pairs) or the class path of an
+Objective: a new objective is one file in step35/training/ and one line of OBJECTIVES.
+
+An Objective declares, as class attributes and classmethods (answered without building a model):
+- `record_kinds`: the data formats it trains on; a batch of another objective's kind (the data side marks
+  one with a tensor named after the kind, e.g. `preference`) is refused where it arrives (check_records);
+- `sequences_per_record`: the sequences one record becomes (a preference pair: 2);
+- `logged`: the train/ values `reduce` logs each step;
+- `options_field`: the module option holding its own options (`model.dpo`; a new one `model.objective_options`);
+- `needs(inputs)` -> Needs: what it needs from the model (no reference, the policy with its adapters off,
+  a frozen copy: training/reference.py decides its dtype and sharding) and adds to a step (forwards
+  without gradients, activations per token), which the module builds and the plan counts;
+- `build(inputs)`: the objective, its options checked against the module's.
+and three parts the LightningModule calls and nothing else:
 - `micro_batch(model, batch, training)` -> MicroBatch: the loss to backpropagate and a float64 vector of
   sums (on the device, no host sync) that the module adds up over the step;
 - `reduce(sums, group, over_ranks)` -> StepResult: the sums over the ranks, the step's trained count, the
   gradient factor and what is logged;
 - `validation(model, batch)` -> {name: (value, weight)}: each logged as the weighted mean over the
-  validation set (val/loss among them).
-
-`LanguageModelObjective` (next-token loss, MTP and the sequence balance loss) is `model.objective: lm`;
-training/dpo.py's DpoObjective (preference pairs) is `dpo`.
+  validation set (val/loss among them); `validation_end(metrics)`: values of the whole set (val/ppl).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from step35.model import LossOutput, Step35ForCausalLM
+from step35.model.lora import LoraConfig
 from step35.training.options import check_rules
 
+# model.objective's short names: the built-in objectives, by class path (imported when named).
+OBJECTIVES = {
+    "lm": "step35.training.objective.LanguageModelObjective",
+    "dpo": "step35.training.dpo.DpoObjective",
+}
+DEFAULT_OBJECTIVE = "lm"
+# The module options that hold an objective's own options (each objective reads one: its options_field).
+OPTION_FIELDS = ("dpo", "objective_options")
+
 # Objective options a resume may change (the command line wins; each is reported when it does).
-RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef", "dpo")
+RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef", "dpo", "objective_options")
 
 
 def resume_refusals(saved: dict, hparams: dict) -> list[str]:
     """Why a run cannot resume a checkpoint of another objective (`model.objective`): another objective
-    trains another model from the checkpoint's step on, and the full-fine-tuning DPO reference is the run's
+    trains another model from the checkpoint's step on, and the full-fine-tuning reference is the run's
     start, which a language-model checkpoint never recorded as such."""
-    before, after = saved.get("objective") or "lm", hparams.get("objective") or "lm"
+    before, after = saved.get("objective") or DEFAULT_OBJECTIVE, hparams.get("objective") or DEFAULT_OBJECTIVE
     if before != after:
         return [
             f"model.objective: {before} -> {after}: the checkpoint trained the {before} objective; resume with "
@@ -65,6 +89,108 @@ class StepResult:
         return None if numerator == denominator else numerator / denominator
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What an objective needs from the model and adds to a training step, from its options alone."""
+
+    reference: str | None = None  # None | ADAPTERS_OFF | FROZEN_COPY (training/reference.py)
+    extra_forwards: int = 0  # forwards without gradients per micro-batch beside the policy's (the reference's)
+    activation_factor: float = 1.0  # activations per token kept for backward, relative to the language model's
+    trains_mtp: bool = True  # whether it can train the MTP layers (False: kept as loaded, frozen)
+
+
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What the module's options give an objective: the language model's loss options, model.lora, and the
+    objectives' own option fields as given (`model.dpo`, `model.objective_options`; None: not given)."""
+
+    mtp_loss_weight: float = 0.0
+    moe_aux_loss_coef: float = 0.0
+    loss_chunk_size: int = 1024
+    lora: LoraConfig | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Objective:
+    """The interface of this module's docstring; subclasses set the class attributes and override the parts."""
+
+    name: ClassVar[str] = ""
+    record_kinds: ClassVar[dict[str, str]] = {}  # data format -> what one record of it is
+    sequences_per_record: ClassVar[int] = 1
+    logged: ClassVar[tuple[str, ...]] = ()
+    options_field: ClassVar[str] = "objective_options"
+
+    @classmethod
+    def needs(cls, inputs: ObjectiveInputs) -> Needs:
+        return Needs()
+
+    @classmethod
+    def build(cls, inputs: ObjectiveInputs) -> Objective:
+        """The objective of `inputs`; option fields of other objectives are refused."""
+        for option, value in inputs.options.items():
+            if value is not None and option != cls.options_field:
+                readers = [c.name for c in builtin_objectives() if c.options_field == option]
+                where = f"set model.objective: {' or '.join(readers)}, or drop" if readers else "drop"
+                raise ValueError(f"model.{option} is set but model.objective={cls.name}: {where} model.{option}")
+        return cls.from_inputs(inputs)
+
+    @classmethod
+    def from_inputs(cls, inputs: ObjectiveInputs) -> Objective:
+        raise NotImplementedError
+
+    def check_records(self, batch: dict) -> None:
+        """Refuse a batch of records another objective trains on (marked by a tensor named after its kind)."""
+        for other in builtin_objectives():
+            for kind, what in other.record_kinds.items():
+                if kind in batch and kind not in self.record_kinds:
+                    mine = " / ".join(self.record_kinds)
+                    raise ValueError(
+                        f"the batch holds {what} (`{kind}` ids from data.format: {kind} sources), which "
+                        f"model.objective={self.name} would train on as {mine}: set model.objective: {other.name}, "
+                        f"or give the run {mine} sources"
+                    )
+
+    def validation_end(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Values of the whole validation set, from its logged means `metrics` (none by default)."""
+        return {}
+
+
+def objective_class(name: str) -> type[Objective]:
+    """The Objective class `model.objective` names: a short name of OBJECTIVES or a class path."""
+    path = OBJECTIVES.get(name, name)
+    module, _, attr = path.rpartition(".")
+    known = ", ".join(OBJECTIVES)
+    if not module:
+        raise ValueError(f"model.objective={name!r}: not one of {known}, nor the class path of an Objective")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model.objective={name!r}: cannot import it ({err}); use one of {known}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise ValueError(f"model.objective={name!r} is not an Objective (step35/training/objective.py)")
+    return cls
+
+
+def builtin_objectives() -> list[type[Objective]]:
+    return [objective_class(name) for name in OBJECTIVES]
+
+
+def build_objective(
+    objective: str,
+    dpo: Any = None,
+    *,
+    mtp_loss_weight: float = 0.0,
+    moe_aux_loss_coef: float = 0.0,
+    loss_chunk_size: int = 1024,
+    lora: LoraConfig | None = None,
+    objective_options: Any = None,
+) -> Objective:
+    """The objective `model.objective` names, checked against the module options it cannot use."""
+    options = dict(zip(OPTION_FIELDS, (dpo, objective_options)))
+    inputs = ObjectiveInputs(mtp_loss_weight, moe_aux_loss_coef, loss_chunk_size, lora, options)
+    return objective_class(objective).build(inputs)
+
+
 def labels_of(batch: dict) -> torch.Tensor:
     """batch['labels'] [B, S] (-100 = no loss), default input_ids[:, 1:] of input_ids [B, S + 1]."""
     tokens = batch["input_ids"]
@@ -80,11 +206,18 @@ def labels_of(batch: dict) -> torch.Tensor:
     return labels
 
 
-class LanguageModelObjective:
+class LanguageModelObjective(Objective):
     """Next-token cross-entropy as the mean over every trained token of the optimizer step, plus
     mtp_loss_weight x the mean MTP loss and the sequence balance loss (moe_aux_loss_coef)."""
 
     name = "lm"
+    record_kinds = {"text": "text", "chat": "conversations", "prompt_completion": "prompt/completion records"}
+    logged = ("loss", "lm_loss", "mtp<k>_loss", "aux_loss", "trained_tokens")
+    options_field = ""  # none of its own: model.mtp_loss_weight, moe_aux_loss_coef, loss_chunk_size
+
+    @classmethod
+    def from_inputs(cls, inputs: ObjectiveInputs) -> LanguageModelObjective:
+        return cls(inputs.mtp_loss_weight, inputs.moe_aux_loss_coef, inputs.loss_chunk_size)
 
     def __init__(self, mtp_loss_weight: float = 0.0, moe_aux_loss_coef: float = 0.0, loss_chunk_size: int = 1024):
         check_rules(
@@ -101,13 +234,8 @@ class LanguageModelObjective:
     def forward(self, model: Step35ForCausalLM, batch: dict, training: bool) -> tuple[LossOutput, torch.Tensor]:
         """(LossOutput, labels [B, S]) of a batch: input_ids [B, S + 1], optional labels [B, S] and
         position_ids [B, S] (data.document_masking). MTP and the aux loss only in training. A batch of
-        preference pairs (`preference` ids, data.format: preference) is refused: it is DPO's."""
-        if "preference" in batch:
-            raise ValueError(
-                "the batch holds preference pairs (`preference` ids from data.format: preference sources), "
-                "which model.objective=lm would train on as plain text: set model.objective: dpo, or give "
-                "the run text / chat sources"
-            )
+        another objective's records (e.g. `preference` pairs) is refused (check_records)."""
+        self.check_records(batch)
         labels = labels_of(batch)
         return model.loss(
             batch["input_ids"][:, :-1],
@@ -163,6 +291,11 @@ class LanguageModelObjective:
         weighted by its weight, so val/loss is the mean over every trained token of the validation set."""
         out, _ = self.forward(model, batch, training=False)
         return {"val/loss": (out.lm_loss, int(out.num_tokens))}
+
+    def validation_end(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """val/ppl: the perplexity of the next-token loss over the whole validation set."""
+        loss = metrics.get("val/loss")
+        return {} if loss is None else {"val/ppl": torch.exp(loss.float())}
 
 
 def add_micro_batch(step_sums: torch.Tensor | None, micro_batch: MicroBatch) -> torch.Tensor:

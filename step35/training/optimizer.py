@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,44 +28,163 @@ import torch
 from torch import nn
 
 from step35.schedule import WarmupCosineLR
-from step35.training.muon import Muon, MuonOptions, matrix_role
+from step35.training.muon import EXCHANGE_BYTES, MUON_ROLE, Muon, MuonOptions, matrix_role, step_temporaries
 from step35.training.options import check_rules
 
 # Above this peak lr a warning is printed (see OptimizerOptions.check).
 LR_WARN_ABOVE = 0.1
 
 
-@dataclass(frozen=True)
 class OptimizerKind:
-    """A named optimizer: how it is built from the two param groups, and which group settings step35's
-    own options give it (the ones a resume overwrites with the run's values)."""
+    """A named optimizer, answering what the rest of step35 asks of it (the module builds it, `step35 plan`
+    counts it, a resume overwrites its group settings), so nothing outside this room asks it by name:
+    how it is built from its param groups, which group a parameter goes to and with which settings, and
+    what it keeps and moves beside the parameters (state slots: state_slots_per_group probes them)."""
 
-    build: Callable[[list[dict], OptimizerOptions], torch.optim.Optimizer]
-    group_keys: tuple[str, ...]
+    group_keys: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay")  # the settings step35's options give
+    exchange_label = ""  # what the plan calls its exchange ("" : none)
+
+    def build(self, groups: list[dict], options: OptimizerOptions) -> torch.optim.Optimizer:
+        params = [p for g in groups for p in g["params"]]
+        return torch.optim.AdamW(
+            groups,
+            lr=options.lr,
+            betas=tuple(options.betas),
+            eps=options.eps,
+            foreach=foreach_ok(params),
+            **options.extra,
+        )
+
+    def check(self, options: OptimizerOptions) -> None:
+        """Refuse model.optimizer_options it does not take (AdamW's keyword arguments, less step35's own)."""
+        accepted = set(inspect.signature(torch.optim.AdamW).parameters) - {
+            "params",
+            "lr",
+            "betas",
+            "eps",
+            "weight_decay",
+            "foreach",
+        }
+        unknown = sorted(set(options.extra) - accepted)
+        if unknown:
+            raise ValueError(
+                f"model.optimizer_options={options.extra}: {unknown} are not options of AdamW "
+                f"(accepted: {sorted(accepted)}; lr, betas, eps and weight_decay are model.* options)"
+            )
+
+    def group_settings(self, options: OptimizerOptions) -> list[dict[str, Any]]:
+        """The settings of the two param groups (decayed, then the norms without decay)."""
+        values = {"lr": options.lr, "betas": tuple(options.betas), "eps": options.eps}
+        common = {k: v for k, v in values.items() if k in self.group_keys}
+        if "weight_decay" not in self.group_keys:
+            return [{**common, "name": "decay"}, {**common, "name": "no_decay"}]
+        return [
+            {**common, "weight_decay": options.weight_decay, "name": "decay"},
+            {**common, "weight_decay": 0.0, "name": "no_decay"},
+        ]
+
+    def group_of(self, name: str, shape: tuple[int, ...]) -> int:
+        """The index of the param group a trained parameter goes to: `decay`, or `no_decay` (norm weights)."""
+        return 1 if name.endswith("norm.weight") else 0
+
+    def exchange_bytes(self, group: int) -> int:
+        """Bytes per value of a parameter of `group` sent each way per step to bring whole matrices together
+        (parallel/whole_matrices.py), for a parameter split over ranks; 0: nothing moves."""
+        return 0
+
+    def temporaries(self, trainable_bytes: int, largest_param_bytes: int, foreach: bool) -> int:
+        """Bytes the step holds at once beside the states: a foreach step a copy of all local states (their
+        bytes as the trained parameters'), a per-parameter step about twice the biggest parameter."""
+        return trainable_bytes if foreach else 2 * largest_param_bytes
+
+    def describe_state(self, slots: tuple[float, ...]) -> str:
+        return f"{max(slots):g}x the trained parameters' bytes"
 
 
-def _adamw(groups: list[dict], options: OptimizerOptions) -> torch.optim.AdamW:
-    params = [p for g in groups for p in g["params"]]
-    return torch.optim.AdamW(
-        groups, lr=options.lr, betas=tuple(options.betas), eps=options.eps, foreach=foreach_ok(params), **options.extra
-    )
+class ClassPathOptimizer(OptimizerKind):
+    """Any torch.optim.Optimizer named by its class path, built with lr, weight_decay (when it has one) and
+    model.optimizer_options."""
+
+    def __init__(self, name: str, cls: type[torch.optim.Optimizer], weight_decay: float):
+        defaults = inspect.signature(cls).parameters
+        if weight_decay > 0 and "weight_decay" not in defaults:
+            raise ValueError(
+                f"model.optimizer={name} has no weight_decay, but model.weight_decay={weight_decay}; "
+                "set model.weight_decay 0"
+            )
+        self.cls = cls
+        self.group_keys = ("lr", "weight_decay") if "weight_decay" in defaults else ("lr",)
+
+    def build(self, groups: list[dict], options: OptimizerOptions) -> torch.optim.Optimizer:
+        try:
+            return self.cls(groups, lr=options.lr, **options.extra)
+        except TypeError as err:
+            raise ValueError(
+                f"model.optimizer={options.name} with model.optimizer_options={options.extra}: {err}"
+            ) from None
+
+    def check(self, options: OptimizerOptions) -> None:
+        pass  # its own keyword arguments: checked when it is built
 
 
-def _muon(groups: list[dict], options: OptimizerOptions) -> Muon:
-    return Muon(groups, lr=options.lr, eps=options.eps)  # every group carries its own settings
+class MuonOptimizer(OptimizerKind):
+    """`muon` (training/muon.py): Muon's `muon` group (the matrices matrix_role gives it), then AdamW's
+    `decay` and `no_decay`; its options are model.optimizer_options (MuonOptions)."""
+
+    exchange_label = "Muon"
+
+    def build(self, groups: list[dict], options: OptimizerOptions) -> Muon:
+        return Muon(groups, lr=options.lr, eps=options.eps)  # every group carries its own settings
+
+    def check(self, options: OptimizerOptions) -> None:
+        MuonOptions.of(options.extra)
+
+    def group_settings(self, options: OptimizerOptions) -> list[dict[str, Any]]:
+        muon = MuonOptions.of(options.extra)
+        adamw = {
+            "lr": options.lr if muon.adamw_lr is None else muon.adamw_lr,
+            "betas": tuple(options.betas) if muon.adamw_betas is None else muon.adamw_betas,
+            "eps": options.eps,
+        }
+        matrices = {
+            "name": "muon",
+            "use_muon": True,
+            "lr": options.lr if muon.lr is None else muon.lr,
+            "weight_decay": options.weight_decay if muon.weight_decay is None else muon.weight_decay,
+            **{k: getattr(muon, k) for k in ("momentum", "nesterov", "ns_steps", "coefficients", "lr_adjust")},
+            "ns_dtype": muon.ns_dtype,
+        }
+        return [
+            matrices,
+            {**adamw, "weight_decay": options.weight_decay, "name": "decay"},
+            {**adamw, "weight_decay": 0.0, "name": "no_decay"},
+        ]
+
+    def group_of(self, name: str, shape: tuple[int, ...]) -> int:
+        if matrix_role(name, shape).optimizer == MUON_ROLE:
+            return 0
+        return 2 if name.endswith("norm.weight") else 1
+
+    def exchange_bytes(self, group: int) -> int:
+        return EXCHANGE_BYTES if group == 0 else 0
+
+    def temporaries(self, trainable_bytes: int, largest_param_bytes: int, foreach: bool) -> int:
+        return step_temporaries(largest_param_bytes)
+
+    def describe_state(self, slots: tuple[float, ...]) -> str:
+        return f"{slots[0]:g}x the Muon matrices' bytes (momentum), {slots[1]:g}x the AdamW parameters'"
 
 
-OPTIMIZERS: dict[str, OptimizerKind] = {
-    "adamw": OptimizerKind(_adamw, ("lr", "betas", "eps", "weight_decay")),
-    "muon": OptimizerKind(_muon, ("lr", "betas", "eps", "weight_decay")),
-}
+# model.optimizer's short names (a class path names any other torch.optim.Optimizer).
+OPTIMIZERS: dict[str, OptimizerKind] = {"adamw": OptimizerKind(), "muon": MuonOptimizer()}
+DEFAULT_OPTIMIZER = "adamw"
 
 
 @dataclass(frozen=True)
 class OptimizerOptions:
     """The module's optimisation options (`model.optimizer`, `model.lr`, ...), checked on creation."""
 
-    name: str = "adamw"
+    name: str = DEFAULT_OPTIMIZER
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -84,7 +202,9 @@ class OptimizerOptions:
         if "betas" in hparams:
             values["betas"] = tuple(hparams["betas"])
         return cls(
-            name=hparams.get("optimizer") or "adamw", extra=dict(hparams.get("optimizer_options") or {}), **values
+            name=hparams.get("optimizer") or DEFAULT_OPTIMIZER,
+            extra=dict(hparams.get("optimizer_options") or {}),
+            **values,
         )
 
     def __post_init__(self) -> None:
@@ -112,24 +232,7 @@ class OptimizerOptions:
                 "eps": (self.eps, lambda v: v > 0, "> 0"),
             }
         )
-        self.kind()  # an unknown name or class path: now, not at configure_optimizers
-        if self.name == "muon":
-            MuonOptions.of(self.extra)
-        elif self.name in OPTIMIZERS and self.extra:
-            accepted = set(inspect.signature(torch.optim.AdamW).parameters) - {
-                "params",
-                "lr",
-                "betas",
-                "eps",
-                "weight_decay",
-                "foreach",
-            }
-            unknown = sorted(set(self.extra) - accepted)
-            if unknown:
-                raise ValueError(
-                    f"model.optimizer_options={self.extra}: {unknown} are not options of AdamW "
-                    f"(accepted: {sorted(accepted)}; lr, betas, eps and weight_decay are model.* options)"
-                )
+        self.kind().check(self)  # an unknown name or class path, or options it lacks: now, not at configure_optimizers
         if self.lr > LR_WARN_ABOVE:
             # Legal but almost surely a slip (1e6 for 1e-6): said, not refused, so an experiment can still try it.
             warnings.warn(
@@ -144,61 +247,11 @@ class OptimizerOptions:
         """The named optimizer, or one made from a class path of a torch.optim.Optimizer."""
         if self.name in OPTIMIZERS:
             return OPTIMIZERS[self.name]
-        cls = _optimizer_class(self.name)
-        defaults = inspect.signature(cls).parameters
-        if self.weight_decay > 0 and "weight_decay" not in defaults:
-            raise ValueError(
-                f"model.optimizer={self.name} has no weight_decay, but model.weight_decay="
-                f"{self.weight_decay}; set model.weight_decay 0"
-            )
-        keys = ("lr", "weight_decay") if "weight_decay" in defaults else ("lr",)
-
-        def build(groups: list[dict], options: OptimizerOptions) -> torch.optim.Optimizer:
-            try:
-                return cls(groups, lr=options.lr, **options.extra)
-            except TypeError as err:
-                raise ValueError(
-                    f"model.optimizer={options.name} with model.optimizer_options={options.extra}: {err}"
-                ) from None
-
-        return OptimizerKind(build, keys)
+        return ClassPathOptimizer(self.name, _optimizer_class(self.name), self.weight_decay)
 
     def group_settings(self) -> list[dict[str, Any]]:
-        """The settings of the two param groups (decayed, then the norms without decay), as the optimizer
-        gets them and as a resume restores them."""
-        if self.name == "muon":
-            return self._muon_group_settings()
-        values = {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps}
-        keys = self.kind().group_keys
-        common = {k: v for k, v in values.items() if k in keys}
-        if "weight_decay" not in keys:
-            return [{**common, "name": "decay"}, {**common, "name": "no_decay"}]
-        return [
-            {**common, "weight_decay": self.weight_decay, "name": "decay"},
-            {**common, "weight_decay": 0.0, "name": "no_decay"},
-        ]
-
-    def _muon_group_settings(self) -> list[dict[str, Any]]:
-        """muon's three groups: `muon` (Muon's settings), then AdamW's `decay` and `no_decay`."""
-        muon = MuonOptions.of(self.extra)
-        adamw = {
-            "lr": self.lr if muon.adamw_lr is None else muon.adamw_lr,
-            "betas": tuple(self.betas) if muon.adamw_betas is None else muon.adamw_betas,
-            "eps": self.eps,
-        }
-        matrices = {
-            "name": "muon",
-            "use_muon": True,
-            "lr": self.lr if muon.lr is None else muon.lr,
-            "weight_decay": self.weight_decay if muon.weight_decay is None else muon.weight_decay,
-            **{k: getattr(muon, k) for k in ("momentum", "nesterov", "ns_steps", "coefficients", "lr_adjust")},
-            "ns_dtype": muon.ns_dtype,
-        }
-        return [
-            matrices,
-            {**adamw, "weight_decay": self.weight_decay, "name": "decay"},
-            {**adamw, "weight_decay": 0.0, "name": "no_decay"},
-        ]
+        """The settings of the optimizer's param groups, as it gets them and as a resume restores them."""
+        return self.kind().group_settings(self)
 
 
 def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
@@ -218,24 +271,13 @@ def _optimizer_class(path: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def group_of(optimizer: str, name: str, shape: tuple[int, ...]) -> int:
-    """The index of the param group a trained parameter `name` of `shape` goes to, in the optimizer's
-    group order (group_settings): `decay`, `no_decay` (norm weights); muon: `muon` (the matrices,
-    training/muon.matrix_role) first, then those two."""
-    if optimizer == "muon":
-        if matrix_role(name, shape).optimizer == "muon":
-            return 0
-        return 2 if name.endswith("norm.weight") else 1
-    return 1 if name.endswith("norm.weight") else 0
-
-
 def param_groups(model: nn.Module, options: OptimizerOptions) -> list[dict]:
-    """The trained parameters in their groups (group_of), each with its settings (group_settings)."""
-    settings = options.group_settings()
-    groups = [{"params": [], **values} for values in settings]
+    """The trained parameters in their groups (OptimizerKind.group_of), each with its settings (group_settings)."""
+    kind = options.kind()
+    groups = [{"params": [], **values} for values in kind.group_settings(options)]
     for name, param in model.named_parameters():
         if param.requires_grad:
-            groups[group_of(options.name, name, tuple(param.shape))]["params"].append(param)
+            groups[kind.group_of(name, tuple(param.shape))]["params"].append(param)
     return groups
 
 
@@ -265,7 +307,7 @@ def state_slots(options: OptimizerOptions) -> int:
     """Tensors the size of the parameter that the optimizer keeps per trained parameter (AdamW: exp_avg
     and exp_avg_sq; SGD with momentum: one; without: none), asked of the optimizer itself: one step of it
     on a probe parameter, its state counted; the most of any group (muon: 1 in its `muon` group, AdamW's
-    2 in the others, so 2; the plan counts per group, state_slots_per_group and group_of)."""
+    2 in the others, so 2; the plan counts per group, state_slots_per_group and OptimizerKind.group_of)."""
     return round(max(state_slots_per_group(options)))
 
 
@@ -290,7 +332,8 @@ RESUMABLE = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay"
 
 def resume_refusals(saved: dict[str, Any], hparams: dict[str, Any]) -> list[str]:
     """Why the run's optimizer cannot take the checkpoint's state: another optimizer keeps other state."""
-    before, after = saved.get("optimizer") or "adamw", hparams.get("optimizer") or "adamw"
+    before = saved.get("optimizer") or DEFAULT_OPTIMIZER
+    after = hparams.get("optimizer") or DEFAULT_OPTIMIZER
     if before != after:
         return [
             f"model.optimizer: {before} -> {after}: the checkpoint's optimizer state belongs to {before}; "

@@ -54,12 +54,24 @@ def adapter_params_per_token(s: RunSettings, trained: list[Trained]) -> float:
     return active
 
 
-def speed(
-    s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list[Trained] = (), muon_bytes: float = 0.0
-) -> Speed:
-    """`trained`: the LoRA run's trained tensors (planner.sharded_state), empty for a full fine-tune;
-    `muon_bytes`: what Muon's exchange sends per rank per step (RankState.muon_exchange), charged to the
-    FSDP links once per optimizer step (not per micro-batch)."""
+@dataclass
+class _Links:
+    """Seconds the links take per optimizer step, within a node and between nodes."""
+
+    intra: float = 0.0
+    inter: float = 0.0
+
+    def add(self, sent: float, group: int, devices_per_node: int, device: Device) -> None:
+        """`sent` bytes within a group of `group` consecutive ranks: the share of its peers on other nodes
+        over the inter-node link, the rest within the node."""
+        remote = max(0, group - devices_per_node) / (group - 1)
+        self.inter += sent * remote / (device.inter_node_gbps * 1e9)
+        self.intra += sent * (1 - remote) / (device.intra_node_gbps * 1e9)
+
+
+def flops_per_token(s: RunSettings, trained: list[Trained]) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per token: 6N + attention, LoRA's adapters instead of the base's weight
+    gradients, plus what activation checkpointing recomputes."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
@@ -70,64 +82,73 @@ def speed(
         fpt = attention + (fpt - attention) * 4 / 6 + 6 * adapters
         forward += 2 * adapters
     if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)
-        hw = fpt + forward - 2 * cfg.vocab_size * cfg.hidden_size
-    elif s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
-        hw = fpt + attention / 3
-    else:
-        hw = fpt
-    micro_batches = s.accumulate_grad_batches
-    tokens = s.tokens_per_rank
+        return fpt, fpt + forward - 2 * cfg.vocab_size * cfg.hidden_size
+    if s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
+        return fpt, fpt + attention / 3
+    return fpt, fpt
+
+
+def all_to_all_bytes(s: RunSettings) -> float:
+    """Expert all-to-all per rank per step: each MoE layer sends its routed rows away and back in forward,
+    twice more in backward, and once more each way when full checkpointing replays the forward (selective
+    keeps the all-to-all results, so its replay communicates nothing)."""
+    cfg, ep = s.model_config, s.expert_parallel_size
+    if not cfg.use_moe or ep == 1:
+        return 0.0
+    per_call = s.tokens_per_rank * cfg.moe_top_k * cfg.hidden_size * _bytes(s.compute_dtype) * (ep - 1) / ep
+    calls = 4 + (2 if s.activation_checkpointing == "full" else 0)
+    return per_call * calls * len(cfg.moe_layer_ids) * s.accumulate_grad_batches
+
+
+def fsdp_bytes(s: RunSettings, groups: list[FsdpGroup]) -> tuple[float, float]:
+    """(all-gathered, reduce-scattered) bytes per rank per step of the FSDP groups that run."""
     a, r = _bytes(s.compute_dtype), _bytes(s.reduce_dtype or s.compute_dtype)
-    dpn, nodes = s.devices_per_node, s.num_nodes
-    intra = inter = 0.0
+    gather = reduce = 0.0
+    for g in groups:
+        if not g.runs or g.ranks == 1:
+            continue
+        share = (g.ranks - 1) / g.ranks
+        times = 2 if (s.reshard_after_forward and g.name != "root") else 1
+        gather += g.unsharded_numel * a * share * times * s.accumulate_grad_batches
+        reduce += g.grad_numel * r * share * s.accumulate_grad_batches  # LoRA: adapters and full targets only
+    return gather, reduce
 
-    # Expert all-to-all: each MoE layer sends its routed rows away and back in forward, twice more in
-    # backward, and once more each way when full checkpointing replays the forward (selective keeps
-    # the all-to-all results, so its replay communicates nothing).
-    ep = s.expert_parallel_size
-    a2a = 0.0
-    if cfg.use_moe and ep > 1:
-        per_call = tokens * cfg.moe_top_k * cfg.hidden_size * a * (ep - 1) / ep
-        calls = 4 + (2 if s.activation_checkpointing == "full" else 0)
-        a2a = per_call * calls * len(cfg.moe_layer_ids) * micro_batches
-        remote = max(0, ep - dpn) / (ep - 1)  # share of the ep peers on other nodes (contiguous ranks)
-        inter += a2a * remote / (device.inter_node_gbps * 1e9)
-        intra += a2a * (1 - remote) / (device.intra_node_gbps * 1e9)
 
+def speed(
+    s: RunSettings, groups: list[FsdpGroup], device: Device, trained: list[Trained] = (), muon_bytes: float = 0.0
+) -> Speed:
+    """`trained`: the LoRA run's trained tensors (planner.sharded_state), empty for a full fine-tune;
+    `muon_bytes`: what the optimizer's exchange sends per rank per step (RankState.muon_exchange), charged
+    to the FSDP links once per optimizer step (not per micro-batch)."""
+    cfg = s.model_config
+    fpt, hw = flops_per_token(s, trained)
+    links = _Links()
+    a2a = all_to_all_bytes(s)
+    if a2a:
+        links.add(a2a, s.expert_parallel_size, s.devices_per_node, device)  # contiguous ranks
     # Context parallelism: the K/V exchange of every attention layer (plan/context.py), within the cp
     # group: cp consecutive ranks, on one node when cp <= devices per node.
     cp = s.context_parallel_size
-    layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + mtp)]
-    context = (
-        communication_bytes(
-            cfg, layers, s.micro_batch_size, s.seq_len, cp, a, replay=s.activation_checkpointing == "full"
-        )
-        * micro_batches
+    layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + (s.num_mtp_layers if s.train_mtp else 0))]
+    replay = s.activation_checkpointing == "full"
+    context = communication_bytes(
+        cfg, layers, s.micro_batch_size, s.seq_len, cp, _bytes(s.compute_dtype), replay=replay
     )
+    context *= s.accumulate_grad_batches
     if cp > 1:
-        remote = max(0, cp - dpn) / (cp - 1)
-        inter += context * remote / (device.inter_node_gbps * 1e9)
-        intra += context * (1 - remote) / (device.intra_node_gbps * 1e9)
-
-    gather = reduce = 0.0
+        links.add(context, cp, s.devices_per_node, device)
+    gather, reduce = fsdp_bytes(s, groups) if s.sharded else (0.0, 0.0)
     if s.sharded:
-        for g in groups:
-            if not g.runs or g.ranks == 1:
-                continue
-            share = (g.ranks - 1) / g.ranks
-            times = 2 if (s.reshard_after_forward and g.name != "root") else 1
-            gather += g.unsharded_numel * a * share * times * micro_batches
-            reduce += g.grad_numel * r * share * micro_batches  # LoRA: adapters and full targets only
-        link = device.inter_node_gbps if nodes > 1 else device.intra_node_gbps
+        link = device.inter_node_gbps if s.num_nodes > 1 else device.intra_node_gbps
         t = (gather + reduce + muon_bytes) / (link * 1e9)
-        if nodes > 1:
-            inter += t
+        if s.num_nodes > 1:
+            links.inter += t
         else:
-            intra += t
-    step_tokens = tokens * micro_batches
+            links.intra += t
+    step_tokens = s.tokens_per_rank * s.accumulate_grad_batches
     compute = step_tokens * hw / (device.peak_tflops * 1e12)
-    overlapped = max(compute, intra, inter)
-    serial = compute + intra + inter
+    overlapped = max(compute, links.intra, links.inter)
+    serial = compute + links.intra + links.inter
     useful = step_tokens * fpt / (device.peak_tflops * 1e12)
     return Speed(
         fpt,
@@ -136,8 +157,8 @@ def speed(
         a2a,
         gather,
         reduce,
-        intra,
-        inter,
+        links.intra,
+        links.inter,
         compute,
         overlapped,
         serial,

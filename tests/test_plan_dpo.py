@@ -87,3 +87,23 @@ def test_the_196b_lora_dpo_recipe_is_the_fewest_h200_that_fit(step35_here):
     code, out, err = step35_here("fit", "--config", DPO_RECIPE, "--print_config")
     assert code == 0, err[-3000:]
     assert "objective: dpo" in out and "format: preference" in out and "devices: 4" in out
+
+
+def test_the_reference_forward_is_in_the_step_time_not_in_the_model_flops():
+    """The objective's forward without gradients (Objective.needs: DPO's reference, 1 per micro-batch) costs a
+    forward's FLOPs (2 x parameters per token + attention's third), all-to-all calls (2 per MoE layer) and an
+    all-gather of every group; reference_free runs none."""
+    from step35.plan.devices import DEVICES
+    from step35.plan.planner import make_plan
+
+    def plan(*extra, objective="dpo"):
+        args = ("--model.mtp_loss_weight", "0", *extra)
+        s = settings(*args, world=2, ep=2, objective=objective)
+        return s, make_plan(s, DEVICES["h100"], allocator_margin=0.1).speed
+
+    (s, lm), (_, dpo), (_, free) = plan(objective="lm"), plan(), plan("--model.dpo", "{reference_free: true}")
+    assert s.objective_needs.extra_forwards == 0 and free == lm
+    assert dpo.flops_per_token == lm.flops_per_token  # the MFU numerator: the policy's training only
+    assert dpo.hardware_flops_per_token == pytest.approx(lm.hardware_flops_per_token * 4 / 3, rel=1e-12)
+    assert dpo.all_to_all_bytes == pytest.approx(lm.all_to_all_bytes * 6 / 4, rel=1e-12)
+    assert dpo.fsdp_gather_bytes > lm.fsdp_gather_bytes and dpo.fsdp_reduce_bytes == lm.fsdp_reduce_bytes

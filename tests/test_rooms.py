@@ -9,7 +9,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from step35.training.objective import OBJECTIVES
+import pytest
+
+from step35.training.objective import (
+    OBJECTIVES,
+    LanguageModelObjective,
+    Needs,
+    ObjectiveInputs,
+    build_objective,
+)
 from step35.training.optimizer import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +79,36 @@ def test_the_checker_finds_each_way_of_comparing_a_name():
 def test_the_registries_name_the_built_ins():
     # What the grep above is made of: if a registry moved or emptied, the test would pass on nothing.
     assert {"lm", "dpo"} <= set(OBJECTIVES) and {"adamw", "muon"} <= set(OPTIMIZERS)
+
+
+class TwiceTheActivations(LanguageModelObjective):
+    """An objective from outside step35, named by its class path: the language model keeping twice the
+    activations per token (what the plan must read from it, not from a name)."""
+
+    name = "tests.test_rooms.TwiceTheActivations"
+
+    @classmethod
+    def needs(cls, inputs: ObjectiveInputs) -> Needs:
+        return Needs(activation_factor=2.0)
+
+
+def test_a_class_path_objective_is_built_and_planned_by_what_it_declares():
+    from step35.plan.devices import DEVICES
+    from step35.plan.planner import make_plan
+    from step35.plan.settings import read_settings
+
+    path = "tests.test_rooms.TwiceTheActivations"
+    built = build_objective(path)  # imported by its path (pytest may hold this file under another module name)
+    assert type(built).__name__ == "TwiceTheActivations" and isinstance(built, LanguageModelObjective)
+    with pytest.raises(
+        ValueError, match=r"model.dpo is set but model.objective=tests.test_rooms.Twice.*drop model.dpo"
+    ):
+        build_objective(path, {"beta": 0.1})
+    with pytest.raises(ValueError, match=r"model.objective='nowhere.Objective': cannot import it"):
+        build_objective("nowhere.Objective")
+
+    def activations(*objective: str) -> int:
+        s = read_settings(["--config", str(ROOT / "configs" / "tiny.yaml"), *objective])
+        return make_plan(s, DEVICES["h100"], allocator_margin=0.1).activations.total
+
+    assert activations("--model.objective", path) == pytest.approx(2 * activations(), abs=2)

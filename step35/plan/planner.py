@@ -198,6 +198,14 @@ def with_adapter_activations(act: ActivationEstimate, s: RunSettings, trained: l
     return ActivationEstimate(act.mode, total, parts, recompute, act.largest_layer + largest)
 
 
+def scaled(act: ActivationEstimate, factor: float) -> ActivationEstimate:
+    """`act` with every part times `factor` (an objective's activations per token against the LM's)."""
+    parts = {k: int(v * factor) for k, v in act.parts.items()}
+    return ActivationEstimate(
+        act.mode, int(act.total * factor), parts, int(act.recompute * factor), int(act.largest_layer * factor)
+    )
+
+
 def make_plan(
     s: RunSettings,
     device: Device,
@@ -220,6 +228,8 @@ def make_plan(
     )
     if s.lora is not None:
         act = with_adapter_activations(act, s, sharded.trained)
+    if s.objective_needs.activation_factor != 1:  # the objective keeps more (or less) per token than the LM's
+        act = scaled(act, s.objective_needs.activation_factor)
     t = transients(s, state, groups)
     phase_list = phases(s, state, t, act)
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB

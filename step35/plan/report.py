@@ -10,6 +10,13 @@ import torch
 from step35.kernels.sequence_split import rank_tokens
 from step35.plan.lora import activations_per_token
 from step35.plan.planner import GiB, Plan, activation_shape
+from step35.training.reference import ADAPTERS_OFF, FROZEN_COPY
+
+_REFERENCE = {
+    None: "no reference",
+    ADAPTERS_OFF: "the reference: the policy with its adapters off",
+    FROZEN_COPY: "the reference: its frozen copy",
+}
 
 
 def _gib(n: float) -> str:
@@ -129,6 +136,11 @@ def _run_lines(p: Plan) -> list[str]:
         )
     if s.carried is not None:
         lines.append(f"vision     {s.carried.describe()}")
+    if s.objective_needs.extra_forwards:
+        lines.append(
+            f"objective  {s.objective}: {s.objective_needs.extra_forwards} forward(s) without gradients per "
+            f"micro-batch beside the policy's ({_REFERENCE[s.objective_needs.reference]})"
+        )
     return lines + [f"note       {n}" for n in s.notes]
 
 

@@ -71,7 +71,7 @@ class _Links:
 
 def flops_per_token(s: RunSettings, trained: list[Trained]) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per token: 6N + attention, LoRA's adapters instead of the base's weight
-    gradients, plus what activation checkpointing recomputes."""
+    gradients, plus what activation checkpointing recomputes and the objective's forwards without gradients."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     fpt = training_flops_per_token(cfg, s.seq_len, mtp)
@@ -81,34 +81,39 @@ def flops_per_token(s: RunSettings, trained: list[Trained]) -> tuple[float, floa
         adapters = adapter_params_per_token(s, list(trained))
         fpt = attention + (fpt - attention) * 4 / 6 + 6 * adapters
         forward += 2 * adapters
+    # The objective's forwards without gradients (DPO's reference) run on the hardware, not in the model FLOPs.
+    extra = s.objective_needs.extra_forwards * forward
     if s.activation_checkpointing == "full":  # the blocks' forward once more (all but the lm_head)
-        return fpt, fpt + forward - 2 * cfg.vocab_size * cfg.hidden_size
+        return fpt, fpt + forward - 2 * cfg.vocab_size * cfg.hidden_size + extra
     if s.activation_checkpointing == "selective":  # attention kernels outside the saved set recompute
-        return fpt, fpt + attention / 3
-    return fpt, fpt
+        return fpt, fpt + attention / 3 + extra
+    return fpt, fpt + extra
 
 
 def all_to_all_bytes(s: RunSettings) -> float:
     """Expert all-to-all per rank per step: each MoE layer sends its routed rows away and back in forward,
     twice more in backward, and once more each way when full checkpointing replays the forward (selective
-    keeps the all-to-all results, so its replay communicates nothing)."""
+    keeps the all-to-all results, so its replay communicates nothing) or the objective runs a forward
+    without gradients (DPO's reference)."""
     cfg, ep = s.model_config, s.expert_parallel_size
     if not cfg.use_moe or ep == 1:
         return 0.0
     per_call = s.tokens_per_rank * cfg.moe_top_k * cfg.hidden_size * _bytes(s.compute_dtype) * (ep - 1) / ep
-    calls = 4 + (2 if s.activation_checkpointing == "full" else 0)
+    calls = 4 + (2 if s.activation_checkpointing == "full" else 0) + 2 * s.objective_needs.extra_forwards
     return per_call * calls * len(cfg.moe_layer_ids) * s.accumulate_grad_batches
 
 
 def fsdp_bytes(s: RunSettings, groups: list[FsdpGroup]) -> tuple[float, float]:
-    """(all-gathered, reduce-scattered) bytes per rank per step of the FSDP groups that run."""
+    """(all-gathered, reduce-scattered) bytes per rank per step of the FSDP groups that run; each of the
+    objective's forwards without gradients gathers every group once more (the reference copy, sharded as
+    the policy, or the policy with its adapters off)."""
     a, r = _bytes(s.compute_dtype), _bytes(s.reduce_dtype or s.compute_dtype)
     gather = reduce = 0.0
     for g in groups:
         if not g.runs or g.ranks == 1:
             continue
         share = (g.ranks - 1) / g.ranks
-        times = 2 if (s.reshard_after_forward and g.name != "root") else 1
+        times = (2 if (s.reshard_after_forward and g.name != "root") else 1) + s.objective_needs.extra_forwards
         gather += g.unsharded_numel * a * share * times * s.accumulate_grad_batches
         reduce += g.grad_numel * r * share * s.accumulate_grad_batches  # LoRA: adapters and full targets only
     return gather, reduce

@@ -67,6 +67,8 @@ HF_BOOKKEEPING_KEYS = frozenset(
 class ConfigError(ValueError):
     """A config.json (or preset) that cannot describe a working model; the message names the field."""
 
+    step35_refusal = True  # said in one line, without a traceback (step35.faults)
+
 
 class ConfigWarning(UserWarning):
     """A config.json that is read, but with something the user should know (keys step35 does not use)."""

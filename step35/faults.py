@@ -481,13 +481,11 @@ class Preempted(SystemExit):
 
 
 def _is_refusal(exception: BaseException) -> bool:
-    """One of step35's refusals of its input (a config, a checkpoint, a run folder): the message names what is
-    wrong and what to do, and the code that raised it is no news to the user."""
-    from step35.checkpoint.errors import CheckpointError
-    from step35.config import ConfigError
-    from step35.run.lock import RunFolderBusy
-
-    return isinstance(exception, (ConfigError, CheckpointError, RunFolderBusy))
+    """One of step35's refusals of its input (a config, a checkpoint, a run folder, a chat template): the message
+    names what is wrong and what to do, and the code that raised it is no news to the user. Such error classes
+    say so themselves (`step35_refusal = True`: ConfigError, CheckpointError, RunFolderBusy, ChatTemplateError),
+    so this module, below them all, imports none of them."""
+    return bool(getattr(exception, "step35_refusal", False))
 
 
 class RunStopped(RuntimeError):

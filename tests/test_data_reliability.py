@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from step35.config import ConfigError
 from step35.data import Step35DataModule
 from step35.data.bad_records import BadRecordError, BadRecords, BadRecordWarning
 from step35.data.chat_messages import ChatTemplateError
@@ -63,7 +62,7 @@ def test_a_template_over_the_cap_is_refused_naming_its_source(tmp_path):
 
     override = tmp_path / "override.jinja"
     override.write_text(source)
-    with pytest.raises(ConfigError, match=re.escape(f"data.chat_template: chat template from {override}: {cap}")):
+    with pytest.raises(ChatTemplateError, match=re.escape(f"data.chat_template: chat template from {override}: {cap}")):
         resolve_template(tmp_path, str(override))
 
 

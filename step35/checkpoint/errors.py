@@ -5,6 +5,8 @@ every checkpoint module may use it)."""
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is: the message names the file (or tensor) and what is wrong."""
 
+    step35_refusal = True  # said in one line, without a traceback (step35.faults)
+
 
 def raise_together(check):
     """Run `check()` on every rank; when it raises a CheckpointError on any rank, raise that error on

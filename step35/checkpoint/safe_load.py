@@ -29,6 +29,7 @@ live only in this module; when torch moves one, the error says so and points her
 
 from __future__ import annotations
 
+import errno
 import importlib
 import io
 import pathlib
@@ -328,3 +329,30 @@ def check_finite(named: Iterable[tuple[str, torch.Tensor]], source: str | Path) 
                 f"{source}: tensor {name} holds {kind} ({bad} of {tensor.numel()} values "
                 f"not finite); refusing to load it"
             )
+
+
+def open_safetensors(file: Path):
+    """`safe_open(file)` for torch (use it in a `with`), a file that cannot be opened refused in one line
+    naming it and what to do. safetensors maps the whole file at open: a map refused by the process's limits is
+    told apart from a damaged header (bad length, truncated JSON), which says nothing about the file's bytes."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors' SafetensorError, MemoryError, OSError
+        raise CheckpointError(unopenable(file, e)) from None
+
+
+def unopenable(file: Path, error: Exception) -> str:
+    """The one line for a safetensors file that could not be opened (`open_safetensors`)."""
+    cause = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "mmap" in str(error) or getattr(error, "errno", None) == errno.ENOMEM:
+        size = f"{file.stat().st_size / 2**30:.1f} GiB" if file.is_file() else "its size"
+        return (
+            f"{file}: cannot be mapped into memory ({cause}): mapping {size} exceeds this process's limit "
+            "(ulimit -v, a container's memory limit or vm.overcommit_memory=2); raise the limit for it"
+        )
+    return (
+        f"{file}: unreadable safetensors file ({cause}); its header is damaged or the file is cut short: "
+        "download or copy it again"
+    )

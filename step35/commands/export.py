@@ -34,6 +34,7 @@ from step35.commands.function_cli import run_function
 from step35.config import load_config
 from step35.run import RunFolder
 from step35.run.layout import CHECKPOINTS
+from step35.run.lock import live_holder
 from step35.run.resolution import read_checkpoint
 
 
@@ -94,7 +95,8 @@ def export(
             the one --ckpt_path last resumes).
         out: the HF folder to write. An existing one is replaced atomically when step35 wrote it (an export);
             anything else only with --overwrite. Never the checkpoint, its run folder or its entries, the LoRA
-            base or any folder the export reads, nor a folder holding one.
+            base or any folder the export reads, nor a folder holding one, nor a live run's folder (its lock
+            held) or one holding it.
         dtype: dtype of the exported weights (router_bias stays float32); default: the config's torch_dtype.
             float8_e4m3fn writes the FP8 releases' layout: matrices block-quantised with float32 inverse scales
             <name>_scale_inv (the start folder's block, else 128 x 128), the embedding, LM heads, router and norms
@@ -128,6 +130,12 @@ def export(
         )
 
     check_not_adapter_folder(checkpoint, "--checkpoint")
+    holder = live_holder(out) if Path(out).is_dir() else None
+    if holder:  # its lock is proof of life: replacing the folder would delete a running job's saves and logs
+        raise CheckpointError(
+            f"--out {out} is, or holds, the folder of a live run ({holder}): refused, even with --overwrite; "
+            "choose another --out, or wait for that run to end"
+        )
     try:
         done = read_checkpoint(checkpoint, export_from, say)
     except CheckpointError:

@@ -30,6 +30,8 @@ IMAGE_PARTS = ("image", "image_url", "input_image", "video", "video_url")
 class ChatTemplateError(ValueError):
     """A conversation or chat template that cannot be rendered or masked; the message names where."""
 
+    step35_refusal = True  # at fit start: said in one line, without a traceback (step35.faults)
+
 
 class ImagesNotSupported(NotImplementedError):
     """A conversation with image or video content. Not a bad record (a ValueError, skipped and counted): data made

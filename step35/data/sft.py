@@ -221,11 +221,10 @@ def resolve_template(tokenizer_folder: Path, chat_template: str | None) -> tuple
     """(the chat template conversations are rendered with, or None; the error to give when one is needed and
     there is none). `data.chat_template` wins; then the tokenizer folder's own (the built-in tokenizer's
     folder carries step35's default template: builtin.py)."""
-    from step35.config import ConfigError
     from step35.data.chat_template import ChatTemplate
 
     # A template that cannot be used at all (over the size cap, a chat_template field of the wrong kind) is a
-    # refusal of the run's input, said in one line (a ConfigError), not a failure with a traceback.
+    # refusal of the run's input, said in one line (ChatTemplateError is a refusal), not a failure with a traceback.
     try:
         if chat_template:
             path = Path(chat_template).expanduser()
@@ -234,7 +233,9 @@ def resolve_template(tokenizer_folder: Path, chat_template: str | None) -> tuple
             return ChatTemplate.from_file(path), ""
         template = ChatTemplate.from_folder(tokenizer_folder)
     except ChatTemplateError as error:
-        raise ConfigError(f"data.chat_template: {error}" if chat_template else str(error)) from None
+        if chat_template:
+            raise ChatTemplateError(f"data.chat_template: {error}") from None
+        raise
     missing = (
         f"the tokenizer folder {str(tokenizer_folder)!r} has no chat template (no chat_template.jinja, no"
         " chat_template in tokenizer_config.json): set data.chat_template to a .jinja file"

@@ -59,6 +59,8 @@ os.register_at_fork(after_in_child=_close_in_child)
 class RunFolderBusy(RuntimeError):
     """Another live job owns the run folder."""
 
+    step35_refusal = True  # said in one line, without a traceback (step35.faults)
+
 
 class RunFolderFull(RunFolderBusy):
     """The run folder's filesystem has no room for its lock file: refused as a busy folder is (one line, on every

@@ -12,7 +12,6 @@ sibling, index, config.json, a manifest of the weight files, then an atomic publ
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -28,7 +27,7 @@ from step35.checkpoint.hf.fp8 import QUANTIZATION_KEY, BlockScales, pair_scales,
 from step35.checkpoint.hf.release import Layout, layout_of
 from step35.checkpoint.integrity import MANIFEST, write_manifest
 from step35.checkpoint.publish import check_not_interrupted, partial_path, publish
-from step35.checkpoint.safe_load import leaves_folder
+from step35.checkpoint.safe_load import leaves_folder, open_safetensors, unopenable
 from step35.config import Step35Config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,33 +55,6 @@ class TensorInfo:
     dtype: torch.dtype
     key: str  # its name in `file` (a Step-3.7 folder may store a model tensor under another prefix: release.py)
     scales: BlockScales | None = None  # an FP8-stored tensor's per-block inverse scales (fp8.py), read dequantised
-
-
-def open_safetensors(file: Path):
-    """`safe_open(file)` for torch (use it in a `with`), a file that cannot be opened refused in one line
-    naming it and what to do. safetensors maps the whole file at open: a map refused by the process's limits is
-    told apart from a damaged header (bad length, truncated JSON), which says nothing about the file's bytes."""
-    from safetensors import safe_open
-
-    try:
-        return safe_open(file, framework="pt")
-    except Exception as e:  # safetensors' SafetensorError, MemoryError, OSError
-        raise CheckpointError(unopenable(file, e)) from None
-
-
-def unopenable(file: Path, error: Exception) -> str:
-    """The one line for a safetensors file that could not be opened (`open_safetensors`)."""
-    cause = f"{type(error).__name__}: {error}"
-    if isinstance(error, MemoryError) or "mmap" in str(error) or getattr(error, "errno", None) == errno.ENOMEM:
-        size = f"{file.stat().st_size / 2**30:.1f} GiB" if file.is_file() else "its size"
-        return (
-            f"{file}: cannot be mapped into memory ({cause}): mapping {size} exceeds this process's limit "
-            "(ulimit -v, a container's memory limit or vm.overcommit_memory=2); raise the limit for it"
-        )
-    return (
-        f"{file}: unreadable safetensors file ({cause}); its header is damaged or the file is cut short: "
-        "download or copy it again"
-    )
 
 
 def tensor_locations(path: str | Path) -> dict[str, Path]:

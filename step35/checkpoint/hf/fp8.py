@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from step35.checkpoint.errors import CheckpointError
+from step35.checkpoint.safe_load import open_safetensors
 from step35.config import WRAPPING_FAMILIES
 
 QUANTIZATION_KEY = "quantization_config"
@@ -178,7 +179,6 @@ def pair_scales(folder: str | Path, infos: dict) -> dict:
 def read_dequantized(handle, info, index: tuple[slice, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """The slice `index` of the FP8 tensor `info` (open in `handle`, a safetensors file), dequantised into
     `dtype`, and the bytes read: the FP8 slice and the rows and columns of the scale grid covering it."""
-    from step35.checkpoint.hf.folder import open_safetensors  # folder.py imports this module
 
     block = info.scales.block
     *leading, rows, cols = index
@@ -270,7 +270,6 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 
 def read_whole(info, dtype: torch.dtype) -> torch.Tensor:
     """The whole FP8 tensor `info`, dequantised into `dtype` (an export's carried tensors, a LoRA run's base)."""
-    from step35.checkpoint.hf.folder import open_safetensors  # folder.py imports this module
 
     with open_safetensors(info.file) as handle:
         value, _ = read_dequantized(handle, info, tuple(slice(0, n) for n in info.shape), dtype)

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from step35.checkpoint.errors import raise_together
-from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos, open_safetensors
+from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos
 from step35.checkpoint.hf.fp8 import read_dequantized
 from step35.checkpoint.integrity import verify_on_all_ranks
-from step35.checkpoint.safe_load import check_finite
+from step35.checkpoint.safe_load import check_finite, open_safetensors
 from step35.config import Step35Config
 from step35.model.init import init_tensor
 from step35.model.lora import is_adapter

@@ -25,8 +25,7 @@ every path read from the checkpoint is reported: nothing is silently kept or tak
 
 Where an export may write (`check_out`, before anything is written): `out` replaces only an HF or
 PEFT folder step35 wrote (its step35 manifest says so), or anything with `overwrite`; never, even
-with `overwrite`, the folder of a live run (its lock held: `run.lock.live_holder`) or one holding it,
-nor what the export reads (the checkpoint, its run folder, the LoRA run's base, the
+with `overwrite`, what the export reads (the checkpoint, its run folder, the LoRA run's base, the
 folder the run started from, --source, --tokenizer, --model_config), a folder holding one of them,
 a path inside one of them, nor an existing entry of the run folder (its checkpoints, logs and
 config; a new name there, e.g. `runs/x/hf`, is fine). Before writing, the partial copies that killed
@@ -64,7 +63,6 @@ from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trained import TrainedCheckpoint, open_checkpoint
 from step35.config import Step35Config
 from step35.model.lora import is_adapter, is_full_target
-from step35.run.lock import live_holder
 
 # Model card and licence files, by the names the Hugging Face hub gives them.
 CARD_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "NOTICE", "USE_POLICY.md")
@@ -321,12 +319,6 @@ def check_out(
     out = Path(out)
     if not (out.exists() or out.is_symlink()):
         return None
-    holder = live_holder(out) if out.is_dir() else None
-    if holder:  # its lock is proof of life: replacing the folder would delete a running job's saves and logs
-        raise CheckpointError(
-            f"--out {out} is, or holds, the folder of a live run ({holder}): refused, even with --overwrite; "
-            "choose another --out, or wait for that run to end"
-        )
     if is_step35_export(out):
         return f"replaced the previous step35 export at {out}"
     if overwrite:

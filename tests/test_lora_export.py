@@ -11,7 +11,6 @@ import functools
 import json
 import shutil
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,6 +23,7 @@ from step35.cli import main
 from step35.commands.generate import load_generator
 from step35.model import build_model
 from step35.model.lora import LoraError, merged_weight
+from tests.helpers import checkpointed_fit
 
 TARGETS = ["attention", "mlp", "shared_expert", "experts", "mtp", "router"]
 MTP_WEIGHT = 0.3
@@ -33,9 +33,6 @@ MTP_WEIGHT = 0.3
 def lora_run(tmp_path_factory, builtin_cache):
     """A tiny LoRA run of 3 steps (every adapter kind, MTP and a full-trained router; alpha != rank and
     an expert rank of its own, so each scale differs), saved as a run folder. Returns (run, model)."""
-    from step35.callbacks import RunCheckpoint
-    from step35.checkpoint.training.plugin import Step35CheckpointIO
-    from step35.data import Step35DataModule
     from step35.module import Step35LightningModule
 
     run = tmp_path_factory.mktemp("lora-run")
@@ -46,19 +43,7 @@ def lora_run(tmp_path_factory, builtin_cache):
         lr=2e-2,
         warmup_steps=1,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=run,
-        plugins=[Step35CheckpointIO()],
-        callbacks=[RunCheckpoint(every_n_train_steps=3)],
-    )
-    trainer.fit(module, datamodule=Step35DataModule(seq_len=32, micro_batch_size=2, cache_dir=str(builtin_cache)))
+    checkpointed_fit(module, run, builtin_cache, steps=3, every=3)
     return run, module.model.eval()
 
 

@@ -2,11 +2,13 @@
 `from tests.helpers import X` whichever module holds X:
 
 - models: the tiny config every test starts from, randomised tiny models, the hand RoPE frequencies;
-- readers: what runs leave (wandb records, TensorBoard events, CSV metrics, checkpoints), compared to the bit;
-- run_configs: the YAML run configs of the run-folder and chaos tests;
+- readers: what runs leave (wandb records, TensorBoard events, CSV metrics, checkpoints, HF tensors), compared
+  to the bit;
+- run_configs: the YAML run configs of the run-folder and chaos tests, the command line of a quick tiny run;
 - training: `make_trainer`, the one Trainer builder, and the runs in this process several files share;
 - context_parallel: a cp shard simulated in one process;
-- tokenizers, data, chat, chat_templates: tokenizers, data files and token streams, chat data and templates;
+- tokenizers, data, chat, chat_templates: tokenizers, data files, token streams and records, chat data and
+  templates;
 - step37: tiny Step-3.7-Flash folders;
 - files: a flipped bit, a small filesystem.
 

@@ -1,6 +1,7 @@
 """Training in this process: `make_trainer`, the one builder of the tests' Lightning Trainers (one CPU
-device, no logger, no progress bar, no model summary, no validation; a test passes what differs), and the
-runs several test files share: a LoRA run on an HF base and one step from an HF folder."""
+device, no logger, no progress bar, no model summary, no validation; a test passes what differs); the
+Trainer arguments that save as the CLI does (a file or a sharded folder); and the runs several test files share:
+a run saved as a run folder, a LoRA run on an HF base, one step from an HF folder."""
 
 from __future__ import annotations
 

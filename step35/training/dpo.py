@@ -25,8 +25,9 @@ fine-tuning a frozen copy made by the one training setup, sharded as the policy.
 `precompute_reference` (refused): a first pass over the data with its log-probabilities kept beside the
 stream position would need the data side to store per-pair values across resumes and re-epochs and a
 whole extra pass before step 1; a sharded frozen copy costs the parameter bytes in its dtype
-(training/reference.py: param_dtype, else the stored dtype) divided over the ranks (counted by `step35 plan`), no optimizer state and no gradients, which is about
-1/8 of what the policy already holds with AdamW (fp32 weights, gradients and two moments).
+(training/reference.py: param_dtype, else the stored dtype) divided over the ranks (counted by `step35
+plan`), no optimizer state and no gradients: about 1/4 (fp32) or 1/8 (bf16) of what the policy already
+holds with AdamW (fp32 weights, gradients and two moments).
 """
 
 from __future__ import annotations

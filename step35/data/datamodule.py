@@ -13,13 +13,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
-from step35.data.builtin_chat import builtin_chat_path, builtin_preference_path
 from step35.data.chat_messages import check_train_choice
+from step35.data.formats import DATA_FORMATS, FORMATS, check_not_mixed, format_of
 from step35.data.packing import document_positions
-from step35.data.preference import check_not_mixed
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
-from step35.data.sft import FORMATS, OVERLONG, resolve_template
+from step35.data.sft import OVERLONG, resolve_template
 from step35.data.sources import Holdout, Source
 from step35.data.spec import TXT_MODES, SourceSpec, open_source
 from step35.data.stream import TokenWindows
@@ -44,9 +43,10 @@ class Step35DataModule(pl.LightningDataModule):
         files: Training text (short form of `sources`): paths, folders or globs (`**` recurses) of .jsonl, .json,
             .txt, .md, .parquet and .arrow files, or `save_to_disk` folders. Without `weights` all of them form
             one source; with `weights` each entry is its own source. No `files`, `sources` or `hub_dataset`:
-            the built-in corpus (Python's own documentation), or with `format: chat` the built-in
-            conversations made from it (questions answered with its paragraphs; builtin_chat.py), or with
-            `format: preference` the built-in preference pairs made from those (builtin_chat.py).
+            the built-in corpus (Python's own documentation), or the built-in records of `format` where it
+            has some (formats.py): with `format: chat` the built-in conversations made from the corpus
+            (questions answered with its paragraphs; builtin_chat.py), with `format: preference` the built-in
+            preference pairs made from those (builtin_chat.py).
         weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
         text_field: Field of json records, or column of parquet/arrow data, holding the text; the default for
             every source of `sources` that names none.
@@ -86,8 +86,9 @@ class Step35DataModule(pl.LightningDataModule):
             "labels" [micro_batch_size, seq_len] (-100 where not trained) and "position_ids" (docs/data.md).
             "preference": records with `chosen` and `rejected` (and an optional `prompt`), for
             `--model.objective dpo`; its batches also hold "preference" [micro_batch_size, seq_len] (which
-            sequence of which pair each slot belongs to; preference.py, docs/data.md). Preference sources cannot
-            be mixed with sources of other formats; `preference` says whether this datamodule's are.
+            sequence of which pair each slot belongs to; preference.py, docs/data.md). formats.py lists every
+            format. Sources whose batches are for different objectives cannot be mixed; `batch_keys` says which
+            tensors this datamodule's batches add, `preference` whether they are preference pairs.
         train_on: Which tokens of a conversation are trained: "assistant" (every assistant turn), "last_assistant"
             (the final one), "all" (every token; for prompt/completion pairs, the prompt too).
         train_reasoning: False: the reasoning text of the trained assistant turns (a reasoning field, or a
@@ -185,9 +186,7 @@ class Step35DataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning runs this once per node before setup(); the builtin files are written atomically anyway.
         if self.uses_builtin_corpus:
-            {"chat": builtin_chat_path, "preference": builtin_preference_path}.get(self.format, builtin_corpus_path)(
-                self.cache_dir
-            )
+            self.source_specs()  # writes the built-in records it names
         if self.tokenizer_path is None:
             builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
 
@@ -201,10 +200,9 @@ class Step35DataModule(pl.LightningDataModule):
             if self.weights is not None:
                 return [SourceSpec(path=entry, weight=w) for entry, w in zip(self.files, self.weights)]
             return [SourceSpec(path=self.files)]
-        if self.format == "chat":  # the built-in conversations: questions answered from the same corpus
-            return [SourceSpec(path=str(builtin_chat_path(self.cache_dir)), name="builtin-chat")]
-        if self.format == "preference":  # the built-in preference pairs, made from the built-in conversations
-            return [SourceSpec(path=str(builtin_preference_path(self.cache_dir)), name="builtin-preference")]
+        builtin = DATA_FORMATS.get(self.format)  # its built-in records (e.g. conversations made from the corpus)
+        if builtin is not None and builtin.builtin is not None:
+            return [SourceSpec(path=str(builtin.builtin(self.cache_dir)), name=f"builtin-{builtin.name}")]
         return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
 
     def setup(self, stage: str | None = None) -> None:
@@ -255,22 +253,21 @@ class Step35DataModule(pl.LightningDataModule):
             "train_reasoning": self.train_reasoning,
             "overlong": self.overlong,
         }
-        if all(source.format == "text" for source in sources):
+        formats = [format_of(source) for source in sources]
+        if not any(f.whole_records for f in formats):
             if self.chat_template_kwargs:
                 rank_zero_warn(
                     f"data.chat_template_kwargs {sorted(self.chat_template_kwargs)}: no source holds conversations,"
                     " so no chat template is rendered and they change nothing"
                 )
             return options
-        if self.train_on == "all" and any(source.format == "preference" for source in sources):
-            raise ValueError(
-                "data.train_on: all trains prompt tokens, which a preference pair does not compare; preference"
-                " sources train the replies (data.train_on: assistant or last_assistant)"
-            )
+        refusals = [f.train_on_all_refused for f in formats if f.train_on_all_refused]
+        if self.train_on == "all" and refusals:
+            raise ValueError(refusals[0])
         from pathlib import Path
 
         template, missing = resolve_template(Path(tokenizer_folder), self.chat_template)
-        chat = sorted({source.name for source in sources if source.format == "chat"})  # preference: per record
+        chat = sorted({s.name for s, f in zip(sources, formats) if f.needs_template})  # others: per record
         if template is None and chat:
             raise ValueError(f"source(s) {chat} hold conversations, but {missing}")
         if template is not None and self.chat_template_kwargs:
@@ -293,10 +290,16 @@ class Step35DataModule(pl.LightningDataModule):
             )
 
     @property
+    def batch_keys(self) -> tuple[str, ...]:
+        """The tensors the batches add for an objective other than the language model's (after setup): the
+        `batch_keys` of the sources' format, stated or detected ("preference" for preference pairs), or ()."""
+        return next((f.batch_keys for f in map(format_of, self._train_sources) if f.batch_keys), ())
+
+    @property
     def preference(self) -> bool:
-        """Whether the batches are preference pairs (carry "preference"; after setup): the sources' format is
-        `preference`, stated or detected. The DPO objective needs them; the language-model objective refuses them."""
-        return any(source.format == "preference" for source in self._train_sources)
+        """Whether the batches are preference pairs (carry "preference"; after setup). The DPO objective needs
+        them; the language-model objective refuses them."""
+        return "preference" in self.batch_keys
 
     @property
     def vocab_size(self) -> int:
@@ -422,7 +425,7 @@ class Step35DataModule(pl.LightningDataModule):
 
     def _train_skipped(self) -> dict[str, int]:
         """Counts keyed "<kind>/<source>" (bad_records.COUNT_KINDS) over this rank's workers."""
-        kinds = {s.name: COUNT_KINDS if s.format != "text" else COUNT_KINDS[:1] for s in self._train_sources}
+        kinds = {s.name: COUNT_KINDS if format_of(s).whole_records else COUNT_KINDS[:1] for s in self._train_sources}
         counts = {f"{kind}/{name}": 0 for name, ks in kinds.items() for kind in ks}
         for state in self._resume.worker_states():
             for source, s in zip(self._train_sources, state["sources"]):

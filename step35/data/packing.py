@@ -165,8 +165,7 @@ class PackedConversations(PackedSource):
         super().__init__(source, encoder.tokenizer, window, shard, num_shards, endless, strict, state)
         self.encoder = encoder
         self.overlong_mode = overlong
-        what = "preference pair" if getattr(encoder, "format", "") == "preference" else "conversation"
-        self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0), what)
+        self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0), self.kind)
 
     kind = "conversation"  # what an item is called in the reports
     cut_fails = "truncated, nothing trained would be left"  # why a cut item is dropped

@@ -64,7 +64,10 @@ class PreferenceEncoder:
     encoded only as far as one token past the window (an overlong pair is cut or dropped by the packer).
     `train_on`: "assistant" (every assistant turn of the reply) or "last_assistant" (its final one)."""
 
-    format = "preference"
+    TRAIN_ON_ALL_REFUSED = (
+        "data.train_on: all trains prompt tokens, which a preference pair does not compare; preference"
+        " sources train the replies (data.train_on: assistant or last_assistant)"
+    )
 
     def __init__(
         self,
@@ -77,10 +80,7 @@ class PreferenceEncoder:
     ) -> None:
         check_train_choice(train_on, train_reasoning, "data")
         if train_on == "all":
-            raise ValueError(
-                "data.train_on: all trains prompt tokens, which a preference pair does not compare; preference"
-                " sources train the replies (data.train_on: assistant or last_assistant)"
-            )
+            raise ValueError(self.TRAIN_ON_ALL_REFUSED)
         self.tokenizer = tokenizer
         self.template = template
         self.train_on = train_on
@@ -192,16 +192,3 @@ def same_in_window(pair: Pair, cut: Pair) -> bool:
     (shorter, whole), (longer, _) = sorted(sides, key=lambda side: len(side[0].ids))
     cut_short = len(shorter.ids) < len(whole.ids) or not whole.complete
     return cut_short and longer.ids[: len(shorter.ids)] == shorter.ids
-
-
-def check_not_mixed(sources: list[Any]) -> None:
-    """Refuse a stream that mixes preference sources with others: a batch is either preference pairs (for the
-    DPO objective) or sequences for the language-model objective, never both."""
-    pairs = [s.name for s in sources if getattr(s, "format", "text") == "preference"]
-    others = [s.name for s in sources if getattr(s, "format", "text") != "preference"]
-    if pairs and others:
-        kinds = "/".join(sorted({getattr(s, "format", "text") for s in sources} - {"preference"}))
-        raise ValueError(
-            f"preference source(s) {pairs} cannot be mixed with the {kinds} source(s) {others} in one run: preference pairs train --model.objective dpo, the others the language"
-            " model objective; give them to separate runs (e.g. SFT first, then DPO on its export)"
-        )

@@ -1,36 +1,27 @@
-"""Conversation, prompt/completion and preference records: which format a source holds, and how one record
-becomes token ids with a trained flag per token.
+"""Conversation and prompt/completion records: how one record becomes token ids with a trained flag per token.
 
-Formats (`data.format`, or `format` of a `data.sources` entry):
+Formats (`data.format`, or `format` of a `data.sources` entry; formats.py holds them all and detects them):
 
-* `text`: a text field per record, or plain text files (packing.py's `PackedSource`).
 * `chat`: records with `messages` (a list of {role, content, ...}; optional `tools`), rendered with the chat
   template (chat_template.py), trained where `data.train_on` says.
 * `prompt_completion`: records with a string `prompt` and `completion`: ids(prompt) + ids(completion) + EOS,
   trained on the completion and the EOS (`train_on: all` trains the prompt too). When both are lists of
   messages, the record is the conversation prompt + completion, rendered with the template like `chat`.
-* `preference`: preference pairs for `--model.objective dpo`, records with `chosen` and `rejected` (and an
-  optional `prompt`), as TRL's standard (strings) and conversational (message lists) preference formats;
-  each record becomes two sequences, prompt + chosen and prompt + rejected, trained on the replies only
-  (preference.py's `PreferenceEncoder`, packed side by side by packing.py's `PackedPairs`).
-* `auto` (default): decided from the first records of the source, and said at start (`chosen` and `rejected`:
-  preference). A preference file stated as `chat` or `prompt_completion` is refused (`preference_error`), and
-  a stream may not mix preference sources with others (preference.py's `check_not_mixed`).
 
-An encoded record is an `Example` (a pair of them for preference records); `PackedConversations`
-(packing.py) packs whole examples into windows.
+Preference pairs (`chosen` and `rejected`, preference.py) are encoded with `text_pair` and `Example` too. A
+preference file stated as `chat` or `prompt_completion` is refused (`preference_error`).
+
+An encoded record is an `Example`; `PackedConversations` (packing.py) packs whole examples into windows.
 """
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from step35.data.chat_messages import ChatTemplateError, ImagesNotSupported, check_messages, check_train_choice
-from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, MissingField, Record, reader_for
+from step35.data.readers import BadRecord, MissingField, Record
 from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 
-FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
 OVERLONG = ("truncate", "drop")
 PLAIN_TEXT_SUFFIXES = (".txt", ".md")
 PREFERENCE_FIELDS = ("chosen", "rejected")  # with an optional `prompt`: a preference pair (format preference)
@@ -55,22 +46,6 @@ class Example:
         return str(self.total) if self.total is not None else f"more than {len(self.ids) - 1}"
 
 
-def format_of_fields(fields: Iterable[str], text_field: str) -> tuple[str, str] | None:
-    """(format, reason) decided by a record's field names, or None when they decide nothing; "preference" for
-    preference pairs (`chosen` and `rejected`, even when the text field names one of them: training on the
-    chosen answer alone as text is not what such a file is for; `format: text` says so when it is)."""
-    names = set(fields)
-    if "messages" in names:
-        return "chat", "records have 'messages'"
-    if {"prompt", "completion"} <= names:
-        return "prompt_completion", "records have 'prompt' and 'completion'"
-    if set(PREFERENCE_FIELDS) <= names:
-        return "preference", "records have 'chosen' and 'rejected'"
-    if text_field in names:
-        return "text", f"records have the text field {text_field!r}"
-    return None
-
-
 def preference_error(where: Any, format: str = "chat") -> ValueError:
     """The error for a source of preference pairs read as another format (`where`: its file, record or hub name)."""
     return ValueError(
@@ -79,34 +54,6 @@ def preference_error(where: Any, format: str = "chat") -> ValueError:
         " fine-tuning give conversations ('messages') or prompt/completion pairs, or set the source's format: text"
         " and a text_field to train on one field as plain text"
     )
-
-
-def detect_format(files: Sequence[Path], text_field: str) -> tuple[str, str]:
-    """(format, reason) of local files: plain text files are text; columnar files by their column names;
-    json by the fields of the first record (of the first `FIELD_CHECK_RECORDS`) that decides. Nothing
-    decides: text (the text-field check then names the fields found)."""
-    looked = 0
-    for path in files:
-        if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
-            return "text", f"{path.suffix} files are plain text"
-        reader = reader_for(path, text_field, whole_records=True)
-        if hasattr(reader, "field_names"):
-            found = format_of_fields(reader.field_names(), text_field)
-            if found is not None:
-                return found[0], found[1].replace("records have", "columns include")
-            continue
-        for record in reader.records():
-            looked += 1
-            if looked > FIELD_CHECK_RECORDS:
-                return "text", f"none of the first {FIELD_CHECK_RECORDS} records tells"
-            try:
-                value = record.value()
-            except BadRecord:
-                continue
-            found = format_of_fields(value or {}, text_field)
-            if found is not None:
-                return found
-    return "text", "no record tells"
 
 
 def first_ids(tokenizer: TextTokenizer, text: str, limit: int | None) -> tuple[list[int], bool]:

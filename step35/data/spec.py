@@ -16,8 +16,8 @@ becomes a readable source.
         - path: /data/sft/*.parquet          # conversations (`messages`) or prompt/completion pairs
           format: chat                       # default auto: decided from the first records (sft.py)
 
-Preference pairs (`format: preference`, records with `chosen` and `rejected`) are for `--model.objective dpo`
-and cannot share a run with sources of other formats (preference.py).
+The formats a source may have are formats.py's; sources whose batches are for different objectives
+(preference pairs for `--model.objective dpo`, say, and conversations) cannot share a run.
 """
 
 from dataclasses import dataclass, fields
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from step35.data.files import check_files, expand_files, is_saved_dataset, saved_dataset_files
+from step35.data.formats import DATA_FORMATS, FORMATS, check_columns, detect_format, format_of_fields
 from step35.data.hub import HubSource
 from step35.data.readers import TxtMode, reader_for
-from step35.data.sft import FORMATS, PREFERENCE_FIELDS, detect_format, format_of_fields, preference_error
 from step35.data.sources import FileSource, Holdout, Source
 
 TXT_MODES = ("file", "line", "paragraph")
@@ -47,9 +47,10 @@ class SourceSpec:
         txt_mode: What a document is in .txt/.md files ("file", "line", "paragraph"); None: `data.txt_mode`.
         weight: Sampling weight, as a share of training tokens (weights are normalised over the sources).
         name: The source's name in logs and metrics; None: its path or hub name.
-        format: "text", "chat" (records with `messages`), "prompt_completion" (records with `prompt` and
-            `completion`), "preference" (records with `chosen`, `rejected` and an optional `prompt`, for
-            `--model.objective dpo`) or "auto" (decided from the first records); None: `data.format`.
+        format: A name of formats.FORMATS: "text", "chat" (records with `messages`), "prompt_completion"
+            (records with `prompt` and `completion`), "preference" (records with `chosen`, `rejected` and an
+            optional `prompt`, for `--model.objective dpo`), ... or "auto" (decided from the first records);
+            None: `data.format`.
     """
 
     path: str | list[str] | None = None
@@ -134,12 +135,13 @@ def open_source(
     else:
         files = expand_files(spec.patterns, spec.split)
     wanted, reason = detect_format(files, field) if wanted == "auto" else (wanted, "as asked")
-    if wanted == "text":
+    whole_records = DATA_FORMATS[wanted].whole_records
+    if not whole_records:
         check_files(name, files, field, mode)
         check_holdout_leaves_documents(name, files, mode, holdout)
     else:
         check_record_files(name, files, wanted)
-    source = FileSource(name, files, field, mode, shuffle, seed, holdout, whole_records=wanted != "text")
+    source = FileSource(name, files, field, mode, shuffle, seed, holdout, whole_records=whole_records)
     _set_format(source, wanted, reason)
     return source
 
@@ -147,16 +149,15 @@ def open_source(
 def _set_format(source: Source, format: str, reason: str) -> None:
     source.format = format
     source.format_reason = reason  # type: ignore[attr-defined]
-    if format != "text" and hasattr(source, "parts"):
+    if DATA_FORMATS[format].whole_records and hasattr(source, "parts"):
         for part in source.parts:
             if hasattr(part, "whole_records"):
                 part.whole_records = True
 
 
 def check_record_files(name: str, files: list[Path], format: str) -> None:
-    """A conversation, prompt/completion or preference source needs records with fields: plain text files cannot
-    be one, and a columnar file must have the columns."""
-    needed = {"chat": ["messages"], "preference": list(PREFERENCE_FIELDS)}.get(format, ["prompt", "completion"])
+    """A source of records with fields (every format but text) cannot be plain text files, and a columnar
+    file must have the format's columns."""
     for f in files:
         suffix = f.suffix.lower()
         if suffix in (".txt", ".md"):
@@ -165,20 +166,7 @@ def check_record_files(name: str, files: list[Path], format: str) -> None:
             )
         if suffix in (".parquet", ".arrow"):
             columns = reader_for(f, whole_records=True).field_names()  # type: ignore[attr-defined]
-            if set(needed) <= set(columns):
-                continue
-            if set(PREFERENCE_FIELDS) <= set(columns):
-                raise preference_error(f, format)
-            if format == "chat":
-                raise ValueError(f"{f}: no column 'messages' (columns: {columns}); a chat source needs it")
-            if format == "preference":
-                raise ValueError(
-                    f"{f}: a preference source needs columns 'chosen' and 'rejected', and may have 'prompt'"
-                    f" (columns: {columns})"
-                )
-            raise ValueError(
-                f"{f}: a prompt_completion source needs columns 'prompt' and 'completion' (columns: {columns})"
-            )
+            check_columns(f, columns, DATA_FORMATS[format])
 
 
 def check_holdout_leaves_documents(name: str, files: list[Path], txt_mode: TxtMode, holdout: Holdout | None) -> None:

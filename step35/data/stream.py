@@ -10,31 +10,24 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from step35.data.packing import (
-    PackedConversations,
-    PackedPairs,
-    PackedSource,
-    fresh_packing_state,
-    text_window_targets,
-)
-from step35.data.preference import PreferenceEncoder, check_not_mixed
+from step35.data.formats import check_not_mixed, format_of
+from step35.data.packing import PackedSource, fresh_packing_state, text_window_targets
 from step35.data.resume import STATE_FORMAT, check_stream_state
-from step35.data.sft import OVERLONG, SftEncoder
+from step35.data.sft import OVERLONG
 from step35.data.tokenizer import TextTokenizer
 
 
 class TokenWindows(IterableDataset):
     """Yields {"input_ids": LongTensor [seq_len + 1]} windows packed from the documents of `sources`.
 
-    Conversation and prompt/completion sources (`source.format`, see sft.py) are packed whole per window
-    (`PackedConversations`, rendered with `template`, trained per `train_on` and `train_reasoning`, overlong
-    ones handled per `overlong`); when any source is one, every window also has "labels" [seq_len] (the targets of
-    input_ids[:-1], -100 where not trained) and "position_ids" [seq_len] (0 where a document starts), text
-    windows included (every next token a target, positions restarting after each EOS).
-
-    Preference sources (`format: preference`, preference.py) are packed pair by pair (`PackedPairs`) and every
-    window also has "preference" [seq_len] (the DPO batch contract: 2p / 2p + 1 for the chosen / rejected
-    sequence of the window's pair p, -1 for padding); they cannot be mixed with sources of other formats.
+    Sources of records (`source.format`, formats.py: conversations, prompt/completion pairs, preference
+    pairs, ...) are encoded by their format's encoder (rendered with `template`, trained per `train_on` and
+    `train_reasoning`) and packed whole by its packer (overlong ones handled per `overlong`); when any source is
+    one, every window also has "labels" [seq_len] (the targets of input_ids[:-1], -100 where not trained) and
+    "position_ids" [seq_len] (0 where a document starts), text windows included (every next token a target,
+    positions restarting after each EOS). A format's packer may add tensors (its `batch_keys`: "preference"
+    [seq_len] for preference pairs, the DPO batch contract); such sources cannot be mixed with sources whose
+    batches are for another objective (`formats.check_not_mixed`).
 
     Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
     documents go round-robin to shards, or whole files of a hub stream that has enough (see sources.py), so
@@ -96,15 +89,10 @@ class TokenWindows(IterableDataset):
             raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
         self.overlong = overlong
         check_not_mixed(self.sources)
-        formats = [getattr(source, "format", "text") for source in self.sources]
+        self.formats = [format_of(source) for source in self.sources]
         options = (template, train_on, template_missing, train_reasoning)
         self.encoders = [
-            None
-            if f == "text"
-            else PreferenceEncoder(tokenizer, *options, window=seq_len + 1)
-            if f == "preference"
-            else SftEncoder(f, tokenizer, *options, window=seq_len + 1)
-            for f in formats
+            None if f.encoder is None else f.encoder(tokenizer, *options, window=seq_len + 1) for f in self.formats
         ]
         self.labelled = any(encoder is not None for encoder in self.encoders)
         self._state = {
@@ -133,10 +121,8 @@ class TokenWindows(IterableDataset):
         packers = [
             PackedSource(source, self.tokenizer, window, shard, num_shards, self.endless, self.strict, s)
             if encoder is None
-            else (PackedPairs if isinstance(encoder, PreferenceEncoder) else PackedConversations)(
-                source, encoder, window, shard, num_shards, self.endless, self.strict, s, self.overlong
-            )
-            for source, encoder, s in zip(self.sources, self.encoders, state["sources"])
+            else f.packer(source, encoder, window, shard, num_shards, self.endless, self.strict, s, self.overlong)
+            for source, f, encoder, s in zip(self.sources, self.formats, self.encoders, state["sources"])
         ]
         windows = [packer.windows() for packer in packers]
         while True:
@@ -148,21 +134,17 @@ class TokenWindows(IterableDataset):
             if window is None:  # only a finite stream runs dry; its source is now marked done
                 continue
             state["windows"] += 1
-            yield self._batch_item(window)
+            yield self._batch_item(window, self.formats[i].batch_keys)
 
-    def _batch_item(self, window: Any) -> dict[str, torch.Tensor]:
-        if isinstance(window, tuple) and len(window) == 4:  # a preference window: (tokens, labels, positions, ids)
-            keys = ("input_ids", "labels", "position_ids", "preference")
-            return {key: torch.tensor(values, dtype=torch.long) for key, values in zip(keys, window)}
-        if isinstance(window, tuple):  # a conversation window: (tokens, labels, positions)
-            tokens, labels, positions = window
-        elif self.labelled:
-            tokens = window
-            labels, positions = text_window_targets(tokens, self.tokenizer.eos_token_id)
-        else:
+    def _batch_item(self, window: Any, batch_keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        if isinstance(window, tuple):  # a window of records: (tokens, labels, positions, *its format's tensors)
+            keys = ("input_ids", "labels", "position_ids", *batch_keys)
+            return {key: torch.tensor(values, dtype=torch.long) for key, values in zip(keys, window, strict=True)}
+        if not self.labelled:
             return {"input_ids": torch.tensor(window, dtype=torch.long)}
+        labels, positions = text_window_targets(window, self.tokenizer.eos_token_id)
         return {
-            "input_ids": torch.tensor(tokens, dtype=torch.long),
+            "input_ids": torch.tensor(window, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
             "position_ids": torch.tensor(positions, dtype=torch.long),
         }

@@ -42,6 +42,7 @@ from step35.training.options import check_rules
 OBJECTIVES = {
     "lm": "step35.training.objective.LanguageModelObjective",
     "dpo": "step35.training.dpo.DpoObjective",
+    "kto": "step35.training.kto.KtoObjective",
 }
 DEFAULT_OBJECTIVE = "lm"
 # The module options that hold an objective's own options (each objective reads one: its options_field).

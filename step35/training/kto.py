@@ -142,14 +142,13 @@ def record_losses(
     the KL sequences' log-ratios `kl_ratio` [N] (policy minus reference), the sequences' label counts [N].
     Pure: no model, no reduction over the step."""
     present = label >= 0
-    valid, desirable = present & (matched_len > 0), label == 1
-    z0 = reference_point(kl_ratio, present & (kl_len > 0))
+    valid, desirable, kl_valid = present & (matched_len > 0), label == 1, present & (kl_len > 0)
+    z0 = reference_point(kl_ratio, kl_valid)
     beta = options.beta
     gain = options.desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0)))
     aversion = options.undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio)))
     loss = torch.where(valid, torch.where(desirable, gain, aversion), 0)
-    has_kl = (present & (kl_len > 0)).any()
-    return RecordLosses(valid, desirable & valid, loss, (beta * ratio).detach(), z0, has_kl)
+    return RecordLosses(valid, desirable & valid, loss, (beta * ratio).detach(), z0, kl_valid.any())
 
 
 def check_unpaired_batch(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,7 +126,8 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
         with pytest.raises(ValueError, match=message):
             dm.setup("fit")
     with pytest.raises(
-        ValueError, match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion', 'preference'\)"
+        ValueError,
+        match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion', 'preference', 'unpaired'\)",
     ):
         Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
     with pytest.raises(

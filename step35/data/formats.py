@@ -24,6 +24,7 @@ from step35.data.packing import PackedConversations, PackedPairs
 from step35.data.preference import PreferenceEncoder
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, reader_for
 from step35.data.sft import PLAIN_TEXT_SUFFIXES, SftEncoder, preference_error
+from step35.data.unpaired import UNPAIRED_FIELDS, UNPAIRED_KEYS, PackedUnpaired, UnpairedEncoder, builtin_unpaired_path
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ DATA_FORMATS: dict[str, DataFormat] = {
         DataFormat("preference", ("chosen", "rejected"), ("prompt",), PreferenceEncoder, PackedPairs, ("preference",),
                    builtin_preference_path, "dpo", "preference pairs",
                    train_on_all_refused=PreferenceEncoder.TRAIN_ON_ALL_REFUSED, misread=preference_error),
+        DataFormat("unpaired", UNPAIRED_FIELDS, (), UnpairedEncoder, PackedUnpaired, UNPAIRED_KEYS, builtin_unpaired_path,
+                   "kto", "unpaired records", train_on_all_refused=UnpairedEncoder.TRAIN_ON_ALL_REFUSED),
     )
 }  # fmt: skip
 FORMATS = ("auto", *DATA_FORMATS)  # the values `data.format` takes

@@ -33,7 +33,7 @@ holds with AdamW (fp32 weights, gradients and two moments).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,10 @@ from step35.training.objective import (
     ObjectiveInputs,
     StepResult,
     labels_of,
+    refuse_language_model_terms,
 )
 from step35.training.objective import build_objective as build_objective  # where it used to live
+from step35.training.options import options_of
 from step35.training.reference import ComparesWithReference, reference_kind
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -90,19 +92,7 @@ class DpoOptions:
     @classmethod
     def of(cls, value: DpoOptions | dict | None) -> DpoOptions:
         """DpoOptions from DpoOptions, a dict of its fields (a jsonargparse Namespace too) or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, DpoOptions):
-            return value
-        if hasattr(value, "as_dict"):
-            value = value.as_dict()
-        if not isinstance(value, dict):
-            raise ValueError(f"model.dpo must be a mapping of DPO options or null, got {type(value).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"model.dpo: unknown field(s) {unknown}; valid: {sorted(names)}")
-        return cls(**value)
+        return options_of(cls, value, "dpo", "DPO")
 
     def check(self) -> None:
         """Refuse options that cannot work, naming model.dpo.<field>."""
@@ -195,11 +185,15 @@ def check_preference_batch(batch: dict) -> torch.Tensor:
     return preference
 
 
-def sequence_logprobs(model: Step35ForCausalLM, batch: dict, loss_chunk_size: int) -> tuple[torch.Tensor, ...]:
+def sequence_logprobs(
+    model: Step35ForCausalLM, batch: dict, loss_chunk_size: int, pair_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """(chosen sums, rejected sums, chosen lengths, rejected lengths) [B * K] of every pair slot of the
     batch: K = S // 2 + 1 pair slots per row (a pair needs at least two tokens), pair p of row b at b K + p.
-    A slot without a pair has lengths 0."""
-    labels, preference = labels_of(batch), check_preference_batch(batch)
+    A slot without a pair has lengths 0. `pair_ids` [B, S]: label-aligned 2p / 2p + 1 / -1 ids (default: the
+    batch's `preference` ids; KTO passes its `unpaired` ids, matched sequences first)."""
+    labels = labels_of(batch)
+    preference = check_preference_batch(batch) if pair_ids is None else pair_ids
     B, S = labels.shape
     per_row = 2 * (S // 2 + 1)  # sequence ids per row (even: chosen and rejected side by side)
     rows = torch.arange(B, device=preference.device)[:, None] * per_row
@@ -243,19 +237,7 @@ class DpoObjective(ComparesWithReference, Objective):
     @classmethod
     def from_inputs(cls, inputs: ObjectiveInputs) -> DpoObjective:
         """Refuses the language-model terms it does not compute (MTP, the sequence balance loss)."""
-        if inputs.mtp_loss_weight > 0:
-            raise ValueError(
-                f"model.mtp_loss_weight={inputs.mtp_loss_weight} with model.objective=dpo: the preference objective "
-                "does not train the MTP layers (they stay frozen); set model.mtp_loss_weight: 0"
-            )
-        if inputs.moe_aux_loss_coef > 0:
-            raise ValueError(
-                f"model.moe_aux_loss_coef={inputs.moe_aux_loss_coef} with model.objective=dpo: the sequence balance "
-                "loss is a language-model term that sequence_logprobs does not compute; set it to 0 (router-bias "
-                "balancing, model.moe_bias_update_rate, does not depend on the objective)"
-            )
-        if inputs.loss_chunk_size < 1:
-            raise ValueError(f"model.loss_chunk_size={inputs.loss_chunk_size}: must be >= 1")
+        refuse_language_model_terms(cls.name, inputs)
         return cls(DpoOptions.of(inputs.options.get(cls.options_field)), inputs.loss_chunk_size, inputs.lora)
 
     def reference_logprobs(self, model: Step35ForCausalLM, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,8 +47,16 @@ import torch
 from step35.model import Step35ForCausalLM
 from step35.model.lora import LoraConfig
 from step35.training import dpo
-from step35.training.objective import MicroBatch, Needs, Objective, ObjectiveInputs, StepResult, labels_of
-from step35.training.options import check_rules
+from step35.training.objective import (
+    MicroBatch,
+    Needs,
+    Objective,
+    ObjectiveInputs,
+    StepResult,
+    labels_of,
+    refuse_language_model_terms,
+)
+from step35.training.options import check_rules, options_of
 from step35.training.reference import ComparesWithReference, reference_kind
 
 # What a micro-batch sums (float64, in this order), then adds over the step and the ranks.
@@ -82,21 +90,7 @@ class KtoOptions:
     @classmethod
     def of(cls, value: KtoOptions | dict | None) -> KtoOptions:
         """KtoOptions from KtoOptions, a dict of its fields (a jsonargparse Namespace too) or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, KtoOptions):
-            return value
-        if hasattr(value, "as_dict"):
-            value = value.as_dict()
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"model.objective_options must be a mapping of KTO options or null, got {type(value).__name__}"
-            )
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"model.objective_options: unknown field(s) {unknown} for kto; valid: {sorted(names)}")
-        return cls(**value)
+        return options_of(cls, value, "objective_options", "kto")
 
     def check(self) -> None:
         """Refuse a value that is not a finite number > 0, naming model.objective_options.<field>."""
@@ -174,25 +168,7 @@ def unpaired_logprobs(model: Step35ForCausalLM, batch: dict, loss_chunk_size: in
     """(matched sums, KL sums, matched lengths, KL lengths) [B * K] of every record slot of the batch, record p
     of row b at b K + p (dpo.sequence_logprobs reads the `unpaired` ids as pair ids: matched = chosen)."""
     unpaired, _ = check_unpaired_batch(batch)
-    return dpo.sequence_logprobs(model, {**batch, "preference": unpaired}, loss_chunk_size)
-
-
-def refuse_language_model_terms(name: str, inputs: ObjectiveInputs) -> None:
-    """Refuse the language-model terms a sequence-log-probability objective does not compute (MTP, the
-    sequence balance loss) and a chunk size below 1."""
-    if inputs.mtp_loss_weight > 0:
-        raise ValueError(
-            f"model.mtp_loss_weight={inputs.mtp_loss_weight} with model.objective={name}: it does not train "
-            "the MTP layers (they stay frozen); set model.mtp_loss_weight: 0"
-        )
-    if inputs.moe_aux_loss_coef > 0:
-        raise ValueError(
-            f"model.moe_aux_loss_coef={inputs.moe_aux_loss_coef} with model.objective={name}: the sequence balance "
-            "loss is a language-model term that sequence_logprobs does not compute; set it to 0 (router-bias "
-            "balancing, model.moe_bias_update_rate, does not depend on the objective)"
-        )
-    if inputs.loss_chunk_size < 1:
-        raise ValueError(f"model.loss_chunk_size={inputs.loss_chunk_size}: must be >= 1")
+    return dpo.sequence_logprobs(model, batch, loss_chunk_size, pair_ids=unpaired)
 
 
 class KtoObjective(ComparesWithReference, Objective):

@@ -192,6 +192,24 @@ def build_objective(
     return objective_class(objective).build(inputs)
 
 
+def refuse_language_model_terms(name: str, inputs: ObjectiveInputs) -> None:
+    """Refuse the language-model terms a sequence-log-probability objective does not compute (MTP, the
+    sequence balance loss) and a chunk size below 1."""
+    if inputs.mtp_loss_weight > 0:
+        raise ValueError(
+            f"model.mtp_loss_weight={inputs.mtp_loss_weight} with model.objective={name}: it does not train "
+            "the MTP layers (they stay frozen); set model.mtp_loss_weight: 0"
+        )
+    if inputs.moe_aux_loss_coef > 0:
+        raise ValueError(
+            f"model.moe_aux_loss_coef={inputs.moe_aux_loss_coef} with model.objective={name}: the sequence balance "
+            "loss is a language-model term that sequence_logprobs does not compute; set it to 0 (router-bias "
+            "balancing, model.moe_bias_update_rate, does not depend on the objective)"
+        )
+    if inputs.loss_chunk_size < 1:
+        raise ValueError(f"model.loss_chunk_size={inputs.loss_chunk_size}: must be >= 1")
+
+
 def labels_of(batch: dict) -> torch.Tensor:
     """batch['labels'] [B, S] (-100 = no loss), default input_ids[:, 1:] of input_ids [B, S + 1]."""
     tokens = batch["input_ids"]

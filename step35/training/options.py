@@ -1,9 +1,13 @@
-"""The one check of the module's numeric options: each value against its rule, refused with the option named."""
+"""The one check of the module's numeric options: each value against its rule, refused with the option named;
+and the one reader of an objective's options dataclass from what the config gives."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 Rule = tuple[Any, Callable[[Any], bool], str]  # (value, test, what it must be)
 
@@ -19,3 +23,21 @@ def check_rules(rules: dict[str, Rule]) -> None:
         if not good:
             shown = list(value) if isinstance(value, tuple) else value
             raise ValueError(f"model.{name}={shown}: must be {requirement}")
+
+
+def options_of(cls: type[T], value: Any, option: str, what: str) -> T:
+    """`cls` (an options dataclass) from an instance, a dict of its fields (a jsonargparse Namespace too) or None
+    (the defaults); anything else, and unknown fields, refused naming `model.<option>`."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if not isinstance(value, dict):
+        raise ValueError(f"model.{option} must be a mapping of {what} options or null, got {type(value).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"model.{option}: unknown field(s) {unknown} for {what}; valid: {sorted(names)}")
+    return cls(**value)

@@ -21,56 +21,12 @@ from step35.model.lora import LoraConfig, adapters_off, apply_lora
 from step35.training.kto import KtoObjective, KtoOptions, record_losses
 from step35.training.objective import LanguageModelObjective, build_objective, objective_class
 from step35.training.reference import ADAPTERS_OFF, FROZEN_COPY
+from tests.dist.dpo_steps import EOS, Record, mismatched, sample_records
+from tests.dist.dpo_steps import pack_unpaired as pack
 from tests.helpers import make_trainer, tiny_model
 
-EOS = 1
 SEQ = 64
 LORA = LoraConfig(rank=4, targets=["attention", "mlp", "shared_expert", "experts"], expert_rank=2)
-Record = tuple[list[int], list[int], list[int], bool]  # prompt, completion, KL completion, desirable
-
-
-# ----------------------------------------------------------------------------------- batches by hand
-def mismatched(records: list[tuple[list[int], list[int], bool]]) -> list[Record]:
-    """The contract's KL completions of one window: record p takes the completion of record (p + 1) mod n."""
-    n = len(records)
-    return [
-        (prompt, completion, records[(p + 1) % n][1], label) for p, (prompt, completion, label) in enumerate(records)
-    ]
-
-
-def pack(rows: list[list[Record]], seq_len: int = SEQ) -> dict:
-    """The contract's tensors for rows of records (each record's matched then its KL sequence, side by side)."""
-    out = {k: [] for k in ("input_ids", "labels", "position_ids", "unpaired", "unpaired_label")}
-    for records in rows:
-        tokens, trained, seq_of, pos = [], [], [], []
-        for p, (prompt, completion, kl, _) in enumerate(records):
-            for side, answer in enumerate((completion, kl)):
-                for j, t in enumerate(prompt + answer):
-                    tokens.append(t)
-                    trained.append(j >= len(prompt))
-                    seq_of.append(2 * p + side)
-                    pos.append(j)
-        pad = seq_len + 1 - len(tokens)
-        assert pad >= 1, "the row is too long"
-        tokens, trained, seq_of, pos = tokens + [EOS] * pad, trained + [False] * pad, seq_of + [-1] * pad, pos
-        pos += list(range(pad))  # the padding: one more document
-        labels = [tokens[i + 1] if trained[i + 1] and seq_of[i + 1] == seq_of[i] else -100 for i in range(seq_len)]
-        record_labels = [int(r[3]) for r in records] + [-1] * (seq_len // 2 + 1 - len(records))
-        for key, value in zip(out, (tokens, labels, pos[:seq_len], seq_of[:seq_len], record_labels)):
-            out[key].append(value)
-    return {k: torch.tensor(v) for k, v in out.items()}
-
-
-def sample_records(seed: int = 0) -> list[list[Record]]:
-    """Two windows: three records, then two, both labels in each, completions of varied lengths."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n):
-        return torch.randint(2, 1024, (n,), generator=g).tolist()
-
-    first = mismatched([(ids(3), ids(4), True), (ids(2), ids(3), False), (ids(4), ids(2), True)])
-    second = mismatched([(ids(5), ids(6), False), (ids(1), ids(4), True)])
-    return [first, second]
 
 
 def model_of(seed: int, dtype=torch.float64, lora: LoraConfig | None = None, moved: bool = True):

@@ -1,5 +1,5 @@
 """The README's own commands, as written: the main job, what it learned (generate), the second main job
-(export, fine-tune on conversations, generate --chat), the third (export, DPO) and the LoRA lines (fit, merged export), in that
+(export, fine-tune on conversations, generate --chat), the third (export, DPO), KTO and the LoRA lines (fit, merged export), in that
 order, in a fresh folder (so `runs/...` are the README's relative paths), each line run by bash exactly as
 the README prints it. The commands are read from the README, so the test follows it when it changes.
 
@@ -54,7 +54,7 @@ def test_the_readme_commands_are_found():
     commands = readme_job_commands()
     assert commands[0] == "step35 fit --config configs/tiny.yaml"
     names = [c.split()[1] for c in commands]
-    assert names.count("fit") == 4 and names.count("export") == 3 and names.count("generate") >= 4, commands
+    assert names.count("fit") == 5 and names.count("export") == 3 and names.count("generate") >= 4, commands
     assert any("--chat" in c for c in commands) and any("--merge" in c for c in commands), commands
 
 
@@ -92,6 +92,10 @@ def test_the_readme_commands_run_as_written(readme_runs):
     accuracy, dpo_loss = steps_of(dpo_rows, "val/reward_accuracy"), steps_of(dpo_rows, "val/dpo_loss")
     assert max(accuracy) == 99 and accuracy[99] >= 0.6 and dpo_loss[99] < 0.69, (accuracy, dpo_loss)
     assert steps_of(dpo_rows, "train/chosen_logp") and steps_of(dpo_rows, "train/reward_margin")
+    # KTO (README: held-out rewards desirable -1.48, undesirable -3.53 at step 100; every reward 0 at the start)
+    kto_rows = metric_rows(runs / "tiny-kto" / "csv" / "version_0")
+    good, bad = steps_of(kto_rows, "val/desirable_reward"), steps_of(kto_rows, "val/undesirable_reward")
+    assert max(good) == 99 and good[99] > bad[99] + 0.5, (good, bad)
 
 
 @pytest.mark.multiprocess

@@ -16,7 +16,6 @@ import functools
 from pathlib import Path
 from types import SimpleNamespace
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -27,6 +26,7 @@ from step35.plan.settings import read_settings
 from step35.plan.world import close_world, simulated_world
 from step35.training.dpo import sequence_logprobs
 from tests.dist.dpo_steps import pack, sample_rows
+from tests.helpers import make_trainer
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -40,7 +40,7 @@ def _local_bytes(model) -> int:
 
 def _trainer(precision: str, strategy) -> SimpleNamespace:
     """What configure_model reads of a Trainer, with Lightning's own precision plugin for `precision`."""
-    plugin = pl.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False).precision_plugin
+    plugin = make_trainer(precision=precision).precision_plugin
     return SimpleNamespace(strategy=strategy, precision_plugin=plugin, is_global_zero=True, ckpt_path=None)
 
 

@@ -17,6 +17,7 @@ def wandb_records(run_root, kind: str) -> list:
     [crc32 u32][length u16][type u8][data], types full=1, first=2, middle=3, last=4."""
     from pathlib import Path
 
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = next(Path(run_root).glob("**/run-*.wandb")).read_bytes()
@@ -26,6 +27,8 @@ def wandb_records(run_root, kind: str) -> list:
             pos += block - pos % block
             continue
         length, chunk_type = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk wandb's writer process is still appending (a loaded machine)
+            break
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if chunk_type == 1:
@@ -39,7 +42,10 @@ def wandb_records(run_root, kind: str) -> list:
     records = []
     for raw in chunks:
         record = pb.Record()
-        record.ParseFromString(raw)
+        try:
+            record.ParseFromString(raw)
+        except DecodeError:  # its last chunk not yet written
+            continue
         if record.WhichOneof("record_type") == kind:
             records.append(record)
     return records

@@ -35,6 +35,15 @@ def plant(**options) -> list[str]:
     ]
 
 
+def fit_every_step(tmp_path: Path, cache: Path, capfd, *extra: str, check: bool = True):
+    """`step35 fit` of EVERY_STEP (a save every step, keep_last 1, no guard listed) into tmp_path/run, in this
+    process: (its CompletedProcess, the run folder)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(EVERY_STEP)
+    run = tmp_path / "run"
+    return cli_fit(capfd, config, run, cache, *extra, check=check), run
+
+
 def finite_flags(folder: Path) -> dict[int, bool | None]:
     return {c.global_step: c.finite for c in catalog.complete_checkpoints(folder)}
 
@@ -92,10 +101,7 @@ def test_a_saved_file_records_whether_it_is_finite(tmp_path):
 def test_a_nan_gradient_is_skipped_by_default(tmp_path, builtin_cache, capfd):
     """The probe's case: one NaN gradient element at step 15 and no guard listed. Before, the loss was NaN
     from step 16, the run ended with exit code 0 and every kept checkpoint was NaN."""
-    config = tmp_path / "run.yaml"
-    config.write_text(EVERY_STEP)
-    run = tmp_path / "run"
-    result = cli_fit(capfd, config, run, builtin_cache, "--trainer.max_steps=20", *plant(grad_at=15))
+    result, run = fit_every_step(tmp_path, builtin_cache, capfd, "--trainer.max_steps=20", *plant(grad_at=15))
     assert "planted NaN in the gradient of model.layers.3.moe.gate.weight at step 15" in result.stdout + result.stderr
     assert "step 14: non-finite gradients in 1 of" in result.stderr and "step skipped" in result.stderr, result.stderr[
         -3000:
@@ -110,17 +116,16 @@ def test_nan_weights_stop_the_run_and_last_resumes_the_newest_finite_checkpoint(
     row stops the run (exit code 1). Saving every step with keep_last 1, step 8's save already holds the NaN, so
     step 7's is the newest finite one: it survives retention, last.ckpt names it, and `--ckpt_path last` resumes
     from it, passing over the NaN ones."""
-    config = tmp_path / "run.yaml"
-    config.write_text(EVERY_STEP)
-    run = tmp_path / "run"
-    stopped = cli_fit(capfd, config, run, builtin_cache, "--trainer.max_steps=20", *plant(weight_at=8), check=False)
+    stopped, run = fit_every_step(
+        tmp_path, builtin_cache, capfd, "--trainer.max_steps=20", *plant(weight_at=8), check=False
+    )
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert "5 consecutive optimizer steps had non-finite values; stopping" in stopped.stderr, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     flags = finite_flags(run / "checkpoints")
     assert flags == {7: True, 12: False}, flags  # saves 8-12 held the NaN; 8-11 were pruned, 7 kept
     assert (run / "checkpoints" / "last.ckpt").resolve().name == "step=000007.ckpt"
-    resumed = cli_fit(capfd, config, run, builtin_cache, "--trainer.max_steps=10", "--ckpt_path=last")
+    resumed, _ = fit_every_step(tmp_path, builtin_cache, capfd, "--trainer.max_steps=10", "--ckpt_path=last")
     said = resumed.stdout + resumed.stderr
     assert "skipping" in said and "step=000012.ckpt" in said and "NaN/Inf" in said, said[-3000:]
     assert "resuming from" in said and "step=000007.ckpt" in said
@@ -132,10 +137,9 @@ def test_nan_weights_stop_the_run_and_last_resumes_the_newest_finite_checkpoint(
 def test_nan_weights_after_the_last_step_fail_the_run(tmp_path, builtin_cache, capfd):
     """No later loss shows a NaN planted by the last optimizer step: the end-of-training check does, the run
     fails (exit code 1) and no checkpoint vouches for the NaN weights as the newest finite one."""
-    config = tmp_path / "run.yaml"
-    config.write_text(EVERY_STEP)
-    run = tmp_path / "run"
-    ended = cli_fit(capfd, config, run, builtin_cache, "--trainer.max_steps=4", *plant(weight_at=4), check=False)
+    ended, run = fit_every_step(
+        tmp_path, builtin_cache, capfd, "--trainer.max_steps=4", *plant(weight_at=4), check=False
+    )
     assert ended.returncode == 1, ended.stderr[-3000:]
     assert "step 4: training ended with NaN/Inf in the weights or optimizer state" in ended.stderr, ended.stderr[-3000:]
     assert finite_flags(run / "checkpoints") == {3: True, 4: False}

@@ -502,7 +502,7 @@ def test_overlong_counts_reach_the_logged_metrics_and_the_summary(tmp_path, tok_
     assert metrics["data/truncated/sft"] >= 2 and metrics["data/dropped/sft"] == 0
     assert metrics["data/skipped_records/sft"] == 0
     assert dm.overlong_records["truncated"] == {"sft": metrics["data/truncated/sft"]}
-    assert "conversations truncated, all ranks and workers: " in dm._skipped_log.summary()
+    assert "overlong records truncated, all ranks and workers: " in dm._skipped_log.summary()
     assert len(batches) == 12
     dm.teardown("fit")
 

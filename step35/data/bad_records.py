@@ -127,13 +127,16 @@ class SkippedRecordsLog:
         return {"data/" + key: float(n) for key, n in totals.items()}
 
     def summary(self) -> str | None:
-        """One line for the end of fit (and one per kind of overlong conversation counted), or None when
+        """One line for the end of fit (and one per kind of overlong record counted), or None when
         nothing was counted yet."""
         if self.totals is None:
             return None
         when = "" if self.final else f" (as of step {self.step})"
         lines = []
-        for kind, what in zip(COUNT_KINDS, ("bad records skipped", "conversations truncated", "conversations dropped")):
+        # (records longer than a window: conversations, prompt/completion records, preference pairs, unpaired ones)
+        for kind, what in zip(
+            COUNT_KINDS, ("bad records skipped", "overlong records truncated", "overlong records dropped")
+        ):
             counts = {key.split("/", 1)[1]: n for key, n in self.totals.items() if key.split("/", 1)[0] == kind}
             if kind != "skipped_records" and not any(counts.values()):
                 continue

@@ -77,8 +77,8 @@ def is_lightning_value(value) -> bool:
 
 
 def _intact(path: Path) -> SavedRun:
-    verify(path, sizes_only=True)
-    if catalog.recorded_non_finite(path):
+    manifest = verify(path, sizes_only=True)
+    if manifest.get("extra", {}).get(keys.MANIFEST_FINITE) is False:
         raise CheckpointError(
             "its weights or optimizer state held NaN/Inf when it was saved (recorded in its manifest)"
         )

@@ -107,10 +107,20 @@ def incomplete_checkpoints(folder: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if _is_candidate(p) and not is_complete(p))
 
 
+def _newest(found: list[Checkpoint], finite: bool = False) -> Checkpoint | None:
+    """The checkpoint of `found` with the highest global step (with `finite`: of those not recorded as
+    non-finite); None when there is none."""
+    candidates = [c for c in found if c.finite is not False] if finite else found
+    return max(candidates, key=lambda c: (c.global_step, c.saved_ns), default=None)
+
+
+def _complete_in(folders: list[str | Path]) -> list[Checkpoint]:
+    return [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
+
+
 def newest_complete(folders: list[str | Path]) -> Checkpoint | None:
     """The complete checkpoint with the highest global step over `folders` (None when there is none)."""
-    found = [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
-    return max(found, key=lambda c: (c.global_step, c.saved_ns), default=None)
+    return _newest(_complete_in(folders))
 
 
 def recorded_non_finite(path: str | Path) -> bool:
@@ -120,13 +130,13 @@ def recorded_non_finite(path: str | Path) -> bool:
 
 def newest_finite(folders: list[str | Path]) -> Checkpoint | None:
     """The newest complete checkpoint not recorded as non-finite: what `last.ckpt` names and retention keeps."""
-    found = [c for folder in dict.fromkeys(Path(f) for f in folders) for c in complete_checkpoints(folder)]
-    return max((c for c in found if c.finite is not False), key=lambda c: (c.global_step, c.saved_ns), default=None)
+    return _newest(_complete_in(folders), finite=True)
 
 
 def point_last_to_newest(folder: str | Path) -> Path | None:
     """`last.ckpt` to the newest finite checkpoint of `folder` (else the newest one), if there is any."""
-    chosen = newest_finite([folder]) or newest_complete([folder])
+    found = complete_checkpoints(folder)  # one listing for both
+    chosen = _newest(found, finite=True) or _newest(found)
     return point_last(folder, chosen.path) if chosen is not None else None
 
 
@@ -211,7 +221,7 @@ def prune(folder: str | Path, keep: int, protect: list[str | Path] = ()) -> list
     if keep < 1:
         raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept")
     found = complete_checkpoints(folder)
-    finite = newest_finite([folder])
+    finite = _newest(found, finite=True)
     protected = {Path(p).resolve() for p in [*protect, finite.path if finite else None] if p}
     held = held_for_reading(folder)
     removed = []

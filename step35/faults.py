@@ -480,7 +480,7 @@ class Preempted(SystemExit):
         return self.message
 
 
-def _is_refusal(exception: BaseException) -> bool:
+def is_refusal(exception: BaseException) -> bool:
     """One of step35's refusals of its input (a config, a checkpoint, a run folder, a chat template): the message
     names what is wrong and what to do, and the code that raised it is no news to the user. Such error classes
     say so themselves (`step35_refusal = True`: ConfigError, CheckpointError, RunFolderBusy, ChatTemplateError),
@@ -499,7 +499,7 @@ def report_failure(exception: BaseException, rank: int) -> None:
     first step (while the module is built, the run folder locked, the checkpoint loaded) is its one line,
     as the CLI prints the refusals that come before the Trainer. `was_reported` then tells the entry
     point not to print it a second time."""
-    if _PHASE.step is None and _is_refusal(exception):
+    if _PHASE.step is None and is_refusal(exception):
         write_stderr(f"{'' if rank == 0 else f'[rank {rank}] '}step35: {exception}\n")
         _mark_reported(exception, rank)
         return

@@ -25,7 +25,6 @@ from step35 import faults, job
 from step35 import run as runs
 from step35.checkpoint.errors import CheckpointError
 from step35.commands.console import rank_prefix, step35_console
-from step35.config import ConfigError
 from step35.module import Step35LightningModule
 from step35.run import lock
 
@@ -468,7 +467,7 @@ def run(args: list[str] | None = None) -> None:
         # (then said in one line): no second traceback.
         if faults.was_reported(error) or faults.report_aftermath(error):
             raise SystemExit(faults.EXIT_FAILED) from None
-        if isinstance(error, (ConfigError, CheckpointError)):  # refused while the module is built: its one line
+        if faults.is_refusal(error):  # refused while the module is built: its one line
             raise SystemExit(f"{rank_prefix()}step35: {error}") from None
         raise
     finally:

@@ -163,9 +163,12 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._writer is not None and self._writer.pending is not None and self._writer.pending.done():
             self.wait_for_save(trainer)  # done: a failure is this run's error now, not at the next save
-        if self._writer is not None and not self._writer.prepared and trainer.global_step >= 1:
+        prepare = self._writer is not None and not self._writer.prepared and trainer.global_step >= 1
+        if prepare and trainer.strategy.root_device.type == "cpu":
             # After the first optimizer step its state exists: the staging buffers are allocated now, off the
-            # loop's path, instead of while the first save holds it. The same tensors the saves will stage.
+            # loop's path, instead of while the first save holds it. The same tensors the saves will stage. Only
+            # on the CPU: on an accelerator Lightning hands the save fresh CPU copies (cpu_offload), a new
+            # storage each time, so no buffer allocated ahead would be reused and preparing would copy for nothing.
             strategy = trainer.strategy
             optimizers = [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]
             self._writer.prepare({"model": strategy.lightning_module_state_dict(), "optimizers": optimizers})

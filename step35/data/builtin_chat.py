@@ -24,6 +24,7 @@ import platform
 import re
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 from step35.data.builtin import cache_root, module_docstring, write_atomically
@@ -127,20 +128,21 @@ def builtin_preference_pairs() -> list[dict]:
     return [pair for _, pair in sorted(pairs, key=lambda item: item[0])]
 
 
-def builtin_preference_path(cache_dir: str | Path | None = None) -> Path:
-    """The built-in preference pairs as jsonl (one record per line), written on first use."""
-    path = cache_root(cache_dir) / f"preference-{sys.implementation.name}-{platform.python_version()}.jsonl"
+def builtin_jsonl(name: str, records: Callable[[], list[dict]], cache_dir: str | Path | None = None) -> Path:
+    """`records()` as jsonl in the cache (one record per line), written on first use. Keyed by interpreter
+    version, like the corpus: the text comes from the interpreter's own stdlib."""
+    path = cache_root(cache_dir) / f"{name}-{sys.implementation.name}-{platform.python_version()}.jsonl"
     if not path.exists():
-        lines = "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in builtin_preference_pairs())
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records())
         write_atomically(path, lines.encode("utf-8"))
     return path
+
+
+def builtin_preference_path(cache_dir: str | Path | None = None) -> Path:
+    """The built-in preference pairs as jsonl (one record per line), written on first use."""
+    return builtin_jsonl("preference", builtin_preference_pairs, cache_dir)
 
 
 def builtin_chat_path(cache_dir: str | Path | None = None) -> Path:
     """The built-in conversations as jsonl (one {"messages": [...]} per line), written on first use."""
-    # Keyed by interpreter version, like the corpus: the text comes from the interpreter's own stdlib.
-    path = cache_root(cache_dir) / f"chat-{sys.implementation.name}-{platform.python_version()}.jsonl"
-    if not path.exists():
-        lines = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in builtin_conversations())
-        write_atomically(path, lines.encode("utf-8"))
-    return path
+    return builtin_jsonl("chat", builtin_conversations, cache_dir)

@@ -183,14 +183,9 @@ class PackedConversations(PackedSource):
         return conversation_window([(e.ids, e.trained) for e in examples], self.window, self.tokenizer.eos_token_id)
 
     def windows(self) -> Iterator[tuple[list[int], ...]]:  # type: ignore[override]
-        state = self.state
-        if state["done"]:
+        if self.state["done"]:
             return
-        self.check_data()
-        cursor = Cursor(*state["cursor"])
-        documents = self.source.documents(
-            cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
-        )  # fmt: skip
+        cursor, documents = self._encoded()
         current: list[Any] = []
         used = 0
         placed = cursor.epoch  # the epoch of the last item placed in a window
@@ -226,8 +221,21 @@ class PackedConversations(PackedSource):
                 current, used = [], 0
         if current:  # a finite stream's last window
             yield self._emit(current, None)
+        self._finish()
+
+    def _encoded(self) -> tuple[Cursor, Iterator]:
+        """Where the stream resumes (the state's cursor) and the encoded records from there, the data checked
+        first: what every packer of encoded records walks."""
+        self.check_data()
+        cursor = Cursor(*self.state["cursor"])
+        return cursor, self.source.documents(
+            cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
+        )  # fmt: skip
+
+    def _finish(self) -> None:
+        """The stream is exhausted (a finite one): the counts in the state, and no more windows on resume."""
         self._count()
-        state["done"] = True
+        self.state["done"] = True
 
     def _check_progress(self, epoch: int, placed: int) -> None:
         """Raise when a whole epoch went by without an item placed (`placed`: the epoch of the last one): every

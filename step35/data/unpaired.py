@@ -45,21 +45,16 @@ preference pairs (builtin_chat.py) taken one side each: pair k gives its chosen 
 even k, its rejected reply (an answer to another question of the same form) undesirable for odd k.
 """
 
-import json
-import platform
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from step35.data.builtin import cache_root, write_atomically
-from step35.data.builtin_chat import builtin_preference_pairs
+from step35.data.builtin_chat import builtin_jsonl, builtin_preference_pairs
 from step35.data.chat_messages import ChatTemplateError, check_messages
 from step35.data.packing import PackedConversations, pair_window
 from step35.data.preference import PreferenceEncoder, reply_start
 from step35.data.readers import BadRecord, MissingField, Record
 from step35.data.sft import Example, text_pair
-from step35.data.sources import Cursor
 
 UNPAIRED_FIELDS = ("prompt", "completion", "label")
 UNPAIRED_KEYS = ("unpaired", "unpaired_label")  # the tensors a batch adds (module docstring)
@@ -157,14 +152,9 @@ class PackedUnpaired(PackedConversations):
     cut_fails = "cut, the completion would keep no trained token"
 
     def windows(self) -> Any:
-        state = self.state
-        if state["done"]:
+        if self.state["done"]:
             return
-        self.check_data()
-        cursor = Cursor(*state["cursor"])
-        documents = self.source.documents(
-            cursor, self.shard, self.num_shards, self.bad, self.endless, read=self.encoder
-        )  # fmt: skip
+        cursor, documents = self._encoded()
         current: list[Unpaired] = []
         used, placed = 0, cursor.epoch  # placed: the epoch of the last window handed out
         for start, _, record in documents:
@@ -180,8 +170,7 @@ class PackedUnpaired(PackedConversations):
             used += record.length
         if len(current) > 1:  # a finite stream's last window (a record alone there has no partner)
             yield self._emit(self._sequences(current, None), None)
-        self._count()
-        state["done"] = True
+        self._finish()
 
     def _sequences(self, records: list[Unpaired], following: Unpaired | None) -> list | None:
         """(matched, KL, desirable) of each record of a window; a record alone takes `following`'s completion,
@@ -255,8 +244,4 @@ def builtin_unpaired_records() -> list[dict]:
 
 def builtin_unpaired_path(cache_dir: str | Path | None = None) -> Path:
     """The built-in unpaired records as jsonl (one record per line), written on first use."""
-    path = cache_root(cache_dir) / f"unpaired-{sys.implementation.name}-{platform.python_version()}.jsonl"
-    if not path.exists():
-        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in builtin_unpaired_records())
-        write_atomically(path, lines.encode("utf-8"))
-    return path
+    return builtin_jsonl("unpaired", builtin_unpaired_records, cache_dir)

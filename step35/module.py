@@ -215,9 +215,7 @@ class Step35LightningModule(pl.LightningModule):
                 f"({self.trained.built_mtp_layers}) are kept as loaded, frozen (model.num_mtp_layers 0 leaves them out)",
                 flush=True,
             )
-        if (
-            self.objective_needs.reference == FROZEN_COPY
-        ):  # the run's start, also on a resume (model.checkpoint or the init)
+        if self.objective_needs.reference == FROZEN_COPY:  # the run's start, also on a resume (checkpoint or init)
             self.objective.set_reference_model(
                 build_reference_copy(
                     self.model_config,

@@ -164,13 +164,6 @@ def check_unpaired_batch(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return unpaired, label.reshape(-1)
 
 
-def unpaired_logprobs(model: Step35ForCausalLM, batch: dict, loss_chunk_size: int) -> tuple[torch.Tensor, ...]:
-    """(matched sums, KL sums, matched lengths, KL lengths) [B * K] of every record slot of the batch, record p
-    of row b at b K + p (dpo.sequence_logprobs reads the `unpaired` ids as pair ids: matched = chosen)."""
-    unpaired, _ = check_unpaired_batch(batch)
-    return dpo.sequence_logprobs(model, batch, loss_chunk_size, pair_ids=unpaired)
-
-
 class KtoObjective(ComparesWithReference, Objective):
     """KTO (this module's docstring). `reference` is where the reference log-probabilities come from
     (training/reference.py): ADAPTERS_OFF under LoRA, else FROZEN_COPY (`reference_model`, set by the module)."""
@@ -201,11 +194,15 @@ class KtoObjective(ComparesWithReference, Objective):
     def records(self, model: Step35ForCausalLM, batch: dict) -> RecordLosses:
         """The batch's RecordLosses: the reference's log-probabilities, then the policy's."""
         self.check_records(batch)  # another objective's records (e.g. `preference` pairs) are refused
-        _, label = check_unpaired_batch(batch)
-        ref_matched, ref_kl, _, _ = self.on_reference(
-            model, lambda m: unpaired_logprobs(m, batch, self.loss_chunk_size)
-        )
-        matched, kl, matched_len, kl_len = unpaired_logprobs(model, batch, self.loss_chunk_size)
+        unpaired, label = check_unpaired_batch(batch)
+
+        def logprobs(m: Step35ForCausalLM) -> tuple[torch.Tensor, ...]:
+            # (matched sums, KL sums, matched lengths, KL lengths) [B * K], record p of row b at b K + p: DPO's
+            # sequence log-probabilities with the `unpaired` ids as pair ids (matched = chosen, KL = rejected)
+            return dpo.sequence_logprobs(m, batch, self.loss_chunk_size, pair_ids=unpaired)
+
+        ref_matched, ref_kl, _, _ = self.on_reference(model, logprobs)
+        matched, kl, matched_len, kl_len = logprobs(model)
         return record_losses(self.options, label, matched - ref_matched, kl - ref_kl, matched_len, kl_len)
 
     def _values(self, losses: RecordLosses) -> torch.Tensor:

@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -111,15 +112,20 @@ def _held_elsewhere(lock_file: Path) -> bool:
         os.close(fd)
 
 
+def _held_locks_in(root: Path) -> Iterator[Path]:
+    """The lock files in `root` and the folders below it that another live process holds (symbolic links are
+    not followed; nothing is written)."""
+    for inside, _, files in os.walk(root):
+        lock_file = Path(inside) / LOCK
+        if LOCK in files and _held_elsewhere(lock_file):
+            yield lock_file
+
+
 def live_holder(folder: str | Path) -> str | None:
     """Who holds, as a live job, the lock of `folder` or of a folder inside it ("pid 123 on host n1, started
     ...; lock <file>"), else None. What would replace or delete `folder` asks first; nothing is written."""
-    root = Path(os.path.realpath(folder))
-    for inside, _, files in os.walk(root):  # (symbolic links are not followed)
-        lock_file = Path(inside) / LOCK
-        if LOCK in files and _held_elsewhere(lock_file):
-            return f"{_who(lock_file)}; lock {lock_file}"
-    return None
+    lock_file = next(_held_locks_in(Path(os.path.realpath(folder))), None)
+    return f"{_who(lock_file)}; lock {lock_file}" if lock_file else None
 
 
 class RunLock:
@@ -194,11 +200,12 @@ class RunLock:
                 )
         if not below:
             return
-        for inside, _, files in os.walk(root):  # (symbolic links are not followed)
-            if inside != str(root) and LOCK in files and _held_elsewhere(Path(inside) / LOCK):
-                lock_file = Path(inside) / LOCK
+        for lock_file in _held_locks_in(root):
+            if lock_file.parent != root:  # (its own lock: this acquire's, not yet recorded as held)
                 raise RunFolderBusy(
-                    self._refusal(f"holds {inside}, a folder a live run owns ({_who(lock_file)}; lock {lock_file})")
+                    self._refusal(
+                        f"holds {lock_file.parent}, a folder a live run owns ({_who(lock_file)}; lock {lock_file})"
+                    )
                 )
 
     def _write(self) -> None:

@@ -87,7 +87,8 @@ def set_phase(name: str, step: int | None = None, patient: bool = False) -> None
 def begin_run() -> None:
     """Forgets the failure of an earlier run in this process (an in-process `step35 fit` after a
     failed one, a notebook's second `Trainer.fit`): without it the new run's failure was reported in
-    the phase where the old one failed. Called as a fit starts (Step35Strategy.setup_environment,
+    the phase where the old one failed, or a refusal before the first step as a failure of the old one's
+    last step. Called as a fit starts (`step35 fit`'s entry point, Step35Strategy.setup_environment,
     FaultTolerance.setup)."""
     _PHASE.failed_in = None
     _PHASE.step = None

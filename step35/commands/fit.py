@@ -452,6 +452,9 @@ def run(args: list[str] | None = None) -> None:
     from step35.data import Step35DataModule
 
     job.this_process(fresh=True)  # where this process stands in its job, read before the Trainer changes it
+    # A fresh phase before any callback's setup: FaultTolerance's begin_run comes last among them (a Checkpoint
+    # callback), after RunCheckpoint's, whose refusals must not be reported in an earlier fit's phase and step.
+    faults.begin_run()
     try:
         with step35_console():  # libraries' notices not meant for the user dropped; step35's warnings as step35's
             Step35CLI(

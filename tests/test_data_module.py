@@ -282,7 +282,7 @@ def _rank_process(phase: str, rank: int, folder: str, data: dict, tokenizer: str
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["jsonl", "two_text_fields", "hub_8_files"])
 def test_per_rank_state_survives_a_rank0_only_checkpoint(tmp_path, corpus, word_tokenizer, kind):
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")
     data = data_options(kind, corpus, tmp_path)
     if kind == "hub_8_files":
         from step35.data.hub import HubSource

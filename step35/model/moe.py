@@ -25,6 +25,7 @@ from torch import nn
 
 from step35.kernels.grouped_gemm import grouped_mm
 from step35.model.mlp import clamped_swiglu
+from step35.model.routing import LayerRoutes, in_backward_recompute
 
 
 class ExpertWeight(nn.Module):
@@ -187,11 +188,6 @@ def local_dispatch(
         return expert_swiglu(moe, rows, counts, row_weight)
 
 
-def in_backward_recompute() -> bool:
-    """True while autograd's engine is running, i.e. when activation checkpointing replays a forward."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class RouterAuxLosses:
     """Collects each MoE layer's sequence-level balance loss during one forward.
 
@@ -269,8 +265,12 @@ class MoE(nn.Module):
         # activation checkpointing, which keeps nothing of the layer anyway (parallelize.py turns it off there)
         self.regather_rows = True
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> scores [T, E] fp32, expert ids [T, K], weights [T, K] fp32."""
+    def route(
+        self, x: torch.Tensor, routes: LayerRoutes | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> scores [T, E] fp32, expert ids [T, K], weights [T, K] fp32. `routes` (model/routing.py)
+        records the chosen ids, or replaces them by recorded ones; the weights are then the live scores at
+        the replayed ids, so the router still learns from them."""
         if self.fp32_router and not torch.is_autocast_enabled(x.device.type):
             logits = fp32_linear(x, self.gate.weight)
         elif self.fp32_router:  # autocast decides the matmul dtype: leave it to default autograd
@@ -280,17 +280,21 @@ class MoE(nn.Module):
         scores = torch.sigmoid(logits)  # [T, E]
         choice = scores + self.router_bias if self.router_bias is not None else scores
         expert_ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices  # [T, K]
+        if routes is not None:
+            expert_ids = routes.choose(expert_ids)
         weights = scores.gather(-1, expert_ids)  # unbiased scores of the chosen experts
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return scores, expert_ids, weights * self.scaling_factor
 
-    def forward(self, x: torch.Tensor, router_aux: RouterAuxLosses | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, router_aux: RouterAuxLosses | None = None, routes: LayerRoutes | None = None
+    ) -> torch.Tensor:
         """x [B, S, H] (or [T, H]: one sequence) -> [same]. With `router_aux`, this layer's sequence
-        balance loss (sequence_balance_loss) is added to it."""
+        balance loss (sequence_balance_loss) is added to it; `routes`: see `route`."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        scores, expert_ids, weights = self.route(x)
+        scores, expert_ids, weights = self.route(x, routes)
         if router_aux is not None:
             router_aux.add(
                 sequence_balance_loss(

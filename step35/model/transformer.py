@@ -13,6 +13,7 @@ input_ids, labels, position_ids [B, S]; residual stream h [B, S, H]; logits [B, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from step35.model.mlp import SwiGLU
 from step35.model.moe import MoE, RouterAuxLosses
 from step35.model.norm import RMSNorm
 from step35.model.rope import inverse_frequencies, rotary_cos_sin
+from step35.model.routing import RouteRecorder, RouteReplay, Routing
 
 # What attention is told about the rows besides causality: packed documents, or (context
 # parallelism) this rank's share of each row and how to reach the other shares' keys.
@@ -77,15 +79,19 @@ class DecoderLayer(nn.Module):
         router_aux: RouterAuxLosses | None = None,
         documents: Documents | None = None,
         cache: LayerKV | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """router_aux: where an MoE layer adds its sequence balance loss (None: not computed);
         documents: packed documents that attention must keep apart (None: one document per row), or
         this rank's SequenceShard under context parallelism; cache: this layer's keys and values of
-        earlier tokens (decoding, see Step35ForCausalLM.step)."""
+        earlier tokens (decoding, see Step35ForCausalLM.step); routing: records or replays the MoE
+        layer's expert choice (model/routing.py)."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents, cache)
         x = self.post_attention_layernorm(h)
-        ffn = self.moe(x, router_aux) + self.share_expert(x) if self.spec.is_moe else self.mlp(x)
-        return h + ffn
+        if not self.spec.is_moe:
+            return h + self.mlp(x)
+        routes = routing.layer(self.spec.layer_id, tuple(x.shape[:-1])) if routing is not None else None
+        return h + self.moe(x, router_aux, routes) + self.share_expert(x)
 
 
 class SharedHead(nn.Module):
@@ -173,23 +179,25 @@ class Step35Model(nn.Module):
         router_aux: RouterAuxLosses | None = None,
         documents: Documents | None = None,
         cache: KVCache | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
         router_aux: collects the MoE layers' sequence balance losses (None: not computed);
         documents: packed documents kept apart by attention (RoPE then comes from their positions);
         cache: earlier tokens' keys and values, which the layers read and extend (`rope` must then
-        hold the new tokens' positions)."""
+        hold the new tokens' positions); routing: records or replays the experts chosen (model/routing.py)."""
         if rope is None:
             position_ids = documents.position_ids if documents is not None else None
             rope = self.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         h = self.embed_tokens(input_ids)
         for i, (layer, key) in enumerate(zip(self.main_layers, self.rope_keys)):
             kv = cache.layer(i, layer.self_attn.window) if cache is not None else None
-            if kv is None:  # the call training, FSDP and activation checkpointing see, unchanged
-                h = layer(h, *rope[key], router_aux=router_aux, documents=documents)
-            else:
-                h = layer(h, *rope[key], router_aux=router_aux, documents=documents, cache=kv)
+            extra = {"cache": kv} if kv is not None else {}
+            if routing is not None:
+                extra["routing"] = routing
+            # Without them, the call training, FSDP and activation checkpointing see, unchanged.
+            h = layer(h, *rope[key], router_aux=router_aux, documents=documents, **extra)
         return h
 
 
@@ -204,6 +212,16 @@ class LossOutput:
     lm_sum: torch.Tensor | None = None  # summed next-token loss of the main head (fp32)
     mtp_sums: list[torch.Tensor] = field(default_factory=list)  # summed loss of MTP depth 1, 2, ...
     mtp_counts: list[torch.Tensor] = field(default_factory=list)  # targets counted by each depth
+
+
+@dataclass
+class TokenShare:
+    """Step35ForCausalLM.token_logprobs' result: this rank's tokens (all of them without context parallelism)."""
+
+    logp: torch.Tensor  # [B, L] log-probability of each label (0 where none)
+    carried: list[torch.Tensor]  # the `carried` whole-row tensors, taken as the tokens were
+    sum: Callable[[torch.Tensor], torch.Tensor]  # sums over the context-parallel group (identity without)
+    routing: RouteReplay | None = None  # the replay this forward consumed (its counts; check_recompute)
 
 
 class Step35ForCausalLM(nn.Module):
@@ -244,15 +262,18 @@ class Step35ForCausalLM(nn.Module):
         h, _, _ = self._trunk(input_ids, position_ids)
         return self.lm_head(self.model.norm(h))
 
-    def step(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def step(
+        self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False, routing: RouteRecorder | None = None
+    ) -> torch.Tensor:
         """Decoding: logits [B, S, V] (or [B, 1, V] with `last_only`) for input_ids [B, S], the tokens
         that follow the `cache.length` tokens the cache holds (none at first: the prompt); the cache
         then holds these as well. Each token costs attention over the kept keys only, so a long sample
-        is not quadratic. Equal to `forward` over the whole sequence (tests/test_generate_cache.py)."""
+        is not quadratic. Equal to `forward` over the whole sequence (tests/test_generate_cache.py).
+        `routing`: a RouteRecorder keeping the experts each MoE layer chose (rollouts for RL)."""
         S = input_ids.shape[1]
         positions = torch.arange(cache.length, cache.length + S, device=input_ids.device)
         rope = {key: rotary_cos_sin(positions, inv) for key, inv in self.model._inv_freq.items()}
-        h = self.model(input_ids, rope, cache=cache)
+        h = self.model(input_ids, rope, cache=cache, routing=routing)
         cache.length += S
         if last_only:
             h = h[:, -1:]
@@ -374,12 +395,50 @@ class Step35ForCausalLM(nn.Module):
             sums, counts = cp.sum(sums), cp.sum(counts)
         return sums, counts
 
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        routing: RouteReplay | None = None,
+        temperature: float = 1.0,
+        loss_chunk_size: int = 1024,
+        carried: tuple[torch.Tensor, ...] = (),
+    ) -> TokenShare:
+        """Per-token log softmax(logits / temperature)[label] of whole rows input_ids, labels [B, S] (0 where
+        the label is -100), differentiable and memory-bounded as `loss`; MTP layers do not run.
+
+        routing: recorded routes {layer_id: [B, S, K]} that every MoE layer uses instead of choosing (rollout
+        routing replay, model/routing.py); checked to be used exactly once per layer. Under context
+        parallelism every rank of a cp group passes the same whole rows and gets its share of the tokens
+        [B, L], with `carried` (whole-row tensors [B, S, ...]) taken the same way and `sum`, which sums a
+        tensor over the cp group, differentiably (identity without cp). Registered as an FSDP forward method."""
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        _check_positions(input_ids, position_ids)
+        cp = self.context_parallel
+        shard = cp.split(input_ids, position_ids) if cp is not None else None
+        take = (lambda x: x) if shard is None else (lambda x: cp.take(shard, x))
+        replay = routing.taken(take) if routing is not None else None
+        h, _, _ = self._trunk(
+            take(input_ids), None if position_ids is None else take(position_ids), None, shard, replay
+        )
+        if replay is not None:
+            replay.check_forward()
+        hidden = self.model.norm(h)
+        if temperature != 1.0:
+            hidden = hidden / temperature  # logits / T: the logits are linear in the normed hidden state
+        logp = chunked_token_logprobs(hidden, self.lm_head.weight, take(labels), loss_chunk_size)
+        return TokenShare(logp, [take(t) for t in carried], (lambda t: t) if cp is None else cp.sum, replay)
+
     def _trunk(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
         router_aux: RouterAuxLosses | None = None,
         shard: SequenceShard | None = None,
+        routing: RouteReplay | None = None,
     ) -> tuple[torch.Tensor, dict, Documents | None]:
         """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask).
         shard: this rank's share under context parallelism (input_ids and position_ids are then the
@@ -388,10 +447,11 @@ class Step35ForCausalLM(nn.Module):
             rope = self.model.rotary_tables(
                 input_ids.shape[1], input_ids.device, shard.positions if position_ids is None else position_ids
             )
-            return self.model(input_ids, rope, router_aux=router_aux, documents=shard), rope, shard
+            return self.model(input_ids, rope, router_aux=router_aux, documents=shard, routing=routing), rope, shard
         documents = DocumentMask(position_ids) if position_ids is not None else None
         rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
-        return self.model(input_ids, rope, router_aux=router_aux, documents=documents), rope, documents
+        h = self.model(input_ids, rope, router_aux=router_aux, documents=documents, routing=routing)
+        return h, rope, documents
 
     def _mtp_losses(
         self,

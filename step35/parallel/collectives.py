@@ -19,3 +19,9 @@ def all_reduce_(tensor: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torc
     if distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor
+
+
+def any_rank(mine: bool, device: torch.device | str = "cpu") -> bool:
+    """True when `mine` is True on any rank (a MAX over the world; `mine` in one process). Every rank must call it."""
+    flag = torch.tensor([int(mine)], device=device)
+    return bool(all_reduce_(flag, "max").item())

@@ -104,6 +104,8 @@ def apply_fsdp(
     # gather and input casting.
     register_fsdp_forward_method(model, "loss")
     register_fsdp_forward_method(model, "sequence_logprobs")  # the preference objective's (training/dpo.py)
+    register_fsdp_forward_method(model, "token_logprobs")  # online RL's (training/grpo.py)
+    register_fsdp_forward_method(model, "step")  # its rollouts: decoding under the sharding
 
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:

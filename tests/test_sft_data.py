@@ -127,7 +127,7 @@ def test_a_stated_format_the_files_cannot_hold_is_refused_by_name(tmp_path, tok_
             dm.setup("fit")
     with pytest.raises(
         ValueError,
-        match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion', 'preference', 'unpaired'\)",
+        match=r"format must be one of \('auto', 'text', 'chat', 'prompt_completion', 'preference', 'unpaired', 'prompt'\)",
     ):
         Step35DataModule(sources=[{"path": "x", "format": "sharegpt"}])
     with pytest.raises(

@@ -7,10 +7,13 @@ packed, what its batches add, its built-in records. The pipeline asks the entry 
   and positions (packing.PackedConversations).
 * `preference`: preference pairs for `--model.objective dpo` (preference.py), packed side by side with the
   `preference` ids of the DPO batch contract (packing.PackedPairs).
+* `unpaired`: labelled prompt/completion records for `--model.objective kto` (unpaired.py).
+* `prompt`: prompts alone for `--model.objective grpo` (prompts.py), one per window, the record itself carried
+  along as JSON bytes for the reward.
 
 `auto` (the default `data.format`) picks a format from a source's first records (`detect_format`): the one
-whose `fields` a record has all of, the most specific when several match (one whose fields include
-another's), else the first in the registry's order; else the text field means text.
+whose `fields` a record has all of (and none of its `unless`), the most specific when several match (one whose
+fields include another's), else the first in the registry's order; else the text field means text.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +25,14 @@ from typing import Any
 from step35.data.builtin_chat import builtin_chat_path, builtin_preference_path
 from step35.data.packing import PackedConversations, PackedPairs
 from step35.data.preference import PreferenceEncoder
+from step35.data.prompts import (
+    PROMPT_FIELDS,
+    PROMPT_KEYS,
+    PROMPT_NOT_WITH,
+    PackedPrompts,
+    PromptEncoder,
+    builtin_prompt_path,
+)
 from step35.data.readers import FIELD_CHECK_RECORDS, BadRecord, reader_for
 from step35.data.sft import PLAIN_TEXT_SUFFIXES, SftEncoder, preference_error
 from step35.data.unpaired import UNPAIRED_FIELDS, UNPAIRED_KEYS, PackedUnpaired, UnpairedEncoder, builtin_unpaired_path
@@ -41,7 +52,9 @@ class DataFormat:
     batches are for ("": the language model's); `records` what its records are, in messages. `needs_template`:
     its sources are refused at setup without a chat template (other formats find out per record).
     `train_on_all_refused`: the error for `data.train_on: all` ("" where it is allowed). `misread`: the error
-    for a source of this format stated as another (file or record, the other format's name)."""
+    for a source of this format stated as another (file or record, the other format's name). `unless`: a record
+    with one of these fields, or with the text field, is not of this format (`auto`), for a format whose
+    `fields` other formats' records hold too (`prompt` alone: those records stay what they were before)."""
 
     name: str
     fields: tuple[str, ...] = ()
@@ -55,6 +68,7 @@ class DataFormat:
     needs_template: bool = False
     train_on_all_refused: str = ""
     misread: Callable[[Any, str], Exception] | None = None
+    unless: tuple[str, ...] = ()
 
     @property
     def whole_records(self) -> bool:
@@ -79,6 +93,8 @@ DATA_FORMATS: dict[str, DataFormat] = {
                    train_on_all_refused=PreferenceEncoder.TRAIN_ON_ALL_REFUSED, misread=preference_error),
         DataFormat("unpaired", UNPAIRED_FIELDS, (), UnpairedEncoder, PackedUnpaired, UNPAIRED_KEYS, builtin_unpaired_path,
                    "kto", "unpaired records", train_on_all_refused=UnpairedEncoder.TRAIN_ON_ALL_REFUSED),
+        DataFormat("prompt", PROMPT_FIELDS, (), PromptEncoder, PackedPrompts, PROMPT_KEYS, builtin_prompt_path, "grpo",
+                   "prompt records", unless=PROMPT_NOT_WITH),
     )
 }  # fmt: skip
 FORMATS = ("auto", *DATA_FORMATS)  # the values `data.format` takes
@@ -100,7 +116,11 @@ def format_of_fields(fields: Iterable[str], text_field: str) -> tuple[str, str] 
     win over the text field even when it names one of them (training the chosen answer alone as text is not
     what a preference file is for; `format: text` says so when it is)."""
     names = set(fields)
-    matched = [f for f in DATA_FORMATS.values() if f.fields and set(f.fields) <= names]
+    matched = [
+        f
+        for f in DATA_FORMATS.values()
+        if f.fields and set(f.fields) <= names and not (f.unless and names & {*f.unless, text_field})
+    ]
     best = next((f for f in matched if not any(set(f.fields) < set(g.fields) for g in matched)), None)
     if best is not None:
         return best.name, f"records have {listed(best.fields)}"

@@ -139,7 +139,10 @@ class TokenWindows(IterableDataset):
     def _batch_item(self, window: Any, batch_keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
         if isinstance(window, tuple):  # a window of records: (tokens, labels, positions, *its format's tensors)
             keys = ("input_ids", "labels", "position_ids", *batch_keys)
-            return {key: torch.tensor(values, dtype=torch.long) for key, values in zip(keys, window, strict=True)}
+            return {  # int64 from lists and numbers; a packer's own tensor (its dtype: prompt bytes) as it is
+                key: values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+                for key, values in zip(keys, window, strict=True)
+            }
         if not self.labelled:
             return {"input_ids": torch.tensor(window, dtype=torch.long)}
         labels, positions = text_window_targets(window, self.tokenizer.eos_token_id)

@@ -77,3 +77,21 @@ class CSVLogger(LightningCSVLogger):
             prefix=prefix,
             flush_logs_every_n_steps=flush_logs_every_n_steps,
         )
+
+
+def write_samples(folder: Path, trainer, step: int, rows: list[dict]) -> None:
+    """Append sampled completions with their rewards (online RL) to `<folder>/step=N.jsonl`, and to a wandb table
+    `rl/samples` when a wandb logger is attached. Rank 0's samples only; call it on rank 0."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"step={step}.jsonl", "a", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and rows:
+            columns = list(rows[0])
+            data = [
+                [json.dumps(row[c]) if isinstance(row[c], (list, dict)) else row[c] for c in columns] for row in rows
+            ]
+            logger.log_table("rl/samples", columns=columns, data=data, step=step)

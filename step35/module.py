@@ -22,16 +22,27 @@ from step35.checkpoint.hf import lora_base
 from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trainer_io import check_lora_state, frozen_state_keys
 from step35.config import Step35Config
+from step35.loggers import write_samples
 from step35.model import Step35ForCausalLM
 from step35.model.lora import LoraConfig
-from step35.parallel.collectives import distributed
+from step35.parallel.collectives import any_rank, distributed
 from step35.parallel.grad import clip_grad_norm_, global_grad_norm
 from step35.run import SavedRun, check_resume, checkpoint_to_load
-from step35.training.objective import OPTION_FIELDS, ObjectiveInputs, add_micro_batch, objective_class
+from step35.training.objective import (
+    OPTION_FIELDS,
+    ObjectiveContext,
+    ObjectiveInputs,
+    add_micro_batch,
+    objective_class,
+)
 from step35.training.optimizer import OptimizerOptions, apply_resumed_settings, build_optimizer, lr_schedule
 from step35.training.options import check_rules
 from step35.training.reference import FROZEN_COPY, build_reference_copy
 from step35.training.setup import TrainedModel, model_config_of, training_model
+
+
+def _ignore(*args) -> None:
+    return None
 
 
 class Step35LightningModule(pl.LightningModule):
@@ -85,6 +96,9 @@ class Step35LightningModule(pl.LightningModule):
             label_smoothing, sft_weight, reference_free, gamma; e.g. `--model.dpo.beta 0.2`.
         objective_options: the options of an objective that reads them here (its `options_field`), as
             model.dpo is DPO's.
+        rl: online RL options of `model.objective: grpo` (training/grpo.py GrpoOptions): reward_funcs,
+            num_generations, temperature, max_new_tokens, loss_type, routing_replay, ...; e.g.
+            `--model.rl.num_generations 8`.
     """
 
     def __init__(
@@ -111,6 +125,7 @@ class Step35LightningModule(pl.LightningModule):
         objective: str = "lm",
         dpo: dict[str, Any] | None = None,
         objective_options: dict[str, Any] | None = None,
+        rl: dict[str, Any] | None = None,
     ):
         super().__init__()
         lora_config = LoraConfig.of(lora)
@@ -181,6 +196,31 @@ class Step35LightningModule(pl.LightningModule):
         tokenizer = getattr(datamodule, "tokenizer", None)
         if getattr(tokenizer, "path", None) is not None:  # refused here (a link out), not at the first save
             run_tokenizer.folder_files(tokenizer.path)
+        if self.objective_needs.batch_repeats > 1 and hasattr(datamodule, "repeat_batches"):
+            datamodule.repeat_batches(self.objective_needs.batch_repeats)
+        if self.objective_needs.generates is not None:
+            self.objective.bind(self._objective_context(datamodule, tokenizer))
+
+    def _objective_context(self, datamodule, tokenizer) -> ObjectiveContext:
+        """What an objective that generates needs of the run (training/objective.py ObjectiveContext)."""
+        trainer = self.trainer
+        samples = Path(trainer.log_dir or trainer.default_root_dir) / "rl_samples"  # log_dir: every rank asks
+        stop_ids = datamodule.generation_stop_ids() if hasattr(datamodule, "generation_stop_ids") else set()
+        return ObjectiveContext(
+            stop_ids=stop_ids,
+            decode=tokenizer.decode if tokenizer is not None else ObjectiveContext.decode,
+            step=lambda: trainer.global_step,
+            keep_going=functools.partial(any_rank, device=trainer.strategy.root_device),
+            sum_over_ranks=functools.partial(self._sum_over_data_parallel, device=trainer.strategy.root_device),
+            write_samples=functools.partial(write_samples, samples, trainer) if trainer.is_global_zero else _ignore,
+        )
+
+    def _sum_over_data_parallel(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if not (distributed() and self.trainer.world_size > 1):
+            return values
+        summed = values.to(device)
+        torch.distributed.all_reduce(summed, group=getattr(self.trainer.strategy, "data_parallel_group", None))
+        return summed.to(values.device)
 
     def _check_resume(self, saved: SavedRun) -> None:
         # A different model shape is refused with the fields listed; options this run changes are said

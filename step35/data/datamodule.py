@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
-from step35.data.chat_messages import check_train_choice
+from step35.data.chat_messages import ChatTemplateError, check_train_choice
 from step35.data.formats import DATA_FORMATS, FORMATS, check_not_mixed, format_of
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
@@ -166,6 +166,7 @@ class Step35DataModule(pl.LightningDataModule):
     def _init_state(self) -> None:
         """What setup(), the loaders and resume fill in later."""
         self._stream_options: dict[str, Any] = {}  # the chat template and options, for TokenWindows (after setup)
+        self._step_repeats = 1  # repeat_batches
         self.tokenizer: TextTokenizer | None = None
         self._train_sources: list[Source] = []
         self._train_weights: list[float] = []
@@ -289,6 +290,18 @@ class Step35DataModule(pl.LightningDataModule):
                 " or data.val_files to validate"
             )
 
+    def generation_stop_ids(self) -> set[int]:
+        """The ids that end a text the model generates (online RL's rollouts; after setup): the tokenizer's EOS,
+        and the chat template's end-of-turn token when the sources are rendered with one."""
+        stop = {self.tokenizer.eos_token_id}
+        template = self._stream_options.get("template")
+        if template is not None:
+            try:
+                stop.add(template.end_of_turn_id(self.tokenizer, where="data.chat_template"))
+            except ChatTemplateError:
+                pass  # no special token ends a reply: the EOS alone stops it
+        return stop
+
     @property
     def batch_keys(self) -> tuple[str, ...]:
         """The tensors the batches add for an objective other than the language model's (after setup): the
@@ -346,7 +359,15 @@ class Step35DataModule(pl.LightningDataModule):
         )
         batches = TrainBatches(loader, self._planned_batches())
         self._resume.attach(batches, rank, world_size)
+        if self._step_repeats > 1:
+            trainer = self.trainer
+            batches.repeat_steps(self._step_repeats, trainer.accumulate_grad_batches, lambda: trainer.global_step)
         return batches
+
+    def repeat_batches(self, times: int) -> None:
+        """Hand each optimizer step's batches `times` steps in a row (asked by an objective that trains several
+        steps on one batch's rollouts: online RL's num_iterations; TrainBatches.repeat_steps)."""
+        self._step_repeats = times
 
     def _planned_batches(self) -> int | None:
         """The batches this run will draw, if Lightning knows; see train_batches.py for why it must be told."""

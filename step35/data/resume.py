@@ -35,6 +35,7 @@ Two facts from the installed Lightning 2.6 decide this shape:
 """
 
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -94,6 +95,9 @@ class TrainBatches:
         self.num_batches = num_batches
         self._batches: Any | None = None  # the loader's iterator, created on first use
         self._state: dict[str, Any] = {}  # the position to start from, until iteration starts
+        self._repeat: tuple[int, int, Callable[[], int]] | None = None  # repeat_steps' (times, per step, first step)
+        self._group: list[Any] = []  # the current step's batches, while they repeat
+        self._served: int | None = None  # batches handed out, counted from the first step's
 
     def __len__(self) -> int:
         if self.num_batches is None:
@@ -104,7 +108,25 @@ class TrainBatches:
         if self._batches is None:
             self.loader.load_state_dict(self._state)
             self._batches = iter(self.loader)
-        return self._batches
+        return self._batches if self._repeat is None else self._repeated()
+
+    def repeat_steps(self, times: int, batches_per_step: int, first_step: Callable[[], int]) -> None:
+        """Hand each optimizer step's `batches_per_step` batches `times` steps in a row (online RL's mu: the same
+        prompts, their rollouts kept). The steps count from `first_step()` (the step training starts or resumes
+        at); a step that is a multiple of `times` reads new batches, so a resume lands on the same phase, and the
+        stream's position is that after the last step's batches read."""
+        self._repeat = (times, batches_per_step, first_step)
+
+    def _repeated(self) -> Iterator[Any]:
+        times, per_step, first_step = self._repeat
+        if self._served is None:
+            self._served = first_step() * per_step
+        while True:
+            step, position = divmod(self._served, per_step)
+            if position == 0 and (step % times == 0 or not self._group):
+                self._group = [next(self._batches) for _ in range(per_step)]
+            self._served += 1
+            yield self._group[position]
 
     def stream_state(self) -> dict[str, Any]:
         """The loader state right after the last batch handed out (per worker, as StatefulDataLoader tracks it)."""
@@ -126,6 +148,7 @@ class TrainBatches:
                 shutdown()
             self._batches = None
             self.loader.load_state_dict({})
+        self._group, self._served = [], None  # a restarted stream starts a fresh repetition
 
 
 class TrainStreamResume:

@@ -29,6 +29,7 @@ and three parts the LightningModule calls and nothing else:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -43,13 +44,14 @@ OBJECTIVES = {
     "lm": "step35.training.objective.LanguageModelObjective",
     "dpo": "step35.training.dpo.DpoObjective",
     "kto": "step35.training.kto.KtoObjective",
+    "grpo": "step35.training.grpo.GrpoObjective",
 }
 DEFAULT_OBJECTIVE = "lm"
 # The module options that hold an objective's own options (each objective reads one: its options_field).
-OPTION_FIELDS = ("dpo", "objective_options")
+OPTION_FIELDS = ("dpo", "objective_options", "rl")
 
 # Objective options a resume may change (the command line wins; each is reported when it does).
-RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef", "dpo", "objective_options")
+RESUMABLE = ("loss_chunk_size", "mtp_loss_weight", "moe_aux_loss_coef", "dpo", "objective_options", "rl")
 
 
 def resume_refusals(saved: dict, hparams: dict) -> list[str]:
@@ -98,6 +100,8 @@ class Needs:
     extra_forwards: int = 0  # forwards without gradients per micro-batch beside the policy's (the reference's)
     activation_factor: float = 1.0  # activations per token kept for backward, relative to the language model's
     trains_mtp: bool = True  # whether it can train the MTP layers (False: kept as loaded, frozen)
+    generates: tuple[int, int] | None = None  # (sequences per record, new tokens each) it samples per micro-batch
+    batch_repeats: int = 1  # each step's batches handed to it this many steps in a row (online RL's mu)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,23 @@ class ObjectiveInputs:
     loss_chunk_size: int = 1024
     lora: LoraConfig | None = None
     options: dict[str, Any] = field(default_factory=dict)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass
+class ObjectiveContext:
+    """What the run gives an objective that needs more than its batches (online RL generates, decodes, logs
+    samples), set by the module at setup (`Objective.bind`); the defaults are one process without a run."""
+
+    stop_ids: set[int] = field(default_factory=set)  # ids that end a generated text (EOS, the end of a turn)
+    decode: Callable[[list[int]], str] = lambda ids: " ".join(map(str, ids))  # the run's tokenizer
+    step: Callable[[], int] = lambda: 0  # the optimizer step being computed
+    keep_going: Callable[[bool], bool] = _same  # True while any rank is still generating
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same  # a sum over the data-parallel ranks
+    write_samples: Callable[[int, list[dict]], None] = lambda step, rows: None  # a table of samples (rank 0)
 
 
 class Objective:
@@ -138,6 +159,9 @@ class Objective:
     @classmethod
     def from_inputs(cls, inputs: ObjectiveInputs) -> Objective:
         raise NotImplementedError
+
+    def bind(self, context: ObjectiveContext) -> None:
+        """The run's context (ObjectiveContext); objectives that read only their batches ignore it."""
 
     def check_records(self, batch: dict) -> None:
         """Refuse a batch of records another objective trains on (marked by a tensor named after its kind)."""
@@ -185,9 +209,10 @@ def build_objective(
     loss_chunk_size: int = 1024,
     lora: LoraConfig | None = None,
     objective_options: Any = None,
+    rl: Any = None,
 ) -> Objective:
     """The objective `model.objective` names, checked against the module options it cannot use."""
-    options = dict(zip(OPTION_FIELDS, (dpo, objective_options)))
+    options = dict(zip(OPTION_FIELDS, (dpo, objective_options, rl)))
     inputs = ObjectiveInputs(mtp_loss_weight, moe_aux_loss_coef, loss_chunk_size, lora, options)
     return objective_class(objective).build(inputs)
 

@@ -204,7 +204,7 @@ class Step35LightningModule(pl.LightningModule):
     def _objective_context(self, datamodule, tokenizer) -> ObjectiveContext:
         """What an objective that generates needs of the run (training/objective.py ObjectiveContext)."""
         trainer = self.trainer
-        samples = Path(trainer.log_dir or trainer.default_root_dir) / "rl_samples"  # log_dir: every rank asks
+        samples = Path(trainer.default_root_dir) / "rl_samples"  # the run folder under the CLI
         stop_ids = datamodule.generation_stop_ids() if hasattr(datamodule, "generation_stop_ids") else set()
         return ObjectiveContext(
             stop_ids=stop_ids,

@@ -9,6 +9,12 @@ The step is cut where the big transient buffers live (see docs/plan.md):
               the whole-sequence dK/dV of a gathering layer before its reduce-scatter (plan/context.py)
   end of bwd  state + gradients + root gathered + root gradients and reduce-scatter input
   optimizer   state + gradients + the optimizer's temporaries (asked of it: training/optimizer.py)
+and, for an objective that generates (Needs.generates: online RL), before each micro-batch's forward, one
+prompt's rollout (plan/rollout.py; the training forward's activations are not yet kept):
+  rollout prefill  state + gradients + root gathered + one block gathered + the prompt's KV cache, one
+                   layer's prefill work and the prompt's recorded routes
+  rollout decode   state + gradients + root gathered + one block gathered + the KV cache at the end of
+                   decoding, one layer's concatenation copy and the recorded routes (chunks and joined)
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from step35.plan.activations import ActivationEstimate
 from step35.plan.context import gathered_gradient_bytes
+from step35.plan.rollout import RolloutMemory
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup, RankState
 
@@ -95,7 +102,24 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     )
 
 
-def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate) -> list[Phase]:
+def rollout_phases(persistent: dict[str, int], gradients: int, t: Transients, r: RolloutMemory) -> list[Phase]:
+    """The two moments of one prompt's rollout (this module's docstring)."""
+    held = {**persistent, "gradients": gradients, "root gathered": t.root_gathered, "block all-gather": t.block_gather}
+    return [
+        Phase(
+            "rollout prefill",
+            {**held, "KV cache": r.prefill_cache, "prefill layer work": r.prefill_work, "routes": r.prefill_routes},
+        ),
+        Phase(
+            "rollout decode",
+            {**held, "KV cache": r.decode_cache, "KV concatenation": r.decode_copy, "routes": r.decode_routes},
+        ),
+    ]
+
+
+def phases(
+    s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate, rollout: RolloutMemory | None = None
+) -> list[Phase]:
     persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
     if state.reference:
         persistent["reference copy"] = state.reference  # the objective's frozen copy (full-fine-tuning DPO)
@@ -107,9 +131,10 @@ def phases(s: RunSettings, state: RankState, t: Transients, act: ActivationEstim
         cfg = s.model_config
         layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + (s.num_mtp_layers if s.train_mtp else 0))]
         cp_rows["cp K/V gradients"] = gathered_gradient_bytes(
-            cfg, layers, s.micro_batch_size, s.seq_len, s.context_parallel_size, _bytes(s.compute_dtype)
+            cfg, layers, s.rows_per_micro_batch, s.row_tokens, s.context_parallel_size, _bytes(s.compute_dtype)
         )
-    return [
+    generation = rollout_phases(persistent, grads_in_forward, t, rollout) if rollout is not None else []
+    return generation + [
         Phase(
             "forward",
             {

@@ -15,6 +15,7 @@ from step35.plan.activations import ActivationEstimate, Shape, model_activations
 from step35.plan.devices import Device
 from step35.plan.lora import Trained, activations_per_token, trained_tensors
 from step35.plan.memory import Phase, Transients, Verdict, phases, transients, verdict
+from step35.plan.rollout import RolloutMemory, rollout_memory
 from step35.plan.settings import PlanInputError, RunSettings
 from step35.plan.speed import Speed, speed
 from step35.plan.state import FsdpGroup, RankState, fsdp_groups, rank_state
@@ -41,6 +42,7 @@ class Plan:
     other_ways: list = field(default_factory=list)  # suggest.OtherWay: LoRA, context parallelism
     trained: list[Trained] = field(default_factory=list)  # LoRA: the adapted model's trained tensors
     host_memory_gib: float | None = None  # the node's host memory (`--host-memory-gib`), for the staging check
+    rollout: RolloutMemory | None = None  # an objective that generates: its rollouts' bytes (plan/rollout.py)
 
     @property
     def staging_per_node(self) -> int:
@@ -163,14 +165,16 @@ def parallel_dims(s: RunSettings) -> ParallelDims:
 
 
 def activation_shape(s: RunSettings) -> Shape:
+    """The training forward's micro-batch: its rows (an objective that generates packs its sequences into rows
+    of documents, training/rollout.py) and the dtypes and kernels that size what it keeps."""
     return Shape(
-        s.micro_batch_size,
-        s.seq_len,
+        s.rows_per_micro_batch,
+        s.row_tokens,
         torch.empty((), dtype=s.compute_dtype).element_size(),
         s.accelerator,
         s.expert_parallel_size if s.sharded else 1,
         autocast=s.precision == "bf16-mixed" and s.param_dtype is None,
-        document_masking=s.document_masking,
+        document_masking=s.document_masking or s.objective_needs.generates is not None,
         context_parallel=s.context_parallel_size,
     )
 
@@ -231,7 +235,8 @@ def make_plan(
     if s.objective_needs.activation_factor != 1:  # the objective keeps more (or less) per token than the LM's
         act = scaled(act, s.objective_needs.activation_factor)
     t = transients(s, state, groups)
-    phase_list = phases(s, state, t, act)
+    rollout = rollout_memory(s, activation_shape(s))
+    phase_list = phases(s, state, t, act, rollout)
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
@@ -247,4 +252,5 @@ def make_plan(
         speed(s, groups, device, sharded.trained, state.muon_exchange),
         time.perf_counter() - start,
         trained=sharded.trained,
+        rollout=rollout,
     )

@@ -10,6 +10,7 @@ import torch
 from step35.kernels.sequence_split import rank_tokens
 from step35.plan.lora import activations_per_token
 from step35.plan.planner import GiB, Plan, activation_shape
+from step35.plan.rollout import cached_tokens
 from step35.training.reference import ADAPTERS_OFF, FROZEN_COPY
 
 _REFERENCE = {
@@ -101,8 +102,9 @@ def text(p: Plan) -> str:
     """The plan as people read it: the run, what a rank holds, the peak by phase and the verdict, the
     speed bounds, and the layouts that would fit."""
     lines = _run_lines(p) + ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
-    lines += _held_lines(p) + _transient_lines(p) + _activation_lines(p) + _peak_lines(p)
-    lines += host_lines(p) + ["", "Speed (upper bounds: kernels at peak, balanced routing)"] + _speed_lines(p)
+    lines += _held_lines(p) + _transient_lines(p) + _activation_lines(p) + rollout_lines(p) + _peak_lines(p)
+    lines += host_lines(p) + rollout_host_lines(p)
+    lines += ["", "Speed (upper bounds: kernels at peak, balanced routing)"] + _speed_lines(p)
     return "\n".join(lines + _alternative_lines(p))
 
 
@@ -136,6 +138,13 @@ def _run_lines(p: Plan) -> list[str]:
         )
     if s.carried is not None:
         lines.append(f"vision     {s.carried.describe()}")
+    if p.rollout is not None:
+        r = p.rollout
+        lines.append(
+            f"rollouts   {s.objective}: {r.num_generations} completions of up to {r.max_new_tokens} new tokens per "
+            f"prompt of up to {s.seq_len} (+1); trained on {s.rows_per_micro_batch} rows x {s.row_tokens} tokens per "
+            "micro-batch (packed whole, at most one row each)"
+        )
     if s.objective_needs.extra_forwards:
         lines.append(
             f"objective  {s.objective}: {s.objective_needs.extra_forwards} forward(s) without gradients per "
@@ -209,6 +218,42 @@ def _activation_lines(p: Plan) -> list[str]:
     return lines
 
 
+def rollout_lines(p: Plan) -> list[str]:
+    """One prompt's rollout on the device (plan/rollout.py): the KV cache, the prefill, the recorded routes."""
+    r, s = p.rollout, p.settings
+    if r is None:
+        return []
+    cfg = s.model_config
+    specs = [cfg.layer(i) for i in range(cfg.num_hidden_layers)]
+    full, sliding = sum(not x.sliding for x in specs), sum(x.sliding for x in specs)
+    moe = sum(x.is_moe for x in specs)
+    G, dtype = r.num_generations, _dtype(s.compute_dtype)
+    kept = cached_tokens(cfg.sliding_window, s.seq_len, r.max_new_tokens)
+    return [
+        f"  rollouts            one prompt's {G} rows at a time, before each micro-batch's forward",
+        f"    KV cache            {_gib(r.decode_cache)}   end of decoding: {full} full layers x {r.window_tokens} "
+        f"tokens, {sliding} sliding x {kept}; {dtype} (at the prefill {_gib(r.prefill_cache).strip()})",
+        f"    KV concatenation    {_gib(r.decode_copy)}   one layer's old storage beside the step's new one",
+        f"    prefill layer work  {_gib(r.prefill_work)}   one layer on {G} x {s.seq_len + 1} tokens, no gradients",
+        f"    recorded routes     {_gib(r.decode_routes)}   int16 top-{cfg.moe_top_k} x {moe} MoE layers x {G} x "
+        f"{r.window_tokens} tokens, recorded + joined (then on the host)",
+    ]
+
+
+def rollout_host_lines(p: Plan) -> list[str]:
+    """The rollouts' routes kept on the host until their micro-batch's loss (every micro-batch of the step)."""
+    r, s = p.rollout, p.settings
+    if r is None:
+        return []
+    return [
+        "",
+        "Host memory (rollouts: each completion's recorded routes, kept with the step's rollouts)",
+        f"  routes per rank     {_gib(r.host_routes)}   {s.accumulate_grad_batches} micro-batch(es) x "
+        f"{s.micro_batch_size} prompts x {r.num_generations}, + one micro-batch packed into its rows",
+        f"  routes per node     {_gib(r.host_routes * s.devices_per_node)}   x {s.devices_per_node} ranks",
+    ]
+
+
 def _peak_lines(p: Plan) -> list[str]:
     """The peak by phase, what is required of the device, and whether it fits."""
     v = p.verdict
@@ -253,6 +298,10 @@ def _speed_lines(p: Plan) -> list[str]:
         lines.append(
             f"  {label + ' per step':24s}{sp.muon_bytes / GiB:,.2f} GiB sent per rank "
             f"(whole matrices to their owners and back, fp32)"
+        )
+    if p.rollout is not None:
+        lines.append(
+            "  rollouts                not in these bounds: their decoding, one token per forward, comes first"
         )
     return lines + [
         f"  step time >=            {sp.step_seconds_overlapped:.3f} s (compute {sp.compute_seconds:.3f}, "
@@ -347,6 +396,7 @@ def as_dict(p: Plan) -> dict:
             "adapter_params": p.state.adapters_total,
             "base_dtype": _dtype(s.base_dtype),
         },
+        "rollout": None if p.rollout is None else asdict(p.rollout),
         "carried": None if s.carried is None else asdict(s.carried),  # on the host, in no per-device number
         "host_staging": None
         if not s.async_save

@@ -25,6 +25,7 @@ from step35.training.optimizer import (
     state_slots_per_group,
 )
 from step35.training.reference import FROZEN_COPY, reference_dtype
+from step35.training.rollout import ROW_MULTIPLE
 from step35.training.setup import model_config_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -122,9 +123,26 @@ class RunSettings:
         return self.devices_per_node * self.num_nodes
 
     @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows of one micro-batch's training forward: its records, or under an objective that generates
+        (Needs.generates) their G sequences each, at most one row each (training/rollout.py pack_rollouts)."""
+        generates = self.objective_needs.generates
+        return self.micro_batch_size * (generates[0] if generates else 1)
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens of one such row: data.seq_len, or under an objective that generates the packer's longest row:
+        its capacity, the longest prompt and completion (seq_len + 1 + max_new_tokens ids), rounded up to
+        ROW_MULTIPLE (a row of one sequence holds its inputs, one id fewer; several may fill the capacity)."""
+        generates = self.objective_needs.generates
+        if not generates:
+            return self.seq_len
+        return -(-(self.seq_len + 1 + generates[1]) // ROW_MULTIPLE) * ROW_MULTIPLE
+
+    @property
     def tokens_per_rank(self) -> int:
-        """Tokens of one micro-batch a rank holds: its 1 / cp share of every sequence."""
-        return rank_tokens(self.micro_batch_size * self.seq_len, self.context_parallel_size)
+        """Tokens of one micro-batch's training forward a rank holds: its 1 / cp share of every row."""
+        return rank_tokens(self.rows_per_micro_batch * self.row_tokens, self.context_parallel_size)
 
     @property
     def stored_dtype(self) -> torch.dtype:

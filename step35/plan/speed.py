@@ -1,6 +1,8 @@
 """How fast the run could go: model FLOPs per token, the bytes each rank moves per optimizer step
 (expert all-to-all, FSDP all-gather and reduce-scatter, the context-parallel K/V exchange), and an upper bound on MFU from the device's
-peak and its link bandwidths. Balanced expert routing is assumed; kernels are taken to run at peak."""
+peak and its link bandwidths. Balanced expert routing is assumed; kernels are taken to run at peak. For an
+objective that generates (online RL) these are the training forward and backward's, on its packed rows: the
+rollouts' decoding, one token per forward, is not in them."""
 
 from __future__ import annotations
 
@@ -74,8 +76,8 @@ def flops_per_token(s: RunSettings, trained: list[Trained]) -> tuple[float, floa
     gradients, plus what activation checkpointing recomputes and the objective's forwards without gradients."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
-    fpt = training_flops_per_token(cfg, s.seq_len, mtp)
-    attention = attention_flops_per_token(cfg, s.seq_len, mtp)
+    fpt = training_flops_per_token(cfg, s.row_tokens, mtp)
+    attention = attention_flops_per_token(cfg, s.row_tokens, mtp)
     forward = fpt / 3
     if s.lora is not None:
         adapters = adapter_params_per_token(s, list(trained))
@@ -137,7 +139,7 @@ def speed(
     layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + (s.num_mtp_layers if s.train_mtp else 0))]
     replay = s.activation_checkpointing == "full"
     context = communication_bytes(
-        cfg, layers, s.micro_batch_size, s.seq_len, cp, _bytes(s.compute_dtype), replay=replay
+        cfg, layers, s.rows_per_micro_batch, s.row_tokens, cp, _bytes(s.compute_dtype), replay=replay
     )
     context *= s.accumulate_grad_batches
     if cp > 1:

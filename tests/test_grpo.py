@@ -156,3 +156,30 @@ def test_bad_options_and_unimportable_rewards_are_refused_at_build():
         build_objective("grpo", rl={"reward_funcs": ["exact_match"], "loss_type": "ppo"})
     with pytest.raises(ValueError, match="mtp_loss_weight"):
         build_objective("grpo", rl={"reward_funcs": ["exact_match"]}, mtp_loss_weight=0.5)
+
+
+def low_ids(prompts, completions, **fields):
+    """The share of completion ids below 100 (the tiny vocabulary has 1024): about 0.1 at random."""
+    return [sum(int(t) < 100 for t in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def test_the_mean_reward_rises_under_the_objective():
+    """30 AdamW steps of the objective alone (8 samples of 8 tokens for 2 prompts a step) on a reward the random
+    tiny model earns about 0.12 of: the mean of the first 5 steps stays under 0.25, of the last 5 over 0.6
+    (measured: 0.14 -> 0.98)."""
+    step = [0]
+    objective = build_objective("grpo", rl={"reward_funcs": [f"{__name__}:low_ids"], "num_generations": 8,
+                                            "max_new_tokens": 8})  # fmt: skip
+    objective.bind(ObjectiveContext(step=lambda: step[0]))
+    model = tiny_model(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0)
+    rewards = []
+    for step[0] in range(30):
+        micro = objective.micro_batch(model, prompt_batch([[1, 5 + step[0] % 7, 9], [1, 7, 3 + step[0] % 5, 4]]))
+        result = objective.reduce(micro.sums.clone(), over_ranks=False)
+        optimizer.zero_grad()
+        (micro.loss / result.denominator).backward()
+        optimizer.step()
+        rewards.append(result.logged["train/reward"])
+    start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert start < 0.25 and end > 0.6, (start, end)

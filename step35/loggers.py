@@ -79,19 +79,26 @@ class CSVLogger(LightningCSVLogger):
         )
 
 
-def write_samples(folder: Path, trainer, step: int, rows: list[dict]) -> None:
-    """Append sampled completions with their rewards (online RL) to `<folder>/step=N.jsonl`, and to a wandb table
-    `rl/samples` when a wandb logger is attached. Rank 0's samples only; call it on rank 0."""
-    import json
+class SampleTables:
+    """Sampled completions with their rewards (online RL), written by rank 0: `<folder>/step=N.jsonl` and a wandb
+    table `rl/samples` when a wandb logger is attached. A step's first call in this process writes its file anew
+    (a step done again after a resume replaces the interrupted attempt's rows), later calls of the step add to it."""
 
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"step={step}.jsonl", "a", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and rows:
-            columns = list(rows[0])
-            data = [
-                [json.dumps(row[c]) if isinstance(row[c], (list, dict)) else row[c] for c in columns] for row in rows
-            ]
-            logger.log_table("rl/samples", columns=columns, data=data, step=step)
+    def __init__(self, folder: Path, trainer) -> None:
+        self.folder, self.trainer = folder, trainer
+        self.started: set[int] = set()
+
+    def __call__(self, step: int, rows: list[dict]) -> None:
+        import json
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        mode = "a" if step in self.started else "w"
+        self.started.add(step)
+        with open(self.folder / f"step={step}.jsonl", mode, encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
+        for logger in self.trainer.loggers:
+            if isinstance(logger, WandbLogger) and rows:
+                columns = list(rows[0])
+                data = [[json.dumps(r[c]) if isinstance(r[c], (list, dict)) else r[c] for c in columns] for r in rows]
+                logger.log_table("rl/samples", columns=columns, data=data, step=step)

@@ -22,7 +22,7 @@ from step35.checkpoint.hf import lora_base
 from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trainer_io import check_lora_state, frozen_state_keys
 from step35.config import Step35Config
-from step35.loggers import write_samples
+from step35.loggers import SampleTables
 from step35.model import Step35ForCausalLM
 from step35.model.lora import LoraConfig
 from step35.parallel.collectives import any_rank, distributed
@@ -212,7 +212,7 @@ class Step35LightningModule(pl.LightningModule):
             step=lambda: trainer.global_step,
             keep_going=functools.partial(any_rank, device=trainer.strategy.root_device),
             sum_over_ranks=functools.partial(self._sum_over_data_parallel, device=trainer.strategy.root_device),
-            write_samples=functools.partial(write_samples, samples, trainer) if trainer.is_global_zero else _ignore,
+            write_samples=SampleTables(samples, trainer) if trainer.is_global_zero else _ignore,
         )
 
     def _sum_over_data_parallel(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -87,6 +87,14 @@ def test_minus_one_falls_back_to_the_live_router_and_is_counted(rollout):
     assert int(RouteReplay(rows.routes).fallbacks) == 0
     _, counted = logprobs(model, rows, RouteReplay(rows.routes))
     assert int(counted.fallbacks) == padding * len(rows.routes)  # the padding's tokens, in every MoE layer
+    assert padding == int((~rows.tokens).sum()) > 0
+    _, real = logprobs(model, rows, RouteReplay(rows.routes, counted=rows.tokens))
+    assert int(real.fallbacks) == 0 and int(real.compared) == int(rows.tokens.sum()) * len(rows.routes)
+    holes = {layer: r.clone() for layer, r in rows.routes.items()}
+    first = next(iter(holes))
+    holes[first][0, 3] = -1  # a real token recorded without routes in one layer: counted as a fallback
+    _, one = logprobs(model, rows, RouteReplay(holes, counted=rows.tokens))
+    assert int(one.fallbacks) == 1
 
 
 def test_each_route_is_used_once_per_forward_and_once_per_recompute(rollout):

@@ -67,12 +67,14 @@ class RouteRecorder:
 
 class RouteReplay:
     """Imposes recorded routes {layer_id: [B, S, K]} (this module's docstring) on one forward (and its recompute).
-    `impose=False` leaves the live router's choice and only counts the agreement (replay off, measured)."""
+    `impose=False` leaves the live router's choice and only counts the agreement (replay off, measured).
+    `counted` [B, S] bool: the tokens the counts are over (None: all; padding, whose routes are -1 by design,
+    is left out so that a fallback means a real token without a record)."""
 
     PASSES = ("forward", "recompute")
 
-    def __init__(self, routes: dict[int, torch.Tensor], impose: bool = True):
-        self.routes, self.impose = routes, impose
+    def __init__(self, routes: dict[int, torch.Tensor], impose: bool = True, counted: torch.Tensor | None = None):
+        self.routes, self.impose, self.counted = routes, impose, counted
         self.consumed = {p: dict.fromkeys(routes, 0) for p in self.PASSES}
         self.fallbacks: torch.Tensor | int = 0  # tokens x layers whose routes were -1 (forward only)
         self.agreed: torch.Tensor | int = 0  # token-layer routes the live router chose too (forward only)
@@ -100,10 +102,11 @@ class RouteReplay:
         missing = (replayed < 0).any(-1, keepdim=True)  # [T, 1]: the live router chooses for these tokens
         if phase == "forward":
             with torch.no_grad():
+                counted = self.counted.to(missing.device).reshape(-1, 1) if self.counted is not None else True
                 same = (replayed.sort(-1).values == live_ids.sort(-1).values).all(-1, keepdim=True)
-                self.agreed = self.agreed + (same & ~missing).sum()
-                self.compared = self.compared + (~missing).sum()
-                self.fallbacks = self.fallbacks + missing.sum()
+                self.agreed = self.agreed + (same & ~missing & counted).sum()
+                self.compared = self.compared + (~missing & counted).sum()
+                self.fallbacks = self.fallbacks + (missing & counted).sum()
         return torch.where(missing, live_ids, replayed) if self.impose else live_ids
 
     def check_forward(self) -> None:
@@ -123,7 +126,8 @@ class RouteReplay:
     def taken(self, take) -> RouteReplay:
         """The same routes with `take` applied to each layer's [B, S, K] (this rank's tokens under context
         parallelism), as a fresh replay."""
-        return RouteReplay({layer_id: take(r) for layer_id, r in self.routes.items()}, self.impose)
+        counted = take(self.counted) if self.counted is not None else None
+        return RouteReplay({layer_id: take(r) for layer_id, r in self.routes.items()}, self.impose, counted)
 
 
 Routing = RouteRecorder | RouteReplay

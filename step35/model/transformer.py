@@ -430,7 +430,8 @@ class Step35ForCausalLM(nn.Module):
         if temperature != 1.0:
             hidden = hidden / temperature  # logits / T: the logits are linear in the normed hidden state
         logp = chunked_token_logprobs(hidden, self.lm_head.weight, take(labels), loss_chunk_size)
-        return TokenShare(logp, [take(t) for t in carried], (lambda t: t) if cp is None else cp.sum, replay)
+        # (a copy: FSDP warns about a forward method returning a view, and chunked_token_logprobs reshapes)
+        return TokenShare(logp.clone(), [take(t) for t in carried], (lambda t: t) if cp is None else cp.sum, replay)
 
     def _trunk(
         self,

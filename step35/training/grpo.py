@@ -25,8 +25,8 @@ model (training/reference.py), its forward replaying the same routes. MTP layers
 
 Logged each step (train/ and rl/): reward and its std, per reward function, advantage std, completion length
 (mean, max), the truncated fraction, clip fractions (low, high), KL when beta > 0, rl/logprob_diff_{max,mean}:
-|log pi_train - log pi_rollout| over the completion tokens at the first iteration (about 0 with replay: the
-honesty check), rl/route_agreement: the share of token-layer routes the live router would have chosen anyway,
+|log pi_train - log pi_rollout| over the completion tokens (about 0 with replay at the first iteration: the
+honesty check; later iterations of mu show how far the updates moved the policy), rl/route_agreement: the share of token-layer routes the live router would have chosen anyway,
 rl/route_fallbacks (tokens replayed with no record), rl/nonfinite_tokens.
 """
 
@@ -167,7 +167,7 @@ class Rollouts:
     prompts: torch.Tensor  # the batch's input_ids, to check that the data side repeated it
     groups: list[Group]
     advantages: torch.Tensor  # [P * G] float64
-    stats: torch.Tensor  # float64: the reward and length sums of SUMS (counted at the first iteration only)
+    stats: torch.Tensor  # float64: the reward and length sums of SUMS, then the reward functions' triples
     old_logp: torch.Tensor | None = None  # [R, L] the first iteration's log-probabilities (whole rows)
 
 
@@ -261,6 +261,7 @@ class GrpoObjective(ComparesWithReference, Objective):
                     if key != "prompt":
                         columns.setdefault(key, []).append(value)
                 columns.setdefault("completion_ids", []).append(ids)
+            columns.setdefault("truncated", []).extend(group.truncated)
         missing = {k: v for k, v in columns.items() if len(v) != len(completions)}
         for key in missing:  # a column some records lack: None where absent
             columns[key] = [r.get(key) for r in records for _ in range(len(groups[0].completions))]
@@ -314,16 +315,16 @@ class GrpoObjective(ComparesWithReference, Objective):
     # ----------------------------------------------------------------------------- the loss
     def micro_batch(self, model: Step35ForCausalLM, batch: dict, training: bool = True) -> MicroBatch:
         slot, self._calls = self._calls, self._calls + 1
-        iteration = self.context.step() % self.options.num_iterations
-        if iteration == 0:
+        first = self.context.step() % self.options.num_iterations == 0 or slot >= len(self._kept)
+        if first:  # (nothing kept inside a repetition: a run resumed there generates afresh)
             rollouts = self._rollouts(model, batch)
             self._kept = self._kept[:slot] + [rollouts]
         else:
             rollouts = self._repeated(batch, slot)
-        return self._loss(model, rollouts, first=iteration == 0)
+        return self._loss(model, rollouts, first=first)
 
     def _repeated(self, batch: dict, slot: int) -> Rollouts:
-        if slot >= len(self._kept) or not torch.equal(self._kept[slot].prompts, batch["input_ids"].cpu()):
+        if not torch.equal(self._kept[slot].prompts, batch["input_ids"].cpu()):
             raise RuntimeError(
                 f"model.rl.num_iterations={self.options.num_iterations}: micro-batch {slot} of this step is not the "
                 "one its rollouts were generated for; the data side must repeat each step's prompt batches"
@@ -340,7 +341,8 @@ class GrpoObjective(ComparesWithReference, Objective):
         slot_advantage = torch.where(rows_on["sequence_ids"] >= 0, advantages[rows_on["sequence_ids"].clamp(min=0)], 0)
 
         def forward(m: Step35ForCausalLM):
-            replay = RouteReplay(rows.routes, impose=o.routing_replay == "rollout") if rows.routes else None
+            impose = o.routing_replay == "rollout"
+            replay = RouteReplay(rows.routes, impose, counted=rows_on["tokens"]) if rows.routes else None
             return m.token_logprobs(
                 rows_on["input_ids"], rows_on["labels"], position_ids=rows_on["position_ids"], routing=replay,
                 temperature=o.temperature, loss_chunk_size=self.loss_chunk_size,
@@ -360,12 +362,13 @@ class GrpoObjective(ComparesWithReference, Objective):
             len(sequences), rollout_logp=rollout_logp.flatten(), ref_logp=None if ref is None else ref.flatten(),
             sequence_sum=share.sum,
         )  # fmt: skip
-        values = self._values(share, terms, rollouts, first, sequence_ids, rollout_logp)
+        values = self._values(share, terms, rollouts, sequence_ids, rollout_logp)
         return MicroBatch(share.sum(terms.numerator), values, int(rows_on["labels"].numel()))
 
-    def _values(self, share, terms, rollouts: Rollouts, first: bool, sequence_ids, rollout_logp) -> torch.Tensor:
+    def _values(self, share, terms, rollouts: Rollouts, sequence_ids, rollout_logp) -> torch.Tensor:
         """float64 [len(SUMS) + 3 F] of the micro-batch: token counts summed over the cp group (whole rows), the
-        rollouts' reward and length sums at the first iteration only (the same on every cp rank)."""
+        rollouts' reward and length sums (the same on every cp rank; a later iteration of mu logs the rewards of
+        the rollouts it trains on again)."""
         device = share.logp.device
 
         def f64(value) -> torch.Tensor:
@@ -378,15 +381,14 @@ class GrpoObjective(ComparesWithReference, Objective):
         token_parts = {
             "tokens": terms.tokens, "nonfinite": terms.nonfinite, "clip_low": terms.clip_low,
             "clip_high": terms.clip_high, "kl": terms.kl_sum, "numerator": terms.numerator.detach(),
-            "logprob_diff": diff.sum() if first else 0, "logprob_diff_tokens": completion.sum() if first else 0,
+            "logprob_diff": diff.sum(), "logprob_diff_tokens": completion.sum(),
             **{f"route_{k}": getattr(routing, k) if routing is not None else 0 for k in ("agreed", "compared", "fallbacks")},
         }  # fmt: skip
         values = dict(zip(token_parts, share.sum(torch.stack([f64(v) for v in token_parts.values()]))))
         values["sequences"] = f64(terms.sequences)  # counted from whole sequences: the same on every cp rank
         values["denominator"] = self._denominator(values["tokens"], values["sequences"], len(rollouts.advantages))
-        if first:
-            self._note_max(1, float(diff.max()) if diff.numel() else 0.0)  # this rank's share of the rows
-        stats = rollouts.stats.to(device) if first else torch.zeros_like(rollouts.stats, device=device)
+        self._note_max(1, float(diff.max()) if diff.numel() else 0.0)  # this rank's share of the rows
+        stats = rollouts.stats.to(device)
         rollout_names = ("completions", "reward", "reward_sq", "advantage_sq", "completion_length", "truncated")
         values.update(zip(rollout_names, stats[: len(rollout_names)]))
         return torch.cat([torch.stack([values[name] for name in SUMS]), stats[len(rollout_names) :]])
@@ -429,7 +431,7 @@ class GrpoObjective(ComparesWithReference, Objective):
 
         n = values["completions"]
         logged = {"train/loss": values["numerator"] / max(values["denominator"], 1)}
-        if n > 0:  # a step whose rollouts came from an earlier step (mu > 1) logs the loss alone
+        if n > 0:
             logged["train/reward"], logged["train/reward_std"] = mean_std(values["reward"], values["reward_sq"], n)
             logged["train/advantage_std"] = math.sqrt(values["advantage_sq"] / max(n - 1, 1))
             logged["train/completion_length"] = values["completion_length"] / n

@@ -9,11 +9,12 @@ The calling convention is TRL's, so that functions written for TRL work unchange
 - completions: the N completions: a str for a str prompt; for a chat prompt a list with one assistant message,
   `[{"role": "assistant", "content": text}]` (TRL's conversational form).
 - fields: every other column of the records, each a list of N values (`answer`, `tools`, ...), and
-  `completion_ids` (a list of lists of ints).
+  `completion_ids` (a list of lists of ints) and `truncated` (bools: the completion reached max_new_tokens).
 A value is a float, or None for "not applicable" (a math reward on a coding record): None adds 0 to the total
 and is kept apart in `RewardScores.applicable`, so that logging can average over the records it applies to.
 NaN, infinities, bools and non-numbers are errors, as are results of another length: one line naming the
-function (RewardError, said without a traceback by the CLI).
+function (RewardError: said in one line by the CLI when it stops a run before its first step; during training
+the run's failure report shows it with the traceback of the function's own frames).
 
 `model.rl.reward_funcs` names each function: a built-in of BUILTIN_REWARDS, or an import path
 `package.module:function` (or `package.module.function`); `model.rl.reward_weights` weighs them (default 1.0
@@ -188,6 +189,13 @@ def think_format(prompts, completions, **fields) -> list[float]:
     return [float(_is_think_then_answer(_thinking_and_content(c))) for c in completions]
 
 
+def complete(prompts, completions, **fields) -> list[float]:
+    """1.0 when the completion ended by itself (a stop id before `max_new_tokens`: step35's rollouts pass the
+    `truncated` column) with a non-empty answer, else 0.0: the check a quality gate makes for a missing EOS."""
+    truncated = _column(fields, "truncated", "complete")
+    return [float(not cut and bool(answer_text(c))) for c, cut in zip(completions, truncated)]
+
+
 def _thinking_and_content(completion: Any) -> str:
     """The completion's text with its thinking in `<think>` tags, wherever the thinking was."""
     message = _assistant_message(completion)
@@ -360,6 +368,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "math_match": math_match,
     "tool_call_valid": tool_call_valid,
     "think_format": think_format,
+    "complete": complete,
 }
 
 # Built-ins that need an optional package: {name: (module, distribution, how to install)}.

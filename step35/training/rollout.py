@@ -125,6 +125,7 @@ class TrainingRows:
     sequence_ids: torch.Tensor  # [R, L]: the sequence of a label slot, -1 where no label
     rollout_logp: torch.Tensor  # [R, L] fp32: the log-probability the label was sampled with (0 elsewhere)
     routes: dict[int, torch.Tensor]  # {layer_id: [R, L, K] int16}, -1 where none was recorded
+    tokens: torch.Tensor  # [R, L] bool: a sequence's token, not padding
 
 
 def pack_rollouts(
@@ -152,6 +153,7 @@ def pack_rollouts(
         torch.full((len(rows), L), -1, dtype=torch.long),
         torch.zeros(len(rows), L, dtype=torch.float32),
         {layer: torch.full((len(rows), L, K), -1, dtype=torch.int16) for layer in layers},
+        torch.zeros(len(rows), L, dtype=torch.bool),
     )
     for r, row in enumerate(rows):
         start = 0
@@ -169,6 +171,7 @@ def _place(out: TrainingRows, r: int, start: int, index: int, sequence) -> int:
     end = start + n
     out.input_ids[r, start:end] = tokens[:-1]
     out.position_ids[r, start:end] = torch.arange(n)
+    out.tokens[r, start:end] = True
     first = len(prompt) - 1  # the slot whose label is the first completion token
     out.labels[r, start + first : end] = tokens[len(prompt) :]
     out.sequence_ids[r, start + first : end] = index

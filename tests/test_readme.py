@@ -54,7 +54,7 @@ def test_the_readme_commands_are_found():
     commands = readme_job_commands()
     assert commands[0] == "step35 fit --config configs/tiny.yaml"
     names = [c.split()[1] for c in commands]
-    assert names.count("fit") == 5 and names.count("export") == 3 and names.count("generate") >= 4, commands
+    assert names.count("fit") == 6 and names.count("export") == 3 and names.count("generate") >= 4, commands
     assert any("--chat" in c for c in commands) and any("--merge" in c for c in commands), commands
 
 
@@ -96,6 +96,12 @@ def test_the_readme_commands_run_as_written(readme_runs):
     kto_rows = metric_rows(runs / "tiny-kto" / "csv" / "version_0")
     good, bad = steps_of(kto_rows, "val/desirable_reward"), steps_of(kto_rows, "val/undesirable_reward")
     assert max(good) == 99 and good[99] > bad[99] + 0.5, (good, bad)
+    # GRPO (README: train/reward 0.45 over the first 5 steps -> 1.00 over the last 5; val/reward 0.88 -> 1.00)
+    grpo_rows = metric_rows(runs / "tiny-grpo" / "csv" / "version_0")
+    reward = steps_of(grpo_rows, "train/reward")
+    start, end = sum(reward[s] for s in range(5)) / 5, sum(reward[s] for s in range(55, 60)) / 5
+    assert start < 0.7 and end > 0.9, reward
+    assert max(steps_of(grpo_rows, "rl/logprob_diff_max").values()) < 1e-4
 
 
 @pytest.mark.multiprocess

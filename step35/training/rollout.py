@@ -94,7 +94,8 @@ def generate_group(
     for t in range(max_new_tokens):
         logits = model.step(inputs, cache, last_only=True, routing=recorder)[:, -1].float()  # [G, V]
         token = sample_tokens(logits, temperature, top_p, generator)
-        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        tempered = logits / temperature if temperature > 0 else logits  # (greedy: the plain distribution's)
+        logp = torch.log_softmax(tempered, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         tokens.append(token)
         logps.append(logp)
         stopped = torch.isin(token, stops) & ~done

@@ -433,6 +433,33 @@ class Step35ForCausalLM(nn.Module):
         # (a copy: FSDP warns about a forward method returning a view, and chunked_token_logprobs reshapes)
         return TokenShare(logp.clone(), [take(t) for t in carried], (lambda t: t) if cp is None else cp.sum, replay)
 
+    @torch.no_grad()
+    def draft_logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(main head's logits [B, S, V], [logits [B, S, V] of MTP depth 1, 2, ...]) for whole rows, without grad:
+        what speculative decoding would draft (step35/eval/metrics.py mtp_acceptance compares them).
+
+        Depth k at position t reads x_{t+k} and drafts x_{t+k+1}, as in `_mtp_losses`: where t + k is past the
+        row end the token read is 0, and with position_ids t + k may lie in another document; those
+        positions are meaningless and the caller masks them. Every depth's logits exist at once (eval-sized
+        batches). Not split under context parallelism: refused there."""
+        if self.context_parallel is not None:
+            raise ValueError(
+                "Step35ForCausalLM.draft_logits takes whole rows on one rank: not supported with context "
+                "parallelism (context_parallel_size > 1)"
+            )
+        _check_positions(input_ids, position_ids)
+        h, rope, documents = self._trunk(input_ids, position_ids)
+        main = self.lm_head(self.model.norm(h))
+        drafts = []
+        for k, layer in enumerate(self.model.mtp_layers, start=1):
+            next_embeds = self.model.embed_tokens(_shift_left(input_ids, k, fill=0))
+            key = self.model.rope_keys[layer.spec.layer_id]
+            h, _, _ = layer(h, next_embeds, *rope[key], documents=documents)
+            drafts.append(layer.logits(h))
+        return main, drafts
+
     def _trunk(
         self,
         input_ids: torch.Tensor,

@@ -8,9 +8,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from step35.data.agent_check import AgentRenderingWarning, check_agent_sources
 from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
 from step35.data.chat_messages import ChatTemplateError, check_train_choice
@@ -105,6 +106,10 @@ class Step35DataModule(pl.LightningDataModule):
             ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported. A
             preference pair whose two sequences do not fit one window together has its reply tails cut, the
             longer reply first, keeping a trained token each ("truncate"), or is dropped; counted the same way.
+        check_agent_rendering: At setup (rank 0), render the first 200 records of each conversation source that
+            carry tool calls or reasoning with the chat template, read each assistant turn back as a Step-3.5
+            server reads it (reasoning split at `</think>`, tool calls in the step3p5 syntax) and warn, with the
+            count and the first 5 differences, where it does not give back the record (agent_check.py).
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class Step35DataModule(pl.LightningDataModule):
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         overlong: str = "truncate",
+        check_agent_rendering: bool = False,
     ) -> None:
         super().__init__()
         files = [files] if isinstance(files, str) else files
@@ -161,6 +167,7 @@ class Step35DataModule(pl.LightningDataModule):
         # conversations: what is trained, and how they are rendered
         self.train_on, self.train_reasoning, self.overlong = train_on, train_reasoning, overlong
         self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
+        self.check_agent_rendering = check_agent_rendering
         self._init_state()
 
     def _init_state(self) -> None:
@@ -235,6 +242,8 @@ class Step35DataModule(pl.LightningDataModule):
                                        shuffle=False, seed=self.seed, format=self.format)]  # fmt: skip
         check_not_mixed(train_sources + val_sources)
         stream_options = self._chat_options(folder, train_sources + val_sources)
+        if self.check_agent_rendering and rank_zero_only.rank == 0:
+            _warn_agent_rendering(train_sources, stream_options.get("template"), tokenizer)
 
         # Set last, so that a failed setup() fails again when called again.
         self._train_sources, self._val_sources = train_sources, val_sources
@@ -489,6 +498,18 @@ class Step35DataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume.load_state_dict(state_dict, *self.data_parallel_rank_and_size())
+
+
+def _warn_agent_rendering(sources: list[Source], template: Any, tokenizer: TextTokenizer) -> None:
+    """data.check_agent_rendering: warn where agent records do not round-trip through the template (agent_check.py)."""
+    reports = check_agent_sources(sources, template, tokenizer) if template is not None else []
+    if not reports:
+        rank_zero_warn("data.check_agent_rendering: no source holds conversations rendered with a chat template")
+    for name, report in reports:
+        if report.failed:
+            rank_zero_warn(report.summary(name), category=AgentRenderingWarning)
+        else:
+            rank_zero_info(report.summary(name))
 
 
 def _unique_names(names: list[str]) -> list[str]:

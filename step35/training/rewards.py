@@ -42,6 +42,11 @@ from typing import Any
 
 import torch
 
+# The Step-3.5 tool-call parser is the data side's (it checks rendered agent turns with it); re-exported here.
+from step35.data.tool_calls import ToolCallSyntaxError as ToolCallSyntaxError
+from step35.data.tool_calls import parse_tool_calls as parse_tool_calls
+from step35.data.tool_calls import parse_tool_calls_with_text
+
 
 class RewardError(ValueError):
     """A reward function that cannot be loaded, or returned what cannot be a reward; the message names it."""
@@ -214,55 +219,6 @@ def _is_think_then_answer(text: str) -> bool:
 
 # Tool calls ----------------------------------------------------------------------------------------------
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>(.*)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
-class ToolCallSyntaxError(ValueError):
-    """Text that opens a tool call but does not follow the Step-3.5 tool-call syntax."""
-
-
-def _parameter_value(raw: str) -> Any:
-    """A parameter's VALUE: the JSON it spells, else the text (one newline either side is the layout's)."""
-    raw = raw.removeprefix("\n").removesuffix("\n")
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
-
-
-def _parse_call(body: str) -> tuple[str, dict[str, tuple[Any, str | None]]]:
-    """One `<function=NAME>...</function>` body: the name and {argument: (value, raw text)}."""
-    function = _FUNCTION.fullmatch(body)
-    if function is None:
-        raise ToolCallSyntaxError("a tool call without one <function=NAME>...</function>")
-    name, rest = function.group(1).strip(), function.group(2)
-    arguments: dict[str, tuple[Any, str | None]] = {}
-    position = 0
-    while (parameter := _PARAMETER.match(rest, position)) is not None:
-        argument, raw = parameter.group(1).strip(), parameter.group(2)
-        if argument in arguments:
-            raise ToolCallSyntaxError(f"parameter {argument} given twice")
-        arguments[argument] = (_parameter_value(raw), raw.removeprefix("\n").removesuffix("\n"))
-        position = parameter.end()
-    if rest[position:].strip():
-        raise ToolCallSyntaxError(f"text outside the parameters: {rest[position:].strip()[:40]!r}")
-    return name, arguments
-
-
-def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """The tool calls of `text` in the Step-3.5 syntax, as (name, {argument: value}); a VALUE is the JSON it
-    spells, else its text. Raises ToolCallSyntaxError on a call that does not follow the syntax."""
-    return [(name, {k: value for k, (value, _) in arguments.items()}) for name, arguments in _parse_calls(text)]
-
-
-def _parse_calls(text: str) -> list[tuple[str, dict[str, tuple[Any, str | None]]]]:
-    bodies = _TOOL_CALL.findall(text)
-    if text.count("<tool_call>") != len(bodies) or text.count("</tool_call>") != len(bodies):
-        raise ToolCallSyntaxError("an unclosed or unopened <tool_call>")
-    return [_parse_call(body) for body in bodies]
-
 
 def _structured_calls(completion: Any) -> list[tuple[str, dict[str, tuple[Any, str | None]]]]:
     """The `tool_calls` of a chat completion's message (OpenAI form; arguments a dict or a JSON string)."""
@@ -354,7 +310,7 @@ def tool_call_valid(prompts, completions, **fields) -> list[float | None]:
             continue
         schemas = _tool_schemas(tools, i)
         try:
-            calls = _parse_calls(answer_text(completion)) + _structured_calls(completion)
+            calls = parse_tool_calls_with_text(answer_text(completion)) + _structured_calls(completion)
         except ToolCallSyntaxError:
             scores.append(0.0)
             continue

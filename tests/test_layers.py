@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "step35/balancing.py": 4,
     "step35/run/": 5,
     "step35/training/": 5,
+    "step35/eval/": 5,
     "step35/module.py": 6,
     "step35/lightning_private.py": 6,
     "step35/strategy.py": 6,

@@ -4,7 +4,7 @@
 The repository has no built-in agent records, so AGENT_RECORDS are written here: parallel calls, nested JSON
 arguments (given as an object and as OpenAI's JSON string), strings with markup and quotes, a string that
 spells a number under a `"type": "string"` schema, tool replies, reasoning as a field and inline. STEP3P5 is
-step35's default template with its tool calls written in the step3p5 syntax (what a server for Step-3.5
+step35's default template, which writes its tool calls in the step3p5 syntax (what a server for Step-3.5
 reads); the planted templates break it in one way each, and the check must name what broke.
 """
 
@@ -91,15 +91,17 @@ def xml_calls(value: str) -> str:
     )
 
 
-assert JSON_CALL in DEFAULT_TEMPLATE and CALLS_LOOP in DEFAULT_TEMPLATE
-STEP3P5 = DEFAULT_TEMPLATE.replace(JSON_CALL, xml_calls(STEP3P5_VALUE))
-# tojson of a value already made JSON text (`{"a": 1}` becomes `"{\"a\": 1}"`, `Paris` becomes `"Paris"`)
+XML_CALL = xml_calls(STEP3P5_VALUE)
+assert XML_CALL in DEFAULT_TEMPLATE and CALLS_LOOP in DEFAULT_TEMPLATE
+STEP3P5 = DEFAULT_TEMPLATE  # step35's default writes the step3p5 form
+# The Hermes form (JSON inside <tool_call>), which a step3p5 parser does not read.
+JSON_FORM = DEFAULT_TEMPLATE.replace(XML_CALL, JSON_CALL)
 DOUBLE_ENCODED = DEFAULT_TEMPLATE.replace(
-    JSON_CALL, xml_calls("{%- set text = value if value is string else value | tojson -%}{{- text | tojson -}}")
+    XML_CALL, xml_calls("{%- set text = value if value is string else value | tojson -%}{{- text | tojson -}}")
 )
 DROPS_SECOND = STEP3P5.replace(CALLS_LOOP, "{%- for call in (message.tool_calls or [])[:1] -%}")
 ESCAPES_MARKUP = DEFAULT_TEMPLATE.replace(
-    JSON_CALL, xml_calls(STEP3P5_VALUE.replace("{{- value -}}", "{{- value | e -}}"))
+    XML_CALL, xml_calls(STEP3P5_VALUE.replace("{{- value -}}", "{{- value | e -}}"))
 )
 
 
@@ -190,15 +192,16 @@ def test_a_step3p5_template_round_trips_every_agent_record(tok):
     assert check_agent_rendering(AGENT_RECORDS, unmarked, tok).failed == []
 
 
-def test_the_default_template_round_trips_reasoning_and_content_but_writes_calls_as_json(tok):
-    """step35's DEFAULT_TEMPLATE writes `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (the Hermes
-    form), which a step3p5 parser does not read: every record with calls fails, saying so; the others pass."""
-    template = ChatTemplate.default()
-    assert check_agent_rendering(AGENT_RECORDS[3:], template, tok).failed == []
-    report = check_agent_rendering(AGENT_RECORDS, template, tok)
-    assert report.checked == AGENT and report.records_failed == WITH_CALLS
-    assert [line.split(",")[0] for line in report.failed] == ["record 0", "record 1", "record 2"]
-    assert all("writes each call as JSON inside <tool_call>" in line for line in report.failed)
+def test_the_default_template_round_trips_every_agent_record(tok):
+    """step35's DEFAULT_TEMPLATE writes tool calls in the step3p5 form: every record reads back as given. The
+    Hermes form it wrote before (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`) is what a step3p5
+    parser cannot read: each record with calls fails, saying so; the others pass."""
+    report = check_agent_rendering(AGENT_RECORDS, ChatTemplate.default(), tok)
+    assert report.checked == AGENT and report.failed == []
+    hermes = check(JSON_FORM, tok, AGENT_RECORDS)
+    assert hermes.records_failed == WITH_CALLS
+    assert [line.split(",")[0] for line in hermes.failed] == ["record 0", "record 1", "record 2"]
+    assert all("writes each call as JSON inside <tool_call>" in line for line in hermes.failed)
 
 
 @pytest.mark.parametrize("name", ["step-a", "step-b", "step-c"])

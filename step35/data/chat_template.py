@@ -46,7 +46,10 @@ TEMPLATE_SOURCES = (TEMPLATE_FILE, "tokenizer_config.json", "special_tokens_map.
 # Our template for tokenizers without one (the built-in tokenizer knows no chat tokens, so the headers are
 # plain text it encodes byte by byte). Every assistant turn ends with the tokenizer's EOS, inside the
 # generation block, so the model learns to stop; the generation prompt is the assistant header. The function
-# schemas of `tools`, when given, come first: a `<|tools|>` block with one schema per line, as JSON.
+# schemas of `tools`, when given, come first: a `<|tools|>` block with one schema per line, as JSON. Tool calls
+# are written in Step-3.5's step3p5 form, which the serving side's parser reads back (data/tool_calls.py):
+# `<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n...</function>\n</tool_call>`, a string
+# value as it is, any other as JSON.
 DEFAULT_TEMPLATE = """\
 {%- macro text(content) -%}
 {%- if content is string -%}{{ content }}
@@ -67,7 +70,7 @@ DEFAULT_TEMPLATE = """\
 {%- for call in message.tool_calls or [] -%}
 {%- set function = call.function or call -%}
 {{- '\\n' if (not loop.first or text(message.content)) else '' -}}
-{{- '<tool_call>' + ({'name': function.name, 'arguments': function.arguments} | tojson) + '</tool_call>' -}}
+{{- '<tool_call>\\n<function=' + function.name + '>\\n' -}}{%- for name, value in (function.arguments or {}).items() -%}{{- '<parameter=' + name + '>\\n' -}}{%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}{{- '\\n</parameter>\\n' -}}{%- endfor -%}{{- '</function>\\n</tool_call>' -}}
 {%- endfor -%}
 {{- eos_token -}}
 {%- endgeneration -%}

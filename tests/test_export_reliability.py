@@ -18,9 +18,9 @@ from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.training.trainer_io import remove
 from step35.cli import main
-from step35.commands import generate
 from step35.commands.generate import load_generator
 from step35.data import builtin_tokenizer_dir
+from step35.eval import generator as generator_module
 from step35.run import resolution
 from tests.helpers import saved_steps, write_run_config
 from tests.runner import Job, cli_fit, command, wait_for
@@ -169,14 +169,14 @@ def test_a_checkpoint_pruned_between_the_list_and_its_check_is_not_damaged(run_c
 
 
 def test_generate_reads_the_newest_checkpoint_when_the_one_chosen_is_pruned_while_read(run_copy, monkeypatch):
-    real, pruned = generate.open_checkpoint, []
+    real, pruned = generator_module.open_checkpoint, []
 
     def open_checkpoint(path, config=None):
         if not pruned:
             pruned.append(save_and_prune(run_copy / "checkpoints" / "step=000003.ckpt", 6))
         return real(path, config)
 
-    monkeypatch.setattr(generate, "open_checkpoint", open_checkpoint)
+    monkeypatch.setattr(generator_module, "open_checkpoint", open_checkpoint)
     said = []
     generator = load_generator(run_copy, say=said.append)  # before: "step=000003.ckpt: no such checkpoint"
     assert f"model: {pruned[0]}; tokenizer:" in "\n".join(said), said

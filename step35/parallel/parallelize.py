@@ -106,6 +106,7 @@ def apply_fsdp(
     register_fsdp_forward_method(model, "sequence_logprobs")  # the preference objective's (training/dpo.py)
     register_fsdp_forward_method(model, "token_logprobs")  # online RL's (training/grpo.py)
     register_fsdp_forward_method(model, "step")  # its rollouts: decoding under the sharding
+    register_fsdp_forward_method(model, "draft_logits")  # EvalCallback's MTP acceptance
 
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:

@@ -221,3 +221,18 @@ def test_apply_chat_template_renders_what_generate_chat_prompts(folder):
     assert lm.tok_encode(text) == generator.chat_ids(generator.chat_template(), chat[1]["content"], chat[0]["content"])
     assert "what is two plus two?" in text and lm.chat_template(True) == generator.chat_template().source
     assert lm.tokenizer_name == str(hf).replace("/", "__")
+
+
+def test_step35_eval_runs_lm_eval_tasks_and_records_them(folder, task_dir, tmp_path, capfd):
+    """`step35 eval --lm_eval_tasks` on the HF folder: the same accuracy in the results JSON and on the terminal."""
+    from tests.runner import cli
+
+    hf, model, tokenizer = folder
+    code, out, err = cli(capfd, "eval", "--checkpoint", str(hf), "--lm_eval_tasks", "[step35_tiny_mc]",
+                         "--lm_eval_include_path", str(task_dir), "--lm_eval_limit", "3", "--out", str(tmp_path))  # fmt: skip
+    assert code == 0, err[-3000:]
+    scores, _ = mc_by_hand(model, tokenizer)
+    correct = [max(range(len(s)), key=lambda i: s[i][0]) == q["answer"] for s, q in zip(scores, QUESTIONS[:3])]
+    results = json.loads((tmp_path / "eval.json").read_text())
+    assert results["lm_eval"]["results"]["step35_tiny_mc"]["acc,none"] == pytest.approx(sum(correct) / 3, abs=1e-12)
+    assert "lm-eval step35_tiny_mc" in out

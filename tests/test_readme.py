@@ -10,6 +10,7 @@ assistant loss falls (README: 4.06 -> 3.59), and the merged export is an HF fold
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -102,6 +103,11 @@ def test_the_readme_commands_run_as_written(readme_runs):
     start, end = sum(reward[s] for s in range(5)) / 5, sum(reward[s] for s in range(55, 60)) / 5
     assert start < 0.7 and end > 0.9, reward
     assert max(steps_of(grpo_rows, "rl/logprob_diff_max").values()) < 1e-4
+    # eval (README: held-out 3.646 = the fit's val/loss, MTP acceptance 0.646 after vs 0.620 before)
+    results = json.loads((runs / "tiny-sft" / "eval" / "step=150.json").read_text())
+    assert results["heldout"]["loss"] == pytest.approx(sft_val[max(sft_val)], rel=1e-5), (results, sft_val)
+    assert 0 < results["mtp"]["depth1"] <= 1 and 0 < results["mtp_baseline"]["depth1"] <= 1
+    assert results["gate"]["num_samples"] > 100 and (runs / "tiny-sft" / "eval" / "scores.png").is_file()
 
 
 @pytest.mark.multiprocess

@@ -308,6 +308,8 @@ class MoE(nn.Module):
         if self.training and not in_backward_recompute():
             self.tokens_per_expert += counts.detach()
         y = self.dispatcher(x, token_of_row, counts, self, weights.reshape(-1)[order])  # [N, H], weighted
+        if routes is not None:  # rollouts and their replay (RL) combine in fp32 alike, whatever the compute dtype
+            return combine_rows(y.float(), token_of_row, x.shape[0]).to(y.dtype).view(shape)
         return combine_rows(y, token_of_row, x.shape[0]).view(shape)
 
     def take_tokens_per_expert(self) -> torch.Tensor:

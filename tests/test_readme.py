@@ -37,15 +37,23 @@ def bash_blocks(text: str) -> list[list[str]]:
     return blocks
 
 
-def readme_job_commands() -> list[str]:
-    """The step35 lines of the quick start, the generate lines, the second main job and the LoRA block:
-    every README command that runs on this machine (the install and the test lines are what CI runs;
-    the other blocks name clusters and 196B checkpoints)."""
+def quick_start() -> tuple[list[str], list[str]]:
+    """The Quick start's two commands (the main job, the tests: the Makefile's, tests/test_quick_start.py) and the
+    block below them with the same steps by hand (install, the tests' outside references, the main job, the tests)."""
     blocks = bash_blocks(README)
-    quick_start = blocks[0]
-    assert quick_start[0].startswith("python3 -m venv") and quick_start[-1] == "python -m pytest", quick_start
-    commands = [line for line in quick_start if line.startswith("step35 ")]
-    for block in blocks[1:]:
+    two_commands, by_hand = blocks[0], blocks[1]
+    assert two_commands == ["make run", "make test"], two_commands
+    assert by_hand[0].startswith("python3 -m venv") and by_hand[-1] == "python -m pytest", by_hand
+    return two_commands, by_hand
+
+
+def readme_job_commands() -> list[str]:
+    """The step35 lines of the quick start's by-hand block (the main job, which `make run` runs), the generate
+    lines, the second main job and the LoRA block: every README command that runs on this machine (the install and
+    the test lines are what CI runs, through `make test`; the other blocks name clusters and 196B checkpoints)."""
+    blocks = bash_blocks(README)
+    commands = [line for line in quick_start()[1] if line.startswith("step35 ")]
+    for block in blocks[2:]:
         if all(line.startswith("step35 ") and ("runs/tiny" in line or "configs/tiny" in line) for line in block):
             commands += block
     return commands

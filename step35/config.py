@@ -571,11 +571,117 @@ def _warn_about_file(raw: dict[str, Any], path: Path) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------ vision (Step-3.7)
+DEFAULT_VISION_MLP_RATIO = 8960 / 1536  # the release's MLP width over its width (transformers' default)
+VISION_ACTIVATIONS = ("quick_gelu", "gelu")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Step-3.7-Flash's vision encoder and projector (step35/model/vision.py), read from a Step-3.7 config.json:
+    its `vision_config` (the release spells widths `width`, `layers`, `heads`; transformers `hidden_size`,
+    `num_hidden_layers`, `num_attention_heads`: both are read, the release's first, as transformers does) and the
+    top-level `projector_bias` and `image_token_id`. The MLP width is int(width x mlp_ratio), as transformers
+    computes it (its `intermediate_size` is not read). Defaults: the release's."""
+
+    hidden_size: int = 1536  # D, the encoder's width; the downsamplers make it 2D then 4D
+    num_hidden_layers: int = 47
+    num_attention_heads: int = 16
+    intermediate_size: int = 8960  # the encoder MLP's width
+    image_size: int = 728  # the global view's side; its grid (side / patch_size)^2 is the position table's
+    patch_size: int = 14
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+    rope_theta: float = 10000.0  # the encoder's 2-D rotary base
+    projector_bias: bool = False  # vit_large_projector.bias exists
+    image_token_id: int = 151679  # the placeholder token the image features replace
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size"):
+            _require(int(getattr(self, name)) >= 1, f"vision_config.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _require(
+            self.hidden_size % (4 * self.num_attention_heads) == 0,
+            "vision_config.hidden_size",
+            f"{self.hidden_size} must split into {self.num_attention_heads} heads of a width divisible by 4 "
+            "(the 2-D rotary embedding rotates a quarter of each head per axis pair)",
+        )
+        _require(
+            self.image_size >= self.patch_size and self.image_size % self.patch_size == 0,
+            "vision_config.image_size",
+            f"{self.image_size} must be a multiple of patch_size {self.patch_size}",
+        )
+        _require(
+            self.hidden_act in VISION_ACTIVATIONS,
+            "vision_config.hidden_act",
+            f"{self.hidden_act!r} is not one of {VISION_ACTIVATIONS}",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_release(cls, raw: dict[str, Any]) -> VisionConfig:
+        """The vision side of a Step-3.7 config.json `raw` (a dict); ConfigError without `vision_config`."""
+        vision = raw.get("vision_config")
+        if not isinstance(vision, dict):
+            raise ConfigError(
+                f"model_type {raw.get('model_type')!r}: no 'vision_config' object, so no vision encoder to build "
+                "(a Step-3.7-Flash config.json has one)"
+            )
+        width = vision.get("width", vision.get("hidden_size", cls.hidden_size))
+        rope = vision.get("rope_parameters") or {}
+        values = {
+            "hidden_size": width,
+            "num_hidden_layers": vision.get("layers", vision.get("num_hidden_layers", cls.num_hidden_layers)),
+            "num_attention_heads": vision.get("heads", vision.get("num_attention_heads", cls.num_attention_heads)),
+            "intermediate_size": int(width * vision.get("mlp_ratio", DEFAULT_VISION_MLP_RATIO)),
+            "image_size": vision.get("image_size", cls.image_size),
+            "patch_size": vision.get("patch_size", cls.patch_size),
+            "num_channels": vision.get("num_channels", cls.num_channels),
+            "layer_norm_eps": vision.get("layer_norm_eps", cls.layer_norm_eps),
+            "hidden_act": vision.get("hidden_act", cls.hidden_act),
+            "rope_theta": rope.get("rope_theta", vision.get("rope_theta", cls.rope_theta)),
+            "projector_bias": raw.get("projector_bias", cls.projector_bias),
+            "image_token_id": raw.get("image_token_id", cls.image_token_id),
+        }
+        for f in fields(cls):
+            _check_type(f"vision_config.{f.name}", values[f.name], f.type)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> VisionConfig:
+        """The vision side of the config.json `path` (or of the folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{path}: cannot read it as JSON ({type(e).__name__}: {e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: holds a JSON {type(raw).__name__}, not an object of config fields")
+        try:
+            return cls.from_release(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+def load_vision_config(name_or_path: str | Path) -> VisionConfig:
+    """The vision side of a preset (`tiny-vl`), a Step-3.7 config.json or a folder holding one."""
+    name = str(name_or_path)
+    if name in PRESETS:
+        return VisionConfig.from_release(PRESETS[name]())
+    return VisionConfig.from_json(Path(name).expanduser())
+
+
 def preset(name: str) -> Step35Config:
-    """A named config: `flash-196b` (the released model, exactly) or `tiny`."""
+    """A named config: `flash-196b` (the released model, exactly), `tiny`, or `tiny-vl` (read as its language
+    model, `tiny`; its vision side: load_vision_config)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; the presets are: {', '.join(sorted(PRESETS))}")
-    return Step35Config.from_dict(PRESETS[name]())
+    return Step35Config.from_dict(language_model_fields(PRESETS[name]()))
 
 
 def load_config(name_or_path: str | Path) -> Step35Config:

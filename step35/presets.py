@@ -1,5 +1,6 @@
 """The named configs as raw config.json dicts: `flash-196b` (the released Step-3.5-Flash config.json, field for
-field) and `tiny` (every feature, a few MB), and the key order of the released file. Data only: step35/config.py
+field), `tiny` (every feature, a few MB), `tiny-vl` (a Step-3.7 config.json around `tiny`, with a small vision
+encoder), and the key order of the released file. Data only: step35/config.py
 validates them (`preset`, `load_config`)."""
 
 from typing import Any
@@ -175,4 +176,32 @@ def _tiny() -> dict[str, Any]:
     return raw
 
 
-PRESETS = {"flash-196b": _flash_196b, "tiny": _tiny}
+def _tiny_vl() -> dict[str, Any]:
+    """A tiny Step-3.7-Flash config.json: `tiny` as its language model (`text_config`) beside a vision encoder of
+    the release's structure (patch 14, 2-D RoPE, LayerScale, two stride-2 3x3 downsamplers, the projector) with a
+    few channels: a 112-pixel view is an 8 x 8 patch grid, 4 x 4 after the first downsampler, 4 image tokens."""
+    text = _tiny()
+    text.pop("auto_map")  # the remote code of Step-3.5's own folders: a Step-3.7 text_config has none
+    return {
+        "architectures": ["Step3p7ForConditionalGeneration"],
+        "model_type": "step3p7",
+        "image_token_id": 1000,  # below tiny's vocab_size
+        "projector_bias": False,
+        "text_config": text,
+        "vision_config": {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "mlp_ratio": 2.0,
+            "image_size": 112,
+            "patch_size": 14,
+            "num_channels": 3,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+            "model_type": "step3p5_vision",
+        },
+    }
+
+
+PRESETS = {"flash-196b": _flash_196b, "tiny": _tiny, "tiny-vl": _tiny_vl}

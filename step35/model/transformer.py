@@ -180,17 +180,20 @@ class Step35Model(nn.Module):
         documents: Documents | None = None,
         cache: KVCache | None = None,
         routing: Routing | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] -> residual stream after the last main layer, before the final norm [B, S, H].
 
         router_aux: collects the MoE layers' sequence balance losses (None: not computed);
         documents: packed documents kept apart by attention (RoPE then comes from their positions);
         cache: earlier tokens' keys and values, which the layers read and extend (`rope` must then
-        hold the new tokens' positions); routing: records or replays the experts chosen (model/routing.py)."""
+        hold the new tokens' positions); routing: records or replays the experts chosen (model/routing.py);
+        inputs_embeds [B, S, H]: the embeddings to start from instead of input_ids' (a vision-language model's,
+        image features spliced in: model/vision.py)."""
         if rope is None:
             position_ids = documents.position_ids if documents is not None else None
             rope = self.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for i, (layer, key) in enumerate(zip(self.main_layers, self.rope_keys)):
             kv = cache.layer(i, layer.self_attn.window) if cache is not None else None
             extra = {"cache": kv} if kv is not None else {}

@@ -20,6 +20,7 @@ from torch import nn
 from step35.checkpoint.errors import raise_together
 from step35.checkpoint.hf.folder import TensorInfo, check_tensors, model_tensor_infos
 from step35.checkpoint.hf.fp8 import read_dequantized
+from step35.checkpoint.hf.release import CARRIED_PREFIXES
 from step35.checkpoint.integrity import verify_on_all_ranks
 from step35.checkpoint.safe_load import check_finite, open_safetensors
 from step35.config import Step35Config
@@ -55,10 +56,11 @@ def materialize(
     if checkpoint is not None:
 
         def check_headers() -> dict[str, TensorInfo]:
-            infos, _, _ = model_tensor_infos(checkpoint)  # a Step-3.7 folder's vision tensors are not the model's
-            check_tensors(
-                infos, expected_tensors(model), ignored_mtp_tensors(model.config, model.num_mtp_layers, infos)
-            )
+            infos, carried, _ = model_tensor_infos(checkpoint)  # a Step-3.7 folder's vision tensors, apart
+            expected = expected_tensors(model)
+            if any(name.startswith(CARRIED_PREFIXES) for name in expected):  # a vision-language model loads them
+                infos = {**infos, **carried}
+            check_tensors(infos, expected, ignored_mtp_tensors(model.config, model.num_mtp_layers, infos))
             return infos
 
         infos = raise_together(check_headers)

@@ -14,7 +14,7 @@ from step35.checkpoint.errors import CheckpointError
 from step35.checkpoint.hf.folder import check_config_fits, write_hf_folder
 from step35.checkpoint.hf.materialize import checkpoint_state, materialize
 from step35.checkpoint.publish import check_not_interrupted
-from step35.config import ConfigError, Step35Config
+from step35.config import ConfigError, Step35Config, VisionConfig
 from step35.model import Step35ForCausalLM, build_model
 
 
@@ -23,10 +23,13 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     num_mtp_layers: int | None = None,
+    *,
+    vision: bool = False,
 ) -> Step35ForCausalLM:
     """The model saved in the HF folder `path`, on `device`, in `dtype` (None: the folder's
     torch_dtype), with `num_mtp_layers` MTP layers (None: all of the config's; fewer ignores the
-    folder's extra MTP tensors).
+    folder's extra MTP tensors). `vision`: a Step-3.7 folder's vision-language model, its vision encoder and
+    projector loaded too (model/vision.py Step35VLForConditionalGeneration); else its language model alone.
 
     Built on meta from the folder's config.json, checked against the folder's tensors (names,
     shapes, dtypes: CheckpointError naming the file or tensor), then materialised and filled."""
@@ -34,10 +37,11 @@ def load_pretrained(
     check_not_interrupted(path)
     try:
         config = Step35Config.from_json(path)
+        vision_config = VisionConfig.from_json(path) if vision else None
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     check_config_fits(config, path, num_mtp_layers)  # before building: a config.json typo fails in seconds
-    model = build_model(config, num_mtp_layers, dtype=dtype or getattr(torch, config.torch_dtype))
+    model = build_model(config, num_mtp_layers, dtype=dtype or getattr(torch, config.torch_dtype), vision=vision_config)
     materialize(model, device, checkpoint=path)
     return model
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from jsonargparse import Namespace
+from jsonargparse._common import debug_mode_active
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 import step35.accelerators  # noqa: F401  (registers --trainer.accelerator npu)
@@ -117,22 +120,69 @@ def launcher_mismatch(place: job.JobPlace, devices, num_nodes: int) -> str | Non
 
 
 class Step35ArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser with a did-you-mean for an unknown option (abbreviations are off)."""
+    """LightningCLI's parser with a did-you-mean for an unknown option or YAML key (abbreviations are off),
+    and the error said alone: one line, not after the ~90 lines of usage jsonargparse prints first."""
 
     def error(self, message: str, ex: Exception | None = None):
-        if message.startswith("unrecognized arguments:"):
-            parser = getattr(ex, "subcommand_parser", None) or self
-            message += _did_you_mean(message.split(":", 1)[1].split(), parser)
-        super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        message = _unknown_class_option(message) or message + _did_you_mean(_unknown_options(message), parser)
+        if not self.exit_on_error or debug_mode_active():  # a caller that catches the error gets it as it was
+            super().error(message, ex)
+        # "step35 fit" however the process was started (its prog is `python -m step35`'s "__main__.py fit")
+        command = " ".join(["step35", *parser.prog.replace(" [options]", "").split()[1:]])
+        sys.stderr.write(f"{command}: error: {message} (`{command} --help` lists the options)\n")
+        self.exit(2)
+
+
+# jsonargparse's words for a key of a YAML config (or a --config given inline) that no option has
+_UNKNOWN_KEY = re.compile(r"(?:Subcommand '[^']+'|Group '([^']+)') does not accept option '([^']+)'")
+
+
+def _unknown_options(message: str) -> list[str]:
+    """The unknown options a parse error names: `--name` for the command line's, `name` for a config key."""
+    if message.startswith("unrecognized arguments:"):
+        return [w.split("=", 1)[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+    found = _UNKNOWN_KEY.search(message)
+    if found is None:
+        return []
+    group, key = found.groups()
+    return [f"{group}.{key}" if group else key]
+
+
+# ... and for an option of a class given by class_path (a callback's init_args, model.lora), inside the list of
+# everything the value failed to validate against
+_UNKNOWN_CLASS_OPTION = re.compile(
+    r'Parser key "([^"]+)":.*?Problem with given class_path \'([\w.]+)\':\s+Option \'([^\']+)\' is not accepted', re.S
+)
+
+
+def _unknown_class_option(message: str) -> str | None:
+    """The one line for an init_args key that the class named by class_path does not take (with a did-you-mean
+    from its parameters), instead of jsonargparse's list of every type the value did not validate against."""
+    found = _UNKNOWN_CLASS_OPTION.search(message)
+    if found is None:
+        return None
+    key, class_path, option = found.groups()
+    try:
+        cls = _imported(class_path)
+        known = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        known = []
+    close = difflib.get_close_matches(option, known, n=3, cutoff=0.75)
+    hint = f": did you mean {' or '.join(close)}?" if close else f" (it takes: {', '.join(known)})" if known else ""
+    return f"{key}: {class_path} takes no option {option!r}{hint}"
 
 
 def _did_you_mean(words: list[str], parser) -> str:
+    """For each word close to one of `parser`'s options, "; <word>: did you mean <option>?" (a config key is
+    compared, and answered, without the leading dashes); "" when none is."""
     known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     hints = []
-    for word in (w.split("=", 1)[0] for w in words if w.startswith("--")):
-        close = difflib.get_close_matches(word, known, n=3, cutoff=0.75)
+    for word in words:
+        dashes = "" if word.startswith("--") else "--"
+        close = difflib.get_close_matches(dashes + word, known, n=3, cutoff=0.75)
         if close:
-            hints.append(f"{word}: did you mean {' or '.join(close)}?")
+            hints.append(f"{word}: did you mean {' or '.join(c[len(dashes) :] for c in close)}?")
     return ("; " + "; ".join(hints)) if hints else ""
 
 
@@ -178,6 +228,12 @@ class Step35CLI(LightningCLI):
             type=int | None,
             default=None,
             help="Complete checkpoints kept: sets RunCheckpoint's keep_last, as above.",
+        )
+        parser.add_argument(
+            "--checkpoint.async_save",
+            type=bool | None,
+            default=None,
+            help="Write checkpoints in the background: sets RunCheckpoint's async_save, as above.",
         )
         parser.add_argument(
             "--plan_device",
@@ -232,6 +288,19 @@ class Step35CLI(LightningCLI):
             if init_args is not None and "save_dir" in init_args and not init_args.get("save_dir"):
                 init_args["save_dir"] = str(folder.logs)
 
+    def instantiate_classes(self) -> None:
+        if self.subcommand in ("fit", "validate"):
+            # before the module reads model.checkpoint's config.json: a run folder there is answered by name
+            checkpoint = (self._subcommand_config().get("model") or {}).get("checkpoint")
+            refusal = training_checkpoint_as_start(checkpoint)
+            if refusal:
+                raise CheckpointError(refusal)
+            super().instantiate_classes()
+            for note in start_folder_notes(checkpoint):
+                say(note)
+            return
+        super().instantiate_classes()
+
     def instantiate_trainer(self, **kwargs):
         from lightning.fabric.plugins import CheckpointIO
         from lightning.pytorch.callbacks import ModelSummary, ProgressBar
@@ -269,7 +338,14 @@ class Step35CLI(LightningCLI):
         interval = optimizer_step_interval(trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches"))
         if interval is not None:
             kwargs.setdefault("val_check_interval", interval)
-        return super().instantiate_trainer(**kwargs)
+        strategy, why = default_strategy(trainer)
+        if strategy is not None:
+            kwargs.setdefault("strategy", strategy)
+            say(why)
+        built = super().instantiate_trainer(**kwargs)
+        if trainer.get("strategy", "auto") == "auto" and strategy is None and built.world_size > 1:
+            say(lightnings_strategy_note(built, trainer.get("devices")))
+        return built
 
     def _resolve_run(self, callbacks: list) -> runs.Resume | str | None:
         """Before the Trainer exists, once per job: the run folder's lock (fit), the checkpoint to resume,
@@ -351,6 +427,100 @@ class Step35CLI(LightningCLI):
         kwargs["ckpt_path"] = None
 
 
+def default_strategy(trainer: dict) -> tuple[object | None, str]:
+    """(Step35Strategy, the line saying why) for a job of several processes whose trainer.strategy is left at
+    "auto", where Lightning would run DDP: a whole copy of the model, its gradients and its optimizer state on
+    every rank, and no expert parallelism. (None, "") otherwise, or when the number of processes is not known
+    before the Trainer exists (trainer.devices "auto": `lightnings_strategy_note` then says what ran)."""
+    if trainer.get("strategy", "auto") != "auto":
+        return None, ""
+    devices, num_nodes = trainer.get("devices", "auto"), trainer.get("num_nodes") or 1
+    per_node = devices_per_node(devices)
+    processes = per_node * num_nodes if per_node is not None else job.this_process().world_size
+    if not processes or processes < 2:
+        return None, ""
+    from step35.strategy import Step35Strategy
+
+    return Step35Strategy(), (
+        f"trainer.strategy is not set for {processes} processes (trainer.devices={devices} x trainer.num_nodes="
+        f"{num_nodes}): training with step35.strategy.Step35Strategy (FSDP2 over the ranks, experts not split: "
+        "--trainer.strategy.expert_parallel_size N splits them), not Lightning's default DDP, which keeps a whole "
+        "copy of the model and its optimizer state on every rank; --trainer.strategy ddp asks for DDP"
+    )
+
+
+def lightnings_strategy_note(trainer, devices) -> str:
+    """The line naming the strategy Lightning chose for a multi-process job whose devices and strategy were
+    both left to it (the number of processes was not known before the Trainer existed)."""
+    return (
+        f"trainer.strategy is not set and trainer.devices={devices} made {trainer.world_size} processes: Lightning "
+        f"chose {type(trainer.strategy).__name__}; --trainer.strategy step35.strategy.Step35Strategy shards the "
+        "model (FSDP2 + expert parallelism) instead"
+    )
+
+
+def training_checkpoint_as_start(checkpoint) -> str | None:
+    """The line for a `model.checkpoint` that is a step35 run folder or training checkpoint, not an HF folder
+    (config.json + safetensors): export it first (`step35 export`, naming an export already there). None for
+    anything else, which the module reads or refuses itself."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint).expanduser()
+    if not path.exists() or (path / "config.json").is_file() or (path.is_file() and path.suffix != ".ckpt"):
+        return None
+    try:
+        newest = runs.checkpoint_of(path, say=lambda line: None)
+    except CheckpointError:
+        return None  # neither a run folder nor a checkpoint: the module's own error names what is missing
+    is_run = newest != path
+    run = path if is_run else newest.parent.parent if newest.parent.name == "checkpoints" else newest.parent
+    export = run / "hf"
+    what = f"a step35 run folder (newest checkpoint: {newest.name})" if is_run else "a step35 training checkpoint"
+    command = f"step35 export --checkpoint {checkpoint} --out {export}"
+    if (export / "config.json").is_file():
+        return (
+            f"model.checkpoint={checkpoint} is {what}, not an HF folder (config.json + safetensors): start from its"
+            f" export, --model.checkpoint {export} (`{command}` writes it again from this checkpoint)"
+        )
+    return (
+        f"model.checkpoint={checkpoint} is {what}, not an HF folder (config.json + safetensors): export it first,"
+        f" `{command}`, then start from --model.checkpoint {export}"
+    )
+
+
+def start_folder_notes(checkpoint) -> list[str]:
+    """What a run does with the parts of its HF start folder that it does not train, said at its start in the words
+    of `step35 plan` and `step35 export`: a Step-3.7 folder's vision encoder and projector (plan/carried.py) and
+    an FP8 folder's block scales (checkpoint/hf/fp8.py)."""
+    from step35.checkpoint.hf.folder import model_tensor_infos
+    from step35.checkpoint.hf.fp8 import SCALE_SUFFIX, block_size
+    from step35.plan.carried import carried_weights
+
+    if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
+        return []
+    notes = []
+    carried, _ = carried_weights(checkpoint)
+    if carried is not None:
+        size = f"{carried.bytes / 1024**3:.2f} GiB" if carried.bytes >= 1024**3 else f"{carried.bytes / 1024:,.1f} KiB"
+        size += f" {'/'.join(carried.dtypes)}"
+        notes.append(
+            f"model.checkpoint {checkpoint} is a Step-3.7 folder: its vision encoder and projector ({carried.params:,}"
+            f" parameters, {carried.tensors} tensors, {size}) are not trained and stay in the folder, never loaded on"
+            " a device nor saved in this run's checkpoints; `step35 export` copies them from there as they are"
+        )
+    block = block_size(checkpoint)
+    if block is not None:
+        model, _, _ = model_tensor_infos(checkpoint)
+        quantised = sum(1 for info in model.values() if info.scales is not None)
+        notes.append(
+            f"model.checkpoint {checkpoint} is stored in FP8 (float8_e4m3fn, scale blocks {list(block)}): its "
+            f"{quantised} FP8 tensors are read dequantised (each block times its inverse scale <name>{SCALE_SUFFIX},"
+            " in float32) into the model's weights, which this run trains and saves unquantised; `step35 export`"
+            " writes them without quantization_config, or in the release's FP8 layout with --dtype float8_e4m3fn"
+        )
+    return notes
+
+
 def optimizer_step_interval(val_check_interval, accumulate_grad_batches) -> int | None:
     """`trainer.val_check_interval` as an integer counts optimizer steps under step35 (the stream has no
     epochs): Lightning counts training batches, so with gradient accumulation the Trainer is given the
@@ -391,8 +561,9 @@ def early_stopping_notes(trainer) -> list[str]:
 
 
 def _apply_checkpoint_options(config) -> None:
-    """`--checkpoint.every_n_train_steps N` / `--checkpoint.keep_last K`: set on every RunCheckpoint entry of
-    trainer.callbacks (a subclass counts), or on a RunCheckpoint added when the list has none."""
+    """`--checkpoint.every_n_train_steps N` / `--checkpoint.keep_last K` / `--checkpoint.async_save true`: set
+    on every RunCheckpoint entry of trainer.callbacks (a subclass counts), or on a RunCheckpoint added when the
+    list has none."""
     from step35.callbacks import RunCheckpoint
 
     options = config.get("checkpoint")

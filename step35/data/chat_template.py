@@ -307,6 +307,11 @@ class ChatTemplate:
             variables={**self.variables, **variables},
         )
 
+    def check_syntax(self) -> None:
+        """Raise ChatTemplateError naming the template, the line and Jinja's message when the template does not
+        parse (a run checks it at setup: every record would otherwise fail to render, each a bad record)."""
+        self._template()
+
     def save(self, folder: str | Path) -> Path:
         """Write the template as `folder/chat_template.jinja` (where transformers and `from_folder` look first)."""
         path = Path(folder) / TEMPLATE_FILE

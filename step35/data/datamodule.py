@@ -25,6 +25,7 @@ from step35.data.spec import TXT_MODES, SourceSpec, open_source
 from step35.data.stream import TokenWindows
 from step35.data.tokenizer import TextTokenizer
 from step35.data.validation import FixedBatches, validation_batches
+from step35.data.window_fit import check_sources_fit
 
 BUILTIN_VAL_FRACTION = 0.05  # the built-in corpus is small; this keeps about 8 documents for validation
 DEFAULT_VAL_FRACTION = 0.01  # user data without val_files: 1% of the documents of every source
@@ -47,7 +48,7 @@ class Step35DataModule(pl.LightningDataModule):
             the built-in corpus (Python's own documentation), or the built-in records of `format` where it
             has some (formats.py): with `format: chat` the built-in conversations made from the corpus
             (questions answered with its paragraphs; builtin_chat.py), with `format: preference` the built-in
-            preference pairs made from those (builtin_chat.py).
+            preference pairs made from those (builtin_chat.py). `builtin` names them whatever `format` says.
         weights: Sampling weight of each `files` entry, as shares of training tokens (normalised).
         text_field: Field of json records, or column of parquet/arrow data, holding the text; the default for
             every source of `sources` that names none.
@@ -106,6 +107,14 @@ class Step35DataModule(pl.LightningDataModule):
             ("drop"); both are counted (`data/truncated/<source>`, `data/dropped/<source>`) and reported. A
             preference pair whose two sequences do not fit one window together has its reply tails cut, the
             longer reply first, keeping a trained token each ("truncate"), or is dropped; counted the same way.
+        builtin: The built-in records trained on when no `files`, `sources` or `hub_dataset` are given: the
+            name of a format that has some ("chat", "preference", "unpaired", "prompt"), or "text" (the corpus).
+            None: those of `format`. A config can so keep `format: auto`, for the files a user adds, and train on
+            the built-in conversations without them (configs/tiny-sft.yaml).
+        max_dropped_share: At setup, the first 200 records of each conversation source are encoded and measured
+            against the window (window_fit.py): where some would be dropped (longer than the window under
+            `overlong: drop`, or cut to nothing trained), a warning says how many and the seq_len that holds them
+            all; where their share is above this, the run stops, saying so. 1 never stops.
         check_agent_rendering: At setup (rank 0), render the first 200 records of each conversation source that
             carry tool calls or reasoning with the chat template, read each assistant turn back as a Step-3.5
             server reads it (reasoning split at `</think>`, tool calls in the step3p5 syntax) and warn, with the
@@ -142,6 +151,8 @@ class Step35DataModule(pl.LightningDataModule):
         chat_template_kwargs: dict[str, Any] | None = None,
         overlong: str = "truncate",
         check_agent_rendering: bool = False,
+        builtin: str | None = None,
+        max_dropped_share: float = 0.5,
     ) -> None:
         super().__init__()
         files = [files] if isinstance(files, str) else files
@@ -149,6 +160,7 @@ class Step35DataModule(pl.LightningDataModule):
         _check_sizes(seq_len, micro_batch_size, num_workers, val_batches)
         _check_source_forms(files, weights, hub_dataset, sources)
         _check_choices(txt_mode, val_fraction, val_files, format, overlong)
+        _check_builtin_and_share(builtin, max_dropped_share)
         check_train_choice(train_on, train_reasoning, "data")
         specs = _parsed_sources(sources)
         self.save_hyperparameters(ignore=["sources"])
@@ -168,6 +180,7 @@ class Step35DataModule(pl.LightningDataModule):
         self.train_on, self.train_reasoning, self.overlong = train_on, train_reasoning, overlong
         self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
         self.check_agent_rendering = check_agent_rendering
+        self.builtin, self.max_dropped_share = builtin, max_dropped_share
         self._init_state()
 
     def _init_state(self) -> None:
@@ -208,7 +221,8 @@ class Step35DataModule(pl.LightningDataModule):
             if self.weights is not None:
                 return [SourceSpec(path=entry, weight=w) for entry, w in zip(self.files, self.weights)]
             return [SourceSpec(path=self.files)]
-        builtin = DATA_FORMATS.get(self.format)  # its built-in records (e.g. conversations made from the corpus)
+        # the built-in records of `builtin`, else of `format` (e.g. conversations made from the corpus)
+        builtin = DATA_FORMATS.get(self.builtin or self.format)
         if builtin is not None and builtin.builtin is not None:
             return [SourceSpec(path=str(builtin.builtin(self.cache_dir)), name=f"builtin-{builtin.name}")]
         return [SourceSpec(path=str(builtin_corpus_path(self.cache_dir)), name="builtin")]
@@ -244,6 +258,10 @@ class Step35DataModule(pl.LightningDataModule):
         stream_options = self._chat_options(folder, train_sources + val_sources)
         if self.check_agent_rendering and rank_zero_only.rank == 0:
             _warn_agent_rendering(train_sources, stream_options.get("template"), tokenizer)
+        # every rank finds the same (the same first records), so every rank stops alike
+        check_sources_fit(
+            train_sources, tokenizer, self.seq_len, stream_options, self.max_dropped_share, rank_zero_warn
+        )
 
         # Set last, so that a failed setup() fails again when called again.
         self._train_sources, self._val_sources = train_sources, val_sources
@@ -277,6 +295,12 @@ class Step35DataModule(pl.LightningDataModule):
         from pathlib import Path
 
         template, missing = resolve_template(Path(tokenizer_folder), self.chat_template)
+        if template is not None:  # else every record would fail to render, each skipped as a bad record
+            try:
+                template.check_syntax()
+            except ChatTemplateError as error:  # the folder's template is named by its file name alone
+                where = "" if self.chat_template else f"{Path(tokenizer_folder) / template.origin}: "
+                raise ChatTemplateError(f"{where}{error}; fix it, or set data.chat_template to a .jinja file") from None
         chat = sorted({s.name for s, f in zip(sources, formats) if f.needs_template})  # others: per record
         if template is None and chat:
             raise ValueError(f"source(s) {chat} hold conversations, but {missing}")
@@ -560,6 +584,14 @@ def _check_choices(
     for option, value, allowed in (("format", format, FORMATS), ("overlong", overlong, OVERLONG)):
         if value not in allowed:
             raise ValueError(f"data.{option} must be one of {allowed}, got {value!r}")
+
+
+def _check_builtin_and_share(builtin: str | None, max_dropped_share: float) -> None:
+    has_builtin = ["text", *(name for name, f in DATA_FORMATS.items() if f.builtin is not None)]
+    if builtin is not None and builtin not in has_builtin:
+        raise ValueError(f"data.builtin must be one of {has_builtin} (formats with built-in records), got {builtin!r}")
+    if not 0 <= max_dropped_share <= 1:
+        raise ValueError(f"data.max_dropped_share must be in [0, 1], got {max_dropped_share}")
 
 
 def _parsed_sources(sources: list | None) -> list[SourceSpec] | None:

@@ -411,6 +411,14 @@ class Step35CLI(LightningCLI):
     def after_fit(self) -> None:
         for note in early_stopping_notes(self.trainer):
             say(note)
+        if job.this_process().is_rank_zero:  # the run's curves as a PNG (step35/commands/plot.py)
+            from lightning.pytorch.loggers import CSVLogger
+
+            from step35.commands.plot import plot_after_fit
+
+            csv_roots = [logger.root_dir for logger in self.trainer.loggers if isinstance(logger, CSVLogger)]
+            if csv_roots:
+                say(plot_after_fit(self._subcommand_config().run_dir, csv_roots[0]))
 
     def before_validate(self) -> None:
         self._hand_over_checkpoint()

@@ -335,6 +335,10 @@ def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_p
     source, _ = folders["Step-3.5"]
     report = export_checkpoint(checkpoint, tmp_path / "fp8", dtype=torch.float8_e4m3fn)
     assert any("float8_e4m3fn, block-quantised in blocks of [24, 40]" in n for n in report.notes), report.notes
+    assert any(  # the start folder's block is kept (its FP8 tensors are in it) and said to be ragged for transformers
+        n.startswith("the start folder's block [24, 40], kept") and "transformers 5.24's FP8 loader cannot read" in n
+        for n in report.notes
+    ), report.notes
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"] == quantization_config() and config["torch_dtype"] == "bfloat16"
     stored = safetensors_in(tmp_path / "fp8")
@@ -367,9 +371,12 @@ def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_p
     config = json.loads((plain / "config.json").read_text())
     del config["quantization_config"]
     (plain / "config.json").write_text(json.dumps(config))
-    export_checkpoint(checkpoint, tmp_path / "fp8-from-bf16", dtype=torch.float8_e4m3fn, source=plain)
+    report = export_checkpoint(checkpoint, tmp_path / "fp8-from-bf16", dtype=torch.float8_e4m3fn, source=plain)
     config = json.loads((tmp_path / "fp8-from-bf16" / "config.json").read_text())
-    assert config["quantization_config"]["weight_block_size"] == [128, 128]  # the releases' block: no FP8 start
+    # no FP8 start: the releases' [128, 128] would cut the 352-wide MLP raggedly, so the largest block below it
+    # that cuts every quantised matrix whole (352 = 11 x 32), said in the notes
+    assert config["quantization_config"]["weight_block_size"] == [32, 32]
+    assert any(n.startswith("blocks of [32, 32], not the releases' [128, 128]") for n in report.notes), report.notes
     assert config["quantization_config"]["modules_to_not_convert"] == [
         "embed_tokens", "lm_head", "moe.gate", "shared_head.output", "vision_model", "vit_large_projector",
     ]  # fmt: skip
@@ -377,7 +384,7 @@ def test_an_fp8_export_writes_the_releases_block_layout(folders, one_step, tmp_p
     assert all(same_bytes(stored[n], unquantised[n]) for n in unquantised if n.startswith(("vision_", "vit_")))
     assert not any(n.startswith(("vision_", "vit_")) and n.endswith("_scale_inv") for n in stored)
     assert stored["model.layers.1.moe.gate_proj.weight"].dtype == torch.float8_e4m3fn
-    assert stored["model.layers.1.moe.gate_proj.weight_scale_inv"].shape == (8, 1, 1)  # [8, 64, 128] in 128 x 128
+    assert stored["model.layers.1.moe.gate_proj.weight_scale_inv"].shape == (8, 2, 4)  # [8, 64, 128] in 32 x 32
 
 
 def slice_bytes(name: str, bounds: list[tuple[int, int]], expected: dict[str, torch.Tensor]) -> int:
@@ -568,3 +575,72 @@ def test_a_modules_to_not_convert_that_is_no_list_of_names_is_refused(folders, t
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config.json: quantization_config.modules_to_not_convert is .* list"):
         source_entry(folder)
+
+
+# ------------------------------------------------------------------ issue 47: FP8 exports that transformers reads
+def read_right_by_transformers(side: int, block: int) -> bool:
+    """transformers 5.24's FP8 loader, simulated: it takes a tensor's block as side // grid, where the grid is the
+    scales' count along that side (ceil(side / block) as step35 writes them), and refuses a side the grid does not
+    divide; it then reads element i with scale i // its block, which is the writer's i // block only when the two
+    blocks agree or there is one block."""
+    grid = math.ceil(side / block)
+    return side % grid == 0 and (grid == 1 or side // grid == block)
+
+
+def test_the_export_block_is_the_largest_that_transformers_reads_right():
+    """fp8.loadable_block against a search over every block up to the releases' 128: the tiny preset's quantised
+    matrices (352 = 11 x 32 wide MLP) get [32, 32], the largest block every matrix is read right in; the release
+    config's keep [128, 128]; and ragged_matrix names the first matrix a block cuts, with transformers' words."""
+    from step35.checkpoint.hf import fp8
+
+    for config, want in ((preset("tiny"), (32, 32)), (preset("flash-196b"), (128, 128))):
+        shapes = fp8.quantised_shapes(fp8.matrix_shapes(config), fp8.NOT_CONVERTED)
+        assert "model.layers.1.moe.gate.weight" not in shapes and "model.embed_tokens.weight" not in shapes
+        best = tuple(
+            max(b for b in range(1, 129) if all(read_right_by_transformers(s[axis], b) for s in shapes.values()))
+            for axis in (-2, -1)
+        )
+        assert fp8.loadable_block((128, 128), shapes.values()) == best == want, config.hidden_size
+        assert fp8.ragged_matrix(want, shapes) is None
+    tiny = fp8.quantised_shapes(fp8.matrix_shapes(preset("tiny")), fp8.NOT_CONVERTED)
+    assert fp8.ragged_matrix((128, 128), tiny) == (
+        "model.layers.0.mlp.gate_proj.weight [352, 128]: `Weight shape (352, 128) not divisible by scale grid (3, 1)`"
+    )
+
+
+@pytest.mark.heavy  # the module's one training step (Lightning), an export, transformers' load
+def test_the_tiny_fp8_export_loads_in_transformers(folders, one_step, tmp_path):
+    """Before: `export --dtype float8_e4m3fn` of a tiny run with no FP8 start wrote 128 x 128 blocks, and
+    transformers 5.24 refused the folder (`Weight shape (128, 352) not divisible by scale grid (1, 3)`). Now its
+    blocks are [32, 32] and AutoModelForCausalLM loads it on the CPU (dequantising) with every weight equal to
+    what step35 reads from the folder, and the same logits."""
+    transformers = pytest.importorskip("transformers")
+    from step35.checkpoint.training.export import export_checkpoint
+
+    _, checkpoint = one_step
+    fp8_source, expected = folders["Step-3.5"]
+    plain = tmp_path / "bf16"  # the same start as a bf16 Step-3.5 folder: no FP8 block to keep
+    plain.mkdir()
+    save_file(
+        {n: t if n.endswith("router_bias") else t.to(torch.bfloat16) for n, t in expected.items()}, plain / WEIGHTS
+    )
+    config = json.loads((fp8_source / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(fp8_source / name, plain / name)
+    out = tmp_path / "fp8"
+    export_checkpoint(checkpoint, out, dtype=torch.float8_e4m3fn, source=plain)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [32, 32]
+
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = load_pretrained(out, dtype=torch.float32).eval()
+    theirs = hf.eval().state_dict()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(theirs[name], value), name
+    ids = torch.randint(0, ours.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)

@@ -99,8 +99,9 @@ def export(
             held) or one holding it.
         dtype: dtype of the exported weights (router_bias stays float32); default: the config's torch_dtype.
             float8_e4m3fn writes the FP8 releases' layout: matrices block-quantised with float32 inverse scales
-            <name>_scale_inv (the start folder's block, else 128 x 128), the embedding, LM heads, router and norms
-            in bfloat16, and config.json's quantization_config (docs/checkpoints.md).
+            <name>_scale_inv (the start folder's block, else the largest up to 128 x 128 that cuts every matrix
+            whole, which transformers' FP8 loader needs), the embedding, LM heads, router and norms in bfloat16,
+            and config.json's quantization_config (docs/checkpoints.md).
         max_shard_size: largest safetensors shard, e.g. 5GB, 500MiB.
         tokenizer: a tokenizer folder to export instead of the one the run trained with.
         source: the HF folder the run started from, whose tokenizer, chat template, generation config, readme,

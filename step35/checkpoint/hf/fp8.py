@@ -25,8 +25,10 @@ Writing (`quantized_tensors`, for `step35 export --dtype float8_e4m3fn`): the re
 matrix and stacked expert tensor is block-quantised (`quantize`) but those whose module the
 `modules_to_not_convert` patterns name (`NOT_CONVERTED` unless the start folder's own list is kept), matched
 as transformers' FP8 loader matches them (`skipped`); the rest (norms, the router bias, the modules not
-converted) keep their high-precision dtype. An export in another dtype writes a config.json without
-`quantization_config` (`without_quantization`).
+converted) keep their high-precision dtype. The block is the start folder's (its carried FP8 tensors are in it),
+else the releases' 128 x 128 or the largest block below it that cuts every quantised matrix whole
+(`loadable_block`): transformers' FP8 loader reads whole blocks only (see TRANSFORMERS_RAGGED below). An export in
+another dtype writes a config.json without `quantization_config` (`without_quantization`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,21 +303,97 @@ def skipped(name: str, patterns: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") or module.endswith(p) for p in patterns)
 
 
-def export_entry(started: dict | None, carried: dict) -> dict:
+def export_entry(started: dict | None, carried: dict, shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
     """config.json's quantization_config for weights written by `quantized_tensors`: the start folder's own entry
-    (`started`, its other fields, block and list kept) or the releases' fields with DEFAULT_BLOCK and NOT_CONVERTED.
-    The `carried` tensors stay as stored: the top module of a matrix among them stored unquantised (no scales) and
-    not yet named is added to the list, so that loaders expect no scales for it."""
+    (`started`, its other fields, block and list kept) or the releases' fields with NOT_CONVERTED and the block
+    DEFAULT_BLOCK, or, given the `shapes` of the matrices written (`matrix_shapes`), the largest block up to it
+    that cuts none of the quantised ones raggedly (`loadable_block`). The `carried` tensors stay as stored: the
+    top module of a matrix among them stored unquantised (no scales) and not yet named is added to the list, so
+    that loaders expect no scales for it."""
     entry = dict(started) if started else {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
     not_converted = list(entry.get("modules_to_not_convert") or NOT_CONVERTED)
     plain = {n.split(".", 1)[0] for n, info in carried.items() if not info.scales and len(info.shape) > 1}
     not_converted += sorted(p for p in plain if not skipped(p, not_converted))
-    entry.update(
-        quant_method="fp8",
-        weight_block_size=list(entry.get("weight_block_size") or DEFAULT_BLOCK),
-        modules_to_not_convert=not_converted,
-    )
+    block = tuple(entry.get("weight_block_size") or DEFAULT_BLOCK)
+    if not started and shapes is not None:
+        block = loadable_block(DEFAULT_BLOCK, quantised_shapes(shapes, not_converted).values())
+    entry.update(quant_method="fp8", weight_block_size=list(block), modules_to_not_convert=not_converted)
     return entry
+
+
+# ------------------------------------------------------------------ blocks that transformers can read
+# transformers 5.24's FP8 loader (integrations/finegrained_fp8.py, Fp8Dequantize) does not read the block from
+# config.json: it derives it from each tensor's shape and scale grid (rows // grid rows, cols // grid cols), and
+# refuses a shape the grid does not divide ("Weight shape (128, 352) not divisible by scale grid (1, 3)"), or, where
+# it happens to divide (300 rows in blocks of 128: a grid of 3, read as blocks of 100), reads the scales against the
+# wrong rows. A grid is read right when each side of the matrix is a multiple of the block's side, or fits in one
+# block. The releases' matrices are multiples of 128; the tiny preset's 352-wide MLP is not.
+TRANSFORMERS_RAGGED = "Weight shape ({}, {}) not divisible by scale grid ({}, {})"
+
+
+def matrix_shapes(config, stored_name: Callable[[str], str] | None = None) -> dict[str, tuple[int, ...]]:
+    """Stored name -> shape of every matrix and stacked matrix a model of `config` (a Step35Config) writes, read
+    off the model built on the meta device (no memory): what an FP8 export may quantise. `stored_name` maps
+    step35's names to the release's layout (Step-3.7's)."""
+    from step35.checkpoint.hf.materialize import checkpoint_state  # materialize imports this module
+    from step35.model import build_model
+
+    name_of = stored_name or (lambda name: name)
+    return {name_of(n): tuple(t.shape) for n, t in checkpoint_state(build_model(config)).items() if t.dim() >= 2}
+
+
+def quantised_shapes(shapes: dict[str, tuple[int, ...]], not_converted: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The entries of `shapes` that `quantized_tensors` quantises (what `not_converted` does not name)."""
+    patterns = tuple(not_converted)
+    return {name: shape for name, shape in shapes.items() if len(shape) >= 2 and not skipped(name, patterns)}
+
+
+def cuts_whole(side: int, block: int) -> bool:
+    """Whether blocks of `block` cut a dimension of `side` elements so that transformers reads them right."""
+    return side <= block or side % block == 0
+
+
+def loadable_block(block: tuple[int, int], shapes: Iterable[tuple[int, ...]]) -> tuple[int, int]:
+    """The largest block, each side at most `block`'s, that cuts every matrix of `shapes` whole (`cuts_whole`):
+    `block` itself for the releases' shapes, [32, 32] for the tiny preset's (352 = 11 x 32). Side 1 always does."""
+    shapes = list(shapes)
+    return tuple(
+        next(b for b in range(wanted, 0, -1) if all(cuts_whole(shape[axis - 2], b) for shape in shapes))
+        for axis, wanted in enumerate(block)
+    )
+
+
+def ragged_matrix(block: tuple[int, int], shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The first matrix of `shapes` that `block` cuts raggedly, with transformers' refusal of it; None if none."""
+    for name, shape in shapes.items():
+        rows, cols = shape[-2:]
+        if not (cuts_whole(rows, block[0]) and cuts_whole(cols, block[1])):
+            grid = scale_shape(shape, block)[-2:]
+            return f"{name} {list(shape)}: `{TRANSFORMERS_RAGGED.format(rows, cols, *grid)}`"
+    return None
+
+
+def block_notes(started: dict | None, entry: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """What an export in `entry`'s block means to transformers' FP8 loader: why a block other than the releases'
+    was chosen (no FP8 start folder), or that a start folder's block, kept, cuts a matrix raggedly."""
+    block = tuple(entry["weight_block_size"])
+    quantised = quantised_shapes(shapes, entry["modules_to_not_convert"])
+    if started:
+        ragged = ragged_matrix(block, quantised)
+        if ragged is None:
+            return []
+        return [
+            f"the start folder's block {list(block)}, kept (its FP8 tensors are in it), cuts {ragged}: transformers "
+            "5.24's FP8 loader cannot read this folder (step35 reads it)"
+        ]
+    if block == DEFAULT_BLOCK:
+        return []
+    ragged = ragged_matrix(DEFAULT_BLOCK, quantised)
+    return [
+        f"blocks of {list(block)}, not the releases' {list(DEFAULT_BLOCK)}: those would cut {ragged} in transformers "
+        f"5.24's FP8 loader, which reads whole blocks only; {list(block)} is the largest block that cuts every "
+        "quantised matrix whole"
+    ]
 
 
 def source_entry(folder: str | Path | None) -> dict | None:

@@ -49,7 +49,9 @@ from step35.checkpoint.hf.fp8 import (
     FP8_DTYPES,
     QUANTIZATION_KEY,
     SCALE_SUFFIX,
+    block_notes,
     export_entry,
+    matrix_shapes,
     quantized_tensors,
     read_whole,
     source_entry,
@@ -556,18 +558,21 @@ def _quantization(
     carried: Mapping[str, TensorInfo],
     fp8: bool,
     dtype: torch.dtype,
+    layout: Layout | None = None,
 ) -> tuple[dict | None, dict | None, list[str]]:
     """(config.json's quantization entry of an FP8 export, else None; the wrapper without its quantization
     entry; the note). An FP8 start folder (fp8.py) was read dequantised: its quantization_config describes
     weights not written, unless this export is in FP8 too, which keeps the start folder's block and list of
-    modules not converted. Removes `exported`'s quantization entry."""
+    modules not converted (without one, the block is the largest up to the releases' that transformers can read
+    for `exported`'s matrices, in `layout`'s names: fp8.loadable_block). Removes `exported`'s quantization entry."""
     started = source_entry(source) if source is not None and source.is_dir() else None
     quantized = exported.extra.pop(QUANTIZATION_KEY, None) is not None
     if wrapper is not None:
         wrapper, dropped = without_quantization(wrapper)
         quantized = quantized or dropped
     if fp8:
-        entry = export_entry(started, carried)
+        shapes = matrix_shapes(exported, layout.stored_name if layout else None)
+        entry = export_entry(started, carried, shapes)
         block, not_converted = list(entry["weight_block_size"]), entry["modules_to_not_convert"]
         own = ", the start folder's own" if started else ""
         return (
@@ -576,7 +581,8 @@ def _quantization(
             [
                 f"weights written in float8_e4m3fn, block-quantised in blocks of {block} with float32 inverse "
                 f"scales <name>{SCALE_SUFFIX} (config.json's {QUANTIZATION_KEY}{own}); left in bfloat16: "
-                f"{', '.join(not_converted)} and the norms; the router bias in float32"
+                f"{', '.join(not_converted)} and the norms; the router bias in float32",
+                *block_notes(started, entry, shapes),
             ],
         )
     if not quantized:
@@ -646,7 +652,7 @@ def _export_full(
     layout, carried = None, {}
     if wrapper is not None:
         _, carried, layout = model_tensor_infos(source)
-    entry, wrapper, more = _quantization(source, wrapper, exported, carried, fp8, dtype)
+    entry, wrapper, more = _quantization(source, wrapper, exported, carried, fp8, dtype, layout)
     notes += more
     tensors = _export_tensors(trained, layout, carried, entry, dtype, high)
     config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}

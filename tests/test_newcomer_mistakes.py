@@ -60,7 +60,7 @@ def test_a_chat_template_that_does_not_parse_stops_the_run_at_setup(tmp_path, st
     with "fix the data, or use fewer ranks x workers" and a traceback."""
     folder = shutil.copytree(builtin_tokenizer, tmp_path / "tokenizer")
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
-    args = ["fit", "--config", TINY, f"--run_dir={tmp_path / 'run'}", "--data.builtin=chat", *QUICK]
+    args = ["fit", "--config", TINY, f"--run_dir={tmp_path / 'run'}", "--data.format=chat", *QUICK]
     line = refused(step35_here(*args, f"--data.tokenizer={folder}"))
     assert line == (
         f"step35: {folder / 'chat_template.jinja'}: chat template from chat_template.jinja does not parse (line 1):"
@@ -197,7 +197,7 @@ def test_conversations_that_do_not_fit_the_window_are_said_at_start_and_stop_the
     longest = max(len(ids) for ids, _ in encoded)
     assert dropped == 30 and longest > 2 * window, (dropped, longest)  # the fixture does what it says
 
-    args = ["fit", "--config", TINY, "--data.builtin=chat", f"--data.files={path}", "--data.val_fraction=0", *QUICK]
+    args = ["fit", "--config", TINY, f"--data.files={path}", "--data.val_fraction=0", *QUICK]
     args += [f"--data.seq_len={seq_len}", f"--data.tokenizer={builtin_tokenizer}"]
     said = (
         f"source '{path}': 30 of the first 40 conversations (75%) do not fit a window of {window} tokens (data.seq_len"
@@ -226,7 +226,7 @@ def test_two_devices_without_a_strategy_train_with_step35_strategy_and_say_so(tm
     """Before: Lightning's DDP, chosen without a word (a whole copy of the model and optimizer on every rank)."""
     run = tmp_path / "run"
     proc = step35(
-        ["fit", "--config", TINY, f"--run_dir={run}", "--trainer.devices=2", *QUICK, "--trainer.logger=false"],
+        ["fit", "--config", TINY, f"--run_dir={run}", "--trainer.devices=2", *QUICK],
         builtin_cache,
         timeout=540,
     )

@@ -51,11 +51,26 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def write_stderr(message: str) -> None:
+    """`message` on fd 2, on a line of its own: after a newline when a progress bar holds the terminal line."""
     # os.write: safe from signal handlers and from a thread while the main thread holds sys.stderr's lock.
+    if bar_on_screen():
+        message = "\n" + message.lstrip("\n")
     try:
         os.write(2, message.encode(errors="replace"))
     except OSError:
         pass
+
+
+def bar_on_screen() -> bool:
+    """Whether a tqdm progress bar of this process is drawn (Lightning's: the training, validation and sanity
+    check bars): the cursor then sits at the end of its line, and a line written there would be spliced into
+    it. Reads tqdm's set of open bars without a lock, so it is safe in a signal handler; False without tqdm."""
+    tqdm_std = sys.modules.get("tqdm.std")
+    try:
+        bars = list(tqdm_std.tqdm._instances) if tqdm_std is not None else []
+    except (AttributeError, RuntimeError):  # no bar made yet; the set changed while copied
+        return False
+    return any(getattr(bar, "disable", True) is False and hasattr(bar, "last_print_t") for bar in bars)
 
 
 # ----------------------------------------------------------------------------------- phases

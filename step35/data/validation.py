@@ -1,7 +1,7 @@
 """The held-out batches: a fixed, small set, the same batches at every validation, equally many on every rank."""
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ def validation_batches(
     weights: Sequence[float] | None = None,
     seed: int = 0,
     strict: bool = False,
+    on_repeat: Callable[[str], None] | None = None,
     **stream_options: Any,
 ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
     """`num_batches` batches for this rank, and the bad records skipped per source.
@@ -43,7 +44,8 @@ def validation_batches(
     rank j % world_size, so ranks never share a window and every rank gets exactly `num_batches` batches
     (unequal counts would hang the collectives at the end of validation). Each rank reads only as far as it
     needs, about num_batches * micro_batch_size * world_size windows. A held-out set smaller than that is read
-    again from its start, with a warning; one too small for a single window is an error.
+    again from its start, said by `on_repeat(line)` (default: a warning; the DataModule has rank 0 say it once,
+    as every rank finds the same); one too small for a single window is an error.
     `stream_options` go to `TokenWindows` (the chat template, `train_on`, `overlong`): conversation batches
     carry their labels and positions.
     """
@@ -73,11 +75,14 @@ def validation_batches(
         if passes == 0:
             skipped = [s["skipped"] for s in stream.state_dict()["sources"]]
             if len(mine) < needed:
-                warnings.warn(
+                line = (
                     f"the validation data holds {produced} windows, fewer than val_batches x micro_batch_size x ranks"
-                    f" = {needed * world_size}; its windows are repeated to fill the validation batches",
-                    stacklevel=2,
+                    f" = {needed * world_size}; its windows are repeated to fill the validation batches"
                 )
+                if on_repeat is None:
+                    warnings.warn(line, stacklevel=2)
+                else:
+                    on_repeat(line)
         passes += 1
     batches = [
         {key: torch.stack([w[key] for w in mine[i : i + micro_batch_size]]) for key in mine[i]}

@@ -425,7 +425,8 @@ class Step35DataModule(pl.LightningDataModule):
             try:
                 batches, skipped = validation_batches(
                     self._val_sources, self.tokenizer, self.seq_len, self.micro_batch_size, self.val_batches,
-                    rank, world_size, weights, self.seed, self.strict, **self._stream_options,
+                    rank, world_size, weights, self.seed, self.strict, on_repeat=rank_zero_info,  # once per job
+                    **self._stream_options,
                 )  # fmt: skip
             except ValueError as error:
                 if not self._val_fraction_is_default:

@@ -7,7 +7,9 @@ no module is imported (some have side effects, e.g. `antigravity`). About 160 do
 Tokenizer: byte-level BPE trained on that corpus with the `tokenizers` library, saved as a Hugging Face
 tokenizer folder with step35's default chat template (`chat_template.jinja`, see chat_template.py), so that runs on it
 record the template in their checkpoints and exports, and `step35 generate --chat` finds it. Ids: 0 is `<|endoftext|>` (EOS, the document separator); 1..256 are the 256 byte symbols;
-the rest are merges. It trains in well under a second.
+the rest are merges. It trains in well under a second. With `image_tokens` (runs with data.images), Step-3.7's six
+image tokens (images.ImageTokens: `<im_patch>` first) are added as special tokens right after the merges: a
+vocab_size of 1000 puts `<im_patch>` at 1000, the `tiny-vl` preset's image_token_id.
 
 Both are cached under `cache_dir`, else `$STEP35_CACHE`, else `~/.cache/step35`, and written atomically
 (temp file or folder, then rename) so processes racing on first use never see a half-written file.
@@ -76,17 +78,20 @@ def builtin_corpus_path(cache_dir: str | Path | None = None) -> Path:
     return path
 
 
-def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: str | Path | None = None) -> Path:
+def builtin_tokenizer_dir(
+    vocab_size: int = 1024, cache_dir: str | Path | None = None, image_tokens: bool = False
+) -> Path:
     """A tokenizer folder (tokenizer.json, tokenizer_config.json, special_tokens_map.json) trained on first use.
 
     `vocab_size` is an upper bound: BPE stops early when the corpus has no more pairs to merge.
     Cached by vocab size and a hash of the corpus, so a changed corpus gets a fresh tokenizer.
+    `image_tokens`: Step-3.7's image tokens added after the merges (module docstring).
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"builtin_vocab_size must be at least {MIN_VOCAB_SIZE} (EOS + 256 bytes), got {vocab_size}")
     corpus = builtin_corpus_path(cache_dir)
     corpus_hash = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
-    folder = cache_root(cache_dir) / f"tokenizer-bpe{vocab_size}-{corpus_hash}"
+    folder = cache_root(cache_dir) / f"tokenizer-bpe{vocab_size}{'-images' if image_tokens else ''}-{corpus_hash}"
     if (folder / "tokenizer.json").is_file():
         _add_chat_template(folder)  # folders cached before the template existed get it now
         return folder
@@ -105,6 +110,10 @@ def builtin_tokenizer_dir(vocab_size: int = 1024, cache_dir: str | Path | None =
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    if image_tokens:
+        from step35.data.images import ImageTokens
+
+        tokenizer.add_special_tokens(list(vars(ImageTokens()).values()))
 
     staging = Path(tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=folder.parent))
     try:

@@ -8,8 +8,10 @@ anything else with a ChatTemplateError naming the record, and `check_train_choic
 `thinking` unless the message has one; and, unlike transformers, tool calls' `arguments` given as a JSON string
 parsed first (`_parsed_arguments`).
 
-Image (and video) content parts are no bad record to skip but `ImagesNotSupported`, which stops the run: step35
-trains the language model only (a Step-3.7-Flash folder's vision encoder and projector are carried, not trained).
+Image (and video) content parts are no bad record to skip but `ImagesNotSupported`, which stops the run, in a run
+without `data.images` (its language model alone trains; a Step-3.7-Flash folder's vision encoder and projector are
+carried, not trained). With `data.images`, image parts are replaced by their placeholder runs before these checks
+(image_records.py); a video part still stops the run.
 """
 
 from __future__ import annotations
@@ -112,8 +114,10 @@ def _check_parts(parts: list, at: str, *, allow_empty: bool) -> None:
         if kind in IMAGE_PARTS:
             raise ImagesNotSupported(
                 f"{at}: content part {k} is an image ({kind!r}): training the vision side and images in data is "
-                "not supported yet (step35 trains the language model; a Step-3.7 folder's vision encoder and "
-                "projector are carried unchanged). Leave the records with images out of the data"
+                "not supported yet in a run without data.images (its language model alone trains; a Step-3.7"
+                " folder's vision encoder and projector are carried unchanged): to train on images, set data.images"
+                " and model.vision with a Step-3.7 model (image_records.py; videos are not supported), or leave the"
+                " records with images out of the data"
             )
         if kind != "text":
             raise ChatTemplateError(

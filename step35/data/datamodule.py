@@ -16,6 +16,7 @@ from step35.data.bad_records import COUNT_KINDS, SkippedRecordsLog
 from step35.data.builtin import builtin_corpus_path, builtin_tokenizer_dir
 from step35.data.chat_messages import ChatTemplateError, check_train_choice
 from step35.data.formats import DATA_FORMATS, FORMATS, check_not_mixed, format_of
+from step35.data.image_records import ImageOptions
 from step35.data.packing import document_positions
 from step35.data.readers import TxtMode
 from step35.data.resume import TrainBatches, TrainStreamResume
@@ -115,6 +116,11 @@ class Step35DataModule(pl.LightningDataModule):
             against the window (window_fit.py): where some would be dropped (longer than the window under
             `overlong: drop`, or cut to nothing trained), a warning says how many and the seq_len that holds them
             all; where their share is above this, the run stops, saying so. 1 never stops.
+        images: Train on the images of conversations (a Step-3.7 model with `model.vision`): `{}` for the release's
+            views (728-pixel global view, 504-pixel crops), or image_records.ImageOptions' fields (view_size,
+            crop_size, max_images and max_crops per window). Image parts and `images` fields are read relative to
+            the data file, placed as their placeholder runs, packed with their records, and every batch carries
+            the pixel tensors (image_records.py: the batch contract). None: a record with images stops the run.
         check_agent_rendering: At setup (rank 0), render the first 200 records of each conversation source that
             carry tool calls or reasoning with the chat template, read each assistant turn back as a Step-3.5
             server reads it (reasoning split at `</think>`, tool calls in the step3p5 syntax) and warn, with the
@@ -153,6 +159,7 @@ class Step35DataModule(pl.LightningDataModule):
         check_agent_rendering: bool = False,
         builtin: str | None = None,
         max_dropped_share: float = 0.5,
+        images: ImageOptions | None = None,
     ) -> None:
         super().__init__()
         files = [files] if isinstance(files, str) else files
@@ -166,6 +173,8 @@ class Step35DataModule(pl.LightningDataModule):
         self.save_hyperparameters(ignore=["sources"])
         # Plain dicts in the checkpoint's hyperparameters: loadable without trusting any class.
         self.hparams["sources"] = [dataclasses.asdict(s) for s in specs] if specs is not None else None
+        self.images = ImageOptions.of(images)
+        self.hparams["images"] = dataclasses.asdict(self.images) if self.images is not None else None
         # where the documents come from and what a document is
         self.files, self.weights, self.sources, self.seed = files, weights, specs, seed
         self.hub_dataset, self.hub_name, self.hub_split = hub_dataset, hub_name, hub_split
@@ -209,7 +218,7 @@ class Step35DataModule(pl.LightningDataModule):
         if self.uses_builtin_corpus:
             self.source_specs()  # writes the built-in records it names
         if self.tokenizer_path is None:
-            builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
+            builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir, image_tokens=self.images is not None)
 
     def source_specs(self) -> list[SourceSpec]:
         """The training sources asked for, the short form spelled out as `sources`."""
@@ -231,7 +240,9 @@ class Step35DataModule(pl.LightningDataModule):
         """Resolve the tokenizer and the sources; every way the run cannot work fails here, by name."""
         if self.tokenizer is not None:
             return
-        folder = self.tokenizer_path or builtin_tokenizer_dir(self.builtin_vocab_size, self.cache_dir)
+        folder = self.tokenizer_path or builtin_tokenizer_dir(
+            self.builtin_vocab_size, self.cache_dir, image_tokens=self.images is not None
+        )
         tokenizer = TextTokenizer.from_folder(folder, self.eos_token_id)
 
         val_fraction = self.val_fraction
@@ -281,6 +292,8 @@ class Step35DataModule(pl.LightningDataModule):
             "train_reasoning": self.train_reasoning,
             "overlong": self.overlong,
         }
+        if self.images is not None:
+            options["images"] = self.images
         formats = [format_of(source) for source in sources]
         if not any(f.whole_records for f in formats):
             if self.chat_template_kwargs:
@@ -346,6 +359,17 @@ class Step35DataModule(pl.LightningDataModule):
         """Whether the batches are preference pairs (carry "preference"; after setup). The DPO objective needs
         them; the language-model objective refuses them."""
         return "preference" in self.batch_keys
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The tokenizer's `<im_patch>` id, which the model's image features replace (after setup; None without
+        data.images)."""
+        if self.images is None:
+            return None
+        from step35.data.images import ImageTokens
+
+        tokens = ImageTokens()
+        return tokens.ids(self._ready_tokenizer().tokenizer)[tokens.image]
 
     @property
     def vocab_size(self) -> int:

@@ -54,7 +54,8 @@ class DataFormat:
     `train_on_all_refused`: the error for `data.train_on: all` ("" where it is allowed). `misread`: the error
     for a source of this format stated as another (file or record, the other format's name). `unless`: a record
     with one of these fields, or with the text field, is not of this format (`auto`), for a format whose
-    `fields` other formats' records hold too (`prompt` alone: those records stay what they were before)."""
+    `fields` other formats' records hold too (`prompt` alone: those records stay what they were before).
+    `images`: its records may hold images (data.images; image_records.py): its encoder takes `images=`."""
 
     name: str
     fields: tuple[str, ...] = ()
@@ -69,6 +70,7 @@ class DataFormat:
     train_on_all_refused: str = ""
     misread: Callable[[Any, str], Exception] | None = None
     unless: tuple[str, ...] = ()
+    images: bool = False
 
     @property
     def whole_records(self) -> bool:
@@ -85,9 +87,9 @@ DATA_FORMATS: dict[str, DataFormat] = {
     for f in (
         DataFormat("text"),
         DataFormat("chat", ("messages",), (), partial(SftEncoder, "chat"), PackedConversations,
-                   builtin=builtin_chat_path, needs_template=True),
+                   builtin=builtin_chat_path, needs_template=True, images=True),
         DataFormat("prompt_completion", ("prompt", "completion"), (), partial(SftEncoder, "prompt_completion"),
-                   PackedConversations),
+                   PackedConversations, images=True),
         DataFormat("preference", ("chosen", "rejected"), ("prompt",), PreferenceEncoder, PackedPairs, ("preference",),
                    builtin_preference_path, "dpo", "preference pairs",
                    train_on_all_refused=PreferenceEncoder.TRAIN_ON_ALL_REFUSED, misread=preference_error),

@@ -19,6 +19,10 @@ Three steps, each a function:
    + `<im_end>` for the global view. The image occupies `n_crops*(81+2) + 169+2 + newlines` tokens, the vision
    encoder's features fill the `n_crops*81 + 169` `<im_patch>` positions.
 
+The sizes are the release's by default; `process_image(image, global_size, crop_size)` takes others (a small
+model's views, e.g. the `tiny-vl` preset's 112-pixel global view and 56-pixel crops, as transformers' processor takes
+`size` and `patch_size`), and the feature counts follow from them: one feature per `FEATURE_STRIDE` pixels a side.
+
 Only the global view is square-padded for near-degenerate images (thinner than 32 px and longer than 4:1), with
 black at the bottom and right, as the release does. EXIF orientation is not applied (the release does not).
 """
@@ -120,6 +124,8 @@ class ProcessedImage:
     pixel_values_local: torch.Tensor  # [n_crops, 3, 504, 504] float32: the crops, row by row
     columns: int  # the crops' grid (0 x 0 without crops)
     rows: int
+    global_size: int = GLOBAL_SIZE  # the sides of the global view and of a crop, in pixels
+    crop_size: int = CROP_SIZE
 
     @property
     def n_crops(self) -> int:
@@ -131,14 +137,24 @@ class ProcessedImage:
         return max(self.rows - 1, 0)
 
     @property
+    def global_features(self) -> int:
+        """Vision features of the global view: 169 at the release's 728 pixels."""
+        return (self.global_size // FEATURE_STRIDE) ** 2
+
+    @property
+    def crop_features(self) -> int:
+        """Vision features of one crop: 81 at the release's 504 pixels."""
+        return (self.crop_size // FEATURE_STRIDE) ** 2
+
+    @property
     def image_token_count(self) -> int:
         """`<im_patch>` tokens, one per vision feature: n_crops*81 + 169."""
-        return self.n_crops * CROP_FEATURES + GLOBAL_FEATURES
+        return self.n_crops * self.crop_features + self.global_features
 
     @property
     def placeholder_count(self) -> int:
         """All the tokens of `image_placeholder_text`: n_crops*(81+2) + 169+2 + newlines."""
-        return self.n_crops * (CROP_FEATURES + 2) + GLOBAL_FEATURES + 2 + self.newlines
+        return self.n_crops * (self.crop_features + 2) + self.global_features + 2 + self.newlines
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -255,8 +271,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
 # ---------------------------------------------------------------------------------------------- preprocessing
 
 
-def plan_crops(width: int, height: int) -> CropPlan:
-    """The crops of a `width x height` image: a grid of square windows whose side follows the aspect ratio."""
+def plan_crops(width: int, height: int, global_size: int = GLOBAL_SIZE, crop_size: int = CROP_SIZE) -> CropPlan:
+    """The crops of a `width x height` image: a grid of square windows whose side follows the aspect ratio
+    (`global_size`, `crop_size`: the sides of the global view and of a crop)."""
     square_side = max(width, height) if _is_thin(width, height) else 0
     if square_side:
         width = height = square_side
@@ -265,12 +282,12 @@ def plan_crops(width: int, height: int) -> CropPlan:
         scale = MAX_IMAGE_SIDE / longest
         width, height = int(width * scale), int(height * scale)
     short, long = min(width, height), max(width, height)
-    if long <= GLOBAL_SIZE:  # the global view holds it: crops only for an elongated image, short side square
+    if long <= global_size:  # the global view holds it: crops only for an elongated image, short side square
         window = short if long / short > 1.5 else 0
     elif long / short > 4:
-        window = min(short, CROP_SIZE)
+        window = min(short, crop_size)
     else:
-        window = CROP_SIZE
+        window = crop_size
     if window == 0:
         return CropPlan(square_side, (width, height), (width, height), 0, 0, 0)
     crop_width, crop_height = _snap(width, window), _snap(height, window)
@@ -290,23 +307,24 @@ def _snap(side: int, window: int) -> int:
     return window * (side // window + (side % window > 0.2 * window))
 
 
-def process_image(image: Image.Image) -> ProcessedImage:
-    """The global view and the crops of one image, normalised, as Step-3.7's image processor makes them."""
+def process_image(image: Image.Image, global_size: int = GLOBAL_SIZE, crop_size: int = CROP_SIZE) -> ProcessedImage:
+    """The global view ([1, 3, global_size, global_size]) and the crops ([n, 3, crop_size, crop_size]) of one image,
+    normalised, as Step-3.7's image processor makes them (its `size` and `patch_size`)."""
     pixels = _to_uint8_tensor(to_rgb(image))  # [1, 3, H, W]
     _, _, height, width = pixels.shape
-    plan = plan_crops(width, height)
+    plan = plan_crops(width, height, global_size, crop_size)
     if plan.square_side:  # black at the bottom and right
         pixels = F.pad(pixels, (0, plan.square_side - width, 0, plan.square_side - height))
-    global_view = _resize(_resize(pixels, plan.global_size), (GLOBAL_SIZE, GLOBAL_SIZE))
-    crops = torch.empty(0, 3, CROP_SIZE, CROP_SIZE, dtype=torch.uint8)
+    global_view = _resize(_resize(pixels, plan.global_size), (global_size, global_size))
+    crops = torch.empty(0, 3, crop_size, crop_size, dtype=torch.uint8)
     if plan.window:
         grid = _resize(pixels, plan.crop_size)
         w = plan.window
         cells = [
             grid[0, :, r * w : (r + 1) * w, c * w : (c + 1) * w] for r in range(plan.rows) for c in range(plan.columns)
         ]
-        crops = _resize(torch.stack(cells), (CROP_SIZE, CROP_SIZE))
-    return ProcessedImage(_normalize(global_view), _normalize(crops), plan.columns, plan.rows)
+        crops = _resize(torch.stack(cells), (crop_size, crop_size))
+    return ProcessedImage(_normalize(global_view), _normalize(crops), plan.columns, plan.rows, global_size, crop_size)
 
 
 def _to_uint8_tensor(image: Image.Image) -> torch.Tensor:
@@ -336,6 +354,7 @@ def image_placeholder_text(processed: ProcessedImage, tokens: ImageTokens = Imag
     """The text that stands for one image in the sequence (Step-3.7's expansion of its `<im_patch>`): the crops
     row by row, each between `patch_start` and `patch_end` with a `patch_newline` closing every row but the last,
     then the global view between `image_start` and `image_end`. Tokenized, it is `placeholder_count` tokens."""
-    crop = tokens.patch_start + tokens.image * CROP_FEATURES + tokens.patch_end
+    crop = tokens.patch_start + tokens.image * processed.crop_features + tokens.patch_end
     rows = [crop * processed.columns for _ in range(processed.rows)]
-    return tokens.patch_newline.join(rows) + tokens.image_start + tokens.image * GLOBAL_FEATURES + tokens.image_end
+    whole = tokens.image_start + tokens.image * processed.global_features + tokens.image_end
+    return tokens.patch_newline.join(rows) + whole

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from step35.data.bad_records import BadRecords, OverlongRecords
+from step35.data.image_records import fits_window, window_image_tensors
 from step35.data.readers import BadRecord
 from step35.data.resume import DataChangedError, DataChangedWarning
 from step35.data.sft import Example
@@ -158,6 +159,11 @@ class PackedConversations(PackedSource):
     State: after each window, `cursor` names the example the next window starts with (an example that did not
     fit is read again on resume), so the state is the same few integers as for text (`piece`, `skip` stay 0),
     plus the truncated and dropped counts. A finite stream (`endless=False`) pads its last window and sets `done`.
+
+    Images (the encoder's `images`, data.images): an example's images travel with it, and an example whose images
+    do not fit the rest of the window's image slots starts the next window too. A cut keeps the images whose
+    placeholder runs lie wholly before it, cutting before a run it would split. Each window then also carries its
+    images' tensors (image_records.IMAGE_KEYS, `window_image_tensors`).
     """
 
     def __init__(self, source: Any, encoder: Any, window: int, shard: int, num_shards: int, endless: bool,
@@ -166,6 +172,7 @@ class PackedConversations(PackedSource):
         self.encoder = encoder
         self.overlong_mode = overlong
         self.overlong = OverlongRecords(source.name, state.get("truncated", 0), state.get("dropped", 0), self.kind)
+        self.images = getattr(encoder, "images", None)  # image_records.ImageOptions, or None: no images
 
     kind = "conversation"  # what an item is called in the reports
     cut_fails = "truncated, nothing trained would be left"  # why a cut item is dropped
@@ -174,13 +181,30 @@ class PackedConversations(PackedSource):
         return len(example.ids)
 
     def _cut(self, example: Example) -> Example | None:
-        """The example truncated to the window, or None when nothing trained would be left."""
-        if not any(example.trained[1 : self.window]):
+        """The example truncated to the window (before an image's run the window would split), or None when
+        nothing trained would be left."""
+        end = self.window
+        runs = [(start, start + image.placeholder_count) for start, image in zip(example.image_starts, example.images)]
+        end = next((start for start, stop in runs if stop > end), end)
+        if not any(example.trained[1:end]):
             return None
-        return Example(example.ids[: self.window], example.trained[: self.window], example.where)
+        kept = sum(stop <= end for _, stop in runs)
+        return Example(
+            example.ids[:end], example.trained[:end], example.where,
+            images=example.images[:kept], image_starts=example.image_starts[:kept],
+        )  # fmt: skip
 
-    def _window_of(self, examples: list[Example]) -> tuple[list[int], ...]:
-        return conversation_window([(e.ids, e.trained) for e in examples], self.window, self.tokenizer.eos_token_id)
+    def _room(self, items: list[Any], item: Any) -> bool:
+        """Whether a window holding `items` has image slots for `item`'s images (always, without images)."""
+        if self.images is None:
+            return True
+        return fits_window([image for e in items for image in e.images], list(item.images), self.images)
+
+    def _window_of(self, examples: list[Example]) -> tuple[Any, ...]:
+        window = conversation_window([(e.ids, e.trained) for e in examples], self.window, self.tokenizer.eos_token_id)
+        if self.images is None:
+            return window
+        return (*window, *window_image_tensors([image for e in examples for image in e.images], self.images))
 
     def windows(self) -> Iterator[tuple[list[int], ...]]:  # type: ignore[override]
         if self.state["done"]:
@@ -210,7 +234,7 @@ class PackedConversations(PackedSource):
                     current, used = [], 0
                 self.overlong.truncate(item.where, item.size, self.window)
                 item, length = cut, self._length(cut)
-            elif used + length > self.window:
+            elif used + length > self.window or not self._room(current, item):
                 yield self._emit(current, start)
                 current, used = [], 0
             placed = start.epoch

@@ -12,6 +12,10 @@ Preference pairs (`chosen` and `rejected`, preference.py) are encoded with `text
 preference file stated as `chat` or `prompt_completion` is refused (`preference_error`).
 
 An encoded record is an `Example`; `PackedConversations` (packing.py) packs whole examples into windows.
+
+Images (Step-3.7 runs, `data.images`: an `ImageOptions`): a conversation's images are read and placed as their
+placeholder runs (image_records.py); the Example carries them and where each run starts, and its image tokens are
+never trained. Without `data.images`, a record with images stops the run (chat_messages.ImagesNotSupported).
 """
 
 from dataclasses import dataclass
@@ -19,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from step35.data.chat_messages import ChatTemplateError, ImagesNotSupported, check_messages, check_train_choice
+from step35.data.image_records import ImageOptions, image_runs, record_images, untrain_image_tokens
+from step35.data.images import ImageTokens
 from step35.data.readers import BadRecord, MissingField, Record
 from step35.data.tokenizer import PIECE_CHARS, TextTokenizer, cut_after
 
@@ -37,6 +43,8 @@ class Example:
     where: str
     total: int | None = None  # the record's tokens when more than `ids` holds (None: not all counted)
     complete: bool = True  # False: the record has more tokens than `ids` (encoded only as far as a window needs)
+    images: tuple = ()  # images.ProcessedImage of the images whose placeholder runs lie within `ids`, in order
+    image_starts: tuple[int, ...] = ()  # where each one's run starts in `ids`
 
     @property
     def size(self) -> str:
@@ -97,7 +105,9 @@ class SftEncoder:
     `window`: the packer's window. A record longer than it is encoded only as far as one token past it (an
     `Example` with `complete` false): the packer then truncates it to the window or drops it, and either needs
     no more, so a record's time and memory are bounded by the window, not by its length (a 20 MB assistant
-    message took 5.1 GB and 31 s encoded whole; see `ChatTemplate.encode_prefix`)."""
+    message took 5.1 GB and 31 s encoded whole; see `ChatTemplate.encode_prefix`).
+
+    `images`: the run's `data.images` (image_records.ImageOptions); None: a record with images stops the run."""
 
     def __init__(
         self,
@@ -108,6 +118,7 @@ class SftEncoder:
         template_missing: str = "",
         train_reasoning: bool = True,
         window: int | None = None,
+        images: ImageOptions | None = None,
     ) -> None:
         if format not in ("chat", "prompt_completion"):
             raise ValueError(f"SftEncoder encodes chat or prompt_completion records, not {format!r}")
@@ -119,6 +130,9 @@ class SftEncoder:
         self.template_missing = template_missing
         self.train_reasoning = train_reasoning
         self.limit = None if window is None else window + 1  # tokens an example needs to show it is overlong
+        self.images = images
+        # the tokenizer's image token ids ({token: id}); a tokenizer without them is refused here, at setup
+        self.image_ids = ImageTokens().ids(tokenizer.tokenizer) if images is not None else {}
 
     def __call__(self, record: Record) -> Example | None:
         value = record.value()
@@ -127,15 +141,18 @@ class SftEncoder:
         where = record.where()
         if "messages" not in value and "completion" not in value and set(PREFERENCE_FIELDS) <= set(value):
             raise preference_error(where, self.format)  # not a bad record: the source is of another format
+        self._check_images_field(value, where)
         if self.format == "chat":
             if "messages" not in value:
                 raise MissingField("messages", sorted(value), what="field")
-            return self._conversation(value["messages"], value.get("tools"), where)
+            return self._conversation(value["messages"], value.get("tools"), where, self._images_of(record, value))
         if "prompt" not in value or "completion" not in value:
             raise MissingField("prompt" if "prompt" not in value else "completion", sorted(value), what="field")
         prompt, completion = value["prompt"], value["completion"]
         if isinstance(prompt, list) and isinstance(completion, list):
-            return self._conversation(prompt + completion, value.get("tools"), where)
+            return self._conversation(prompt + completion, value.get("tools"), where, self._images_of(record, value))
+        if value.get("images"):
+            raise BadRecord("'images' with a string prompt and completion: give the conversation as messages")
         for name, part in (("prompt", prompt), ("completion", completion)):
             if not isinstance(part, str):
                 raise BadRecord(
@@ -143,11 +160,31 @@ class SftEncoder:
                 )
         return text_pair(self.tokenizer, prompt, completion, self.limit, where, train_prompt=self.train_on == "all")
 
-    def _conversation(self, messages: Any, tools: Any, where: str) -> Example:
+    def _check_images_field(self, value: dict, where: str) -> None:
+        """Without data.images, an `images` field listing images stops the run, as image parts do."""
+        if self.images is None and value.get("images"):
+            raise ImagesNotSupported(
+                f"{where}: the record lists 'images', and this run trains no vision side: set data.images for a"
+                " Step-3.7 model (model.vision), or leave the records with images out of the data"
+            )
+
+    def _images_of(self, record: Record, value: dict) -> Any:
+        """A function of the messages giving (messages with their images placed, the images), or None without
+        data.images. Paths resolve relative to the folder of the record's file."""
+        if self.images is None:
+            return None
+        base_dir = Path(getattr(getattr(record, "reader", None), "path", ".")).parent
+        return lambda messages: record_images(value, messages, base_dir, self.images)
+
+    def _conversation(self, messages: Any, tools: Any, where: str, place_images: Any = None) -> Example:
         """The record's conversation through the template. A bad conversation (no messages, an unknown role,
         no assistant turn, ...) and a template that fails to render it (the Jinja error) are bad records:
-        skipped and counted, or refused when strict; the report names the record. Images stop the run, naming
-        the record too (chat_messages.ImagesNotSupported)."""
+        skipped and counted, or refused when strict; the report names the record. Without data.images, images
+        stop the run, naming the record too (chat_messages.ImagesNotSupported); with it (`place_images`), they
+        are placed as their placeholder runs, which are found again in the tokens and not trained."""
+        images: list = []
+        if place_images is not None:
+            messages, images = place_images(messages)
         try:
             if self.template is None:
                 check_messages(messages)  # a bad record is still only skipped; a good one cannot be rendered
@@ -161,7 +198,12 @@ class SftEncoder:
             raise BadRecord(str(error)) from None
         except ImagesNotSupported as error:  # checked without `where` (bad records get it from their report)
             raise ImagesNotSupported(f"{where}: {error}") from None
-        return Example(list(ids), [bool(t) for t in trained], where, total, complete=total == len(ids))
+        ids, trained, complete = list(ids), [bool(t) for t in trained], total == len(ids)
+        if place_images is None:
+            return Example(ids, trained, where, total, complete=complete)
+        starts = image_runs(ids, images, self.image_ids, complete)
+        trained = untrain_image_tokens(ids, trained, self.image_ids)
+        return Example(ids, trained, where, total, complete, tuple(images[: len(starts)]), starts)
 
 
 def resolve_template(tokenizer_folder: Path, chat_template: str | None) -> tuple[Any, str]:

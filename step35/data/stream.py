@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from step35.data.formats import check_not_mixed, format_of
+from step35.data.image_records import IMAGE_KEYS, ImageOptions, window_image_tensors
 from step35.data.packing import PackedSource, fresh_packing_state, text_window_targets
 from step35.data.resume import STATE_FORMAT, check_stream_state
 from step35.data.sft import OVERLONG
@@ -28,6 +29,10 @@ class TokenWindows(IterableDataset):
     positions restarting after each EOS). A format's packer may add tensors (its `batch_keys`: "preference"
     [seq_len] for preference pairs, the DPO batch contract); such sources cannot be mixed with sources whose
     batches are for another objective (`formats.check_not_mixed`).
+
+    Images (`images`, data.images: an image_records.ImageOptions): conversations' images are read, placed and
+    packed with their records, and every window, text windows included, also has the image tensors of
+    image_records.IMAGE_KEYS (fixed shapes; `num_images` 0 where it holds none), so that any windows collate.
 
     Sharding: the stream is split into `world_size * num_workers` shards, shard `rank * num_workers + worker`;
     documents go round-robin to shards, or whole files of a hub stream that has enough (see sources.py), so
@@ -68,6 +73,7 @@ class TokenWindows(IterableDataset):
         overlong: str = "truncate",
         template_missing: str = "",
         train_reasoning: bool = True,
+        images: ImageOptions | None = None,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
@@ -91,10 +97,17 @@ class TokenWindows(IterableDataset):
         check_not_mixed(self.sources)
         self.formats = [format_of(source) for source in self.sources]
         options = (template, train_on, template_missing, train_reasoning)
+        self.images = ImageOptions.of(images)
+        if self.images is not None:
+            refused = sorted({f.name for f in self.formats if f.encoder is not None and not f.images})
+            if refused:
+                raise ValueError(f"data.images: {refused} records cannot hold images; train them in a run without it")
+        with_images = {"images": self.images} if self.images is not None else {}
         self.encoders = [
-            None if f.encoder is None else f.encoder(tokenizer, *options, window=seq_len + 1) for f in self.formats
+            None if f.encoder is None else f.encoder(tokenizer, *options, window=seq_len + 1, **with_images)
+            for f in self.formats
         ]
-        self.labelled = any(encoder is not None for encoder in self.encoders)
+        self.labelled = any(encoder is not None for encoder in self.encoders) or self.images is not None
         self._state = {
             "format": STATE_FORMAT,
             "windows": 0,
@@ -138,7 +151,7 @@ class TokenWindows(IterableDataset):
 
     def _batch_item(self, window: Any, batch_keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
         if isinstance(window, tuple):  # a window of records: (tokens, labels, positions, *its format's tensors)
-            keys = ("input_ids", "labels", "position_ids", *batch_keys)
+            keys = ("input_ids", "labels", "position_ids", *batch_keys, *(IMAGE_KEYS if self.images else ()))
             return {  # int64 from lists and numbers; a packer's own tensor (its dtype: prompt bytes) as it is
                 key: values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
                 for key, values in zip(keys, window, strict=True)
@@ -146,11 +159,14 @@ class TokenWindows(IterableDataset):
         if not self.labelled:
             return {"input_ids": torch.tensor(window, dtype=torch.long)}
         labels, positions = text_window_targets(window, self.tokenizer.eos_token_id)
-        return {
+        item = {
             "input_ids": torch.tensor(window, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
             "position_ids": torch.tensor(positions, dtype=torch.long),
         }
+        if self.images is not None:  # a text window of a run with images: no image, the same tensors
+            item.update(zip(IMAGE_KEYS, window_image_tensors([], self.images)))
+        return item
 
     def _pick(self, shard: int, index: int, alive: list[int]) -> int:
         digest = hashlib.blake2b(f"{self.seed}:{shard}:{index}".encode(), digest_size=8).digest()

@@ -39,6 +39,7 @@ from step35.training.optimizer import OptimizerOptions, apply_resumed_settings, 
 from step35.training.options import check_rules
 from step35.training.reference import FROZEN_COPY, build_reference_copy
 from step35.training.setup import TrainedModel, model_config_of, training_model
+from step35.training.vision import VisionOptions, check_image_data, vision_config_of
 
 
 def _ignore(*args) -> None:
@@ -99,6 +100,10 @@ class Step35LightningModule(pl.LightningModule):
         rl: online RL options of `model.objective: grpo` (training/grpo.py GrpoOptions): reward_funcs,
             num_generations, temperature, max_new_tokens, loss_type, routing_replay, ...; e.g.
             `--model.rl.num_generations 8`.
+        vision: Step-3.7's vision side (training/vision.py): `{}` or `{train: false}` builds the vision encoder and
+            projector beside the language model, loaded from the checkpoint (or initialised), frozen; `{train:
+            true}` trains them. Needed for `data.images`. None (default): the language model alone (a Step-3.7
+            folder's vision tensors are carried to the export unchanged).
     """
 
     def __init__(
@@ -126,11 +131,14 @@ class Step35LightningModule(pl.LightningModule):
         dpo: dict[str, Any] | None = None,
         objective_options: dict[str, Any] | None = None,
         rl: dict[str, Any] | None = None,
+        vision: VisionOptions | None = None,
     ):
         super().__init__()
         lora_config = LoraConfig.of(lora)
         # Saved as a plain dict: checkpoints are read with weights_only=True, which refuses dataclasses.
         lora = asdict(lora_config) if lora_config is not None else None
+        self.vision_options = VisionOptions.of(vision)
+        vision = self.vision_options.as_dict() if self.vision_options is not None else None
         self.save_hyperparameters()
         self.model: Step35ForCausalLM | None = None
         self.optimization = OptimizerOptions.of(dict(self.hparams))  # checked: model.lr=-1 is refused here
@@ -162,7 +170,15 @@ class Step35LightningModule(pl.LightningModule):
             raise ValueError(
                 f"model.moe_bias_update_rate={rate} needs a router bias, but the model config has use_moe_router_bias=false"
             )
-        self.trained = TrainedModel(self.model_config, num_mtp_layers, mtp_loss_weight, lora)
+        options = self.vision_options
+        if options is not None and options.train and lora is not None:
+            raise ValueError(
+                "model.vision.train: true with model.lora: under LoRA the vision side trains through adapters; name"
+                " 'vision' and/or 'vision_projector' in model.lora.targets and leave model.vision.train false"
+            )
+        vision = vision_config_of(options, config, checkpoint)
+        train_vision = options is not None and options.train
+        self.trained = TrainedModel(self.model_config, num_mtp_layers, mtp_loss_weight, lora, vision, train_vision)
         self.trained.check(checkpoint)  # the shape against the folder's tensors, a LoRA rank: now, not at setup
         self.lora = lora
         if self.lora is not None:
@@ -193,6 +209,7 @@ class Step35LightningModule(pl.LightningModule):
             )
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
+        check_image_data(datamodule, self.trained.vision)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if getattr(tokenizer, "path", None) is not None:  # refused here (a link out), not at the first save
             run_tokenizer.folder_files(tokenizer.path)

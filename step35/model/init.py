@@ -19,13 +19,21 @@ INITIALIZER_RANGE = 0.02
 _BLOCK_ELEMENTS = 1 << 20  # about one million values per generator call
 
 
+VISION_PREFIXES = ("vision_model.", "vit_large_projector.")  # Step-3.7's encoder and projector (model/vision.py)
+
+
 def init_kind(name: str) -> str:
-    """'zeros' | 'norm' | 'normal' | 'normal_out' (output projections, scaled by depth) | 'lora_A'
-    (LoRA down-projections: uniform in +-1/sqrt(in), kaiming-uniform-like; LoRA's B starts at zero)."""
+    """'zeros' | 'norm' | 'ones' | 'normal' | 'normal_out' (output projections, scaled by depth) | 'lora_A'
+    (LoRA down-projections: uniform in +-1/sqrt(in), kaiming-uniform-like; LoRA's B starts at zero).
+    The vision side: LayerNorm weights and LayerScale gammas 1 (plain pre-LN blocks at the start), biases 0."""
     if name.endswith("lora_A"):
         return "lora_A"
     if name.endswith(("router_bias", "lora_B")):
         return "zeros"
+    if name.startswith(VISION_PREFIXES):
+        if name.endswith("bias"):  # also attn.in_proj_bias
+            return "zeros"
+        return "ones" if name.endswith(("ln_pre.weight", "ln_1.weight", "ln_2.weight", "gamma")) else "normal"
     if name.endswith("norm.weight"):
         return "norm"
     if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -52,7 +60,7 @@ def init_tensor(
     kind = init_kind(name)
     if kind == "zeros" or (kind == "norm" and config.zero_centered):
         return torch.zeros(out_shape, dtype=dtype)
-    if kind == "norm":
+    if kind in ("norm", "ones"):
         return torch.ones(out_shape, dtype=dtype)
     std = INITIALIZER_RANGE
     if kind == "normal_out":

@@ -11,6 +11,10 @@ a LoRA model in place, before it is sharded or filled:
   the full targets "router", "lm_head" and "embed", which are trained in full (fp32). Norms are
   always frozen. Adapters are fp32.
 
+Step-3.7's vision side (a Step35VLForConditionalGeneration, model/vision.py) has two targets of its own: "vision"
+(each encoder block's linears: attn.out_proj, mlp.c_fc, mlp.c_proj; their biases stay frozen; the fused
+attn.in_proj_weight is a plain parameter, not adapted) and "vision_projector" (vit_large_projector).
+
 Adapter names end in `lora_A` / `lora_B`; the deterministic init (model/init.py) draws A
 kaiming-uniform-like (bound 1 / sqrt(in)) and sets B to zero, so a fresh LoRA model computes
 exactly what its base does.
@@ -31,7 +35,8 @@ from torch import nn
 from step35.config import Step35Config
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "g_proj")
-ADAPTER_TARGETS = ATTENTION_TARGETS + ("attention", "mlp", "shared_expert", "experts", "mtp")
+VISION_TARGETS = ("vision", "vision_projector")  # a vision-language model's encoder linears and projector
+ADAPTER_TARGETS = ATTENTION_TARGETS + ("attention", "mlp", "shared_expert", "experts", "mtp") + VISION_TARGETS
 FULL_TARGETS = ("router", "lm_head", "embed")
 VALID_TARGETS = ADAPTER_TARGETS + FULL_TARGETS
 DEFAULT_TARGETS = ["attention", "mlp", "shared_expert", "experts"]
@@ -54,7 +59,8 @@ class LoraConfig:
         targets: where adapters go: "q_proj", "k_proj", "v_proj", "o_proj", "g_proj" (the per-head
             gate), "attention" (those five), "mlp" (dense layers' gate/up/down), "shared_expert",
             "experts" (routed experts, one pair per expert), "mtp" (the same targets inside the MTP
-            layers, plus their eh_proj); "router", "lm_head", "embed" are trained in full when named.
+            layers, plus their eh_proj); "router", "lm_head", "embed" are trained in full when named;
+            a Step-3.7 model with model.vision: "vision" (the encoder's linears), "vision_projector".
         expert_rank: rank of the routed-expert adapters. Default max(1, rank // moe_top_k): each
             token passes through top-k experts, so its expert update has about rank dims in all.
         base_dtype: dtype the frozen base is stored and computed in ("bfloat16", "float16",
@@ -165,7 +171,8 @@ def lora_delta(
 
 
 class LoraLinear(nn.Linear):
-    """nn.Linear with a low-rank adapter: weight [out, in] (frozen), lora_A [r, in], lora_B [out, r]."""
+    """nn.Linear with a low-rank adapter: weight [out, in] (frozen), lora_A [r, in], lora_B [out, r]; the
+    layer's bias (the vision encoder's linears have one), frozen, or None."""
 
     lora_rank: int
     lora_scale: float
@@ -174,8 +181,8 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_off:
-            return F.linear(x, self.weight)
-        return F.linear(x, self.weight) + self.delta(x)
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) + self.delta(x)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution alone for input x [..., in] -> [..., out]."""
@@ -193,15 +200,15 @@ def _check_rank(name: str, rank: int, in_features: int, out_features: int, field
 
 def _adapt_linear(parent: nn.Module, child: str, name: str, rank: int, scale: float, dropout: float) -> None:
     linear = getattr(parent, child)
-    if type(linear) is not nn.Linear or linear.bias is not None:
-        raise LoraError(f"{name}: LoRA adapts bias-free nn.Linear layers, got {type(linear).__name__}")
+    if type(linear) is not nn.Linear:
+        raise LoraError(f"{name}: LoRA adapts nn.Linear layers, got {type(linear).__name__}")
     _check_rank(name, rank, linear.in_features, linear.out_features, "rank")
     device = linear.weight.device
     adapted = LoraLinear.__new__(LoraLinear)
     nn.Module.__init__(adapted)
     adapted.in_features, adapted.out_features = linear.in_features, linear.out_features
     adapted.weight = linear.weight  # the same parameter object: names and tying stay
-    adapted.register_parameter("bias", None)
+    adapted.register_parameter("bias", linear.bias)  # the same parameter object too, or None
     adapted.lora_A = nn.Parameter(torch.zeros(rank, linear.in_features, device=device, dtype=torch.float32))
     adapted.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, device=device, dtype=torch.float32))
     adapted.lora_rank, adapted.lora_scale, adapted.lora_dropout = rank, scale, dropout
@@ -244,7 +251,29 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     for i, layer in enumerate(model.model.layers):
         if not layer.spec.is_mtp or "mtp" in targets:
             _adapt_layer(layer, f"model.layers.{i}", lora, config, targets)
+    _adapt_vision(model, lora, targets)
     _freeze_base(model, targets, lora.resolved_base_dtype(config))
+
+
+def _adapt_vision(model: nn.Module, lora: LoraConfig, targets: set[str]) -> None:
+    """The vision targets of a vision-language model; LoraError naming them for a model without a vision side."""
+    named = sorted(targets & set(VISION_TARGETS))
+    if not named:
+        return
+    if getattr(model, "vision_model", None) is None:
+        raise LoraError(
+            f"model.lora.targets names {named} but the model has no vision side: set model.vision with a Step-3.7"
+            " model, or drop them"
+        )
+    scale = lora.scale_alpha / lora.rank
+    if "vision_projector" in targets:
+        _adapt_linear(model, "vit_large_projector", "vit_large_projector", lora.rank, scale, lora.dropout)
+    if "vision" in targets:
+        for i, block in enumerate(model.vision_model.transformer.resblocks):
+            prefix = f"vision_model.transformer.resblocks.{i}"
+            for parent, child, sub in ((block.attn, "out_proj", "attn"), (block.mlp, "c_fc", "mlp"),
+                                       (block.mlp, "c_proj", "mlp")):  # fmt: skip
+                _adapt_linear(parent, child, f"{prefix}.{sub}.{child}", lora.rank, scale, lora.dropout)
 
 
 def check_sizes(

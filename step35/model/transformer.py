@@ -291,6 +291,7 @@ class Step35ForCausalLM(nn.Module):
         moe_aux_loss_coef: float = 0.0,
         loss_chunk_size: int = 1024,
         position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> LossOutput:
         """input_ids [B, S], labels [B, S] (-100 = no loss) -> LossOutput; the [B, S, V] logits never
         exist at once (chunked_cross_entropy holds `loss_chunk_size` rows of them).
@@ -301,6 +302,9 @@ class Step35ForCausalLM(nn.Module):
         averaged over the MoE layers (moe.sequence_balance_loss), each sequence's weighted by its share
         of trained labels (1 without masked labels); 0 does not compute it. position_ids:
         as in `forward`. Besides the means, the output holds the sums and counts behind them.
+        inputs_embeds [B, S, H]: the whole rows' input embeddings to start from instead of input_ids' (a
+        vision-language model's, image features spliced in; under context parallelism each rank takes its share);
+        the MTP layers still embed the tokens they read.
 
         Under context parallelism (`context_parallel` set) every rank of a cp group passes the same
         whole rows; each computes its share and the returned losses and count are those of the
@@ -328,8 +332,9 @@ class Step35ForCausalLM(nn.Module):
             trained = (labels != IGNORE_INDEX).sum(1)  # [B]
             router_aux = RouterAuxLosses(trained / trained.new_full((), max(labels.shape[1], 1)))
         h, rope, documents = self._trunk(
-            take(input_ids), None if position_ids is None else take(position_ids), router_aux, shard
-        )
+            take(input_ids), None if position_ids is None else take(position_ids), router_aux, shard,
+            inputs_embeds=None if inputs_embeds is None else take(inputs_embeds),
+        )  # fmt: skip
         total, count = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, take(labels), loss_chunk_size)
         total, count = parts(total), parts(count)
         lm_loss = total / count.clamp(min=1)
@@ -470,18 +475,22 @@ class Step35ForCausalLM(nn.Module):
         router_aux: RouterAuxLosses | None = None,
         shard: SequenceShard | None = None,
         routing: RouteReplay | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict, Documents | None]:
         """The main layers: (residual stream before the final norm [B, S, H], RoPE tables, document mask).
         shard: this rank's share under context parallelism (input_ids and position_ids are then the
-        local tokens; RoPE takes their global positions, attention the shard's exchanges)."""
+        local tokens; RoPE takes their global positions, attention the shard's exchanges). inputs_embeds:
+        the (local) input embeddings, instead of input_ids' (Step35Model.forward)."""
+        extra = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {}
         if shard is not None:
             rope = self.model.rotary_tables(
                 input_ids.shape[1], input_ids.device, shard.positions if position_ids is None else position_ids
             )
-            return self.model(input_ids, rope, router_aux=router_aux, documents=shard, routing=routing), rope, shard
+            h = self.model(input_ids, rope, router_aux=router_aux, documents=shard, routing=routing, **extra)
+            return h, rope, shard
         documents = DocumentMask(position_ids) if position_ids is not None else None
         rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
-        h = self.model(input_ids, rope, router_aux=router_aux, documents=documents, routing=routing)
+        h = self.model(input_ids, rope, router_aux=router_aux, documents=documents, routing=routing, **extra)
         return h, rope, documents
 
     def _mtp_losses(

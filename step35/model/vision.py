@@ -25,6 +25,10 @@ is zeroed again before the second). A batch without images runs the same modules
 Step35VLForConditionalGeneration is Step35ForCausalLM (its names, `model.*` and `lm_head.*`, unchanged) with
 the encoder and projector beside it: the features replace the image placeholder tokens' embeddings, in order
 (each image's crops, then its global view: transformers' Step3p7 order), and the language model runs on those.
+`loss` does the same for training: the features are spliced into the whole rows' embeddings, before the language
+model's loss splits the rows for context parallelism (each cp rank encodes the same images and takes its share).
+`images_of_batch` turns the data's fixed-shape image tensors (step35/data/image_records.py, the batch contract:
+zero-padded slots per sample, with counts) into the views and crop counts `image_features` takes.
 """
 
 from __future__ import annotations
@@ -318,6 +322,28 @@ def in_placeholder_order(
     return torch.cat(pieces) if pieces else global_features.reshape(0, global_features.shape[-1])
 
 
+def images_of_batch(
+    pixel_values: torch.Tensor,
+    pixel_values_local: torch.Tensor,
+    num_local_patches: torch.Tensor,
+    num_images: torch.Tensor,
+) -> dict:
+    """The batch contract's padded tensors (pixel_values [B, I, 3, H, W], pixel_values_local [B, K, 3, h, w],
+    num_local_patches [B, I], num_images [B]: slots past a sample's count are padding) -> image_features' inputs:
+    the samples' global views [G, 3, H, W] and crops [C, 3, h, w] in order, and the crops of each image (G of them).
+    One host sync (the counts)."""
+    counts, crops = num_images.tolist(), num_local_patches.tolist()
+    if len(counts) != pixel_values.shape[0] or any(n > pixel_values.shape[1] for n in counts):
+        raise ValueError(f"images_of_batch: num_images {counts} for pixel_values of shape {tuple(pixel_values.shape)}")
+    per_image = [c for row, n in zip(crops, counts) for c in row[:n]]
+    local = [pixel_values_local[b, : sum(row[:n])] for b, (row, n) in enumerate(zip(crops, counts))]
+    return {
+        "pixel_values": torch.cat([pixel_values[b, :n] for b, n in enumerate(counts)]),
+        "pixel_values_local": torch.cat(local),
+        "num_local_patches": per_image,
+    }
+
+
 # --------------------------------------------------------------------------------------------- the VLM
 class Step35VLForConditionalGeneration(Step35ForCausalLM):
     """Step35ForCausalLM (`model.*`, `lm_head.*`) with Step-3.7's encoder (`vision_model.*`) and projector
@@ -368,3 +394,13 @@ class Step35VLForConditionalGeneration(Step35ForCausalLM):
         rope = self.model.rotary_tables(input_ids.shape[1], input_ids.device, position_ids)
         h = self.model(input_ids, rope, documents=documents, inputs_embeds=embeds)
         return self.lm_head(self.model.norm(h))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *, images: dict | None = None, **options):
+        """Step35ForCausalLM.loss with the images' features spliced into the embeddings of the whole rows first.
+        images: image_features' keyword arguments (pixel_values, pixel_values_local, num_local_patches; e.g.
+        images_of_batch of a batch); None: no image, yet the encoder and the projector still run once, on no
+        view, so that every rank calls every vision module once per micro-batch (FSDP)."""
+        features = self.image_features(**(images or {"pixel_values": None}))
+        embeds = self.model.embed_tokens(input_ids)
+        embeds = splice_image_features(embeds, input_ids, self.vision_config.image_token_id, features)
+        return super().loss(input_ids, labels, inputs_embeds=embeds, **options)

@@ -95,6 +95,7 @@ def apply_fsdp(
                 experts[0].set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         units.append(layer)
+    units += _shard_vision(model, dense_mesh, reshard_after_forward, mp)
     # Root: embedding, final norm, lm_head. Not resharded after forward: backward needs them at once.
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
     if lora:
@@ -107,6 +108,21 @@ def apply_fsdp(
     register_fsdp_forward_method(model, "token_logprobs")  # online RL's (training/grpo.py)
     register_fsdp_forward_method(model, "step")  # its rollouts: decoding under the sharding
     register_fsdp_forward_method(model, "draft_logits")  # EvalCallback's MTP acceptance
+
+
+def _shard_vision(model: nn.Module, mesh, reshard_after_forward: bool, mp) -> list[nn.Module]:
+    """Step-3.7's vision encoder (model/vision.py), when the model has one: each block a unit, then the encoder's
+    other parameters (patch embedding, positions, downsamplers); the projector stays with the root. Each is
+    called once per forward on every rank, with or without images (an empty batch of views)."""
+    from torch.distributed.fsdp import fully_shard
+
+    encoder = getattr(model, "vision_model", None)
+    if encoder is None:
+        return []
+    units = list(encoder.transformer.resblocks) + [encoder]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return units
 
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:

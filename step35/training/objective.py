@@ -38,6 +38,7 @@ import torch
 from step35.model import LossOutput, Step35ForCausalLM
 from step35.model.lora import LoraConfig
 from step35.training.options import check_rules
+from step35.training.vision import image_inputs
 
 # model.objective's short names: the built-in objectives, by class path (imported when named).
 OBJECTIVES = {
@@ -277,8 +278,9 @@ class LanguageModelObjective(Objective):
 
     def forward(self, model: Step35ForCausalLM, batch: dict, training: bool) -> tuple[LossOutput, torch.Tensor]:
         """(LossOutput, labels [B, S]) of a batch: input_ids [B, S + 1], optional labels [B, S] and
-        position_ids [B, S] (data.document_masking). MTP and the aux loss only in training. A batch of
-        another objective's records (e.g. `preference` pairs) is refused (check_records)."""
+        position_ids [B, S] (data.document_masking), and the image tensors of data.images (training/vision.py
+        image_inputs: a vision-language model's loss encodes them first). MTP and the aux loss only in training.
+        A batch of another objective's records (e.g. `preference` pairs) is refused (check_records)."""
         self.check_records(batch)
         labels = labels_of(batch)
         return model.loss(
@@ -288,6 +290,7 @@ class LanguageModelObjective(Objective):
             moe_aux_loss_coef=self.moe_aux_loss_coef if training else 0.0,
             loss_chunk_size=self.loss_chunk_size,
             position_ids=batch.get("position_ids"),
+            **image_inputs(batch),
         ), labels
 
     def micro_batch(self, model: Step35ForCausalLM, batch: dict, training: bool = True) -> MicroBatch:

@@ -1,8 +1,9 @@
 """The one training setup: the model `step35 fit` trains and `step35 plan` counts, made the same way.
 
-build (meta device) -> LoRA adapters (model.lora; the base frozen in its dtype) -> sharded (FSDP2 + EP,
-when a strategy shards) -> frozen (MTP layers whose loss is not trained) -> for fit, filled on the device
-from an HF checkpoint or the deterministic init. The plan stops before the fill and reads the local
+build (meta device; with `vision`, the vision-language model: training/vision.py) -> LoRA adapters (model.lora;
+the base frozen in its dtype) -> sharded (FSDP2 + EP, when a strategy shards) -> frozen (MTP layers whose loss is
+not trained, the vision side unless model.vision.train) -> for fit, filled on the device from an HF checkpoint or
+the deterministic init. The plan stops before the fill and reads the local
 shards of exactly that model.
 """
 
@@ -19,9 +20,10 @@ from torch import nn
 from step35.checkpoint.hf.folder import check_config_fits
 from step35.checkpoint.hf.materialize import materialize
 from step35.checkpoint.hf.peft import check_not_adapter_folder
-from step35.config import ConfigError, Step35Config, load_config
+from step35.config import ConfigError, Step35Config, VisionConfig, load_config
 from step35.model import Step35ForCausalLM, build_model
 from step35.model.lora import LoraConfig, apply_lora, check_sizes
+from step35.training.vision import freeze_vision
 
 
 def model_config_of(
@@ -53,6 +55,8 @@ class TrainedModel:
     num_mtp_layers: int | None = None  # MTP layers built (None: all of the config's)
     mtp_loss_weight: float = 0.0  # > 0: the MTP layers learn; 0: they are frozen
     lora: LoraConfig | None = None
+    vision: VisionConfig | None = None  # Step-3.7's encoder and projector, built beside the language model
+    train_vision: bool = False  # model.vision.train: they learn; else frozen
 
     @property
     def train_mtp(self) -> bool:
@@ -106,9 +110,10 @@ def training_model(
     None: unsharded), its untrained parts frozen, then, when `device` is given, filled there from the HF
     `checkpoint` folder (each rank reads only its slices) or from the init of `seed`. Without `device`
     the model stays on the meta device (the plan reads its shards)."""
-    model = build_model(spec.config, spec.num_mtp_layers, dtype=dtype)
+    model = build_model(spec.config, spec.num_mtp_layers, dtype=dtype, vision=spec.vision)
     if spec.lora is not None:
         apply_lora(model, spec.lora)  # before sharding: FSDP2 sees the adapters and the frozen base
+    freeze_vision(model, spec.train_vision)  # before sharding too: FSDP2 sees which vision parameters train
     if shard is not None:
         shard(model)
     freeze_untrained(model, spec.train_mtp)

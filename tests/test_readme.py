@@ -116,6 +116,8 @@ def test_the_readme_commands_run_as_written(readme_runs):
     assert results["heldout"]["loss"] == pytest.approx(sft_val[max(sft_val)], rel=1e-5), (results, sft_val)
     assert 0 < results["mtp"]["depth1"] <= 1 and 0 < results["mtp_baseline"]["depth1"] <= 1
     assert results["gate"]["num_samples"] > 100 and (runs / "tiny-sft" / "eval" / "scores.png").is_file()
+    # README (--chat): the fine-tuned model's replies end by themselves, but for at most a tenth of the gate's prompts
+    assert results["gate"]["missing_eos_rate"] <= 0.10, results["gate"]
 
 
 @pytest.mark.multiprocess
@@ -137,6 +139,7 @@ def test_the_main_job_trains_logs_and_saves_its_run_folder(readme_runs):
     assert {"step", "train/loss", "train/grad_norm", "lr/decay"} <= set(rows[0])
     assert steps_of(rows, "val/loss") and steps_of(rows, "val/ppl")
     assert (readme_runs / "tiny" / "checkpoints" / "last.ckpt").exists()  # the run folder's, not the attempt's
+    assert (readme_runs / "tiny" / "plots" / "training.png").is_file()  # its curves (tests/test_plots.py: their lines)
     saved = (readme_runs / "tiny" / "config.yaml").read_text()
     assert "mtp_loss_weight: 0.3" in saved and "max_steps: 300" in saved  # the resolved config
     lora = (readme_runs / "tiny-lora" / "config.yaml").read_text()

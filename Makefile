@@ -40,6 +40,8 @@ ifeq ($(STEP35_VENV),)
 	@if ! cmp -s tests/oracles.txt .oracle/installed-oracles.txt; then \
 		echo "make: installing the tests' outside references into .oracle (tests/oracles.txt is new or changed)"; \
 		.venv/bin/python -m pip install --no-deps --upgrade --target .oracle -r tests/oracles.txt \
+			&& .venv/bin/python -m pip install --no-deps --upgrade --target .oracle/_torchvision \
+				$$(sed -n 's/^# apart: //p' tests/oracles.txt) \
 			&& cp tests/oracles.txt .oracle/installed-oracles.txt; \
 	fi
 endif

@@ -90,6 +90,7 @@ exit 0
 VENV = "python3 -m venv .venv"
 INSTALL = "python -m pip install -e .[dev]"
 ORACLES = "python -m pip install --no-deps --upgrade --target .oracle -r tests/oracles.txt"
+APART = "python -m pip install --no-deps --upgrade --target .oracle/_torchvision torchvision==0.28.0"
 PYTEST = "python -m pytest tests/test_config.py"
 MAIN_JOB = "step35 fit --config configs/tiny.yaml"
 
@@ -121,7 +122,7 @@ def fake_checkout(tmp_path) -> tuple[Path, Callable[..., tuple[int, str, list[st
 def test_the_set_up_runs_once_and_again_only_for_what_changed(fake_checkout):
     folder, make_here = fake_checkout
     code, out, calls = make_here("test", "TESTS=tests/test_config.py")
-    assert code == 0 and calls == [VENV, INSTALL, ORACLES, PYTEST], (out, calls)
+    assert code == 0 and calls == [VENV, INSTALL, ORACLES, APART, PYTEST], (out, calls)
     assert "make: installing step35 into .venv (pyproject.toml is new or changed)" in out
     assert "make: installing the tests' outside references into .oracle (tests/oracles.txt is new or changed)" in out
 
@@ -134,7 +135,7 @@ def test_the_set_up_runs_once_and_again_only_for_what_changed(fake_checkout):
     # A changed tests/oracles.txt redoes the oracles alone; a changed pyproject.toml the install alone.
     with open(folder / "tests" / "oracles.txt", "a") as f:
         f.write("# one more line\n")
-    assert make_here("test", "TESTS=tests/test_config.py")[2] == [ORACLES, PYTEST]
+    assert make_here("test", "TESTS=tests/test_config.py")[2] == [ORACLES, APART, PYTEST]
     with open(folder / "pyproject.toml", "a") as f:
         f.write("# one more line\n")
     assert make_here("run")[2] == [INSTALL, MAIN_JOB]

@@ -335,11 +335,10 @@ def matrix_shapes(config, stored_name: Callable[[str], str] | None = None) -> di
     """Stored name -> shape of every matrix and stacked matrix a model of `config` (a Step35Config) writes, read
     off the model built on the meta device (no memory): what an FP8 export may quantise. `stored_name` maps
     step35's names to the release's layout (Step-3.7's)."""
-    from step35.checkpoint.hf.materialize import checkpoint_state  # materialize imports this module
     from step35.model import build_model
 
     name_of = stored_name or (lambda name: name)
-    return {name_of(n): tuple(t.shape) for n, t in checkpoint_state(build_model(config)).items() if t.dim() >= 2}
+    return {name_of(n): tuple(t.shape) for n, t in build_model(config).state_dict().items() if t.dim() >= 2}
 
 
 def quantised_shapes(shapes: dict[str, tuple[int, ...]], not_converted: Iterable[str]) -> dict[str, tuple[int, ...]]:

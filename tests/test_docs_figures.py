@@ -126,3 +126,20 @@ def test_the_readme_tiny_folder_commands_name_the_scripts_kinds():
         assert kinds and set(kinds) <= set(script.KINDS), line
         out = re.search(r"--out (\S+)", line).group(1)
         assert re.search(rf"^step35 fit .*--model\.checkpoint {re.escape(out)}\b", README, flags=re.M), out
+
+
+def test_the_readme_muon_recipe_is_a_config_step35_fit_accepts(capfd, monkeypatch, builtin_cache):
+    """The README's Muon command, as written (one inline command over two lines), resolves to Muon with the
+    stepfun preset at the main job's lr (checked by --print_config: no training)."""
+    import shlex
+
+    from tests.runner import cli
+
+    found = re.search(r"`(step35 fit --config configs/tiny\.yaml --model\.optimizer muon[^`]*)`", README)
+    assert found, "README.md: the Muon recipe's command is gone"
+    words = shlex.split(found.group(1).replace("\n", " "))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("STEP35_CACHE", str(builtin_cache))
+    code, out, err = cli(capfd, *words[1:], "--print_config")
+    assert code == 0, err[-3000:]
+    assert "optimizer: muon" in out and "preset: stepfun" in out and "lr: 0.003" in out, out[-3000:]

@@ -2,7 +2,8 @@
 projector (checkpoint/hf/release.py). They are never built, sharded or loaded on a device: they stay in the
 folder, and `step35 export` copies them on the host, tensor by tensor, into the exported folder. The plan counts
 them from the safetensors headers, apart from the per-device memory, so that a reader of the plan knows they
-exist and that no device holds them."""
+exist and that no device holds them; `step35 fit` says at start what it does with them. (Here, in checkpoint/,
+so that both the plan and the fit command read it without importing each other.)"""
 
 from __future__ import annotations
 

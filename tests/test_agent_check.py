@@ -84,7 +84,8 @@ STEP3P5_VALUE = "{%- if value is string -%}{{- value -}}{%- else -%}{{- value | 
 def xml_calls(value: str) -> str:
     return (
         "{{- '<tool_call>\\n<function=' + function.name + '>\\n' -}}"
-        "{%- for name, value in (function.arguments or {}).items() -%}"
+        "{%- if function.arguments is string -%}{{- function.arguments + '\\n' -}}{%- endif -%}"
+        "{%- for name, value in (function.arguments if function.arguments is mapping else {}).items() -%}"
         "{{- '<parameter=' + name + '>\\n' -}}" + value + "{{- '\\n</parameter>\\n' -}}"
         "{%- endfor -%}"
         "{{- '</function>\\n</tool_call>' -}}"

@@ -26,11 +26,12 @@ import argparse
 import csv
 import fnmatch
 import math
-import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from step35.checkpoint.publish import partial_path, publish
 
 PLOT_FILE = Path("plots") / "training.png"  # inside the run folder
 CSV_NAME = "csv"  # the CSV logger's folder in the run folder (step35.loggers.CSVLogger's default name)
@@ -180,10 +181,10 @@ def write_plot(run: str | Path, out: str | Path | None = None, title: str | None
         raise NoMetrics(f"{run}: {', '.join(map(str, files))} hold none of the metrics step35 plots")
     out = Path(out) if out is not None else run / PLOT_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    partial = partial_path(out)
     try:
         figure.savefig(partial, dpi=100, format="png")
-        os.replace(partial, out)
+        publish(partial, out)
     finally:
         partial.unlink(missing_ok=True)
     return out

@@ -70,7 +70,7 @@ DEFAULT_TEMPLATE = """\
 {%- for call in message.tool_calls or [] -%}
 {%- set function = call.function or call -%}
 {{- '\\n' if (not loop.first or text(message.content)) else '' -}}
-{{- '<tool_call>\\n<function=' + function.name + '>\\n' -}}{%- for name, value in (function.arguments or {}).items() -%}{{- '<parameter=' + name + '>\\n' -}}{%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}{{- '\\n</parameter>\\n' -}}{%- endfor -%}{{- '</function>\\n</tool_call>' -}}
+{{- '<tool_call>\\n<function=' + function.name + '>\\n' -}}{%- if function.arguments is string -%}{{- function.arguments + '\\n' -}}{%- endif -%}{%- for name, value in (function.arguments if function.arguments is mapping else {}).items() -%}{{- '<parameter=' + name + '>\\n' -}}{%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}{{- '\\n</parameter>\\n' -}}{%- endfor -%}{{- '</function>\\n</tool_call>' -}}
 {%- endfor -%}
 {{- eos_token -}}
 {%- endgeneration -%}

@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
         if not self.spec.is_moe:
             return h + self.mlp(x)
         routes = routing.layer(self.spec.layer_id, tuple(x.shape[:-1])) if routing is not None else None
-        return h + self.moe(x, router_aux, routes) + self.share_expert(x)
+        return h + (self.moe(x, router_aux, routes) + self.share_expert(x))  # (the order the sums always had)
 
 
 class SharedHead(nn.Module):
@@ -266,17 +266,23 @@ class Step35ForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(h))
 
     def step(
-        self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False, routing: RouteRecorder | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        last_only: bool = False,
+        routing: RouteRecorder | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decoding: logits [B, S, V] (or [B, 1, V] with `last_only`) for input_ids [B, S], the tokens
         that follow the `cache.length` tokens the cache holds (none at first: the prompt); the cache
         then holds these as well. Each token costs attention over the kept keys only, so a long sample
         is not quadratic. Equal to `forward` over the whole sequence (tests/test_generate_cache.py).
-        `routing`: a RouteRecorder keeping the experts each MoE layer chose (rollouts for RL)."""
+        `routing`: a RouteRecorder keeping the experts each MoE layer chose (rollouts for RL). `inputs_embeds`
+        [B, S, H]: these tokens' embeddings instead of input_ids' (a prompt with images: model/vision.py)."""
         S = input_ids.shape[1]
         positions = torch.arange(cache.length, cache.length + S, device=input_ids.device)
         rope = {key: rotary_cos_sin(positions, inv) for key, inv in self.model._inv_freq.items()}
-        h = self.model(input_ids, rope, cache=cache, routing=routing)
+        h = self.model(input_ids, rope, cache=cache, routing=routing, inputs_embeds=inputs_embeds)
         cache.length += S
         if last_only:
             h = h[:, -1:]

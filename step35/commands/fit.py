@@ -500,9 +500,9 @@ def start_folder_notes(checkpoint) -> list[str]:
     """What a run does with the parts of its HF start folder that it does not train, said at its start in the words
     of `step35 plan` and `step35 export`: a Step-3.7 folder's vision encoder and projector (checkpoint/hf/carried.py) and
     an FP8 folder's block scales (checkpoint/hf/fp8.py)."""
+    from step35.checkpoint.hf.carried import carried_weights
     from step35.checkpoint.hf.folder import model_tensor_infos
     from step35.checkpoint.hf.fp8 import SCALE_SUFFIX, block_size
-    from step35.checkpoint.hf.carried import carried_weights
 
     if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
         return []

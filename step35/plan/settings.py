@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from step35.checkpoint.hf.carried import CarriedWeights, carried_weights
 from step35.config import Step35Config
 from step35.kernels.sequence_split import rank_tokens
-from step35.checkpoint.hf.carried import CarriedWeights, carried_weights
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
 from step35.training.objective import DEFAULT_OBJECTIVE, OPTION_FIELDS, Needs, ObjectiveInputs, objective_class
 from step35.training.optimizer import (

@@ -234,4 +234,7 @@ def test_a_recipes_plan_device_is_planned_for_unless_device_overrides_it(capsys)
     code, out, _ = run_plan(capsys, "--config", path, "--json", "--no-suggestions", "--device", "h100")
     assert json.loads(out)["device"]["name"] == "NVIDIA H100 SXM" and not json.loads(out)["verdict"]["fits"]
     code, _, err = run_plan(capsys, "--config", path, "--plan_device", "h300")
-    assert code == 2 and "plan_device='h300' is not a device the plan knows (one of: 910b, a100, a100-40gb, a3, b200" in err, err
+    assert (
+        code == 2
+        and "plan_device='h300' is not a device the plan knows (one of: 910b, a100, a100-40gb, a3, b200" in err
+    ), err

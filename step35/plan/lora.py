@@ -83,7 +83,7 @@ class Trained:
 
     name: str  # the parameter's name (adapters: the base module's name + .lora_A / .lora_B)
     layer: int | None  # decoder / MTP layer index; None for the root (embedding, lm_head)
-    kind: str  # attention | mlp | shared_expert | experts | mtp | router | lm_head | embed
+    kind: str  # attention | mlp | shared_expert | experts | mtp | router | lm_head | embed | vision | vision_projector
     shape: tuple[int, ...]  # global shape (a DTensor's, not its local shard's)
     expert: bool  # stacked over the routed experts (sharded like them)
     adapter: bool
@@ -96,7 +96,14 @@ class Trained:
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+VISION_KINDS = ("vision", "vision_projector")  # adapters on Step-3.7's encoder and projector (run per image)
+
+
 def _kind(name: str, layer: int | None, config: Step35Config) -> str:
+    if name.startswith("vision_model."):
+        return "vision"
+    if name.startswith("vit_large_projector."):
+        return "vision_projector"
     if layer is None:
         return "embed" if "embed_tokens" in name else "lm_head"
     if name.endswith("moe.gate.weight"):
@@ -142,11 +149,14 @@ def activations_per_token(
     same on every routed row (top-k rows per token). Under selective checkpointing every matmul
     result is kept instead: A's output and B's output (the width of the base output). Only trained
     MTP layers run (`num_mtp_layers`: those that run). What the frozen base stops keeping (weight-gradient
-    inputs) is not subtracted. `tensors`: trained_tensors of the adapted model."""
+    inputs) is not subtracted. `tensors`: trained_tensors of the adapted model. The vision adapters run per image,
+    not per token: plan/vision.py counts theirs."""
     K = config.moe_top_k if config.use_moe else 0
     out: dict[int, dict[str, float]] = {}
     for t in tensors:
-        if not t.adapter or (t.layer is not None and t.layer >= config.num_hidden_layers + num_mtp_layers):
+        if not t.adapter or t.kind in VISION_KINDS:
+            continue
+        if t.layer is not None and t.layer >= config.num_hidden_layers + num_mtp_layers:
             continue
         rows = K if t.expert else 1
         if t.name.endswith(".lora_A"):

@@ -15,6 +15,13 @@ prompt's rollout (plan/rollout.py; the training forward's activations are not ye
                    layer's prefill work and the prompt's recorded routes
   rollout decode   state + gradients + root gathered + one block gathered + the KV cache at the end of
                    decoding, one layer's concatenation copy and the recorded routes (chunks and joined)
+and, with Step-3.7's vision side on the devices (model.vision, plan/vision.py), whose activations are part of
+`activations` in every phase above:
+  vision forward   state + root gathered + the vision activations + one block gathered + the larger of one
+                   encoder block's tensors (as training keeps them) and the image features before the splice
+  vision backward  (when a gradient reaches it) state + gradients + root gathered + the vision activations + two
+                   blocks gathered + one block's gradients and reduce-scatter input + one encoder block's
+                   activation gradients (taken as its kept tensors); the language model's activations are gone
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from step35.plan.context import gathered_gradient_bytes
 from step35.plan.rollout import RolloutMemory
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup, RankState
+from step35.plan.vision import VisionActivations
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -117,8 +125,44 @@ def rollout_phases(persistent: dict[str, int], gradients: int, t: Transients, r:
     ]
 
 
+def vision_phases(
+    persistent: dict[str, int], gradients: int, grads_in_forward: int, t: Transients, v: VisionActivations
+) -> tuple[list[Phase], list[Phase]]:
+    """The vision forward (before the language model's) and, when a gradient reaches it, the vision backward
+    (after the language model's): this module's docstring."""
+    held = {**persistent, "root gathered": t.root_gathered, "vision activations": v.total}
+    forward = Phase(
+        "vision forward",
+        {
+            **held,
+            "gradients": grads_in_forward,
+            "block all-gather": t.block_gather,
+            "vision forward work": max(v.block_work, v.features_bytes),
+        },
+    )
+    if v.mode == "frozen":
+        return [forward], []
+    backward = Phase(
+        "vision backward",
+        {
+            **held,
+            "gradients": gradients,
+            "block all-gather": t.gathered_blocks * t.block_gather,
+            "block gradients": t.block_grads,
+            "reduce-scatter": t.reduce_scatter,
+            "vision backward work": v.block_work,
+        },
+    )
+    return [forward], [backward]
+
+
 def phases(
-    s: RunSettings, state: RankState, t: Transients, act: ActivationEstimate, rollout: RolloutMemory | None = None
+    s: RunSettings,
+    state: RankState,
+    t: Transients,
+    act: ActivationEstimate,
+    rollout: RolloutMemory | None = None,
+    vision: VisionActivations | None = None,
 ) -> list[Phase]:
     persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
     if state.reference:
@@ -134,7 +178,10 @@ def phases(
             cfg, layers, s.rows_per_micro_batch, s.row_tokens, s.context_parallel_size, _bytes(s.compute_dtype)
         )
     generation = rollout_phases(persistent, grads_in_forward, t, rollout) if rollout is not None else []
-    return generation + [
+    before, after = vision_phases(persistent, state.grads, grads_in_forward, t, vision) if vision else ([], [])
+    return [
+        *generation,
+        *before,
         Phase(
             "forward",
             {
@@ -172,6 +219,7 @@ def phases(
                 **cp_rows,
             },
         ),
+        *after,
         Phase(
             "end of backward",
             {

@@ -19,6 +19,7 @@ from step35.plan.rollout import RolloutMemory, rollout_memory
 from step35.plan.settings import PlanInputError, RunSettings
 from step35.plan.speed import Speed, speed
 from step35.plan.state import FsdpGroup, RankState, fsdp_groups, rank_state
+from step35.plan.vision import VisionActivations, vision_activations
 from step35.plan.world import close_world, sharded_meta_model
 from step35.training.reference import reference_copy
 from step35.training.setup import TrainedModel, training_model
@@ -43,6 +44,7 @@ class Plan:
     trained: list[Trained] = field(default_factory=list)  # LoRA: the adapted model's trained tensors
     host_memory_gib: float | None = None  # the node's host memory (`--host-memory-gib`), for the staging check
     rollout: RolloutMemory | None = None  # an objective that generates: its rollouts' bytes (plan/rollout.py)
+    vision: VisionActivations | None = None  # model.vision: the vision forward of one micro-batch (plan/vision.py)
 
     @property
     def staging_per_node(self) -> int:
@@ -69,9 +71,8 @@ _STATE_CACHE: dict[tuple, ShardedState] = {}
 
 def trained_model_of(s: RunSettings) -> TrainedModel:
     """The training setup's description of the run's model (what fit gives training_model)."""
-    return TrainedModel(
-        s.model_config, s.num_mtp_layers, s.mtp_loss_weight, s.lora.options if s.lora is not None else None
-    )
+    lora = s.lora.options if s.lora is not None else None
+    return TrainedModel(s.model_config, s.num_mtp_layers, s.mtp_loss_weight, lora, s.vision, s.train_vision)
 
 
 def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
@@ -95,6 +96,8 @@ def sharded_state(s: RunSettings, rank: int = 0) -> ShardedState:
         s.optimizer_slots,
         s.reference_copy,
         s.reference_dtype,
+        None if s.vision is None else json.dumps(asdict(s.vision), sort_keys=True),
+        s.train_vision,
     )
     if key in _STATE_CACHE:
         return _STATE_CACHE[key]
@@ -210,6 +213,25 @@ def scaled(act: ActivationEstimate, factor: float) -> ActivationEstimate:
     )
 
 
+def run_vision_activations(s: RunSettings) -> VisionActivations | None:
+    """The vision forward of one micro-batch of the run (plan/vision.py), None without model.vision."""
+    if s.vision is None:
+        return None
+    a = torch.empty((), dtype=s.vision_dtype).element_size()
+    return vision_activations(s.vision, s.model_config.hidden_size, s.vision_views, a, s.vision_grad)
+
+
+def with_vision_activations(act: ActivationEstimate, vision: VisionActivations | None) -> ActivationEstimate:
+    """`act` plus what the vision forward keeps (parts named `vision ...`): kept through the language model's
+    forward and backward, under any activation checkpointing (parallelize checkpoints decoder layers only)."""
+    if vision is None or not vision.total:
+        return act
+    parts = dict(act.parts)
+    for part, nbytes in vision.parts.items():
+        parts[part] = parts.get(part, 0) + nbytes
+    return ActivationEstimate(act.mode, act.total + vision.total, parts, act.recompute, act.largest_layer)
+
+
 def make_plan(
     s: RunSettings,
     device: Device,
@@ -234,9 +256,11 @@ def make_plan(
         act = with_adapter_activations(act, s, sharded.trained)
     if s.objective_needs.activation_factor != 1:  # the objective keeps more (or less) per token than the LM's
         act = scaled(act, s.objective_needs.activation_factor)
+    vision = run_vision_activations(s)
+    act = with_vision_activations(act, vision)
     t = transients(s, state, groups)
     rollout = rollout_memory(s, activation_shape(s))
-    phase_list = phases(s, state, t, act, rollout)
+    phase_list = phases(s, state, t, act, rollout, vision)
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
@@ -253,4 +277,5 @@ def make_plan(
         time.perf_counter() - start,
         trained=sharded.trained,
         rollout=rollout,
+        vision=vision,
     )

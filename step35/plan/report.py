@@ -138,6 +138,8 @@ def _run_lines(p: Plan) -> list[str]:
         )
     if s.carried is not None:
         lines.append(f"vision     {s.carried.describe()}")
+    if s.vision is not None:
+        lines.append(f"vision     {vision_line(p)}")
     if p.rollout is not None:
         r = p.rollout
         lines.append(
@@ -151,6 +153,35 @@ def _run_lines(p: Plan) -> list[str]:
             f"micro-batch beside the policy's ({_REFERENCE[s.objective_needs.reference]})"
         )
     return lines + [f"note       {n}" for n in s.notes]
+
+
+_VISION_MODE = {
+    "trained": "trained (model.vision.train): gradients and optimizer states",
+    "frozen": "frozen: no gradients, no optimizer states",
+}
+
+
+def vision_line(p: Plan) -> str:
+    """Step-3.7's vision side on the devices: what it is, how it trains, the images one micro-batch encodes."""
+    s, v, st = p.settings, p.settings.vision, p.state
+    grad = s.vision_grad
+    how = _VISION_MODE.get(grad.mode) or (
+        "LoRA adapters on "
+        + ", ".join(t for t, on in (("vision", grad.blocks), ("vision_projector", grad.projector)) if on)
+    )
+    line = (
+        f"encoder + projector on the devices (model.vision; {how}): {_count(st.vision_total)} parameters, "
+        f"{v.num_hidden_layers} blocks of width {v.hidden_size}"
+        + (", each an FSDP unit (the rest of the encoder one more; the projector in the root)" if s.sharded else "")
+    )
+    if s.images is None:
+        return line + "; no data.images: the encoder runs on no view"
+    im = s.images
+    return line + (
+        f"; images per micro-batch at most {s.micro_batch_size} window(s) x ({im.max_images} views of "
+        f"{im.view_size} px + {im.max_crops} crops of {im.crop_size} px) = {p.vision.tokens:,} encoder tokens, "
+        f"{p.vision.features:,} image features"
+    )
 
 
 def _held_lines(p: Plan) -> list[str]:
@@ -177,6 +208,11 @@ def _held_lines(p: Plan) -> list[str]:
         lines.append(
             f"    reference copy      {_gib(st.reference)}   {_dtype(s.reference_dtype)} frozen copy of the start "
             f"model, sharded as the policy (model.objective {s.objective})"
+        )
+    if s.vision is not None:
+        lines.append(
+            f"    of which vision     {_gib(st.vision_params)}   parameters; gradients "
+            f"{_gib(st.vision_grads).strip()}, optimizer states {_gib(st.vision_optimizer).strip()}"
         )
     if st.expert_shapes:
         shapes = ", ".join(f"{k.removesuffix('.weight')} {v}" for k, v in st.expert_shapes.items())
@@ -215,7 +251,22 @@ def _activation_lines(p: Plan) -> list[str]:
     lines.append("    largest parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts) + " GiB")
     if s.lora is not None:
         lines.append("    LoRA adapters add: " + adapter_activation_line(p))
+    if p.vision is not None:
+        lines.append("    vision: " + vision_activation_line(p))
     return lines
+
+
+def vision_activation_line(p: Plan) -> str:
+    """What the vision forward keeps (per view of each size), and its transients."""
+    v, s = p.vision, p.settings
+    work = (
+        f"; transient: the features before the splice {_gib(v.features_bytes).strip()}, one encoder block's work "
+        f"<= {_gib(v.block_work).strip()}"
+    )
+    if not v.total:
+        return f"nothing kept ({v.mode}: no gradient asked of the encoder){work}"
+    views = ", ".join(f"{nbytes / 1024**2:,.2f} MiB per {side} px view" for side, nbytes in v.per_view.items())
+    return f"{_gib(v.total).strip()} kept in {_dtype(s.vision_dtype)}, whatever the checkpointing ({views}){work}"
 
 
 def rollout_lines(p: Plan) -> list[str]:
@@ -299,6 +350,8 @@ def _speed_lines(p: Plan) -> list[str]:
             f"  {label + ' per step':24s}{sp.muon_bytes / GiB:,.2f} GiB sent per rank "
             f"(whole matrices to their owners and back, fp32)"
         )
+    if p.vision is not None:
+        lines.append("  vision encoder          not in these bounds: its compute (its FSDP gathers are)")
     if p.rollout is not None:
         lines.append(
             "  rollouts                not in these bounds: their decoding, one token per forward, comes first"
@@ -398,6 +451,7 @@ def as_dict(p: Plan) -> dict:
         },
         "rollout": None if p.rollout is None else asdict(p.rollout),
         "carried": None if s.carried is None else asdict(s.carried),  # on the host, in no per-device number
+        "vision": vision_dict(p),
         "host_staging": None
         if not s.async_save
         else {
@@ -408,6 +462,24 @@ def as_dict(p: Plan) -> dict:
         },
         "notes": s.notes,
         "seconds": round(p.seconds, 3),
+    }
+
+
+def vision_dict(p: Plan) -> dict | None:
+    """model.vision's numbers: its config, how it trains, the images counted, its bytes on rank 0."""
+    s, st, v = p.settings, p.state, p.vision
+    if s.vision is None:
+        return None
+    return {
+        "config": asdict(s.vision),
+        "mode": s.vision_grad.mode,
+        "images": None if s.images is None else asdict(s.images),
+        "params_total": st.vision_total,
+        "param_bytes": st.vision_params,
+        "grad_bytes": st.vision_grads,
+        "optimizer_bytes": st.vision_optimizer,
+        "activation_dtype": _dtype(s.vision_dtype),
+        "activations": {**asdict(v), "total": v.total},
     }
 
 

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from step35.checkpoint.hf.carried import CarriedWeights, carried_weights
-from step35.config import Step35Config
+from step35.config import Step35Config, VisionConfig
+from step35.data.image_records import ImageOptions
 from step35.kernels.sequence_split import rank_tokens
 from step35.plan.lora import LoraInputError, LoraSettings, parse_lora
+from step35.plan.vision import ViewGroup, VisionGrad
 from step35.training.objective import DEFAULT_OBJECTIVE, OPTION_FIELDS, Needs, ObjectiveInputs, objective_class
 from step35.training.optimizer import (
     DEFAULT_OPTIMIZER,
@@ -27,6 +29,7 @@ from step35.training.optimizer import (
 from step35.training.reference import FROZEN_COPY, reference_dtype
 from step35.training.rollout import ROW_MULTIPLE
 from step35.training.setup import model_config_of
+from step35.training.vision import VisionOptions, vision_config_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -88,7 +91,10 @@ class RunSettings:
     objective: str = DEFAULT_OBJECTIVE  # model.objective
     # what it needs of the model and adds to a step, asked of it (training/objective.py Objective.needs)
     objective_needs: Needs = field(default_factory=Needs)
-    carried: CarriedWeights | None = None  # a Step-3.7 folder's vision weights: on the host, never on a device
+    carried: CarriedWeights | None = None  # a Step-3.7 folder's vision weights without model.vision: on the host
+    vision: VisionConfig | None = None  # model.vision: Step-3.7's encoder and projector, built on the devices
+    train_vision: bool = False  # model.vision.train: they learn (else frozen; LoRA adapts them by target)
+    images: ImageOptions | None = None  # data.images: the views and crops one window carries
     async_save: bool = False  # a RunCheckpoint(async_save=true) in trainer.callbacks: checkpoints staged on the host
 
     def slots_of(self, name: str, shape: tuple[int, ...]) -> float:
@@ -163,6 +169,38 @@ class RunSettings:
         if self.precision == "bf16-mixed":
             return torch.bfloat16
         return self.stored_dtype
+
+    @property
+    def vision_grad(self) -> VisionGrad:
+        """What of the vision side asks for gradients (plan/vision.py): trained, LoRA adapters, or frozen."""
+        if self.train_vision:
+            return VisionGrad("trained")
+        if self.lora is not None and (self.lora.adapts("vision") or self.lora.adapts("vision_projector")):
+            lora = self.lora
+            return VisionGrad("lora", lora.adapts("vision"), lora.adapts("vision_projector"), lora.rank, lora.dropout)
+        return VisionGrad("frozen")
+
+    @property
+    def vision_views(self) -> list[ViewGroup]:
+        """The views one micro-batch encodes at most: per window (micro_batch_size of them) data.images.max_images
+        global views and max_crops crops; without data.images none (the encoder still runs, on no view)."""
+        if self.images is None:
+            return [ViewGroup(0, self.vision.image_size)]
+        windows, images = self.micro_batch_size, self.images
+        return [
+            ViewGroup(windows * images.max_images, images.view_size),
+            ViewGroup(windows * images.max_crops, images.crop_size),
+        ]
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        """The dtype the encoder computes in: its weights' as gathered (FSDP's param_dtype), else as held (a LoRA
+        base's dtype); under bf16-mixed autocast bf16 (its LayerNorms run in fp32: not modelled)."""
+        if self.param_dtype is not None:
+            return self.param_dtype
+        if self.lora is not None:
+            return self.base_dtype
+        return self.compute_dtype
 
     def with_layout(self, **changes: Any) -> RunSettings:
         return replace(self, notes=list(self.notes), **changes)
@@ -248,9 +286,9 @@ def parse_fit_args(args: list[str]):
     raise AssertionError("unreachable: LightningCLI returned without reaching before_instantiate_classes")
 
 
-def _model_config(model) -> tuple[Step35Config, str, list[str]]:
+def _model_config(model) -> tuple[Step35Config, str, list[str], str | None]:
     """The model config fit would train (training/setup.model_config_of), or, when model.checkpoint is not
-    readable on this machine, the shape model.config gives (said in a note)."""
+    readable on this machine, the shape model.config gives (said in a note); and the checkpoint read (None then)."""
     notes = []
     checkpoint, overrides = model.get("checkpoint"), model.get("config_overrides")
     if checkpoint and not ((Path(checkpoint) / "config.json").is_file() or Path(checkpoint).suffix == ".json"):
@@ -265,7 +303,7 @@ def _model_config(model) -> tuple[Step35Config, str, list[str]]:
         checkpoint = None
     source = f"model.checkpoint {checkpoint}" if checkpoint else f"model.config {model.config}"
     config = model_config_of(model.config, checkpoint, overrides)  # a ConfigError names the option
-    return config, source + (" + model.config_overrides" if overrides else ""), notes
+    return config, source + (" + model.config_overrides" if overrides else ""), notes, checkpoint
 
 
 def _optimizer(model, precision: str) -> dict[str, Any]:
@@ -296,6 +334,40 @@ def _objective(model, lora: LoraSettings | None) -> dict[str, Any]:
         return {"objective": name, "objective_needs": objective_class(name).needs(inputs)}
     except ValueError as err:
         raise PlanInputError(str(err)) from None
+
+
+def _plain(value):
+    """A jsonargparse Namespace as a dict; anything else as it is."""
+    return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def _vision(model, data, checkpoint, lora: LoraSettings | None) -> dict[str, Any]:
+    """model.vision and data.images, read and checked as the module and the data module read them (the vision
+    config from the checkpoint folder, else model.config: training/vision.vision_config_of)."""
+    try:
+        options = VisionOptions.of(_plain(model.get("vision")))
+        images = ImageOptions.of(_plain(data.get("images")))
+        vision = vision_config_of(options, model.get("config"), checkpoint)
+    except ValueError as err:  # ConfigError included
+        raise PlanInputError(str(err)) from None
+    train = options is not None and options.train
+    if train and lora is not None:
+        raise PlanInputError(
+            "model.vision.train: true with model.lora: under LoRA the vision side trains through adapters; name"
+            " 'vision' and/or 'vision_projector' in model.lora.targets and leave model.vision.train false"
+        )
+    named = [t for t in (lora.targets if lora is not None else ()) if t in ("vision", "vision_projector")]
+    if named and vision is None:
+        raise PlanInputError(
+            f"model.lora.targets names {named} but the model has no vision side: set model.vision with a Step-3.7"
+            " model, or drop them"
+        )
+    if images is not None and vision is None:
+        raise PlanInputError(
+            "data.images is set but the model has no vision side: set model.vision (e.g. {train: false}) with a"
+            " Step-3.7 model (model.config tiny-vl, or a Step-3.7 folder as model.checkpoint)"
+        )
+    return {"vision": vision, "train_vision": train, "images": images}
 
 
 def _count(value, name: str) -> int:
@@ -329,13 +401,16 @@ def _saves_in_background(callbacks) -> bool:
 def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
-    config, source, notes = _model_config(model)
-    carried, carried_notes = carried_weights(model.get("checkpoint"))
-    notes += carried_notes
+    config, source, notes, checkpoint = _model_config(model)
     try:
         lora = parse_lora(lora, config)
     except LoraInputError as err:
         raise PlanInputError(str(err)) from None
+    vision = _vision(model, data, checkpoint, lora)
+    carried = None
+    if vision["vision"] is None:  # without model.vision a Step-3.7 folder's vision weights stay on the host
+        carried, carried_notes = carried_weights(model.get("checkpoint"))
+        notes += carried_notes
     precision = lightning_precision(trainer.precision)
     accelerator = str(trainer.accelerator)
     device = {"gpu": "cuda", "cuda": "cuda", "npu": "npu", "cpu": "cpu"}.get(accelerator)
@@ -368,6 +443,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         notes=notes,
         plan_device=cfg.get("plan_device"),
         async_save=_saves_in_background(trainer.get("callbacks")),
+        **vision,
         **_optimizer(model, precision),
         **_objective(model, lora),
     )

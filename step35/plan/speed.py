@@ -13,7 +13,7 @@ import torch
 from step35.flops import attention_flops_per_token, training_flops_per_token
 from step35.plan.context import communication_bytes
 from step35.plan.devices import Device
-from step35.plan.lora import Trained
+from step35.plan.lora import VISION_KINDS, Trained
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup
 
@@ -45,12 +45,13 @@ def _bytes(dtype: torch.dtype | None) -> int:
 def adapter_params_per_token(s: RunSettings, trained: list[Trained]) -> float:
     """Adapter parameters one token passes through in a LoRA run (a routed expert's adapters for top-k
     of the experts; MTP layers only when they run). Each costs 2 FLOPs forward and 4 backward, while
-    the frozen base's matmuls skip their weight gradients (4 of their 6 FLOPs per parameter remain)."""
+    the frozen base's matmuls skip their weight gradients (4 of their 6 FLOPs per parameter remain). The vision
+    adapters run per image, not per token: not counted (nor is the vision encoder's compute)."""
     cfg = s.model_config
     mtp = s.num_mtp_layers if s.train_mtp else 0
     active = 0.0
     for t in trained:
-        if not t.adapter or (t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp):
+        if not t.adapter or t.kind in VISION_KINDS or (t.layer is not None and t.layer >= cfg.num_hidden_layers + mtp):
             continue  # full targets are in the base count; MTP layers that do not run
         active += t.numel * (cfg.moe_top_k / cfg.moe_num_experts if t.expert else 1.0)
     return active

@@ -13,6 +13,7 @@ from torch import nn
 from step35.model import Step35ForCausalLM
 from step35.model.lora import is_adapter
 from step35.parallel.whole_matrices import split_ranks
+from step35.plan.vision import is_vision
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -29,7 +30,7 @@ class RankState:
     grads: int  # local gradient shards of trainable parameters (FSDP keeps them in the parameter dtype)
     optimizer: int  # the optimizer's states of trainable parameters (AdamW: exp_avg + exp_avg_sq)
     buffers: int  # router biases and token counters (replicated)
-    params_total: int  # global parameter count
+    params_total: int  # global parameter count of the language model
     params_local: int  # local parameter count
     trainable_local: int
     largest_local_param: int  # bytes of the biggest local shard (the non-foreach optimizer's temporaries)
@@ -41,6 +42,12 @@ class RankState:
     # bytes this rank sends per optimizer step to bring whole matrices to their owners and the results back
     # (Muon's, parallel/whole_matrices.py): 2 x its slices x (k - 1) / k for a matrix split k ways
     muon_exchange: float = 0.0
+    # Step-3.7's vision side (model.vision), part of the numbers above: local bytes of its parameters (adapters on
+    # it included), gradients and optimizer states, and its global parameter count (adapters apart)
+    vision_params: int = 0
+    vision_grads: int = 0
+    vision_optimizer: int = 0
+    vision_total: int = 0
 
     @property
     def total(self) -> int:
@@ -80,11 +87,19 @@ def rank_state(
     `exchange_of(name, shape)`: bytes per value the optimizer sends each way to see its matrices whole
     (RunSettings.exchange_of: Muon's fp32 exchange; 0 for none)."""
     muon_exchange = 0.0
+    vision = {"params": 0, "grads": 0, "optimizer": 0.0, "total": 0}
     params = grads = optimizer = trainable = largest = total = local_numel = frozen = adapters = adapters_total = 0
     shapes: dict[str, list[int]] = {}
     for name, p in model.named_parameters():
         local = _local(p)
-        total += 0 if is_adapter(name) else p.numel()  # the model's own count; adapters apart
+        if is_vision(name):
+            vision["params"] += _nbytes(local)
+            vision["total"] += 0 if is_adapter(name) else p.numel()
+            if p.requires_grad:
+                vision["grads"] += _nbytes(local)
+                vision["optimizer"] += slots_of(name, tuple(p.shape)) * _nbytes(local)
+        else:
+            total += 0 if is_adapter(name) else p.numel()  # the language model's own count; adapters apart
         local_numel += local.numel()
         params += _nbytes(local)
         if p.requires_grad:
@@ -117,6 +132,10 @@ def rank_state(
         adapter_params=adapters,
         adapters_total=adapters_total,
         muon_exchange=muon_exchange,
+        vision_params=vision["params"],
+        vision_grads=vision["grads"],
+        vision_optimizer=round(vision["optimizer"]),
+        vision_total=vision["total"],
     )
 
 
@@ -131,8 +150,10 @@ def _unit(name: str, params: list[nn.Parameter], ranks: int, runs: bool, ep: int
 
 def fsdp_groups(model: Step35ForCausalLM, *, shard_size: int, efsdp: int, ep: int, train_mtp: bool) -> list[FsdpGroup]:
     """The fully_shard units of parallelize.apply_fsdp, in order: per layer the experts (EP: the three
-    stacked projections with their adapters) and the rest of the layer, then the root (embedding, final
-    norm, lm_head). Each gathers all its parameters and reduce-scatters the gradients of those it trains."""
+    stacked projections with their adapters) and the rest of the layer; with a vision side each encoder block,
+    then the rest of the encoder (parallelize._shard_vision: run every micro-batch, with or without images); then
+    the root (embedding, final norm, lm_head; the vision projector). Each gathers all its parameters and
+    reduce-scatters the gradients of those it trains."""
     groups: list[FsdpGroup] = []
     in_layers: set[int] = set()
     n_main = model.config.num_hidden_layers
@@ -148,6 +169,15 @@ def fsdp_groups(model: Step35ForCausalLM, *, shard_size: int, efsdp: int, ep: in
             groups.append(_unit(f"layers.{i}.moe.experts", expert_params, efsdp, runs, ep, True))
         ids = {id(p) for p in expert_params}
         groups.append(_unit(f"layers.{i}", [p for p in layer_params if id(p) not in ids], shard_size, runs, ep, False))
+    encoder = getattr(model, "vision_model", None)
+    if encoder is not None:
+        for i, block in enumerate(encoder.transformer.resblocks):
+            block_params = list(block.parameters())
+            in_layers.update(id(p) for p in block_params)
+            groups.append(_unit(f"vision.blocks.{i}", block_params, shard_size, True, ep, False))
+        rest = [p for p in encoder.parameters() if id(p) not in in_layers]
+        in_layers.update(id(p) for p in rest)
+        groups.append(_unit("vision.encoder", rest, shard_size, True, ep, False))
     root = [p for p in model.parameters() if id(p) not in in_layers]
     groups.append(_unit("root", root, shard_size, True, ep, False))
     return groups

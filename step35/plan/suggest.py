@@ -121,9 +121,10 @@ def lora_way(s: RunSettings, evaluate: Callable) -> OtherWay | None:
             continue
     else:
         return None
-    tries = [s.with_layout(lora=lora)]
+    # under LoRA the vision side trains through adapters only (model.vision.train is refused beside it)
+    tries = [s.with_layout(lora=lora, train_vision=False)]
     if s.activation_checkpointing != "full":
-        tries.append(s.with_layout(lora=lora, activation_checkpointing="full"))
+        tries.append(s.with_layout(lora=lora, train_vision=False, activation_checkpointing="full"))
     for layout in tries:
         plan = evaluate(layout)
         if plan.verdict.fits:

@@ -8,7 +8,9 @@
 The work is `step35.checkpoint.training.export.export_checkpoint` (what lands in the folder, and which
 `--out` it refuses, is described there); this command parses the options, finds the checkpoint's
 run folder (never to be replaced), and prints each file written besides the weights, with where it
-came from, then every change to config.json and every path read from the checkpoint.
+came from, then every change to config.json and every path read from the checkpoint. A run that trained
+Step-3.7's vision side (`model.vision`) exports it under the release's names, or copies a frozen one from its
+start folder as stored.
 
 A run folder may be live (another job training in it, pruning old checkpoints with keep_last): when
 the checkpoint picked from it is removed or replaced while it is read, the export starts again from

@@ -7,8 +7,10 @@
   `vit_large_projector.*`. The BF16 and FP8 releases keep the language model's tensors under
   Step-3.5's names; the NVFP4 export puts them under `model.language_model.*` (and has no MTP layers).
 
-The vision tensors are not part of the model step35 trains: never materialised on a training device,
-named here so that the tensor check does not call them unexpected and an export can carry them.
+Without `model.vision` the vision tensors are not part of the model step35 trains: never materialised on a
+training device, named here so that the tensor check does not call them unexpected and an export can carry them.
+A run with `model.vision` builds them (model/vision.py, under these same names); its export writes them back
+(checkpoint/training/export.py), around a config.json that `release_config` reads when no start folder gives one.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ from pathlib import Path
 
 from step35.checkpoint.errors import CheckpointError
 from step35.config import WRAPPING_FAMILIES
+from step35.presets import PRESETS
 
 MODEL_PREFIX = "model."  # the language model's own prefix (embed_tokens, layers, norm)
 NESTED_PREFIX = "model.language_model."  # Step-3.7's NVFP4 export
 CARRIED_PREFIXES = ("vision_model.", "vit_large_projector.")  # Step-3.7's vision encoder and projector
+VISION_MODULES = tuple(prefix.rstrip(".") for prefix in CARRIED_PREFIXES)  # their top modules
+
+
+def is_vision_tensor(name: str) -> bool:
+    """A tensor of Step-3.7's vision encoder or projector (the release's names, which are step35's too)."""
+    return name.startswith(CARRIED_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,27 @@ class Layout:
 def wrapping_config(folder: Path) -> dict | None:
     """`folder`/config.json when it wraps the language model's config (a model_type of
     step35.config.WRAPPING_FAMILIES: Step-3.7's), else None (Step-3.5's own, or no readable config.json)."""
+    return _wrapping(Path(folder) / "config.json")
+
+
+def release_config(name_or_path: object) -> dict | None:
+    """The wrapping config.json (Step-3.7's) that a run's `model.config` or `model.checkpoint` names: a preset
+    (`tiny-vl`), a file named config.json or a folder holding one; None for anything else (a Step-3.5 config, a
+    file of another name: never read)."""
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
+        return None
+    if str(name_or_path) in PRESETS:
+        raw = PRESETS[str(name_or_path)]()
+        return raw if raw.get("model_type") in WRAPPING_FAMILIES else None
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return wrapping_config(path)
+    return _wrapping(path) if path.name == "config.json" else None
+
+
+def _wrapping(config_json: Path) -> dict | None:
     try:
-        raw = json.loads((Path(folder) / "config.json").read_text())
+        raw = json.loads(config_json.read_text())
     except (OSError, ValueError, RecursionError):  # unreadable: from_json says so
         return None
     return raw if isinstance(raw, dict) and raw.get("model_type") in WRAPPING_FAMILIES else None

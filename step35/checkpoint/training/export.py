@@ -23,6 +23,14 @@ into the weights (`TrainedCheckpoint.merged_tensors`), or without it as a PEFT a
 Every file written besides the weights is listed with where it came from, and every change and
 every path read from the checkpoint is reported: nothing is silently kept or taken.
 
+A Step-3.7 start folder's export is a Step-3.7 folder again (config.json wraps the trained text_config;
+transformers loads it natively, so no modeling file). Its vision encoder and projector (`vision_model.*`,
+`vit_large_projector.*`, the release's names) are copied from the start folder as stored, byte for byte, unless
+the run built them (`model.vision`) and changed them (`train: true`, or LoRA adapters on them, merged): then the
+run's are written, in the export's dtype (bf16 in an FP8 export, named in modules_to_not_convert). A run with
+`model.vision` and no start folder (`model.config tiny-vl`) writes its own, in a config.json that is the wrapper
+its model.config names (`_vision_side`).
+
 Where an export may write (`check_out`, before anything is written): `out` replaces only an HF or
 PEFT folder step35 wrote (its step35 manifest says so), or anything with `overwrite`; never, even
 with `overwrite`, what the export reads (the checkpoint, its run folder, the LoRA run's base, the
@@ -34,6 +42,7 @@ exports left in `out`'s folder are removed when their writer is dead (`publish.d
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -54,17 +63,24 @@ from step35.checkpoint.hf.fp8 import (
     matrix_shapes,
     quantized_tensors,
     read_whole,
+    skipped,
     source_entry,
     without_quantization,
 )
 from step35.checkpoint.hf.modeling import AUTO_MAP, MODELING_FILE
-from step35.checkpoint.hf.release import Layout, wrapping_config
+from step35.checkpoint.hf.release import (
+    VISION_MODULES,
+    Layout,
+    is_vision_tensor,
+    release_config,
+    wrapping_config,
+)
 from step35.checkpoint.integrity import manifest_info
 from step35.checkpoint.publish import dead_partials, partial_writer, remove_path
 from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trained import TrainedCheckpoint, open_checkpoint
 from step35.config import Step35Config
-from step35.model.lora import is_adapter, is_full_target
+from step35.model.lora import VISION_TARGETS, is_adapter, is_full_target
 
 # Model card and licence files, by the names the Hugging Face hub gives them.
 CARD_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "NOTICE", "USE_POLICY.md")
@@ -362,6 +378,9 @@ def read_paths(
     add(trained.start_folder(), "the HF folder the run started from (model.checkpoint)")
     add(source, "the --source folder")
     add(tokenizer, "the --tokenizer folder")
+    named_config = trained.hyper_parameters.get("config")
+    if run_vision(trained) is not None and release_config(named_config) is not None and Path(named_config).exists():
+        add(named_config, "the run's model.config (its vision_config is exported)")
     if model_config is not None and Path(model_config).expanduser().exists():
         add(model_config, "the --model_config")
     return reads
@@ -524,10 +543,6 @@ def _take_code(
     notes = []
     if wrapper is not None:  # transformers, vLLM and SGLang load Step-3.7 natively: never our modeling file
         model_code = _release_model_code(source, wrapper.get("auto_map")) or {}
-        notes.append(
-            f"a Step-3.7 folder as {source} is: config.json wraps the trained language model's config as "
-            "text_config; its vision encoder and projector tensors are copied from there as they are"
-        )
     else:
         model_code = _release_model_code(source, exported.extra.get("auto_map"))
     if model_code is None:  # the source brings no modeling code: ours, which computes what step35.model does
@@ -559,12 +574,15 @@ def _quantization(
     fp8: bool,
     dtype: torch.dtype,
     layout: Layout | None = None,
+    vision_from_run: bool = False,
 ) -> tuple[dict | None, dict | None, list[str]]:
     """(config.json's quantization entry of an FP8 export, else None; the wrapper without its quantization
     entry; the note). An FP8 start folder (fp8.py) was read dequantised: its quantization_config describes
     weights not written, unless this export is in FP8 too, which keeps the start folder's block and list of
     modules not converted (without one, the block is the largest up to the releases' that transformers can read
-    for `exported`'s matrices, in `layout`'s names: fp8.loadable_block). Removes `exported`'s quantization entry."""
+    for `exported`'s matrices, in `layout`'s names: fp8.loadable_block); the run's own vision side
+    (`vision_from_run`) is named in its list, left in bf16 as the releases leave it. Removes `exported`'s
+    quantization entry."""
     started = source_entry(source) if source is not None and source.is_dir() else None
     quantized = exported.extra.pop(QUANTIZATION_KEY, None) is not None
     if wrapper is not None:
@@ -573,6 +591,9 @@ def _quantization(
     if fp8:
         shapes = matrix_shapes(exported, layout.stored_name if layout else None)
         entry = export_entry(started, carried, shapes)
+        if vision_from_run:
+            kept = entry["modules_to_not_convert"]
+            entry["modules_to_not_convert"] = kept + [m for m in VISION_MODULES if not skipped(m, kept)]
         block, not_converted = list(entry["weight_block_size"]), entry["modules_to_not_convert"]
         own = ", the start folder's own" if started else ""
         return (
@@ -607,17 +628,122 @@ def _export_tensors(
     entry: dict | None,
     dtype: torch.dtype,
     high: torch.dtype,
+    vision_from_run: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The trained tensors (adapters merged) in the release's names (`layout`), router_bias in float32 and the
     rest in `dtype`, or quantised as `entry` says from the checkpoint's own precision; then what the start
-    folder carries."""
-    renamed = ((layout.stored_name(n) if layout else n, t) for n, t in trained.merged_tensors())
+    folder carries, in place of the run's own vision tensors (a frozen vision side: `_vision_side`), which must
+    then be the same tensors by name and shape. A name written twice is refused, and so is an export that should
+    write the run's vision side (`vision_from_run`) from a checkpoint that holds none."""
+    frozen: dict[str, tuple[int, ...]] = {}  # the run's vision tensors that the carried ones stand for
+
+    def run_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in trained.merged_tensors():
+            if carried and is_vision_tensor(name):
+                frozen[name] = tuple(tensor.shape)
+                continue
+            yield (layout.stored_name(name) if layout else name), tensor
+
     if entry is None:
-        yield from ((n, t.to(torch.float32 if n.endswith("router_bias") else dtype)) for n, t in renamed)
+        written = ((n, t.to(torch.float32 if n.endswith("router_bias") else dtype)) for n, t in run_tensors())
     else:
-        block = tuple(entry["weight_block_size"])
-        yield from quantized_tensors(renamed, block, entry["modules_to_not_convert"], high)
-    yield from carried_tensors(carried, dtype, keep_fp8=entry is not None)
+        written = quantized_tensors(
+            run_tensors(), tuple(entry["weight_block_size"]), entry["modules_to_not_convert"], high
+        )
+    seen: set[str] = set()
+    for name, tensor in itertools.chain(written, carried_tensors(carried, dtype, keep_fp8=entry is not None)):
+        if name in seen:
+            raise CheckpointError(
+                f"{trained.path}: the export would write {name} twice (the run's and the start folder's)"
+            )
+        seen.add(name)
+        yield name, tensor
+    _check_frozen(trained, frozen, carried)
+    if vision_from_run and not any(map(is_vision_tensor, seen)):
+        raise CheckpointError(
+            f"{trained.path}: the run has a vision side (model.vision) but its checkpoint holds no vision tensor "
+            "to export (a LoRA run's frozen base is not saved): pass --source <the Step-3.7 folder it started from>"
+        )
+
+
+def _check_frozen(
+    trained: TrainedCheckpoint, frozen: dict[str, tuple[int, ...]], carried: Mapping[str, TensorInfo]
+) -> None:
+    """Refuse carried vision tensors that are not the ones the run held frozen (names and shapes): a --source
+    whose vision side is another model's."""
+    if not frozen:
+        return
+    differ = sorted(
+        n for n in set(frozen) | set(carried) if frozen.get(n) != (carried[n].shape if n in carried else None)
+    )
+    if differ:
+        name = differ[0]
+        ours, theirs = frozen.get(name), carried[name].shape if name in carried else None
+        raise CheckpointError(
+            f"{trained.path}: its frozen vision tensor {name} ({list(ours) if ours else 'absent'}) is not the start "
+            f"folder's ({list(theirs) if theirs else 'absent'}; {len(differ)} tensor(s) differ): pass --source <the "
+            "Step-3.7 folder the run started from>"
+        )
+
+
+def run_vision(trained: TrainedCheckpoint) -> dict | None:
+    """The run's `model.vision` ({"train": bool}: its checkpoint holds the vision side), None for a language model
+    alone."""
+    vision = trained.hyper_parameters.get("vision")
+    return vision if isinstance(vision, dict) else None
+
+
+def _vision_changed(trained: TrainedCheckpoint, vision: dict) -> str | None:
+    """How the run changed its vision side (model.vision.train, or LoRA adapters on it, merged), None if frozen."""
+    if vision.get("train"):
+        return "trained (model.vision.train true)"
+    lora = trained.lora
+    targets = sorted(set(lora.targets) & set(VISION_TARGETS)) if lora is not None else []
+    return f"with LoRA adapters on {', '.join(targets)} merged" if targets else None
+
+
+def _vision_side(
+    trained: TrainedCheckpoint,
+    source: Path | None,
+    wrapper: dict | None,
+    carried: Mapping[str, TensorInfo],
+    high: torch.dtype,
+) -> tuple[dict | None, bool, list[str]]:
+    """(the Step-3.7 config.json to wrap the trained language model's config in, or None for a Step-3.5 export;
+    whether the run's own vision tensors are written, in the export's dtype; the note). A run with model.vision
+    holds its vision side: written when the run changed it, or when no start folder carries one (from scratch:
+    the config.json is then model.config's, `release_config`); a frozen one is copied from the start folder as
+    stored (byte for byte). Without model.vision, a Step-3.7 start folder's vision tensors are carried as they are."""
+    vision = run_vision(trained)
+    if vision is None:
+        note = (
+            f"a Step-3.7 folder as {source} is: config.json wraps the trained language model's config as "
+            "text_config; its vision encoder and projector tensors are copied from there as they are"
+        )
+        return wrapper, False, [note] if wrapper is not None else []
+    changed = _vision_changed(trained, vision)
+    where = f"{source}'s"
+    if wrapper is None:
+        hparams = trained.hyper_parameters
+        named = [(key, hparams.get(key)) for key in ("checkpoint", "config") if release_config(hparams.get(key))]
+        if not named:
+            raise CheckpointError(
+                f"{trained.path}: the run trained a Step-3.7 model (model.vision), but neither --source, "
+                f"model.checkpoint ({hparams.get('checkpoint')}) nor model.config ({hparams.get('config')}) is a "
+                "Step-3.7 config.json to write its vision side with; pass --source <the Step-3.7 folder>"
+            )
+        key, value = named[0]
+        wrapper = release_config(value)
+        wrapper["dtype" if "dtype" in wrapper else "torch_dtype"] = str(high).removeprefix("torch.")
+        where = f"model.{key} {value}'s (named in {trained.path})"
+    head = (
+        f"a Step-3.7 folder: config.json is {where} with the trained language model's config as text_config; its "
+        "vision encoder and projector tensors are "
+    )
+    if changed is None and carried:
+        return wrapper, False, [head + f"copied from {source} as stored (frozen: model.vision.train false)"]
+    state = changed or "frozen, as the run held them (no start folder here carries them)"
+    return wrapper, True, [head + f"the run's, {state}, in {str(high).removeprefix('torch.')}"]
 
 
 def _export_full(
@@ -648,13 +774,16 @@ def _export_full(
     tok_from, more = _take_tokenizer(trained, tokenizer, source, exported, files, copied)
     notes += more
     wrapper = None if source is None else wrapping_config(source)
-    notes += _take_code(source, wrapper, exported, files, copied)
     layout, carried = None, {}
     if wrapper is not None:
         _, carried, layout = model_tensor_infos(source)
-    entry, wrapper, more = _quantization(source, wrapper, exported, carried, fp8, dtype, layout)
+    wrapper, from_run, more = _vision_side(trained, source, wrapper, carried, high)
+    notes += _take_code(source, wrapper, exported, files, copied) + more
+    if from_run:
+        carried = {}
+    entry, wrapper, more = _quantization(source, wrapper, exported, carried, fp8, dtype, layout, from_run)
     notes += more
-    tensors = _export_tensors(trained, layout, carried, entry, dtype, high)
+    tensors = _export_tensors(trained, layout, carried, entry, dtype, high, from_run)
     config = exported if wrapper is None else {**wrapper, "text_config": exported.to_dict()}
     write_hf_folder(out, tensors, config, max_shard_size, copy_files=files, quantization=entry)
     return ExportReport(Path(out), trained.path, tok_from, dict(sorted(copied.items())), notes)

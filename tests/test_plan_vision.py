@@ -7,7 +7,9 @@
 - activations: the bytes the plan predicts the vision forward keeps equal the saved tensors of a real forward of
   the tiny encoder and projector on a micro-batch of views and crops (saved_tensors_hooks, unique storages,
   parameters excluded): fp32 within 1 % (measured: equal), bf16 within 15 % (the CPU keeps LayerNorm statistics
-  in bf16, the plan counts CUDA's fp32);
+  in bf16, the plan counts CUDA's fp32); under full and selective activation checkpointing (the encoder blocks
+  wrapped by parallelize.checkpoint_blocks, as training wraps them) the storages the forward leaves alive;
+- full activation checkpointing of a trained tiny-vl model changes neither its loss nor its gradients;
 - the phases carry them; without model.vision a Step-3.7 model keeps today's report (nothing on the devices);
 - the release's Step-3.7 config (a config.json only, no tensors) planned with the GPU recipe: its vision
   parameter count equals the analytic count of its config, sharded over 64 ranks; its numbers printed.
@@ -25,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from step35.config import PRESETS, VisionConfig, load_vision_config, preset
 from step35.model import build_model
+from step35.parallel.parallelize import checkpoint_blocks
 from step35.plan.devices import DEVICES
 from step35.plan.planner import make_plan, run_vision_activations
 from step35.plan.settings import PlanInputError, read_settings
@@ -160,18 +163,34 @@ def test_the_vision_side_adds_its_bytes_to_the_device_totals(tmp_path):
 
 
 # ------------------------------------------------------------------------------ activations
-def measured_vision_bytes(settings) -> int:
-    """Bytes a real forward of the run's tiny encoder and projector keeps for backward on the plan's views:
-    unique storages packed by autograd, parameters excluded."""
+def tiny_vl_model(settings, checkpointing: str = "none", seed: int = 0):
+    """The run's tiny model on the CPU, its blocks checkpointed as parallelize checkpoints them (training_model's
+    shard step, where the strategy's parallelize runs)."""
     lora = settings.lora.options if settings.lora is not None else None
     spec = TrainedModel(settings.model_config, 0, 0.0, lora, settings.vision, settings.train_vision)
-    model = training_model(spec, dtype=settings.stored_dtype, device="cpu").train()
-    dtype = settings.vision_dtype
+    shard = None if checkpointing == "none" else (lambda model: checkpoint_blocks(model, checkpointing))
+    return training_model(spec, shard=shard, dtype=settings.stored_dtype, device="cpu", seed=seed).train()
+
+
+def tiny_images(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The plan's micro-batch of images: 4 global views, 6 crops, and the crops of each image."""
     g = torch.Generator().manual_seed(0)
     views = torch.randn(WINDOWS * IMAGES, 3, VIEW, VIEW, generator=g, dtype=dtype)
     crops = torch.randn(WINDOWS * CROPS, 3, CROP, CROP, generator=g, dtype=dtype)
     per_image = [2, 1, 0, 3]  # the crops of each of the 4 images, 6 in all
     assert len(per_image) == views.shape[0] and sum(per_image) == crops.shape[0]
+    return views, crops, per_image
+
+
+def measured_vision_bytes(settings, checkpointing: str = "none") -> int:
+    """Bytes a real forward of the run's tiny encoder and projector keeps for backward on the plan's views:
+    unique storages packed by autograd, parameters excluded. Checkpointed blocks pack inside their own hooks and
+    hold their inputs and (selective) matmul outputs outside them: then the storages the forward created that are
+    still alive after it, the pixels and the features (its output) excluded (benchmarks/activation_memory.py)."""
+    model = tiny_vl_model(settings, checkpointing)
+    views, crops, per_image = tiny_images(settings.vision_dtype)
+    if checkpointing != "none":
+        return retained_vision_bytes(model, views, crops, per_image)
     parameters = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
     kept: dict[StorageWeakRef, int] = {}
 
@@ -188,20 +207,65 @@ def measured_vision_bytes(settings) -> int:
     return sum(kept.values())
 
 
+def retained_vision_bytes(model, views: torch.Tensor, crops: torch.Tensor, per_image: list[int]) -> int:
+    from benchmarks.activation_memory import _PartTracker, count_saved
+
+    _, retained, features = count_saved(lambda: model.image_features(views, crops, per_image), _PartTracker(), model)
+    outside = {StorageWeakRef(t.untyped_storage()) for t in (views, crops, features)}
+    kept = sum(nbytes for ref, (*_, nbytes) in retained.items() if ref not in outside)
+    if features.requires_grad:
+        features.float().square().sum().backward()  # the counted graph is a complete one
+    return kept
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 @pytest.mark.parametrize(
     "case,tolerance",
     [("trained", 0.01), ("trained-bf16", 0.15), ("lora", 0.01), ("lora-projector", 0.01), ("frozen", 0)],
 )
-def test_predicted_vision_activations_match_saved_tensors(tmp_path, case, tolerance):
-    settings = settings_of(tmp_path, case)
+def test_predicted_vision_activations_match_saved_tensors(tmp_path, case, tolerance, checkpointing):
+    settings = settings_of(tmp_path, case).with_layout(activation_checkpointing=checkpointing)
     predicted = run_vision_activations(settings)
-    measured = measured_vision_bytes(settings)
-    print(f"{case}: predicted {predicted.total:,} B, measured {measured:,} B; per view {predicted.per_view}")
+    measured = measured_vision_bytes(settings, checkpointing)
+    print(
+        f"{case}, {checkpointing}: predicted {predicted.total:,} B, measured {measured:,} B; "
+        f"per view {predicted.per_view}"
+    )
     assert predicted.total == pytest.approx(measured, rel=tolerance)
     assert (measured == 0) == (case == "frozen")
     # the views' shares add up to the whole but for the rotary tables (per view size)
     shares = WINDOWS * (IMAGES * predicted.per_view[VIEW] + CROPS * predicted.per_view[CROP])
     assert 0 <= predicted.total - shares < 0.05 * max(predicted.total, 1)
+
+
+@pytest.mark.parametrize("case", ["trained", "frozen"])
+def test_full_checkpointing_of_the_vision_side_keeps_loss_and_gradients(tmp_path, case):
+    """tiny-vl, fp32: the decoder layers and the encoder blocks checkpointed in full (as parallelize wraps them)
+    give the loss and every gradient of the unwrapped model, parameter names unchanged; a frozen encoder (no
+    input of its checkpointed blocks asks for a gradient) runs and keeps nothing."""
+    settings = settings_of(tmp_path, case)
+    views, crops, per_image = tiny_images(torch.float32)
+    token = settings.vision.image_token_id
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(2, token, (2, 40), generator=g)
+    placeholders = torch.full((2, 11), token)  # 22 features: 4 views of 2 x 2, 6 crops of 1
+    ids = torch.cat([text[:, :20], placeholders, text[:, 20:]], dim=1)
+    images = {"pixel_values": views, "pixel_values_local": crops, "num_local_patches": per_image}
+    results = {}
+    for checkpointing in ("none", "full"):
+        model = tiny_vl_model(settings, checkpointing, seed=3)
+        wrapped = hasattr(model.vision_model.transformer.resblocks[0].forward, "__wrapped__")
+        assert wrapped == (checkpointing == "full")
+        loss = model.loss(ids[:, :-1], ids[:, 1:], images=images).loss
+        loss.backward()
+        results[checkpointing] = loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    (loss, grads), (loss_ac, grads_ac) = results["none"], results["full"]
+    assert grads_ac.keys() == grads.keys()
+    assert any(n.startswith("vision_model.transformer.") for n in grads) == (case == "trained")
+    torch.testing.assert_close(loss_ac, loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name  # every trained parameter gets a gradient
+        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-6, atol=1e-8, msg=name)
 
 
 def test_without_model_vision_nothing_is_on_the_devices_and_images_are_refused(tmp_path):
@@ -245,10 +309,16 @@ def release_args(tmp_path_factory) -> dict[str, list[str]]:
     }
     (folder / "config.json").write_text(json.dumps(raw))
     common = ["--config", RECIPE, f"--model.checkpoint={folder}", "--data.images={}", "--no-suggestions", "--json"]
-    return {"frozen": [*common, "--model.vision={}"], "trained": [*common, "--model.vision={train: true}"]}
+    trained = [*common, "--model.vision={train: true}"]  # the recipe checkpoints in full
+    return {
+        "frozen": [*common, "--model.vision={}"],
+        "trained": trained,
+        "trained selective": [*trained, "--trainer.strategy.activation_checkpointing=selective"],
+        "trained none": [*trained, "--trainer.strategy.activation_checkpointing=none"],
+    }
 
 
-@pytest.mark.heavy  # the 196B model with the vision side sharded for 64 simulated ranks, twice
+@pytest.mark.heavy  # the 196B model with the vision side sharded for 64 simulated ranks, twice (then cached)
 @pytest.mark.timeout(300)
 def test_release_vision_side_planned_from_its_config_alone(capsys, release_args):
     vision = VisionConfig.from_release({"vision_config": RELEASE_VISION})
@@ -278,7 +348,13 @@ def test_release_vision_side_planned_from_its_config_alone(capsys, release_args)
     frozen, trained = plans["frozen"]["vision"], plans["trained"]["vision"]
     assert frozen["grad_bytes"] == frozen["optimizer_bytes"] == frozen["activations"]["total"] == 0
     assert trained["grad_bytes"] == trained["param_bytes"] and trained["optimizer_bytes"] == 2 * trained["param_bytes"]
-    # trained, in bf16: per token of a view, 47 blocks x (13 D + 3 I) values at least (no checkpointing)
-    per_token = 47 * (13 * 1536 + 3 * 8960) * 2
-    assert trained["activations"]["per_view"]["728"] == pytest.approx(52**2 * per_token, rel=0.05)
-    assert not plans["trained"]["verdict"]["fits"]  # 36 crops + 4 views kept by 47 unchecked blocks: ~237 GiB
+    # trained, in bf16, per token of a view: 47 blocks x (13 D + 3 I) values at least without checkpointing; their
+    # input D under full; under selective also the 4 linears' outputs 5 D + I and the flash kernel's output D
+    D, I = 1536, 8960
+    per_view = {name: plans[name]["vision"]["activations"]["per_view"]["728"] for name in plans}
+    assert per_view["trained none"] == pytest.approx(52**2 * 47 * (13 * D + 3 * I) * 2, rel=0.05)
+    assert per_view["trained"] == pytest.approx(52**2 * 47 * D * 2, rel=0.10)  # + the stem, downsamplers, projector
+    assert per_view["trained selective"] == pytest.approx(52**2 * 47 * (7 * D + I) * 2, rel=0.02)
+    assert plans["trained"]["verdict"]["fits"]  # 8.5 GiB kept by the 47 checkpointed blocks and the rest: ~70 GiB
+    assert not plans["trained none"]["verdict"]["fits"]  # 36 crops + 4 views kept by 47 unchecked blocks: ~237 GiB
+    assert not plans["trained selective"]["verdict"]["fits"]  # the matmul outputs alone: ~2 GiB a block

@@ -1,5 +1,6 @@
 """Apply parallelism to a Step35ForCausalLM built on the meta device, in a fixed order:
 expert parallelism, activation checkpointing, per-block compile, then FSDP2 (innermost first).
+Activation checkpointing wraps each decoder layer and, in a vision-language model, each vision encoder block.
 
 Parameter names stay the HF names throughout (no wrapper modules), so checkpoints keep them.
 """
@@ -40,8 +41,7 @@ def parallelize(
             if layer.spec.is_moe:
                 shard_experts(layer.moe, meshes.experts["ep"])
     if activation_checkpointing != "none":
-        for layer in layers:
-            apply_activation_checkpointing(layer, activation_checkpointing)
+        checkpoint_blocks(model, activation_checkpointing)
     if compile:
         for layer in layers:
             layer.compile(fullgraph=False)
@@ -119,10 +119,23 @@ def _shard_vision(model: nn.Module, mesh, reshard_after_forward: bool, mp) -> li
     encoder = getattr(model, "vision_model", None)
     if encoder is None:
         return []
-    units = list(encoder.transformer.resblocks) + [encoder]
+    units = vision_blocks(model) + [encoder]
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return units
+
+
+def vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The encoder blocks of Step-3.7's vision side (model/vision.py VisionBlock), none without a vision encoder."""
+    encoder = getattr(model, "vision_model", None)
+    return [] if encoder is None else list(encoder.transformer.resblocks)
+
+
+def checkpoint_blocks(model: Step35ForCausalLM, mode: ActivationCheckpointing) -> None:
+    """Checkpoint every decoder layer and every vision encoder block in `mode`. A block whose inputs and
+    parameters ask for no gradient (a frozen encoder) keeps nothing either way."""
+    for block in list(model.model.layers) + vision_blocks(model):
+        apply_activation_checkpointing(block, mode)
 
 
 def apply_activation_checkpointing(layer: nn.Module, mode: ActivationCheckpointing) -> None:

@@ -214,16 +214,25 @@ def scaled(act: ActivationEstimate, factor: float) -> ActivationEstimate:
 
 
 def run_vision_activations(s: RunSettings) -> VisionActivations | None:
-    """The vision forward of one micro-batch of the run (plan/vision.py), None without model.vision."""
+    """The vision forward of one micro-batch of the run (plan/vision.py), its encoder blocks checkpointed as the
+    decoder layers are; None without model.vision."""
     if s.vision is None:
         return None
     a = torch.empty((), dtype=s.vision_dtype).element_size()
-    return vision_activations(s.vision, s.model_config.hidden_size, s.vision_views, a, s.vision_grad)
+    return vision_activations(
+        s.vision,
+        s.model_config.hidden_size,
+        s.vision_views,
+        a,
+        s.vision_grad,
+        checkpointing=s.activation_checkpointing,
+        device_type=s.accelerator,
+    )
 
 
 def with_vision_activations(act: ActivationEstimate, vision: VisionActivations | None) -> ActivationEstimate:
-    """`act` plus what the vision forward keeps (parts named `vision ...`): kept through the language model's
-    forward and backward, under any activation checkpointing (parallelize checkpoints decoder layers only)."""
+    """`act` plus what the vision forward keeps (parts named `vision ...`, already under the run's activation
+    checkpointing, plan/vision.py): kept through the language model's forward and backward."""
     if vision is None or not vision.total:
         return act
     parts = dict(act.parts)

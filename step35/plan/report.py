@@ -266,7 +266,8 @@ def vision_activation_line(p: Plan) -> str:
     if not v.total:
         return f"nothing kept ({v.mode}: no gradient asked of the encoder){work}"
     views = ", ".join(f"{nbytes / 1024**2:,.2f} MiB per {side} px view" for side, nbytes in v.per_view.items())
-    return f"{_gib(v.total).strip()} kept in {_dtype(s.vision_dtype)}, whatever the checkpointing ({views}){work}"
+    how = f"{v.checkpointing} checkpointing of the encoder blocks"
+    return f"{_gib(v.total).strip()} kept in {_dtype(s.vision_dtype)}, {how} ({views}){work}"
 
 
 def rollout_lines(p: Plan) -> list[str]:

@@ -18,6 +18,12 @@ What is kept depends on what trains (autograd saves an op's input only for a gra
   adapter only;
 - `frozen`: nothing (no parameter of the encoder asks for a gradient, nor do the pixels).
 
+Under activation checkpointing (parallelize.checkpoint_blocks wraps every encoder block as it wraps the decoder
+layers) a block that a gradient reaches keeps its input [P, D] instead of the tensors above; `selective` keeps its
+matmul outputs too (parallelize._save_matmuls: the four linears, the LoRA adapters' two products, and on CUDA the
+attention kernel's output and log-sum-exp; the CPU's attention kernel is recomputed). The rotary tables stay kept
+(the checkpoint holds its arguments); the stem, the downsamplers and the projector are not checkpointed.
+
 Conventions as activations.py: P tokens of all views packed, D the encoder width, I its MLP width, `a` bytes of an
 activation (the dtype the encoder computes in), LayerNorm statistics and the attention's log-sum-exp fp32 (CUDA
 kernels; the CPU keeps LayerNorm statistics in the input dtype). tests/test_plan_vision.py compares the total
@@ -34,6 +40,7 @@ from step35.model.vision import CHANNEL_GROWTH, feature_grid
 
 FP32 = 4
 MODES = ("trained", "lora", "frozen")
+CHECKPOINTING = ("none", "selective", "full")
 
 
 def is_vision(name: str) -> bool:
@@ -66,6 +73,7 @@ class VisionActivations:
     """One micro-batch's vision forward: bytes kept for backward by part, per view, and its transients."""
 
     mode: str
+    checkpointing: str = "none"  # of the encoder blocks: none | selective | full (activation_checkpointing)
     parts: dict[str, int] = field(default_factory=dict)  # kept until the vision backward
     per_view: dict[int, int] = field(default_factory=dict)  # kept bytes per view, by its side in pixels
     tokens: int = 0  # encoder tokens (patches) of all views
@@ -103,6 +111,41 @@ def block_saved(cfg: VisionConfig, tokens: int, a: int, grad: VisionGrad, *, gra
     return kept
 
 
+def blocks_get_gradients(grad: VisionGrad) -> bool:
+    """A gradient reaches the encoder blocks: they are trained, or adapted by LoRA ("vision")."""
+    return grad.mode == "trained" or (grad.mode == "lora" and grad.blocks)
+
+
+def checkpointed_block_saved(
+    cfg: VisionConfig, tokens: int, a: int, grad: VisionGrad, checkpointing: str, device_type: str
+) -> int:
+    """Bytes one checkpointed encoder block keeps for `tokens` packed tokens: its input h [P, D], and under
+    `selective` the matmul outputs parallelize._save_matmuls keeps. Nothing when no gradient reaches the block
+    (the checkpoint then drops what it held)."""
+    if not blocks_get_gradients(grad):
+        return 0
+    P, D, I = tokens, cfg.hidden_size, cfg.intermediate_size
+    kept = P * D * a
+    if checkpointing == "selective":
+        kept += P * (3 * D + D + I + D) * a  # in_proj, out_proj, c_fc, c_proj (addmm)
+        if grad.mode == "lora":  # each adapted linear's two mm: [P, r] and [P, out]
+            kept += 3 * P * grad.rank * a + P * (D + I + D) * a
+        if device_type == "cuda":  # the flash / efficient SDPA kernel's output and log-sum-exp
+            kept += P * D * a + cfg.num_attention_heads * P * FP32
+    return kept
+
+
+def block_kept(
+    cfg: VisionConfig, tokens: int, a: int, grad: VisionGrad, *, grad_in: bool, checkpointing: str, device_type: str
+) -> int:
+    """Bytes one encoder block keeps under the run's activation checkpointing (block_saved without it)."""
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing must be none, selective or full, got {checkpointing!r}")
+    if checkpointing == "none":
+        return block_saved(cfg, tokens, a, grad, grad_in=grad_in)
+    return checkpointed_block_saved(cfg, tokens, a, grad, checkpointing, device_type)
+
+
 def _grid(cfg: VisionConfig, group: ViewGroup) -> int:
     return group.side // cfg.patch_size
 
@@ -121,9 +164,16 @@ def rotary_tables(cfg: VisionConfig, views: list[ViewGroup]) -> int:
     return sum(2 * _grid(cfg, g) ** 2 * (cfg.head_dim // 2) * FP32 for g in views if g.count)
 
 
-def encoder_saved(cfg: VisionConfig, views: list[ViewGroup], a: int, grad: VisionGrad) -> dict[str, int]:
+def encoder_saved(
+    cfg: VisionConfig,
+    views: list[ViewGroup],
+    a: int,
+    grad: VisionGrad,
+    checkpointing: str = "none",
+    device_type: str = "cuda",
+) -> dict[str, int]:
     """Bytes VisionEncoder.forward and the projector keep for backward on `views`, by part (model/vision.py),
-    the rotary tables apart (rotary_tables)."""
+    the rotary tables apart (rotary_tables), with the blocks checkpointed as `checkpointing` says."""
     parts: dict[str, int] = {}
     trained = grad.mode == "trained"
     lora = grad.mode == "lora"
@@ -131,8 +181,10 @@ def encoder_saved(cfg: VisionConfig, views: list[ViewGroup], a: int, grad: Visio
     if trained:  # conv1's input (the patches); ln_pre's input and statistics
         _kept(parts, "vision patches", P * cfg.num_channels * cfg.patch_size**2 * a + P * D * a + 2 * P * FP32)
     for i in range(cfg.num_hidden_layers):
-        _kept(parts, "vision blocks", block_saved(cfg, P, a, grad, grad_in=trained or i > 0))
-    if trained or (lora and grad.blocks):  # a gradient reaches the downsamplers (a convolution keeps its input)
+        grad_in = trained or i > 0
+        kept = block_kept(cfg, P, a, grad, grad_in=grad_in, checkpointing=checkpointing, device_type=device_type)
+        _kept(parts, "vision blocks", kept)
+    if blocks_get_gradients(grad):  # a gradient reaches the downsamplers (a convolution keeps its input)
         side = max((_grid(cfg, g) for g in views), default=0)  # the canvas: every view padded to the largest grid
         half = -(-side // 2)
         N = sum(g.count for g in views)
@@ -146,22 +198,34 @@ def encoder_saved(cfg: VisionConfig, views: list[ViewGroup], a: int, grad: Visio
 
 
 def vision_activations(
-    cfg: VisionConfig, text_hidden: int, views: list[ViewGroup], a: int, grad: VisionGrad
+    cfg: VisionConfig,
+    text_hidden: int,
+    views: list[ViewGroup],
+    a: int,
+    grad: VisionGrad,
+    checkpointing: str = "none",
+    device_type: str = "cuda",
 ) -> VisionActivations:
     """The vision forward of one micro-batch of `views` (each group as images_of_batch hands them over): kept
-    bytes by part and per view of each size, and the transients (the features, one block's work). The
-    projector's output is not kept (the splice, masked_scatter, keeps only its mask)."""
-    parts = encoder_saved(cfg, views, a, grad)
-    if grad.mode == "trained" or (grad.mode == "lora" and grad.blocks):
+    bytes by part and per view of each size, and the transients (the features, one block's work), with the
+    encoder blocks under activation checkpointing `checkpointing` on a `device_type` device. The projector's
+    output is not kept (the splice, masked_scatter, keeps only its mask)."""
+
+    def saved(groups: list[ViewGroup]) -> dict[str, int]:
+        return encoder_saved(cfg, groups, a, grad, checkpointing, device_type)
+
+    parts = saved(views)
+    if blocks_get_gradients(grad):  # kept by the rotations, or held as the checkpointed blocks' arguments
         _kept(parts, "vision blocks", rotary_tables(cfg, views))
-    empty = sum(encoder_saved(cfg, [ViewGroup(0, g.side) for g in views], a, grad).values())
+    empty = sum(saved([ViewGroup(0, g.side) for g in views]).values())
     per_view = {}
     for k, group in enumerate(views):  # what one more view of this size adds (in this micro-batch's canvas)
         one = [ViewGroup(int(j == k), g.side) for j, g in enumerate(views)]
-        per_view[group.side] = sum(encoder_saved(cfg, one, a, grad).values()) - empty
+        per_view[group.side] = sum(saved(one).values()) - empty
     F = sum(_features(cfg, g) for g in views)
     return VisionActivations(
         grad.mode,
+        checkpointing,
         parts,
         per_view,
         tokens=sum(_tokens(cfg, g) for g in views),

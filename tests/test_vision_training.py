@@ -166,3 +166,23 @@ def test_two_ranks_equal_one_process_with_a_text_only_rank(two_ranks, case):
     worst = max(r["grad_errors"], key=r["grad_errors"].get)
     assert r["grad_errors"][worst] <= REL, (worst, r["grad_errors"][worst])
     assert len(r["vision_grads"]) == (0 if case == "ep2_frozen" else 37)  # every vision parameter when trained
+
+
+def test_cached_generation_with_images_equals_rerunning_the_whole_context():
+    """step35 generate --image: the prompt's first forward reads the images (embed_with_images into the KV-cached
+    step); every later token then equals a forward over the whole context with the images, token by token."""
+    from step35.eval.generator import Generator
+
+    model = tiny_vl(3).eval()
+    g = torch.Generator().manual_seed(4)
+    images = {"pixel_values": torch.randn(1, 3, 112, 112, generator=g),
+              "pixel_values_local": torch.randn(2, 3, 56, 56, generator=g), "num_local_patches": [2]}  # fmt: skip
+    prompt = [5, 6] + [1000] * 6 + [7, 8]  # 2 crops + the view: 6 features
+    generator = Generator(model, tokenizer=None, start_id=0, stop_ids=set())
+    cached = generator.generate_ids(prompt, 6, images=images)
+    generator.use_cache = False
+    assert generator.generate_ids(prompt, 6, images=images) == cached
+    with torch.no_grad():
+        assert cached[0] == int(model(torch.tensor([prompt]), **images)[0, -1].argmax())
+        other = {**images, "pixel_values": torch.randn(1, 3, 112, 112, generator=g)}
+        assert not torch.equal(model(torch.tensor([prompt]), **images), model(torch.tensor([prompt]), **other))

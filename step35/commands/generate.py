@@ -26,6 +26,13 @@ model, config and tokenizer were read from goes to stderr.
 
     step35 generate --checkpoint runs/tiny --chat true --prompt "Hi" [--system "Be brief."]
 
+    step35 generate --checkpoint runs/tiny-vision --chat true --image shape.png --prompt "Describe the image."
+
+`--image PATH` (with `--chat`; several: `--image '[a.png, b.png]'`) puts images before the prompt in the user's turn, for a
+vision-language model (a run with model.vision, or a Step-3.7 folder): each is cut into the views the run trained
+on (its data.images; a folder: the release's 728/504 pixels) and placed as its placeholder run, as in training
+(step35/data/image_records.py); the prompt's first forward reads their features.
+
 `--chat` renders the prompt as the user's turn (after `--system`, if given) with the chat template,
 plus the generation prompt, and prints only the assistant's reply. The template is the tokenizer's
 (chat_template.jinja, else tokenizer_config.json's chat_template: for a run checkpoint, of the
@@ -62,6 +69,7 @@ def generate(
     system: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     cache: bool = True,
+    image: list[str] | str | None = None,
 ) -> None:
     """Continue a prompt with a trained model and print prompt + continuation (with --chat: the reply).
 
@@ -82,11 +90,15 @@ def generate(
         chat_template_kwargs: with chat: variables the template renders with, as in training's
             data.chat_template_kwargs, e.g. '{"reasoning_effort": "high"}'.
         cache: keep a KV cache (false: rerun the whole context for every token, the same tokens slower).
+        image: with chat: image files (paths, or data: URLs) put before the prompt in the user's turn (a
+            vision-language model).
     """
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise SystemExit("step35 generate: need max_new_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
     if system is not None and not chat:
         raise SystemExit("step35 generate: --system needs --chat true (a system message opens a conversation)")
+    if image and not chat:
+        raise SystemExit("step35 generate: --image needs --chat true (an image is part of the user's turn)")
     if chat_template_kwargs and not chat:
         raise SystemExit("step35 generate: --chat_template_kwargs needs --chat true (they reach the chat template)")
 
@@ -103,10 +115,36 @@ def generate(
         template = generator.chat_template(say)
         if chat_template_kwargs:
             template = template.with_variables(chat_template_kwargs, "--chat_template_kwargs")
-        ids = generator.chat_ids(template, prompt, system)
-        print(generator.decode(generator.generate_ids(ids, **sampling)), flush=True)
+        paths = [image] if isinstance(image, str) else image
+        content, images = (prompt, None) if not paths else image_prompt(generator, prompt, paths)
+        ids = generator.chat_ids(template, content, system)
+        print(generator.decode(generator.generate_ids(ids, images=images, **sampling)), flush=True)
     except (ChatTemplateError, NonFiniteLogits) as e:
         raise SystemExit(f"step35 generate: {e}") from None
+
+
+def image_prompt(generator: Generator, prompt: str, paths: list[str]) -> tuple[list, dict]:
+    """(the user's content: the images' placeholder runs, then the prompt; the model's image arguments)."""
+    from pathlib import Path
+
+    from step35.data.image_records import ImageOptions, record_images
+    from step35.data.readers import BadRecord
+
+    if generator.image_sizes is None:
+        raise SystemExit("step35 generate: --image needs a vision-language model (a run with model.vision, or a"
+                         " Step-3.7 folder); this checkpoint has no vision side")  # fmt: skip
+    view, crop = generator.image_sizes
+    options = ImageOptions(view, crop, max_images=len(paths), max_crops=36 * len(paths))
+    content = [{"type": "image", "image": path} for path in paths] + [{"type": "text", "text": prompt}]
+    try:
+        messages, images = record_images({}, [{"role": "user", "content": content}], Path.cwd(), options)
+    except BadRecord as error:
+        raise SystemExit(f"step35 generate: --image: {error}") from None
+    return messages[0]["content"], {
+        "pixel_values": torch.cat([i.pixel_values for i in images]),
+        "pixel_values_local": torch.cat([i.pixel_values_local for i in images]),
+        "num_local_patches": [i.n_crops for i in images],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.training.export import align_special_ids
 from step35.checkpoint.training.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
-from step35.config import Step35Config
+from step35.config import Step35Config, VisionConfig
 from step35.data.chat_messages import ChatTemplateError
 from step35.data.chat_template import ChatTemplate
 from step35.data.tokenizer import TextTokenizer
@@ -40,6 +40,7 @@ class Generator:
     eos_id: int | None = None  # the tokenizer's EOS (a template's eos_token when it names none)
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)  # where a chat template is looked up
     tokenizer_origin: str = ""
+    image_sizes: tuple[int, int] | None = None  # a vision-language model's (view, crop) sides; None: text only
 
     def encode(self, prompt: str) -> list[int]:
         return [self.start_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -56,9 +57,11 @@ class Generator:
         top_p: float = 1.0,
         seed: int = 0,
         until: Callable[[list[int]], bool] | None = None,
+        images: dict | None = None,
     ) -> list[int]:
         """The new token ids (the stop token included when one ended the text). `until`, when given, hears the
-        new ids after each token and ends the text by returning True (e.g. at a stop string)."""
+        new ids after each token and ends the text by returning True (e.g. at a stop string). `images`: the
+        prompt's images (a vision-language model's image_features arguments), read where its placeholders are."""
         device = self.model.lm_head.weight.device
         rng = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=device)
@@ -66,8 +69,13 @@ class Generator:
         cache = KVCache() if self.use_cache else None
         new: list[int] = []
         for _ in range(max_new_tokens):
+            if images is not None and ids.shape[1] > limit:
+                raise ValueError(f"a prompt with images longer than max_position_embeddings ({limit}) tokens")
             if cache is not None and ids.shape[1] <= limit:  # the tokens the cache has not seen yet
-                logits = self.model.step(ids[:, cache.length :], cache, last_only=True)[0, -1].float()  # [V]
+                embeds = self.model.embed_with_images(ids, images) if images is not None and not cache.length else None
+                logits = self.model.step(ids[:, cache.length :], cache, True, inputs_embeds=embeds)[0, -1].float()
+            elif images is not None:
+                logits = self.model(ids, **images)[0, -1].float()
             else:
                 logits = self.model(ids[:, -limit:])[0, -1].float()
             if not bool(torch.isfinite(logits).all()):  # (a host sync, as the token's own)
@@ -97,10 +105,10 @@ class Generator:
             )
         return template if template is not None else ChatTemplate.default()
 
-    def chat_ids(self, template: ChatTemplate, user: str, system: str | None = None) -> list[int]:
-        """The ids a reply is generated after: [system,] user turn and the generation prompt. The
-        template's end-of-turn token joins the stop ids (a reply ends there even when config.json's
-        eos_token_id does not list it)."""
+    def chat_ids(self, template: ChatTemplate, user: str | list, system: str | None = None) -> list[int]:
+        """The ids a reply is generated after: [system,] user turn (its text, or its content parts) and the
+        generation prompt. The template's end-of-turn token joins the stop ids (a reply ends there even when
+        config.json's eos_token_id does not list it)."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         tokenizer = self._text_tokenizer()
         ids = template.prompt_ids(tokenizer, messages, where="the conversation of --system and --prompt")
@@ -159,6 +167,7 @@ def load_generator(
 
     say = say or (lambda line: None)
     path = Path(checkpoint)
+    meta = None  # a run checkpoint's Lightning dict (the data options it trained with)
     if is_peft_folder(path):  # a LoRA run's adapter export: on the base it names
         if peft_base(path) is None and tokenizer is None:
             raise CheckpointError(
@@ -170,7 +179,9 @@ def load_generator(
         config, run_eos, origin = Step35Config.from_dict(model.config.to_dict()), None, str(tokenizer or base)
         say(f"model: {base or 'the init'} with the adapters of {path} merged in; tokenizer: {origin}")
     elif is_hf_folder(path):
-        model = load_pretrained(path, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers)
+        model = load_pretrained(
+            path, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers, vision=has_vision_side(path)
+        )
         files = run_tokenizer.folder_files(tokenizer or path)
         config, run_eos = model.config, None
         say(f"model: {path}; tokenizer: {tokenizer or path}")
@@ -178,9 +189,10 @@ def load_generator(
 
         def read(chosen: Path) -> tuple[TrainedCheckpoint, Step35ForCausalLM]:
             trained = open_checkpoint(chosen)
-            return trained, _model_from(trained, dtype, device, num_mtp_layers)
+            return trained, _model_from(trained, dtype, device, num_mtp_layers, run_vision_config(trained))
 
         trained, model = read_checkpoint(path, read, say)  # again from the newest, if a live run pruned it
+        meta = trained.meta
         for note in trained.notes:
             say(note)
         if trained.lora is not None:
@@ -209,15 +221,50 @@ def load_generator(
         eos_id=ids.eos,
         tokenizer_files=files,
         tokenizer_origin=str(tokenizer or path) if is_hf_folder(path) else origin,
+        image_sizes=image_sizes_of(model, meta),
     )
 
 
+def image_sizes_of(model: Step35ForCausalLM, meta: dict | None) -> tuple[int, int] | None:
+    """(view, crop) sides images are cut into for a vision-language model: those its run trained on (data.images
+    in the checkpoint), else the release's for a 728-pixel encoder (728, 504), else its image_size and the
+    multiple of 56 nearest below 9/13 of it (the release's proportion: 112 -> 56). None without a vision side."""
+    vision = getattr(model, "vision_config", None)
+    if vision is None:
+        return None
+    recorded = ((meta or {}).get("datamodule_hyper_parameters") or {}).get("images")
+    if isinstance(recorded, dict) and {"view_size", "crop_size"} <= set(recorded):
+        return int(recorded["view_size"]), int(recorded["crop_size"])
+    side = vision.image_size
+    return side, max(56, side * 9 // 13 // 56 * 56)
+
+
+def has_vision_side(folder: Path) -> bool:
+    """Whether an HF folder's config.json describes a vision side (a Step-3.7 folder)."""
+    import json
+
+    try:
+        return isinstance(json.loads((folder / "config.json").read_text()).get("vision_config"), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def run_vision_config(trained: TrainedCheckpoint) -> VisionConfig | None:
+    """The vision side a run trained with model.vision (its model.checkpoint's or model.config's), else None."""
+    from step35.training.vision import VisionOptions, vision_config_of
+
+    hparams = trained.hyper_parameters
+    options = VisionOptions.of(hparams.get("vision"))
+    return vision_config_of(options, hparams.get("config"), hparams.get("checkpoint")) if options else None
+
+
 def _model_from(
-    trained: TrainedCheckpoint, dtype: torch.dtype, device: str, num_mtp_layers: int = 0
+    trained: TrainedCheckpoint, dtype: torch.dtype, device: str, num_mtp_layers: int = 0, vision=None
 ) -> Step35ForCausalLM:
     """Build on meta, allocate on `device`, fill every tensor from the checkpoint (MTP layers beyond
-    `num_mtp_layers` skipped; LoRA adapters merged into their weights)."""
-    model = build_model(trained.config, num_mtp_layers=num_mtp_layers, device="meta")
+    `num_mtp_layers` skipped; LoRA adapters merged into their weights); with `vision` (a VisionConfig), the
+    vision-language model, its encoder and projector filled too."""
+    model = build_model(trained.config, num_mtp_layers=num_mtp_layers, device="meta", vision=vision)
     model.to(dtype)  # router_bias stays fp32 (MoE._apply)
     model.to_empty(device=device)
     state = model.state_dict()

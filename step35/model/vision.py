@@ -400,7 +400,11 @@ class Step35VLForConditionalGeneration(Step35ForCausalLM):
         images: image_features' keyword arguments (pixel_values, pixel_values_local, num_local_patches; e.g.
         images_of_batch of a batch); None: no image, yet the encoder and the projector still run once, on no
         view, so that every rank calls every vision module once per micro-batch (FSDP)."""
+        return super().loss(input_ids, labels, inputs_embeds=self.embed_with_images(input_ids, images), **options)
+
+    def embed_with_images(self, input_ids: torch.Tensor, images: dict | None = None) -> torch.Tensor:
+        """[B, S, H]: input_ids' embeddings with the image placeholders replaced by the features of `images`
+        (image_features' keyword arguments; None: no image, the encoder run on no view)."""
         features = self.image_features(**(images or {"pixel_values": None}))
         embeds = self.model.embed_tokens(input_ids)
-        embeds = splice_image_features(embeds, input_ids, self.vision_config.image_token_id, features)
-        return super().loss(input_ids, labels, inputs_embeds=embeds, **options)
+        return splice_image_features(embeds, input_ids, self.vision_config.image_token_id, features)

@@ -324,8 +324,8 @@ def test_image_parts_stop_the_run_naming_the_record(builtin_cache, part):
     assert not issubclass(ImagesNotSupported, ValueError)
     user = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}
     said = (
-        rf"^data\.jsonl:3: message 0 \(user\): content part 1 is an image \('{part['type']}'\): training the vision "
-        "side and images in data is not supported yet"
+        rf"^data\.jsonl:3: message 0 \(user\): content part 1 is an image \('{part['type']}'\), and this run reads "
+        r"no images \(no data\.images"
     )
     with pytest.raises(ImagesNotSupported, match=said):
         check_messages([user, {"role": "assistant", "content": "A cat."}], "data.jsonl:3")

@@ -139,7 +139,7 @@ def test_generate_chat_replies_from_the_run_and_its_step37_export(runs, step35_h
 @pytest.mark.timeout(600)
 def test_images_in_conversations_stop_the_run_naming_the_record(folders, tmp_path, step35_here):
     """Line 1 gives its content as text parts (trained as before); line 2 holds an image part: the fit stops
-    there, naming the file and the line, and saying that images are not supported yet (not a bad record
+    there, naming the file and the line, and saying that the run reads no images (not a bad record
     skipped and counted: the run would then train on other data than it was given)."""
     flat = folders["flat"]
     chats = write_jsonl(
@@ -164,8 +164,8 @@ def test_images_in_conversations_stop_the_run_naming_the_record(folders, tmp_pat
     )  # fmt: skip
     assert code != 0
     assert (
-        f"{chats}:2: message 0 (user): content part 1 is an image ('image_url'): training the vision side and "
-        "images in data is not supported yet" in err
+        f"{chats}:2: message 0 (user): content part 1 is an image ('image_url'), and this run reads no images (no"
+        " data.images" in err
     ), out[-2000:] + err[-4000:]
     assert "skipping bad record" not in err
 

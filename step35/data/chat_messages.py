@@ -113,11 +113,10 @@ def _check_parts(parts: list, at: str, *, allow_empty: bool) -> None:
         kind = part.get("type")
         if kind in IMAGE_PARTS:
             raise ImagesNotSupported(
-                f"{at}: content part {k} is an image ({kind!r}): training the vision side and images in data is "
-                "not supported yet in a run without data.images (its language model alone trains; a Step-3.7"
-                " folder's vision encoder and projector are carried unchanged): to train on images, set data.images"
-                " and model.vision with a Step-3.7 model (image_records.py; videos are not supported), or leave the"
-                " records with images out of the data"
+                f"{at}: content part {k} is an image ({kind!r}), and this run reads no images (no data.images:"
+                " its language model alone trains; a Step-3.7 folder's vision encoder and projector are carried"
+                " unchanged): to train on images, set data.images and model.vision with a Step-3.7 model"
+                " (docs/vision.md; videos are not supported), or leave the records with images out of the data"
             )
         if kind != "text":
             raise ChatTemplateError(

@@ -15,6 +15,13 @@ prompt's rollout (plan/rollout.py; the training forward's activations are not ye
                    layer's prefill work and the prompt's recorded routes
   rollout decode   state + gradients + root gathered + one block gathered + the KV cache at the end of
                    decoding, one layer's concatenation copy and the recorded routes (chunks and joined)
+and, with an EvalCallback in trainer.callbacks, after the optimizer step (gradients still held: Lightning frees
+them in the next step's first micro-batch, before its backward), one prompt record's generation (plan/rollout.py,
+eval_generation_memory; no routes recorded, no activations kept):
+  eval prefill     state + gradients + root gathered + one block gathered + the prompt's KV cache of its
+                   num_samples rows and one layer's prefill work
+  eval decode      state + gradients + root gathered + one block gathered + the KV cache at the end of
+                   decoding and one layer's concatenation copy
 and, with Step-3.7's vision side on the devices (model.vision, plan/vision.py), whose activations are part of
 `activations` in every phase above:
   vision forward   state + root gathered + the vision activations + one block gathered + the larger of one
@@ -32,7 +39,7 @@ import torch
 
 from step35.plan.activations import ActivationEstimate
 from step35.plan.context import gathered_gradient_bytes
-from step35.plan.rollout import RolloutMemory
+from step35.plan.rollout import GenerationMemory, RolloutMemory
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup, RankState
 from step35.plan.vision import VisionActivations
@@ -125,6 +132,15 @@ def rollout_phases(persistent: dict[str, int], gradients: int, t: Transients, r:
     ]
 
 
+def eval_phases(persistent: dict[str, int], gradients: int, t: Transients, e: GenerationMemory) -> list[Phase]:
+    """The two moments of one prompt record's generation by EvalCallback (this module's docstring)."""
+    held = {**persistent, "gradients": gradients, "root gathered": t.root_gathered, "block all-gather": t.block_gather}
+    return [
+        Phase("eval prefill", {**held, "KV cache": e.prefill_cache, "prefill layer work": e.prefill_work}),
+        Phase("eval decode", {**held, "KV cache": e.decode_cache, "KV concatenation": e.decode_copy}),
+    ]
+
+
 def vision_phases(
     persistent: dict[str, int], gradients: int, grads_in_forward: int, t: Transients, v: VisionActivations
 ) -> tuple[list[Phase], list[Phase]]:
@@ -163,6 +179,7 @@ def phases(
     act: ActivationEstimate,
     rollout: RolloutMemory | None = None,
     vision: VisionActivations | None = None,
+    evaluation: GenerationMemory | None = None,
 ) -> list[Phase]:
     persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
     if state.reference:
@@ -179,6 +196,7 @@ def phases(
         )
     generation = rollout_phases(persistent, grads_in_forward, t, rollout) if rollout is not None else []
     before, after = vision_phases(persistent, state.grads, grads_in_forward, t, vision) if vision else ([], [])
+    evaluating = eval_phases(persistent, state.grads, t, evaluation) if evaluation is not None else []
     return [
         *generation,
         *before,
@@ -230,6 +248,7 @@ def phases(
             },
         ),
         Phase("optimizer step", {**persistent, "gradients": state.grads, "optimizer temporaries": t.optimizer}),
+        *evaluating,
     ]
 
 

@@ -15,7 +15,7 @@ from step35.plan.activations import ActivationEstimate, Shape, model_activations
 from step35.plan.devices import Device
 from step35.plan.lora import Trained, activations_per_token, trained_tensors
 from step35.plan.memory import Phase, Transients, Verdict, phases, transients, verdict
-from step35.plan.rollout import RolloutMemory, rollout_memory
+from step35.plan.rollout import GenerationMemory, RolloutMemory, eval_generation_memory, rollout_memory
 from step35.plan.settings import PlanInputError, RunSettings
 from step35.plan.speed import Speed, speed
 from step35.plan.state import FsdpGroup, RankState, fsdp_groups, rank_state
@@ -45,6 +45,7 @@ class Plan:
     host_memory_gib: float | None = None  # the node's host memory (`--host-memory-gib`), for the staging check
     rollout: RolloutMemory | None = None  # an objective that generates: its rollouts' bytes (plan/rollout.py)
     vision: VisionActivations | None = None  # model.vision: the vision forward of one micro-batch (plan/vision.py)
+    eval_generation: GenerationMemory | None = None  # an EvalCallback: one prompt's generation (plan/rollout.py)
 
     @property
     def staging_per_node(self) -> int:
@@ -269,7 +270,8 @@ def make_plan(
     act = with_vision_activations(act, vision)
     t = transients(s, state, groups)
     rollout = rollout_memory(s, activation_shape(s))
-    phase_list = phases(s, state, t, act, rollout, vision)
+    evaluation = eval_generation_memory(s, activation_shape(s))
+    phase_list = phases(s, state, t, act, rollout, vision, evaluation)
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
@@ -287,4 +289,5 @@ def make_plan(
         trained=sharded.trained,
         rollout=rollout,
         vision=vision,
+        eval_generation=evaluation,
     )

@@ -102,7 +102,8 @@ def text(p: Plan) -> str:
     """The plan as people read it: the run, what a rank holds, the peak by phase and the verdict, the
     speed bounds, and the layouts that would fit."""
     lines = _run_lines(p) + ["", "Per device (rank 0 holds the largest shards)", "  held for the whole run"]
-    lines += _held_lines(p) + _transient_lines(p) + _activation_lines(p) + rollout_lines(p) + _peak_lines(p)
+    lines += _held_lines(p) + _transient_lines(p) + _activation_lines(p) + rollout_lines(p) + eval_lines(p)
+    lines += _peak_lines(p)
     lines += host_lines(p) + rollout_host_lines(p)
     lines += ["", "Speed (upper bounds: kernels at peak, balanced routing)"] + _speed_lines(p)
     return "\n".join(lines + _alternative_lines(p))
@@ -292,6 +293,28 @@ def rollout_lines(p: Plan) -> list[str]:
     ]
 
 
+def eval_lines(p: Plan) -> list[str]:
+    """EvalCallback's generation on the device (plan/rollout.py eval_generation_memory): one prompt record's
+    KV cache, its concatenation copy and prefill work, and the prompt length it is counted with."""
+    e, s = p.eval_generation, p.settings
+    if e is None:
+        return []
+    cfg = s.model_config
+    specs = [cfg.layer(i) for i in range(cfg.num_hidden_layers)]
+    full, sliding = sum(not x.sliding for x in specs), sum(x.sliding for x in specs)
+    kept = cached_tokens(cfg.sliding_window, s.seq_len, e.max_new_tokens)
+    every = s.eval_generation.every_n_steps
+    return [
+        f"  eval generation     EvalCallback every {every} steps, after the optimizer step: one prompt record's "
+        f"{e.rows} row(s) of <= {e.max_new_tokens} new tokens at a time",
+        f"    KV cache            {_gib(e.decode_cache)}   end of decoding: {full} full layers x {e.window_tokens} "
+        f"tokens, {sliding} sliding x {kept}; {_dtype(s.eval_dtype)} (at the prefill {_gib(e.prefill_cache).strip()})",
+        f"    + one layer's concatenation {_gib(e.decode_copy).strip()}, prefill layer work "
+        f"{_gib(e.prefill_work).strip()}; prompts counted at <= data.seq_len + 1 = {s.seq_len + 1} ids "
+        f"(EvalCallback cuts none: a longer one holds more)",
+    ]
+
+
 def rollout_host_lines(p: Plan) -> list[str]:
     """The rollouts' routes kept on the host until their micro-batch's loss (every micro-batch of the step)."""
     r, s = p.rollout, p.settings
@@ -451,6 +474,14 @@ def as_dict(p: Plan) -> dict:
             "base_dtype": _dtype(s.base_dtype),
         },
         "rollout": None if p.rollout is None else asdict(p.rollout),
+        "eval_generation": None
+        if p.eval_generation is None
+        else {
+            **asdict(s.eval_generation),
+            **asdict(p.eval_generation),
+            "prompt_tokens": s.seq_len + 1,
+            "dtype": _dtype(s.eval_dtype),
+        },
         "carried": None if s.carried is None else asdict(s.carried),  # on the host, in no per-device number
         "vision": vision_dict(p),
         "host_staging": None

@@ -50,6 +50,18 @@ def stored_dtype_of(precision: str) -> torch.dtype:
 STEP35_STRATEGY = "step35.strategy.Step35Strategy"
 
 
+@dataclass(frozen=True)
+class EvalGeneration:
+    """What the plan reads of an EvalCallback in trainer.callbacks (callbacks/evaluation.py): every
+    `every_n_steps` optimizer steps it answers `limit` prompt records, one at a time, with `num_samples` rows of
+    at most `max_new_tokens` new tokens each (plan/rollout.py eval_generation_memory)."""
+
+    num_samples: int
+    max_new_tokens: int
+    limit: int
+    every_n_steps: int
+
+
 class PlanInputError(ValueError):
     """A training config the plan cannot read; the message names the field."""
 
@@ -96,6 +108,7 @@ class RunSettings:
     train_vision: bool = False  # model.vision.train: they learn (else frozen; LoRA adapts them by target)
     images: ImageOptions | None = None  # data.images: the views and crops one window carries
     async_save: bool = False  # a RunCheckpoint(async_save=true) in trainer.callbacks: checkpoints staged on the host
+    eval_generation: EvalGeneration | None = None  # an EvalCallback in trainer.callbacks: its generation
 
     def slots_of(self, name: str, shape: tuple[int, ...]) -> float:
         """Optimizer states of the trained parameter `name` (its group's, OptimizerKind.group_of)."""
@@ -169,6 +182,12 @@ class RunSettings:
         if self.precision == "bf16-mixed":
             return torch.bfloat16
         return self.stored_dtype
+
+    @property
+    def eval_dtype(self) -> torch.dtype:
+        """The dtype EvalCallback's keys and values are in: it runs after the optimizer step, outside the training
+        step's autocast, so FSDP's param_dtype, else the dtype the weights are held in (LoRA: the base's)."""
+        return self.param_dtype if self.param_dtype is not None else self.base_dtype
 
     @property
     def vision_grad(self) -> VisionGrad:
@@ -398,6 +417,36 @@ def _saves_in_background(callbacks) -> bool:
     return False
 
 
+def _callback_list(callbacks) -> list:
+    if callbacks is None:
+        return []
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+
+def _eval_generation(callbacks) -> EvalGeneration | None:
+    """The EvalCallback of trainer.callbacks (class_path ending in EvalCallback), with the callback's own
+    defaults for what its init_args leave out; of several, the one that decodes the most tokens at once."""
+    import inspect
+
+    from step35.callbacks.evaluation import EvalCallback
+
+    defaults = {k: v.default for k, v in inspect.signature(EvalCallback.__init__).parameters.items()}
+    found = []
+    for callback in _callback_list(callbacks):
+        if str(_get(callback, "class_path") or "").rsplit(".", 1)[-1] != "EvalCallback":
+            continue
+        args = _get(callback, "init_args")
+        values = {}
+        for name in ("num_samples", "max_new_tokens", "limit", "every_n_steps"):
+            value = _get(args, name)
+            value = defaults[name] if value is None else value
+            if not isinstance(value, int) or value < 1:
+                raise PlanInputError(f"trainer.callbacks EvalCallback {name}={value!r}: must be an integer >= 1")
+            values[name] = value
+        found.append(EvalGeneration(**values))
+    return max(found, key=lambda e: e.num_samples * e.max_new_tokens, default=None)
+
+
 def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
     """The run of a parsed `fit` namespace; `lora` is model.lora's raw value (split_lora_args)."""
     trainer, model, data = cfg.trainer, cfg.model, cfg.data
@@ -443,6 +492,7 @@ def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:
         notes=notes,
         plan_device=cfg.get("plan_device"),
         async_save=_saves_in_background(trainer.get("callbacks")),
+        eval_generation=_eval_generation(trainer.get("callbacks")),
         **vision,
         **_optimizer(model, precision),
         **_objective(model, lora),

@@ -22,6 +22,10 @@ eval_generation_memory; no routes recorded, no activations kept):
                    num_samples rows and one layer's prefill work
   eval decode      state + gradients + root gathered + one block gathered + the KV cache at the end of
                    decoding and one layer's concatenation copy
+  eval MTP drafts  (mtp_batches > 0, MTP layers built) state + gradients + root gathered + one MTP layer
+                   gathered + draft_logits' peak on one validation micro-batch: the main head's and every
+                   depth's logits at once and the last head's hidden states, or, where larger, the logits
+                   before the last depth's and that MTP layer's work (plan/drafts.py)
 and, with Step-3.7's vision side on the devices (model.vision, plan/vision.py), whose activations are part of
 `activations` in every phase above:
   vision forward   state + root gathered + the vision activations + one block gathered + the larger of one
@@ -39,6 +43,7 @@ import torch
 
 from step35.plan.activations import ActivationEstimate
 from step35.plan.context import gathered_gradient_bytes
+from step35.plan.drafts import DraftMemory
 from step35.plan.rollout import GenerationMemory, RolloutMemory
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup, RankState
@@ -141,6 +146,21 @@ def eval_phases(persistent: dict[str, int], gradients: int, t: Transients, e: Ge
     ]
 
 
+def draft_phase(persistent: dict[str, int], gradients: int, t: Transients, d: DraftMemory) -> Phase:
+    """EvalCallback's MTP drafts of one validation micro-batch at their peak (this module's docstring)."""
+    return Phase(
+        "eval MTP drafts",
+        {
+            **persistent,
+            "gradients": gradients,
+            "root gathered": t.root_gathered,
+            "block all-gather": d.block_gather,
+            "draft logits": d.logits,
+            "draft hidden states + work": d.beside,
+        },
+    )
+
+
 def vision_phases(
     persistent: dict[str, int], gradients: int, grads_in_forward: int, t: Transients, v: VisionActivations
 ) -> tuple[list[Phase], list[Phase]]:
@@ -180,6 +200,7 @@ def phases(
     rollout: RolloutMemory | None = None,
     vision: VisionActivations | None = None,
     evaluation: GenerationMemory | None = None,
+    drafts: DraftMemory | None = None,
 ) -> list[Phase]:
     persistent = {"parameters": state.params, "optimizer states": state.optimizer, "buffers": state.buffers}
     if state.reference:
@@ -197,6 +218,7 @@ def phases(
     generation = rollout_phases(persistent, grads_in_forward, t, rollout) if rollout is not None else []
     before, after = vision_phases(persistent, state.grads, grads_in_forward, t, vision) if vision else ([], [])
     evaluating = eval_phases(persistent, state.grads, t, evaluation) if evaluation is not None else []
+    evaluating += [draft_phase(persistent, state.grads, t, drafts)] if drafts is not None else []
     return [
         *generation,
         *before,

@@ -13,6 +13,7 @@ import torch
 from step35.parallel import ParallelDims
 from step35.plan.activations import ActivationEstimate, Shape, model_activations
 from step35.plan.devices import Device
+from step35.plan.drafts import DraftMemory, eval_draft_memory
 from step35.plan.lora import Trained, activations_per_token, trained_tensors
 from step35.plan.memory import Phase, Transients, Verdict, phases, transients, verdict
 from step35.plan.rollout import GenerationMemory, RolloutMemory, eval_generation_memory, rollout_memory
@@ -46,6 +47,7 @@ class Plan:
     rollout: RolloutMemory | None = None  # an objective that generates: its rollouts' bytes (plan/rollout.py)
     vision: VisionActivations | None = None  # model.vision: the vision forward of one micro-batch (plan/vision.py)
     eval_generation: GenerationMemory | None = None  # an EvalCallback: one prompt's generation (plan/rollout.py)
+    eval_drafts: DraftMemory | None = None  # its MTP draft scoring: one validation micro-batch (plan/drafts.py)
 
     @property
     def staging_per_node(self) -> int:
@@ -271,7 +273,8 @@ def make_plan(
     t = transients(s, state, groups)
     rollout = rollout_memory(s, activation_shape(s))
     evaluation = eval_generation_memory(s, activation_shape(s))
-    phase_list = phases(s, state, t, act, rollout, vision, evaluation)
+    drafts = eval_draft_memory(s, activation_shape(s), groups)
+    phase_list = phases(s, state, t, act, rollout, vision, evaluation, drafts)
     memory = (device.memory_gib if device_memory_gib is None else device_memory_gib) * GiB
     reserve = (device.runtime_reserve_gib if runtime_reserve_gib is None else runtime_reserve_gib) * GiB
     v = verdict(phase_list, int(memory), allocator_margin, int(reserve))
@@ -290,4 +293,5 @@ def make_plan(
         rollout=rollout,
         vision=vision,
         eval_generation=evaluation,
+        eval_drafts=drafts,
     )

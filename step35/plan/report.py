@@ -312,6 +312,21 @@ def eval_lines(p: Plan) -> list[str]:
         f"    + one layer's concatenation {_gib(e.decode_copy).strip()}, prefill layer work "
         f"{_gib(e.prefill_work).strip()}; prompts counted at <= data.seq_len + 1 = {s.seq_len + 1} ids "
         f"(EvalCallback cuts none: a longer one holds more)",
+    ] + draft_lines(p)
+
+
+def draft_lines(p: Plan) -> list[str]:
+    """EvalCallback's MTP draft scoring (plan/drafts.py): every depth's logits of one validation micro-batch."""
+    d, s = p.eval_drafts, p.settings
+    if d is None:
+        return []
+    where = "head" if d.peak_at_head else "MTP block"
+    return [
+        f"    MTP draft logits    {_gib((d.depths + 1) * d.head_logits)}   main head + {d.depths} depth(s) at once: "
+        f"{d.tokens} tokens x {s.model_config.vocab_size} vocab, {_dtype(s.eval_dtype)}; "
+        f"{s.eval_generation.mtp_batches} validation batch(es), one at a time",
+        f"    + at the peak (last {where}): {_gib(d.logits).strip()} of logits + {_gib(d.beside).strip()} "
+        f"hidden states/work; MTP layer gathered {_gib(d.block_gather).strip()}",
     ]
 
 
@@ -482,6 +497,9 @@ def as_dict(p: Plan) -> dict:
             "prompt_tokens": s.seq_len + 1,
             "dtype": _dtype(s.eval_dtype),
         },
+        "eval_drafts": None
+        if p.eval_drafts is None
+        else {**asdict(p.eval_drafts), "peak_at_head": p.eval_drafts.peak_at_head, "logits": p.eval_drafts.logits},
         "carried": None if s.carried is None else asdict(s.carried),  # on the host, in no per-device number
         "vision": vision_dict(p),
         "host_staging": None

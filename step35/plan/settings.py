@@ -54,12 +54,14 @@ STEP35_STRATEGY = "step35.strategy.Step35Strategy"
 class EvalGeneration:
     """What the plan reads of an EvalCallback in trainer.callbacks (callbacks/evaluation.py): every
     `every_n_steps` optimizer steps it answers `limit` prompt records, one at a time, with `num_samples` rows of
-    at most `max_new_tokens` new tokens each (plan/rollout.py eval_generation_memory)."""
+    at most `max_new_tokens` new tokens each (plan/rollout.py eval_generation_memory), then scores the MTP drafts
+    on `mtp_batches` validation batches (0: none; plan/drafts.py)."""
 
     num_samples: int
     max_new_tokens: int
     limit: int
     every_n_steps: int
+    mtp_batches: int = 1
 
 
 class PlanInputError(ValueError):
@@ -425,7 +427,8 @@ def _callback_list(callbacks) -> list:
 
 def _eval_generation(callbacks) -> EvalGeneration | None:
     """The EvalCallback of trainer.callbacks (class_path ending in EvalCallback), with the callback's own
-    defaults for what its init_args leave out; of several, the one that decodes the most tokens at once."""
+    defaults for what its init_args leave out; of several, the one that decodes the most tokens at once, with the
+    most mtp_batches of any (one that scores the drafts is enough)."""
     import inspect
 
     from step35.callbacks.evaluation import EvalCallback
@@ -443,8 +446,15 @@ def _eval_generation(callbacks) -> EvalGeneration | None:
             if not isinstance(value, int) or value < 1:
                 raise PlanInputError(f"trainer.callbacks EvalCallback {name}={value!r}: must be an integer >= 1")
             values[name] = value
-        found.append(EvalGeneration(**values))
-    return max(found, key=lambda e: e.num_samples * e.max_new_tokens, default=None)
+        mtp_batches = _get(args, "mtp_batches")
+        mtp_batches = defaults["mtp_batches"] if mtp_batches is None else mtp_batches
+        if not isinstance(mtp_batches, int) or mtp_batches < 0:
+            raise PlanInputError(f"trainer.callbacks EvalCallback mtp_batches={mtp_batches!r}: must be an integer >= 0")
+        found.append(EvalGeneration(**values, mtp_batches=mtp_batches))
+    if not found:
+        return None
+    chosen = max(found, key=lambda e: e.num_samples * e.max_new_tokens)
+    return replace(chosen, mtp_batches=max(e.mtp_batches for e in found))
 
 
 def settings_from_namespace(cfg, lora: Any = None) -> RunSettings:

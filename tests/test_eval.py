@@ -153,12 +153,14 @@ def test_the_callback_logged_what_eval_computes_on_the_same_checkpoint(sft_run, 
 def test_the_callback_under_ep2_on_two_ranks_logs_what_eval_computes(tmp_path, prompts, capfd, builtin_cache,
                                                                      monkeypatch):  # fmt: skip
     """EvalCallback inside a 2-rank FSDP + EP 2 fit (every rank answers the same prompts in lockstep; a hang fails
-    by the timeout): its step-4 numbers equal `step35 eval`'s in one process on the step-4 checkpoint."""
+    by the timeout): its step-4 numbers equal `step35 eval`'s in one process on the step-4 checkpoint, the MTP
+    drafts too (scored through the sharded MTP layer's head; each rank's validation batch, the counts summed, as
+    one process's two batches)."""
     from step35.eval.report import scalars
     from tests.runner import fit
 
     config = tmp_path / "sft.yaml"
-    config.write_text(CONFIG.format(prompts=prompts).replace("mtp_batches: 2", "mtp_batches: 0"))
+    config.write_text(CONFIG.format(prompts=prompts).replace("mtp_batches: 2", "mtp_batches: 1"))
     run = tmp_path / "run"
     strategy = ["--trainer.strategy=step35.strategy.Step35Strategy", "--trainer.strategy.expert_parallel_size=2",
                 "--trainer.devices=2"]  # fmt: skip
@@ -171,11 +173,11 @@ def test_the_callback_under_ep2_on_two_ranks_logs_what_eval_computes(tmp_path, p
     code, _, err = evaluate(
         capfd, "--checkpoint", str(run), "--tasks", str(prompts), "--reward_funcs", "[regex_match]",
         "--num_samples", "2", "--k", "[1, 2]", "--temperature", "1.0", "--max_new_tokens", "12", "--gate",
-        "--out", str(out_dir),
+        "--mtp", "--batches", "2", "--out", str(out_dir),
     )  # fmt: skip
     assert code == 0, err[-3000:]
     computed = {k: v for k, v in scalars(json.loads((out_dir / "step=4.json").read_text())).items()
                 if not k.startswith("heldout/")}  # fmt: skip
-    assert logged.keys() == computed.keys() and "tasks/pass@1" in logged, logged
+    assert logged.keys() == computed.keys() and "tasks/pass@1" in logged and "mtp/depth1" in logged, logged
     for name, value in computed.items():
         assert logged[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name

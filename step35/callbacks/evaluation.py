@@ -21,7 +21,7 @@ from step35.eval import generative, report
 from step35.eval.drafts import draft_acceptance
 from step35.eval.metrics import GateThresholds
 from step35.faults import RunStopped
-from step35.parallel.collectives import any_rank
+from step35.parallel.collectives import all_reduce_, any_rank
 from step35.training.rewards import load_reward_functions
 
 
@@ -124,5 +124,6 @@ class EvalCallback(pl.Callback):
         if self.mtp_batches and model.num_mtp_layers:
             datamodule = trainer.datamodule
             batches = (datamodule.on_before_batch_transfer(b, 0) for b in datamodule.val_dataloader())
-            results["mtp"] = draft_acceptance(model, batches, limit=self.mtp_batches)
+            # each rank measures its own validation batches; the counts are summed over the ranks
+            results["mtp"] = draft_acceptance(model, batches, limit=self.mtp_batches, sum_counts=all_reduce_)
         return results

@@ -5,7 +5,7 @@ assistant's tokens), in eval mode, without gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -14,13 +14,20 @@ from step35.model import Step35ForCausalLM
 
 
 @torch.no_grad()
-def draft_acceptance(model: Step35ForCausalLM, batches: Iterable[dict], limit: int | None = None) -> dict:
+def draft_acceptance(
+    model: Step35ForCausalLM,
+    batches: Iterable[dict],
+    limit: int | None = None,
+    sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict:
     """{"depth1": rate, ..., "depths": D} over at most `limit` batches (input_ids [B, S + 1], optional labels
-    and position_ids); {"depths": 0} for a model built without MTP layers."""
+    and position_ids); {"depths": 0} for a model built without MTP layers. `sum_counts`, when given, sums the
+    [D, 2] (accepted, total) counts over the ranks that share the measurement (each measured its own batches);
+    every one of them must call it."""
     if model.num_mtp_layers == 0:
         return {"depths": 0}
     device = model.lm_head.weight.device
-    totals: dict[int, list[int]] = {}
+    counts = torch.zeros(model.num_mtp_layers, 2, dtype=torch.int64, device=device)
     training = model.training
     model.eval()
     try:
@@ -34,8 +41,10 @@ def draft_acceptance(model: Step35ForCausalLM, batches: Iterable[dict], limit: i
             labels = batch.get("labels")
             valid = None if labels is None else (labels != -100).to(device)
             for count in mtp_acceptance(main, drafts, valid):
-                seen = totals.setdefault(count.depth, [0, 0])
-                seen[0], seen[1] = seen[0] + int(count.accepted), seen[1] + int(count.total)
+                counts[count.depth - 1] += torch.tensor([count.accepted, count.total], device=device)
     finally:
         model.train(training)
-    return {f"depth{d}": a / max(n, 1) for d, (a, n) in sorted(totals.items())} | {"depths": len(totals)}
+    if sum_counts is not None:
+        counts = sum_counts(counts)
+    rates = {f"depth{d}": a / max(n, 1) for d, (a, n) in enumerate(counts.tolist(), start=1)}
+    return rates | {"depths": model.num_mtp_layers}

@@ -94,6 +94,8 @@ def apply_fsdp(
             if dense_mesh.device_type == "cpu" and meshes.dims.efsdp > 1:
                 experts[0].set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        if layer.spec.is_mtp:  # its head outside forward: the drafts of `draft_logits` (EvalCallback's MTP check)
+            register_fsdp_forward_method(layer, "logits")
         units.append(layer)
     units += _shard_vision(model, dense_mesh, reshard_after_forward, mp)
     # Root: embedding, final norm, lm_head. Not resharded after forward: backward needs them at once.

@@ -109,7 +109,9 @@ class Step35DataModule(pl.LightningDataModule):
             preference pair whose two sequences do not fit one window together has its reply tails cut, the
             longer reply first, keeping a trained token each ("truncate"), or is dropped; counted the same way.
         builtin: The built-in records trained on when no `files`, `sources` or `hub_dataset` are given: the
-            name of a format that has some ("chat", "preference", "unpaired", "prompt"), or "text" (the corpus).
+            name of a format that has some ("chat", "preference", "unpaired", "prompt"), "text" (the corpus), or
+            "images" (shapes and colours drawn with Pillow, with questions about them: builtin_images.py; needs
+            `images`).
             None: those of `format`. A config can so keep `format: auto`, for the files a user adds, and train on
             the built-in conversations without them (configs/tiny-sft.yaml).
         max_dropped_share: At setup, the first 200 records of each conversation source are encoded and measured
@@ -174,6 +176,10 @@ class Step35DataModule(pl.LightningDataModule):
         # Plain dicts in the checkpoint's hyperparameters: loadable without trusting any class.
         self.hparams["sources"] = [dataclasses.asdict(s) for s in specs] if specs is not None else None
         self.images = ImageOptions.of(images)
+        if builtin == "images" and self.images is None:
+            raise ValueError(
+                "data.builtin: images needs data.images (the tiny-vl views: {view_size: 112, crop_size: 56})"
+            )
         self.hparams["images"] = dataclasses.asdict(self.images) if self.images is not None else None
         # where the documents come from and what a document is
         self.files, self.weights, self.sources, self.seed = files, weights, specs, seed
@@ -230,6 +236,10 @@ class Step35DataModule(pl.LightningDataModule):
             if self.weights is not None:
                 return [SourceSpec(path=entry, weight=w) for entry, w in zip(self.files, self.weights)]
             return [SourceSpec(path=self.files)]
+        if self.builtin == "images":  # the built-in image conversations (builtin_images.py; data.images)
+            from step35.data.builtin_images import builtin_images_path
+
+            return [SourceSpec(path=str(builtin_images_path(self.cache_dir)), name="builtin-images", format="chat")]
         # the built-in records of `builtin`, else of `format` (e.g. conversations made from the corpus)
         builtin = DATA_FORMATS.get(self.builtin or self.format)
         if builtin is not None and builtin.builtin is not None:
@@ -612,7 +622,7 @@ def _check_choices(
 
 
 def _check_builtin_and_share(builtin: str | None, max_dropped_share: float) -> None:
-    has_builtin = ["text", *(name for name, f in DATA_FORMATS.items() if f.builtin is not None)]
+    has_builtin = ["text", *(name for name, f in DATA_FORMATS.items() if f.builtin is not None), "images"]
     if builtin is not None and builtin not in has_builtin:
         raise ValueError(f"data.builtin must be one of {has_builtin} (formats with built-in records), got {builtin!r}")
     if not 0 <= max_dropped_share <= 1:

@@ -20,7 +20,7 @@ from step35.checkpoint.hf.pretrained import load_pretrained
 from step35.checkpoint.training import run_tokenizer
 from step35.checkpoint.training.export import align_special_ids
 from step35.checkpoint.training.trained import TrainedCheckpoint, is_hf_folder, open_checkpoint
-from step35.config import Step35Config, VisionConfig
+from step35.config import Step35Config
 from step35.data.chat_messages import ChatTemplateError
 from step35.data.chat_template import ChatTemplate
 from step35.data.tokenizer import TextTokenizer
@@ -189,7 +189,7 @@ def load_generator(
 
         def read(chosen: Path) -> tuple[TrainedCheckpoint, Step35ForCausalLM]:
             trained = open_checkpoint(chosen)
-            return trained, _model_from(trained, dtype, device, num_mtp_layers, run_vision_config(trained))
+            return trained, _model_from(trained, dtype, device, num_mtp_layers, trained.vision_config)
 
         trained, model = read_checkpoint(path, read, say)  # again from the newest, if a live run pruned it
         meta = trained.meta
@@ -240,22 +240,15 @@ def image_sizes_of(model: Step35ForCausalLM, meta: dict | None) -> tuple[int, in
 
 
 def has_vision_side(folder: Path) -> bool:
-    """Whether an HF folder's config.json describes a vision side (a Step-3.7 folder)."""
+    """Whether an HF folder's config.json describes a vision side (a Step-3.7 folder). A config.json that cannot be
+    read says False: reading the folder then names what is wrong with it (Step35Config.from_json)."""
     import json
 
     try:
-        return isinstance(json.loads((folder / "config.json").read_text()).get("vision_config"), dict)
-    except (OSError, ValueError):
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return False
-
-
-def run_vision_config(trained: TrainedCheckpoint) -> VisionConfig | None:
-    """The vision side a run trained with model.vision (its model.checkpoint's or model.config's), else None."""
-    from step35.training.vision import VisionOptions, vision_config_of
-
-    hparams = trained.hyper_parameters
-    options = VisionOptions.of(hparams.get("vision"))
-    return vision_config_of(options, hparams.get("config"), hparams.get("checkpoint")) if options else None
+    return isinstance(raw, dict) and isinstance(raw.get("vision_config"), dict)
 
 
 def _model_from(

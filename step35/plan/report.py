@@ -271,15 +271,19 @@ def vision_activation_line(p: Plan) -> str:
     return f"{_gib(v.total).strip()} kept in {_dtype(s.vision_dtype)}, {how} ({views}){work}"
 
 
+def _main_layer_counts(cfg) -> tuple[int, int, int]:
+    """(full-attention, sliding-window, MoE) main layers: what a KV cache and the recorded routes span."""
+    specs = [cfg.layer(i) for i in range(cfg.num_hidden_layers)]
+    return sum(not x.sliding for x in specs), sum(x.sliding for x in specs), sum(x.is_moe for x in specs)
+
+
 def rollout_lines(p: Plan) -> list[str]:
     """One prompt's rollout on the device (plan/rollout.py): the KV cache, the prefill, the recorded routes."""
     r, s = p.rollout, p.settings
     if r is None:
         return []
     cfg = s.model_config
-    specs = [cfg.layer(i) for i in range(cfg.num_hidden_layers)]
-    full, sliding = sum(not x.sliding for x in specs), sum(x.sliding for x in specs)
-    moe = sum(x.is_moe for x in specs)
+    full, sliding, moe = _main_layer_counts(cfg)
     G, dtype = r.num_generations, _dtype(s.compute_dtype)
     kept = cached_tokens(cfg.sliding_window, s.seq_len, r.max_new_tokens)
     return [
@@ -300,8 +304,7 @@ def eval_lines(p: Plan) -> list[str]:
     if e is None:
         return []
     cfg = s.model_config
-    specs = [cfg.layer(i) for i in range(cfg.num_hidden_layers)]
-    full, sliding = sum(not x.sliding for x in specs), sum(x.sliding for x in specs)
+    full, sliding, _ = _main_layer_counts(cfg)
     kept = cached_tokens(cfg.sliding_window, s.seq_len, e.max_new_tokens)
     every = s.eval_generation.every_n_steps
     return [

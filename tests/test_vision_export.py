@@ -1,15 +1,20 @@
-"""`step35 export` of a run with a Step-3.7 vision side (`model.vision`, issue 46): three runs of two steps on
+"""`step35 export` of a run with a Step-3.7 vision side (`model.vision`, issue 46): four runs of two steps on
 conversations with an image (the data's image contract, 112-pixel views and 56-pixel crops), each exported once:
 
 - frozen: from a tiny Step-3.7 folder (the `tiny-vl` preset, fp32, random vision tensors), model.vision {train:
   false}: the vision tensors are copied from the folder as stored, byte for byte (whatever the export's dtype);
 - trained: the same folder, {train: true}: the run's vision tensors, which differ from the folder's;
 - scratch: model.config tiny-vl, no folder, {train: true}: the export writes the whole Step-3.7 folder itself
-  (config.json in the release's wrapped form, from the preset, with the trained text_config).
+  (config.json in the release's wrapped form, from the preset, with the trained text_config);
+- lora: the folder, {train: false}, LoRA adapters on the attention, the encoder's linears and the projector,
+  exported with --merge: the frozen base (vision side included) read again from the folder, the adapters merged;
+  the merged vision weights differ from the folder's where adapters were and equal them elsewhere.
 
 Each export loads in transformers' own Step3p7ForConditionalGeneration with no missing, unexpected or mismatched
 key, and its logits on a prompt with an image (a global view and two crops) equal those of the run's model in
-this process (fp32, max abs within 1e-4; measured 5e-7 to 1e-6, with max |logits| 2.4 to 3.1)."""
+this process (fp32, max abs within 1e-4; measured 5e-7 to 1e-6, with max |logits| 2.4 to 3.1); the LoRA run's
+"model" is the merged one `step35 generate` loads from its checkpoint, which also computes the run's own logits
+(adapters beside the weights) within 1e-4."""
 
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ CASES = {  # name: (start from the Step-3.7 folder, model.vision.train)
     "frozen": (True, False),
     "trained": (True, True),
     "scratch": (False, True),
+    "lora": (True, False),
 }
+LORA = {"rank": 4, "targets": ["attention", "vision", "vision_projector"]}  # the lora case's model.lora
 
 
 def vision_of(state: dict) -> dict[str, torch.Tensor]:
@@ -97,9 +104,9 @@ class InitialVision(pl.Callback):
 
 @pytest.fixture(scope="module")
 def runs(inputs, builtin_cache):
-    """run(case) -> the case's run of two steps, saved as run.ckpt and exported (fp32) to hf/, made once:
-    {"case", "model" (the run's, in eval mode), "initial" (its vision tensors at the start), "checkpoint", "out",
-    "report"}."""
+    """run(case) -> the case's run of two steps, saved as run.ckpt and exported (fp32; the LoRA run with merge) to
+    hf/, made once: {"case", "model" (the run's, in eval mode; the LoRA run's merged, as generate loads it), "live"
+    (the run's own), "initial" (its vision tensors at the start), "checkpoint", "out", "report"}."""
     made: dict[str, dict] = {}
 
     def run(case: str) -> dict:
@@ -112,12 +119,16 @@ def runs(inputs, builtin_cache):
 
 def train_and_export(case: str, inputs: dict, cache: Path) -> dict:
     from step35.data import Step35DataModule
+    from step35.eval.generator import load_generator
     from step35.module import Step35LightningModule
 
     from_folder, train = CASES[case]
     root = inputs["root"] / case
     start = {"checkpoint": str(inputs["folder"])} if from_folder else {"config": "tiny-vl"}
-    module = Step35LightningModule(lr=1e-2, warmup_steps=1, weight_decay=0.0, vision={"train": train}, **start)
+    lora = LORA if case == "lora" else None
+    module = Step35LightningModule(
+        lr=1e-2, warmup_steps=1, weight_decay=0.0, vision={"train": train}, lora=lora, **start
+    )
     data = Step35DataModule(
         files=str(inputs["data"]), format="chat", seq_len=48, micro_batch_size=2, val_batches=0,
         cache_dir=str(cache), builtin_vocab_size=1000, images={"view_size": VIEW, "crop_size": CROP},
@@ -128,10 +139,12 @@ def train_and_export(case: str, inputs: dict, cache: Path) -> dict:
     )
     trainer.fit(module, datamodule=data)
     trainer.save_checkpoint(root / "run.ckpt")
-    report = export_checkpoint(root / "run.ckpt", root / "hf")
+    report = export_checkpoint(root / "run.ckpt", root / "hf", merge=lora is not None)
+    live = module.model.eval()
     return {
         "case": case,
-        "model": module.model.eval(),
+        "model": load_generator(root / "run.ckpt").model if lora else live,
+        "live": live,
         "initial": initial.state,
         "checkpoint": root / "run.ckpt",
         "out": root / "hf",
@@ -177,6 +190,11 @@ def test_transformers_loads_the_export_and_computes_the_runs_logits_on_an_image(
     print(f"{case}: max |logits - transformers| = {err:.2e} (max |logits| {got.abs().max().item():.2f})")
     assert err <= TOLERANCE, err
     assert (without - got).abs().max().item() > 100 * TOLERANCE  # the image is read: its pixels move the logits
+    if run["live"] is not ours:  # LoRA: the merged model computes the run's own (adapters beside the weights)
+        with torch.no_grad():
+            live = (run["live"](ids, **pixels) - got).abs().max().item()
+        print(f"{case}: max |merged - the run's own logits| = {live:.2e}")
+        assert live <= TOLERANCE, live
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -188,6 +206,9 @@ def test_vision_tensors_are_the_folders_when_frozen_and_the_runs_when_trained(ru
     assert set(exported) == set(run_vision) and len(exported) == 37
     start = {n: t for n, t in load_file(inputs["folder"] / "model.safetensors").items() if n.startswith(VISION)}
     note = next(n for n in run["report"].notes if n.startswith("a Step-3.7 folder"))
+    if run["case"] == "lora":
+        check_merged_vision(run, exported, start, note)
+        return
     if run["case"] == "frozen":
         assert "as stored (frozen" in note, note
         assert all(same_bytes(exported[n], start[n]) for n in start)
@@ -201,6 +222,24 @@ def test_vision_tensors_are_the_folders_when_frozen_and_the_runs_when_trained(ru
     if run["case"] == "trained":
         assert all(torch.equal(run["initial"][n], start[n]) for n in start)  # the run started from the folder's
         assert not any(torch.equal(exported[n], start[n]) for n in start)
+
+
+def check_merged_vision(run: dict, exported: dict, start: dict, note: str) -> None:
+    """The LoRA run's merged vision side: the folder's weights plus the adapters where there were adapters (which
+    the run moved off their zero B), the folder's bytes everywhere else."""
+    assert "the run's, with LoRA adapters on vision, vision_projector merged, in float32" in note, note
+    live = run["live"].state_dict()
+    adapted = {n.removesuffix(".lora_B") + ".weight" for n in live if n.startswith(VISION) and n.endswith(".lora_B")}
+    assert len(adapted) == 7  # 2 blocks x (attn.out_proj, mlp.c_fc, mlp.c_proj), and the projector
+    assert all(live[n.removesuffix(".weight") + ".lora_B"].abs().max() > 0 for n in adapted)  # the adapters trained
+    assert all(torch.equal(run["initial"][n], start[n]) for n in start)  # the run's frozen base: the folder's
+    changed = {n for n in start if not torch.equal(exported[n], start[n])}
+    assert changed == adapted, sorted(changed ^ adapted)
+    assert all(same_bytes(exported[n], start[n]) for n in set(start) - adapted)
+    merged = vision_of(run["model"].state_dict())  # as generate merges them
+    assert all(same_bytes(exported[n], t) for n, t in merged.items())
+    deltas = {n: (exported[n] - start[n]).abs().max().item() for n in sorted(adapted)}
+    print("lora: max |merged - folder| per adapted vision weight:", {n: f"{d:.1e}" for n, d in deltas.items()})
 
 
 def test_the_scratch_export_is_a_step37_folder_of_the_preset(runs):

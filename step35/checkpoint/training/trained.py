@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from step35.checkpoint.integrity import verify_for_load
 from step35.checkpoint.safe_load import check_finite, safe_reader
 from step35.checkpoint.training import keys, run_tokenizer
 from step35.checkpoint.training.trainer_io import check_loadable, dcp_load, load_file, load_meta
-from step35.config import PRESETS, ConfigError, Step35Config, load_config
+from step35.config import PRESETS, ConfigError, Step35Config, VisionConfig, load_config, load_vision_config
 from step35.model.lora import LoraConfig, LoraError, is_adapter, merged_weight
 
 
@@ -142,7 +143,7 @@ class TrainedCheckpoint:
 
         record = self.meta[keys.LORA_BASE]
         num_mtp = self.hyper_parameters.get("num_mtp_layers")
-        model = build_model(self.config, num_mtp, device="meta")
+        model = build_model(self.config, num_mtp, device="meta", vision=self.vision_config)
         names = {n: tuple(t.shape) for n, t in checkpoint_state(model).items() if only(n)}
         dtype = self.lora.resolved_base_dtype(self.config) if self.lora else None
         if record.get("folder") is None:
@@ -153,7 +154,9 @@ class TrainedCheckpoint:
         folder = record["folder"]
         lora_base.check_base(record, lora_base.base_identity(folder, 0), self.path)
         self.notes.append(f"the frozen base read from {folder} (named in {self.path}, fingerprint checked)")
-        infos, _, _ = model_tensor_infos(folder)
+        infos, carried, _ = model_tensor_infos(folder)
+        if self.vision_config is not None:  # the vision side, apart in a Step-3.7 folder, as materialize reads it
+            infos = {**infos, **carried}
         for name, shape in names.items():
             if name not in infos or infos[name].shape != shape:
                 raise CheckpointError(f"{folder}: the LoRA run's base lacks {name} of shape {list(shape)}")
@@ -164,6 +167,27 @@ class TrainedCheckpoint:
                     tensor = f.get_tensor(infos[name].key)
             check_finite([(name, tensor)], infos[name].file)
             yield name, tensor.to(dtype) if dtype is not None and not name.endswith("router_bias") else tensor
+
+    @cached_property
+    def vision_config(self) -> VisionConfig | None:
+        """The vision side of a run with `model.vision` (training/vision.py): its model.checkpoint's `vision_config`,
+        else its model.config's (a preset or a Step-3.7 config.json); None for a run of the language model alone."""
+        if not isinstance(self.hyper_parameters.get("vision"), dict):
+            return None
+        value = self.hyper_parameters.get("checkpoint") or self.hyper_parameters.get("config")
+        path = Path(value).expanduser() if isinstance(value, str) and value else None
+        if path is None or (value not in PRESETS and not (path.is_dir() or path.name == "config.json")):
+            raise CheckpointError(
+                f"{self.path}: the run has model.vision, but its model.checkpoint / model.config ({value!r}) is "
+                "neither a preset, a config.json nor a folder holding one to read its vision side from"
+            )
+        try:
+            vision = load_vision_config(value)
+        except ConfigError as e:
+            raise CheckpointError(f"{self.path}: the run has model.vision; its vision side: {e}") from None
+        if value not in PRESETS:
+            self.notes.append(f"the vision config read from {value} (named in {self.path})")
+        return vision
 
     @property
     def lora(self) -> LoraConfig | None:

@@ -115,23 +115,32 @@ def builtin_tokenizer_dir(
 
         tokenizer.add_special_tokens(list(vars(ImageTokens()).values()))
 
-    staging = Path(tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=folder.parent))
-    try:
+    def fill(staging: Path) -> None:
         tokenizer.save(str(staging / "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "model_max_length": 1 << 30}
         (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS_TOKEN}, indent=2) + "\n")
         ChatTemplate.default().save(staging)
+
+    write_folder_once(folder, "tokenizer.json", fill)
+    return folder
+
+
+def write_folder_once(folder: Path, done: str, fill) -> None:
+    """Make `folder` by `fill(staging)` in a private sibling, then rename it into place, so that no process sees
+    it half-written; `done` names the file whose presence says the folder is complete. When another process
+    finished first, its folder (the same content) is kept."""
+    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    try:
+        fill(staging)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             os.rename(staging, folder)
         except OSError:
-            if not (folder / "tokenizer.json").is_file():
+            if not (folder / done).is_file():
                 raise
-            # Another process finished first; its folder is identical, keep it.
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return folder
 
 
 def _add_chat_template(folder: Path) -> None:

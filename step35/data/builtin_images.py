@@ -14,11 +14,11 @@ that learns them reads the image: the loss on the answer tokens falls below what
 (`text_only_bound`, the entropy of the answers given the question), and greedy answers on images it never saw are
 right. 18 colour-and-shape pairs x 21 drawings = 378 images, each with one question (each pair 7 times in each
 form), shuffled (the data stream reads a file in its order: a batch then holds every colour and shape, not a run
-of one), written once, atomically, under the cache as `images-v7/data.jsonl` with the PNGs beside it (records name them by a path
-relative to the jsonl: `{"messages": [{"role": "user", "content": [{"type": "text", "text": "..."}, {"type":
-"image", "image": "img/0.png"}]}, {"role": "assistant", "content": "..."}]}`; every other record has the image
-before the question, where `step35 generate --image` puts it). `image_conversations(n, seed)` draws other images
-(a held-out set) the same way.
+of one), written once, atomically, under the cache as `images-v7/data.jsonl` with the PNGs beside it
+(records name them by a path relative to the jsonl: `{"messages": [{"role": "user", "content": [{"type":
+"text", "text": "..."}, {"type": "image", "image": "img/0.png"}]}, {"role": "assistant", "content": "..."}]}`;
+every other record has the image before the question, where `step35 generate --image` puts it).
+`image_conversations(n, seed)` draws other images (a held-out set) the same way.
 
 112 pixels are the `tiny-vl` preset's view (8 x 8 patches of 14 pixels, 4 vision features): a square image no
 larger than the view has no crops, so an image is 6 tokens (`<im_start>`, 4 x `<im_patch>`, `<im_end>`) and the
@@ -30,13 +30,11 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from step35.data.builtin import cache_root
+from step35.data.builtin import cache_root, write_folder_once
 
 SIDE = 112  # pixels a side: the tiny-vl view, no crops
 COLOURS = {
@@ -116,21 +114,10 @@ def write_image_set(folder: Path, conversations: list) -> Path:
 def builtin_images_path(cache_dir: str | Path | None = None) -> Path:
     """The built-in image conversations' jsonl, written once (a folder made aside, then renamed into place)."""
     folder = cache_root(cache_dir) / VERSION
-    if (folder / "data.jsonl").is_file():
-        return folder / "data.jsonl"
-    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{VERSION}-", dir=folder.parent))
-    try:
+    if not (folder / "data.jsonl").is_file():
         conversations = image_conversations(len(COLOURS) * len(SHAPES) * DRAWINGS, seed=0)
         random.Random(0).shuffle(conversations)  # the stream reads a file in order: mixed batches, not runs of red
-        write_image_set(staging, conversations)
-        staging.chmod(0o755)
-        try:
-            staging.rename(folder)
-        except OSError:
-            if not (folder / "data.jsonl").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        write_folder_once(folder, "data.jsonl", lambda staging: write_image_set(staging, conversations))
     return folder / "data.jsonl"
 
 

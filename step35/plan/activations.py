@@ -210,7 +210,7 @@ class ActivationEstimate:
     largest_layer: int  # the biggest per-layer set without checkpointing
 
 
-def _rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int:
+def rope_tables(config: Step35Config, layers: list[LayerSpec], s: Shape) -> int:
     """cos and sin [S, rotary_dim] fp32, one pair per distinct (rotary dim, theta, scaled), shared by layers."""
     keys = {(spec.rotary_dim, spec.rope_theta, spec.rope_scaled) for spec in layers if spec.uses_rope}
     rows = s.tokens if s.document_masking else rank_tokens(s.seq, s.context_parallel)  # a cp rank's own positions
@@ -230,7 +230,7 @@ def model_activations(
     mtp = [config.layer(config.num_hidden_layers + k) for k in range(num_mtp_layers)]
     saved = Saved()
     saved.add("embedding", T * INT64)  # the token ids (embedding backward)
-    saved.add("rope", _rope_tables(config, main + mtp, s))
+    saved.add("rope", rope_tables(config, main + mtp, s))
     largest = 0
     recompute = 0
     for spec in main:

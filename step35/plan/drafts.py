@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from step35.plan.activations import Shape, _rope_tables, decoder_layer
+from step35.plan.activations import Shape, decoder_layer, rope_tables
 from step35.plan.settings import RunSettings
 from step35.plan.state import FsdpGroup
 
@@ -80,7 +80,7 @@ def eval_draft_memory(s: RunSettings, shape: Shape, groups: list[FsdpGroup]) -> 
         document_masking=s.document_masking, context_parallel=1,
     )  # fmt: skip
     layers = [cfg.layer(i) for i in range(cfg.num_hidden_layers + D)]
-    always = B * S * TOKEN_ID_BYTES + _rope_tables(cfg, layers, rows)
+    always = B * S * TOKEN_ID_BYTES + rope_tables(cfg, layers, rows)
     work = max(decoder_layer(cfg, spec, rows).total for spec in layers[cfg.num_hidden_layers :])
     return DraftMemory(
         depths=D,

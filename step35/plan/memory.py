@@ -122,9 +122,15 @@ def transients(s: RunSettings, state: RankState, groups: list[FsdpGroup]) -> Tra
     )
 
 
+def held_outside_training(persistent: dict[str, int], gradients: int, t: Transients, block_gather: int) -> dict:
+    """What a forward without gradients (a rollout, EvalCallback) runs beside: the state, the gradients, the root
+    and one block gathered."""
+    return {**persistent, "gradients": gradients, "root gathered": t.root_gathered, "block all-gather": block_gather}
+
+
 def rollout_phases(persistent: dict[str, int], gradients: int, t: Transients, r: RolloutMemory) -> list[Phase]:
     """The two moments of one prompt's rollout (this module's docstring)."""
-    held = {**persistent, "gradients": gradients, "root gathered": t.root_gathered, "block all-gather": t.block_gather}
+    held = held_outside_training(persistent, gradients, t, t.block_gather)
     return [
         Phase(
             "rollout prefill",
@@ -139,7 +145,7 @@ def rollout_phases(persistent: dict[str, int], gradients: int, t: Transients, r:
 
 def eval_phases(persistent: dict[str, int], gradients: int, t: Transients, e: GenerationMemory) -> list[Phase]:
     """The two moments of one prompt record's generation by EvalCallback (this module's docstring)."""
-    held = {**persistent, "gradients": gradients, "root gathered": t.root_gathered, "block all-gather": t.block_gather}
+    held = held_outside_training(persistent, gradients, t, t.block_gather)
     return [
         Phase("eval prefill", {**held, "KV cache": e.prefill_cache, "prefill layer work": e.prefill_work}),
         Phase("eval decode", {**held, "KV cache": e.decode_cache, "KV concatenation": e.decode_copy}),
@@ -148,17 +154,8 @@ def eval_phases(persistent: dict[str, int], gradients: int, t: Transients, e: Ge
 
 def draft_phase(persistent: dict[str, int], gradients: int, t: Transients, d: DraftMemory) -> Phase:
     """EvalCallback's MTP drafts of one validation micro-batch at their peak (this module's docstring)."""
-    return Phase(
-        "eval MTP drafts",
-        {
-            **persistent,
-            "gradients": gradients,
-            "root gathered": t.root_gathered,
-            "block all-gather": d.block_gather,
-            "draft logits": d.logits,
-            "draft hidden states + work": d.beside,
-        },
-    )
+    held = held_outside_training(persistent, gradients, t, d.block_gather)  # the MTP layer gathered
+    return Phase("eval MTP drafts", {**held, "draft logits": d.logits, "draft hidden states + work": d.beside})
 
 
 def vision_phases(

@@ -408,21 +408,18 @@ def _get(options, key: str):
     return options.get(key) if hasattr(options, "get") else getattr(options, key, None)
 
 
-def _saves_in_background(callbacks) -> bool:
-    """Whether trainer.callbacks holds a RunCheckpoint with async_save true."""
-    if callbacks is None:
-        return False
-    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
-        name = str(_get(callback, "class_path") or "")
-        if name.rsplit(".", 1)[-1] == "RunCheckpoint" and _get(_get(callback, "init_args"), "async_save"):
-            return True
-    return False
-
-
-def _callback_list(callbacks) -> list:
+def _init_args_of(callbacks, class_name: str) -> list:
+    """The init_args of each trainer.callbacks entry whose class_path ends in `class_name`."""
     if callbacks is None:
         return []
-    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    entries = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    named = [c for c in entries if str(_get(c, "class_path") or "").rsplit(".", 1)[-1] == class_name]
+    return [_get(c, "init_args") for c in named]
+
+
+def _saves_in_background(callbacks) -> bool:
+    """Whether trainer.callbacks holds a RunCheckpoint with async_save true."""
+    return any(_get(args, "async_save") for args in _init_args_of(callbacks, "RunCheckpoint"))
 
 
 def _eval_generation(callbacks) -> EvalGeneration | None:
@@ -435,10 +432,7 @@ def _eval_generation(callbacks) -> EvalGeneration | None:
 
     defaults = {k: v.default for k, v in inspect.signature(EvalCallback.__init__).parameters.items()}
     found = []
-    for callback in _callback_list(callbacks):
-        if str(_get(callback, "class_path") or "").rsplit(".", 1)[-1] != "EvalCallback":
-            continue
-        args = _get(callback, "init_args")
+    for args in _init_args_of(callbacks, "EvalCallback"):
         values = {}
         for name in ("num_samples", "max_new_tokens", "limit", "every_n_steps"):
             value = _get(args, name)
